@@ -1,0 +1,101 @@
+"""Batched greedy decoding of several cache variants of one prompt, and teacher-forced fidelity.
+
+All variants start from the same prefill (so their first token is the same: it comes from full
+attention). New tokens take positions right after the original prompt, whatever was evicted.
+Finished variants leave the batch, so a long-winded variant does not slow the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ripplekv.cache import CompressedCache, build_cache
+from ripplekv.prefill import PrefillState
+
+
+def _forward(model, cache: CompressedCache, tokens: torch.Tensor, start: int, logits_to_keep: int = 0):
+    """Feed `tokens` [V, P] at positions start..start+P-1; returns float32 logits [V, P or 1, vocab]."""
+    positions = torch.arange(start, start + tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    out = model(
+        input_ids=tokens,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        ripplekv_cache=cache,
+        logits_to_keep=logits_to_keep,
+    )
+    return out.logits.float()
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model,
+    state: PrefillState,
+    selections: list[torch.Tensor] | None,
+    max_new_tokens: int,
+    stop_ids: Iterable[int] = (),
+    num_variants: int | None = None,
+) -> list[list[int]]:
+    """Greedy tokens of every variant (stop tokens included when produced).
+
+    `selections`: bool masks [L, H_kv, n] per variant; None decodes the full cache (`num_variants` copies).
+    """
+    stop = set(int(t) for t in stop_ids)
+    cache = build_cache(state, selections, num_variants)
+    total = cache.num_variants
+    first = int(state.last_logits.argmax())
+    outputs = [[first] for _ in range(total)]
+    active = [i for i in range(total) if first not in stop]
+    if len(active) < total:
+        cache.select_variants(torch.tensor(active, dtype=torch.long))
+    for step in range(1, max_new_tokens):
+        if not active:
+            break
+        last = torch.tensor([[outputs[i][-1]] for i in active], dtype=torch.long)
+        logits = _forward(model, cache, last, state.length + step - 1, logits_to_keep=1)
+        chosen = logits[:, -1].argmax(-1).tolist()
+        still = []
+        for row, (variant, token) in enumerate(zip(active, chosen)):
+            outputs[variant].append(int(token))
+            if token not in stop:
+                still.append(row)
+        if len(still) < len(active):
+            active = [active[r] for r in still]
+            if active:
+                cache.select_variants(torch.tensor(still, dtype=torch.long))
+    return outputs
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """How closely a variant follows the full cache along the full cache's own answer."""
+
+    kl: float  # mean over answer tokens of KL(full || variant)
+    agreement: float  # share of answer tokens where the variant's argmax equals the full cache's token
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(model, state: PrefillState, selections, tokens: list[int], num_variants=None):
+    """Log-probs [V, T, vocab] of each variant at each answer position, feeding the given answer tokens."""
+    cache = build_cache(state, selections, num_variants)
+    first = torch.log_softmax(state.last_logits, -1)[None, None].expand(cache.num_variants, 1, -1)
+    if len(tokens) <= 1:
+        return first.clone()
+    fed = torch.tensor(tokens[:-1], dtype=torch.long)[None].expand(cache.num_variants, -1)
+    rest = torch.log_softmax(_forward(model, cache, fed, state.length), -1)
+    return torch.cat([first, rest], dim=1)
+
+
+def fidelity(reference_logprobs: torch.Tensor, variant_logprobs: torch.Tensor, tokens: list[int]) -> list[Fidelity]:
+    """KL(full || variant) averaged over answer tokens, and argmax agreement with the full answer.
+
+    reference_logprobs [T, vocab] (full cache); variant_logprobs [V, T, vocab].
+    """
+    ref = reference_logprobs[None]
+    kl = (ref.exp() * (ref - variant_logprobs)).sum(-1).clamp_min(0.0).mean(-1)  # [V]
+    target = torch.tensor(tokens, dtype=torch.long)[None]
+    agree = (variant_logprobs.argmax(-1) == target).float().mean(-1)
+    return [Fidelity(float(k), float(a)) for k, a in zip(kl, agree)]
