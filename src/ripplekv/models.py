@@ -137,6 +137,17 @@ def _materialize_gguf(source: ModelSource) -> Path:
     return target
 
 
+def load_config(spec: str | None = None):
+    """The model config alone (checked for a supported architecture)."""
+    from transformers import AutoConfig
+
+    source = resolve_model(spec)
+    location = str(_materialize_gguf(source)) if source.kind == "gguf" else source.location
+    config = _from_hub_or_local(AutoConfig, location, source)
+    _check_supported(config)
+    return config
+
+
 def load_tokenizer(spec: str | None = None):
     """The tokenizer alone (fast: no weights)."""
     from transformers import AutoTokenizer

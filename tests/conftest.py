@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random-weight models built from a config (no downloads), and the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+
+
+def tiny_llama(vocab_size: int = 101, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
+
+
+def tiny_qwen2(vocab_size: int = 101, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_model(request):
+    """A tiny random model of each supported family with grouped KV heads."""
+    return tiny_llama() if request.param == "llama" else tiny_qwen2()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The real bundled SmolLM2 tokenizer (its model is dequantized and cached on first use)."""
+    from ripplekv.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama with the real tokenizer's vocabulary, saved as a local model directory."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_llama(vocab_size=len(tokenizer), num_hidden_layers=4, hidden_size=32, intermediate_size=64)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,92 @@
+"""Exact totals: every method keeps L*H_kv*B entries (or everything when n <= B), whatever n, B, L."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ripplekv.budgets import integer_budgets
+from ripplekv.errors import UserError
+from ripplekv.methods import make_method
+from ripplekv.prefill import PrefillState
+
+
+def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int = 4, dim: int = 8, seed: int = 0):
+    """A prefill state with random K/V and window queries, enough for every method's selection."""
+    gen = torch.Generator().manual_seed(seed)
+    window = min(64, length)
+    return PrefillState(
+        input_ids=torch.zeros(length, dtype=torch.long),
+        keys=[torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)],
+        values=[torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)],
+        window_queries=[torch.randn(query_heads, window, dim, generator=gen) for _ in range(num_layers)],
+        last_logits=torch.zeros(10),
+        scaling=dim**-0.5,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.0, 50.0, allow_nan=False), min_size=1, max_size=40),
+    budget=st.integers(1, 600),
+    length=st.integers(1, 3000),
+    floor=st.integers(1, 64),
+)
+def test_integer_budgets_exact_and_bounded(weights, budget, length, floor):
+    counts = integer_budgets(weights, budget, length, floor)
+    num_layers = len(weights)
+    if length <= budget:
+        assert counts == [length] * num_layers
+    else:
+        assert sum(counts) == num_layers * budget
+        assert all(min(floor, budget) <= c <= length for c in counts)
+
+
+def test_integer_budgets_follow_proportions_when_unclamped():
+    assert integer_budgets([1, 2, 3, 2], 100, 10_000) == [50, 100, 150, 100]
+    # 3 layers, 100 each: 0.5/1.5/1.0 -> 50/150/100 exactly; odd remainders go to the largest fractions.
+    assert sum(integer_budgets([1.0, 1.0, 1.0], 7, 100)) == 21
+
+
+def test_clamping_redistributes_to_other_layers():
+    # Layer 0 wants 4x the average but n caps it; the excess goes to the others in proportion.
+    counts = integer_budgets([4.0, 1.0, 1.0, 1.0], 100, 150)
+    assert counts[0] == 150 and sum(counts) == 400 and counts[1:] == [84, 83, 83]
+
+
+def test_bad_budget_is_a_user_error():
+    for bad in (0, -3, 2.5, "8", True):
+        with pytest.raises(UserError, match="positive integer"):
+            integer_budgets([1.0], bad, 100)
+
+
+METHODS = ["snapkv", "streamingllm", "pyramidkv", "random", "ripplekv"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_layers=st.integers(1, 6),
+    length=st.integers(1, 300),
+    budget=st.integers(1, 400),
+    name=st.sampled_from(METHODS),
+    multipliers=st.lists(st.floats(0.05, 20.0), min_size=6, max_size=6),
+)
+def test_every_method_keeps_exactly_the_matched_total(num_layers, length, budget, name, multipliers):
+    state = fake_state(num_layers, length)
+    method = make_method(name, multipliers=tuple(multipliers[:num_layers]))
+    masks = method.select(state, budget)
+    per_head = masks.sum(-1)
+    expected_per_layer_head = min(budget, length)
+    assert int(masks.sum()) == num_layers * state.num_kv_heads * expected_per_layer_head
+    budgets = method.layer_budgets(num_layers, budget, length)
+    assert per_head.tolist() == [[b] * state.num_kv_heads for b in budgets]
+
+
+def test_pyramidkv_decreases_with_depth_and_matches_uniform_total():
+    method = make_method("pyramidkv")
+    counts = method.layer_budgets(30, 128, 3500)
+    assert sum(counts) == 30 * 128 == sum(make_method("snapkv").layer_budgets(30, 128, 3500))
+    assert all(a >= b for a, b in zip(counts, counts[1:])) and counts[0] > counts[-1]
+    # PyramidKV's schedule: window + (2 - 1/beta) * (B - window) at the top, window + (B - window)/beta at the bottom.
+    assert counts[0] == pytest.approx(32 + (2 - 1 / 20) * 96, abs=1)
+    assert counts[-1] == pytest.approx(32 + 96 / 20, abs=1)

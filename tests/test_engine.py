@@ -1,0 +1,155 @@
+"""The engine against the model itself: full cache = the model's own output; batched = one at a time."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ripplekv.cache import CompressedLayer, build_cache, compressed_attention
+from ripplekv.decode import fidelity, greedy_decode, teacher_forced_logprobs
+from ripplekv.methods import make_method
+from ripplekv.prefill import prefill
+
+
+def prompt(length=120, vocab=101, seed=1):
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_greedy(model, ids, steps):
+    """The model's own greedy output with its stock attention and cache."""
+    stock = copy.deepcopy(model)
+    out = stock.generate(ids[None], max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def test_prefill_logits_are_the_models_own(tiny_model):
+    ids = prompt()
+    expected = copy.deepcopy(tiny_model)(ids[None]).logits[0, -1]
+    state = prefill(tiny_model, ids, capture_window=16)
+    assert torch.allclose(state.last_logits, expected, atol=1e-5)
+    assert state.keys[0].shape == (2, 120, 16) and state.window_queries[0].shape == (4, 16, 16)
+
+
+def test_full_cache_and_budget_above_n_reproduce_the_model(tiny_model):
+    ids = prompt()
+    expected = reference_greedy(tiny_model, ids, 15)
+    state = prefill(tiny_model, ids, capture_window=32)
+    assert greedy_decode(tiny_model, state, None, 15)[0] == expected
+    masks = [make_method(name).select(state, 500) for name in ("snapkv", "pyramidkv", "streamingllm")]
+    assert all(m.all() for m in masks)
+    assert greedy_decode(tiny_model, state, masks, 15) == [expected] * 3
+    # Teacher-forced log-probs of the full cache equal one forward pass of prompt + answer.
+    stock = copy.deepcopy(tiny_model)
+    logits = stock(torch.cat([ids, torch.tensor(expected[:-1])])[None]).logits[0, len(ids) - 1 :]
+    ours = teacher_forced_logprobs(tiny_model, state, None, expected)[0]
+    assert torch.allclose(ours, torch.log_softmax(logits, -1), atol=1e-5)
+
+
+def test_compressed_decode_matches_stock_model_on_the_kept_entries(tiny_model):
+    """Reference: the stock model and DynamicCache holding only the kept K/V, positions continuing at n."""
+    ids = prompt(150)
+    state = prefill(tiny_model, ids, capture_window=32)
+    mask = make_method("pyramidkv", window=8).select(state, 40)  # per-layer lengths differ
+    ours = greedy_decode(tiny_model, state, [mask], 10)[0]
+    stock = copy.deepcopy(tiny_model)
+    stock.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=stock.config)
+    for layer in range(state.num_layers):
+        # Same count in every head of a layer, different entries per head: gather head by head.
+        kept = [mask[layer, h].nonzero().flatten() for h in range(state.num_kv_heads)]
+        keys = torch.stack([state.keys[layer][h, k] for h, k in enumerate(kept)])[None]
+        values = torch.stack([state.values[layer][h, k] for h, k in enumerate(kept)])[None]
+        cache.update(keys, values, layer)
+    tokens = [int(state.last_logits.argmax())]
+    for step in range(1, 10):
+        out = stock(
+            input_ids=torch.tensor([[tokens[-1]]]),
+            position_ids=torch.tensor([[150 + step - 1]]),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+    assert ours == tokens
+
+
+def test_batched_variants_decode_as_one_at_a_time(tiny_model):
+    ids = prompt(200)
+    state = prefill(tiny_model, ids, capture_window=64)
+    masks = [
+        make_method(name, multipliers=(2.0, 1.0, 0.5, 0.5)).select(state, budget)
+        for name in ("snapkv", "streamingllm", "pyramidkv", "ripplekv", "random")
+        for budget in (16, 48, 96)
+    ]
+    batched = greedy_decode(tiny_model, state, masks, 12)
+    alone = [greedy_decode(tiny_model, state, [m], 12)[0] for m in masks]
+    assert batched == alone
+    full = greedy_decode(tiny_model, state, None, 12)[0]
+    together = teacher_forced_logprobs(tiny_model, state, masks, full)
+    for i in (0, 7, 14):
+        single = teacher_forced_logprobs(tiny_model, state, [masks[i]], full)[0]
+        assert torch.allclose(together[i], single, atol=1e-5)
+
+
+def test_finished_variants_leave_the_batch_without_changing_the_others(tiny_model):
+    ids = prompt(100)
+    state = prefill(tiny_model, ids, capture_window=32)
+    masks = [make_method("snapkv", window=8).select(state, b) for b in (16, 32, 64)]
+    free = greedy_decode(tiny_model, state, masks, 12)
+    stop = free[1][3]  # make variant 1 stop early at its 4th token
+    stopped = greedy_decode(tiny_model, state, masks, 12, stop_ids=[stop])
+    for plain, early in zip(free, stopped):
+        cut = plain.index(stop) + 1 if stop in plain else len(plain)
+        assert early == plain[:cut]
+
+
+def test_decode_positions_continue_after_the_original_prompt(tiny_model):
+    ids = prompt(90)
+    state = prefill(tiny_model, ids, capture_window=16)
+    seen = []
+    rotary = tiny_model.model.rotary_emb
+    original = rotary.forward
+
+    def spy(x, position_ids=None, **kw):
+        seen.append(position_ids.clone())
+        return original(x, position_ids=position_ids, **kw)
+
+    rotary.forward = spy
+    try:
+        greedy_decode(tiny_model, state, [make_method("streamingllm").select(state, 20)], 4)
+    finally:
+        rotary.forward = original
+    assert [p.flatten().tolist() for p in seen] == [[90], [91], [92]]
+
+
+def test_per_head_lengths_attend_exactly_over_each_heads_entries():
+    """Heads of one layer keep different counts; compare to attention computed head by head."""
+    torch.manual_seed(0)
+    kv_heads, group, length, dim = 2, 2, 30, 8
+    keys, values = torch.randn(kv_heads, length, dim), torch.randn(kv_heads, length, dim)
+    mask = torch.zeros(1, kv_heads, length, dtype=torch.bool)
+    mask[0, 0, [0, 3, 5, 29]] = True
+    mask[0, 1, 10:29] = True
+
+    state = SimpleNamespace(num_layers=1, length=length, keys=[keys], values=[values])
+    cache = build_cache(state, [mask], None)
+    layer = cache.layers[0]
+    assert isinstance(layer, CompressedLayer) and layer.prompt_bias is not None
+    query = torch.randn(1, kv_heads * group, 1, dim)
+    new_k, new_v = torch.randn(1, kv_heads, 1, dim), torch.randn(1, kv_heads, 1, dim)
+    out = compressed_attention(query, layer, new_k, new_v, dim**-0.5)  # [1, 1, H_q, d]
+    for h in range(kv_heads * group):
+        kv = h // group
+        kept = mask[0, kv].nonzero().flatten()
+        k = torch.cat([keys[kv, kept], new_k[0, kv]])
+        v = torch.cat([values[kv, kept], new_v[0, kv]])
+        expected = torch.softmax(query[0, h] @ k.T * dim**-0.5, -1) @ v
+        assert torch.allclose(out[0, 0, h], expected[0], atol=1e-6)
+
+
+def test_fidelity_of_identical_distributions_is_zero_kl_full_agreement():
+    logprobs = torch.log_softmax(torch.randn(5, 11), -1)
+    tokens = logprobs.argmax(-1).tolist()
+    (result,) = fidelity(logprobs, logprobs[None], tokens)
+    assert result.kl == pytest.approx(0.0, abs=1e-7) and result.agreement == 1.0

@@ -1,0 +1,113 @@
+"""`ripplekv score`: CSVs for good input; one `error:` line and exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import typer
+
+from ripplekv import cli
+
+
+def _argv(*args: str) -> list[str]:
+    """Command line for `score`; while `score` is the app's only command Typer runs it without a name."""
+    group = hasattr(typer.main.get_command(cli.app), "commands")
+    return ["ripplekv", *(["score"] if group else []), *args]
+
+
+def _run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the real entry point in-process: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", _argv(*args))
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _write(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+GOOD = [
+    {"dataset": "narrativeqa", "pred": "Max Carl", "answers": ["Max Carl"], "all_classes": None},
+    {"dataset": "narrativeqa", "pred": "Max", "answers": ["Max Carl"], "all_classes": None},
+    {"dataset": "trec_e", "pred": "Speed\nColor", "answers": ["Speed"], "all_classes": ["Speed", "Color"], "length": 1200},
+    {"dataset": "trec_e", "pred": "Color", "answers": ["Speed"], "all_classes": ["Speed", "Color"], "length": 9000},
+    {"dataset": "niah_multikey", "pred": "k1 and k3", "answers": ["k1", "k2", "k3"], "all_classes": None},
+]
+
+
+def test_score_writes_dataset_and_sample_csvs(tmp_path, monkeypatch, capsys):
+    pred = _write(tmp_path / "pred.jsonl", GOOD)
+    code, out, err = _run(
+        monkeypatch, capsys, str(pred), "--out", str(tmp_path / "d" / "datasets.csv"), "--samples", str(tmp_path / "s.csv")
+    )
+    assert code == 0, err
+    datasets = pd.read_csv(tmp_path / "d" / "datasets.csv")
+    assert list(datasets.columns) == ["dataset", "n", "score"]
+    assert datasets.to_dict("records") == [
+        {"dataset": "narrativeqa", "n": 2, "score": 83.33},
+        {"dataset": "trec_e", "n": 2, "score": 50.0},
+        {"dataset": "trec_e@0-4k", "n": 1, "score": 100.0},
+        {"dataset": "trec_e@8k+", "n": 1, "score": 0.0},  # empty 4-8k bucket: no row
+        {"dataset": "niah_multikey", "n": 1, "score": 66.67},
+    ]
+    samples = pd.read_csv(tmp_path / "s.csv")
+    assert list(samples.columns) == ["line", "dataset", "score"]
+    assert samples["line"].tolist() == [0, 1, 2, 3, 4]
+    assert samples["score"].tolist() == [100.0, 66.67, 100.0, 0.0, 66.67]
+    assert "trec_e@0-4k" in out and "83.33" in out
+
+
+def test_sample_line_numbers_count_blank_lines(tmp_path, monkeypatch, capsys):
+    pred = _write(tmp_path / "pred.jsonl", [GOOD[0], "", GOOD[1]])
+    code, _, err = _run(monkeypatch, capsys, str(pred), "--out", str(tmp_path / "d.csv"), "--samples", str(tmp_path / "s.csv"))
+    assert code == 0, err
+    assert pd.read_csv(tmp_path / "s.csv")["line"].tolist() == [0, 2]
+
+
+@pytest.mark.parametrize(
+    "records, message",
+    [
+        ([GOOD[0], '{"dataset": "narrativeqa", "pred": '], "line 2: not valid JSON"),
+        ([{"dataset": "narrativeqa", "pred": "x"}], "line 1: 'answers' missing or not a list"),
+        ([{"dataset": "narrativeqa", "pred": "x", "answers": "x"}], "line 1: 'answers' missing or not a list"),
+        ([{"dataset": "nope", "pred": "x", "answers": ["x"]}], "line 1: unknown dataset 'nope'; known: 2wikimqa"),
+        ([{"dataset": "trec_e", "pred": "x", "answers": ["x"], "all_classes": ["x"]}], "needs a numeric 'length'"),
+        ([{"dataset": "trec", "pred": "x", "answers": ["x"], "all_classes": None}], "line 1: classification needs"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, records, message):
+    pred = _write(tmp_path / "pred.jsonl", records)
+    code, _, err = _run(monkeypatch, capsys, str(pred), "--out", str(tmp_path / "d.csv"))
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert message in err
+    assert not (tmp_path / "d.csv").exists()
+
+
+def test_missing_file(tmp_path, monkeypatch, capsys):
+    code, _, err = _run(monkeypatch, capsys, str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "d.csv"))
+    assert code == 2
+    assert err == f"error: predictions file not found: {tmp_path / 'absent.jsonl'}\n"
+
+
+def test_installed_command_exit_code(tmp_path):
+    exe = Path(sys.executable).with_name("ripplekv")
+    if not exe.exists():
+        pytest.skip(f"console script not installed next to {sys.executable}")
+    pred = _write(tmp_path / "pred.jsonl", ["{not json"])
+    proc = subprocess.run(
+        [str(exe), *_argv(str(pred), "--out", str(tmp_path / "d.csv"))[1:]], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: {pred} line 1: not valid JSON (Expecting property name enclosed in double quotes)\n"
