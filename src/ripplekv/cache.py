@@ -24,11 +24,16 @@ ATTENTION_NAME = "ripplekv"
 
 
 @dataclass
-class ValueDelta:
-    """Add `delta` to the prompt values of one variant in one layer (the RippleKV perturbation)."""
+class VariantOverride:
+    """Change one variant in one layer without copying the shared prompt entries.
+
+    `value_delta` [H_kv, K, d] is added to its values (RippleKV's noise); `key_bias` [H_kv, K] is added
+    to its attention scores (-inf evicts entries: the DepthKV-style signal).
+    """
 
     variant: int
-    delta: torch.Tensor  # [H_kv, K, d]
+    value_delta: torch.Tensor | None = None
+    key_bias: torch.Tensor | None = None
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -37,12 +42,12 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, prompt_keys, prompt_values, prompt_bias, original_length: int, value_delta=None):
+    def __init__(self, prompt_keys, prompt_values, prompt_bias, original_length: int, override: VariantOverride | None = None):
         super().__init__()
         self.prompt_keys = prompt_keys  # [1 or V, H_kv, K, d]
         self.prompt_values = prompt_values
         self.prompt_bias = prompt_bias  # [1 or V, H_kv, K] additive, or None when nothing is padded
-        self.value_delta: ValueDelta | None = value_delta
+        self.override = override
         self.original_length = original_length
         self.keys = None  # decoded tokens: [V, H_kv, T, d]
         self.values = None
@@ -82,10 +87,12 @@ class CompressedLayer(CacheLayerMixin):
         if self.keys is not None:
             self.keys = self.keys.index_select(0, index)
             self.values = self.values.index_select(0, index)
-        if self.value_delta is not None:
-            hits = (index == self.value_delta.variant).nonzero()
-            self.value_delta = (
-                ValueDelta(int(hits[0, 0]), self.value_delta.delta) if len(hits) else None
+        if self.override is not None:
+            hits = (index == self.override.variant).nonzero()
+            self.override = (
+                VariantOverride(int(hits[0, 0]), self.override.value_delta, self.override.key_bias)
+                if len(hits)
+                else None
             )
 
 
@@ -184,6 +191,9 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
     prompt_scores = _scores_against(rows, layer.prompt_keys) * scaling
     if layer.prompt_bias is not None:
         prompt_scores = prompt_scores + layer.prompt_bias[:, :, None, :]
+    override = layer.override
+    if override is not None and override.key_bias is not None:
+        prompt_scores[override.variant] += override.key_bias[:, None, :]
     decoded = new_keys.shape[-2]
     new_scores = torch.matmul(rows, new_keys.transpose(-1, -2)) * scaling  # [V, H, g*P, T]
     # Query p of the P new tokens sits at decoded index decoded - P + p and sees decoded keys up to it.
@@ -193,9 +203,9 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
     prompt_len = prompt_scores.shape[-1]
     out = _weighted_sum(weights[..., :prompt_len], layer.prompt_values)
     out = out + torch.matmul(weights[..., prompt_len:], new_values)
-    if layer.value_delta is not None:
-        v = layer.value_delta.variant
-        out[v] = out[v] + torch.matmul(weights[v, :, :, :prompt_len], layer.value_delta.delta)
+    if override is not None and override.value_delta is not None:
+        v = override.variant
+        out[v] = out[v] + torch.matmul(weights[v, :, :, :prompt_len], override.value_delta)
     return out.reshape(num_variants, query_heads, new_len, dim).transpose(1, 2).contiguous()
 
 

@@ -6,6 +6,7 @@ User mistakes raise `UserError`; `main` turns them into one line on stderr and e
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -82,6 +83,112 @@ def budgets(
 
 # --- commands: profile, allocate ---
 
+
+def _progress_bar(description: str, total: int):
+    """A rich progress bar with ETA; returns (progress, advance callback)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
+    task = progress.add_task(description, total=total)
+    return progress, lambda _index: progress.advance(task)
+
+
+@app.command()
+def profile(
+    out: str = typer.Option(..., help="Directory for sensitivity.csv, per_sample.csv, profile.json, sensitivity.png."),
+    model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
+    calib_samples: int = typer.Option(14, "--calib-samples", help="Calibration prompts (offline suite's calibration split)."),
+    seeds: int = typer.Option(2, help="Noise draws per sample."),
+    eta: float = typer.Option(0.5, help="Noise scale relative to each value vector's RMS."),
+    signal: str = typer.Option("noise", help="noise (RippleKV) or evict (DepthKV-style: SnapKV-evict one layer)."),
+    evict_budget: int = typer.Option(128, "--evict-budget", help="Budget a layer is evicted to with --signal evict."),
+    probe_tokens: int = typer.Option(32, "--probe-tokens", help="Final prompt tokens used as probes (the question)."),
+    with_answer: bool = typer.Option(False, "--with-answer", help="Also teacher-force the reference answer as probes."),
+    target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
+    batch_size: int = typer.Option(32, "--batch-size", help="Perturbed layers run together in one batch."),
+) -> None:
+    """Measure each layer's sensitivity: perturb its value cache, KL at the output."""
+    from rich.console import Console
+
+    from ripplekv.budgets import check_budget
+    from ripplekv.models import load_model
+    from ripplekv.profile import ProfileSettings, calibration_prompts, run_profile, write_profile
+
+    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
+    settings.check()
+    console = Console(stderr=True)
+    loaded, tokenizer, source = load_model(model)
+    prompts = calibration_prompts(tokenizer, calib_samples, probe_tokens, target_tokens, with_answer=with_answer)
+    progress, advance = _progress_bar("profiling", len(prompts))
+    with progress:
+        result = run_profile(loaded, prompts, settings, source.label, progress=advance)
+    meta = write_profile(result, prompts, Path(out))
+    rho = meta["split_half_spearman"]
+    console.print(
+        f"profiled {len(prompts)} samples x {meta['num_layers']} layers; split-half Spearman rho = "
+        + (f"{rho:.3f}" if rho is not None else "n/a (one sample)")
+        + f"; wrote {out}/sensitivity.csv"
+    )
+
+
+@app.command()
+def allocate(
+    sensitivity: str = typer.Argument(..., help="sensitivity.csv from `ripplekv profile`."),
+    out: str = typer.Option(..., help="Allocation CSV to write (layer,sensitivity,multiplier)."),
+    ratio: list[float] = typer.Option([4.0], help="Max/min budget multiplier; repeat to let calibration choose."),
+    model: str | None = typer.Option(None, help="Model the profile belongs to; default: bundled SmolLM2."),
+    budget: int = typer.Option(128, help="Budget at which calibration compares ratios."),
+    calib_samples: int = typer.Option(7, "--calib-samples", help="Calibration prompts for choosing among ratios."),
+    target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
+) -> None:
+    """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
+    import json
+
+    from rich.console import Console
+
+    from ripplekv.allocate import check_ratio, multipliers, plot_allocation, ratio_sweep, read_sensitivity, write_allocation
+    from ripplekv.budgets import check_budget
+
+    ratios = sorted({check_ratio(r) for r in ratio})
+    check_budget(budget)
+    console = Console(stderr=True)
+    num_layers, _ = model_shape(model)
+    values = read_sensitivity(sensitivity, num_layers)
+    out_path = Path(out)
+    chosen = ratios[0]
+    if len(ratios) > 1:
+        from ripplekv.models import load_model
+        from ripplekv.profile import calibration_prompts
+
+        loaded, tokenizer, _ = load_model(model)
+        prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)
+        progress, advance = _progress_bar("choosing ratio", len(prompts))
+        with progress:
+            sweep = ratio_sweep(loaded, prompts, values, ratios, budget, progress=advance)
+        chosen = float(sweep.sort_values(["kl", "ratio"]).iloc[0]["ratio"])
+        sweep = sweep.assign(chosen=sweep["ratio"] == chosen)
+        sweep_path = out_path.with_name(out_path.stem + ".sweep.csv")
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        sweep.to_csv(sweep_path, index=False)
+        (out_path.with_name(out_path.stem + ".choice.json")).write_text(
+            json.dumps({"ratio": chosen, "candidates": ratios, "budget": budget, "calibration_ids": [p.sample_id for p in prompts]}, indent=2)
+            + "\n"
+        )
+        console.print(sweep.to_string(index=False))
+        console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {sweep_path}")
+    mult = multipliers(values, chosen)
+    write_allocation(out_path, values, mult)
+    plot_allocation(out_path.with_suffix(".png"), values, mult, chosen, num_layers)
+    console.print(f"wrote {out_path} (ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}) and {out_path.with_suffix('.png')}")
+
+
 # --- commands: eval, report ---
 
 
@@ -121,9 +228,8 @@ def eval_command(
         max_length=max_length,
         batch_size=batch_size,
     )
-    run_dir = evaluate.run_eval(settings, out)
-    board = report.leaderboard(report.task_scores(report.load_predictions(run_dir)))
-    Console().print(report.summary_table(board, title=f"average score (kl) by method and budget: {run_dir}"))
+    tables = evaluate.run_eval(settings, out)
+    Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out}"))
 
 
 @app.command("report")
@@ -176,6 +282,31 @@ def score(
 
 
 # --- commands: tasks ---
+
+
+@app.command("tasks")
+def tasks_command(
+    suite: str | None = typer.Option(None, "--suite", help="Only this suite: offline, longbench or longbench-e."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
+) -> None:
+    """List the suites and their tasks: category, metric, generation length and size."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from ripplekv.data.tasks import task_rows
+
+    rows = task_rows(suite, data_dir)
+    table = Table(title="ripplekv tasks", box=box.SIMPLE_HEAD)
+    for column in ("suite", "task", "category", "metric", "max new", "size"):
+        table.add_column(column, justify="right" if column == "max new" else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(row["suite"], row["task"], row["category"], row["metric"],
+                      str(row["max_new_tokens"]), row["size"])
+    console = Console()
+    if not console.is_terminal:  # piped: don't squeeze the table into 80 columns
+        console = Console(width=120)
+    console.print(table)
 
 
 def main() -> None:

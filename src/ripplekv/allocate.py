@@ -1,0 +1,132 @@
+"""From a sensitivity profile to per-layer budget multipliers.
+
+s_hat = (s - min) / (max - min); m = exp(ln(R) * s_hat), so the most sensitive layer gets R times the
+least sensitive one; then m / mean(m), so the average is 1 and the total budget is unchanged. R = 1 is
+uniform. With several ratios, the calibration split picks the one whose compressed cache stays closest
+to the full cache (teacher-forced KL along the full cache's own answers).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ripplekv.errors import UserError
+
+
+def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
+    """kl_mean by layer from sensitivity.csv, checked against the model's layer count."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"sensitivity file {path} does not exist; run `ripplekv profile --out DIR` first")
+    try:
+        table = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        raise UserError(f"sensitivity file {path} is not a readable CSV ({err.__class__.__name__})") from None
+    missing = {"layer", "kl_mean"} - set(table.columns)
+    if missing:
+        raise UserError(f"sensitivity file {path} lacks column(s) {', '.join(sorted(missing))}; expected layer,kl_mean,...")
+    layers = pd.to_numeric(table["layer"], errors="coerce")
+    values = pd.to_numeric(table["kl_mean"], errors="coerce")
+    if layers.isna().any() or sorted(layers.astype(int)) != list(range(len(table))):
+        raise UserError(f"sensitivity file {path} must list layers 0..{len(table) - 1} exactly once each")
+    if values.isna().any() or not np.isfinite(values).all() or (values < 0).any():
+        raise UserError(f"sensitivity file {path} has missing, negative or non-finite kl_mean values")
+    if num_layers is not None and len(table) != num_layers:
+        raise UserError(
+            f"sensitivity file {path} has {len(table)} layers but the model has {num_layers}; "
+            "profile the same model you allocate for"
+        )
+    return values.to_numpy(dtype=float)[layers.astype(int).to_numpy().argsort()]
+
+
+def check_ratio(ratio: float) -> float:
+    if not math.isfinite(ratio) or ratio < 1:
+        raise UserError(f"--ratio must be a number >= 1 (max/min budget multiplier), got {ratio}")
+    return float(ratio)
+
+
+def multipliers(sensitivity, ratio: float) -> np.ndarray:
+    """Exponential map of min-max normalized sensitivity; max/min = ratio, mean = 1."""
+    ratio = check_ratio(ratio)
+    s = np.asarray(sensitivity, dtype=float)
+    spread = s.max() - s.min()
+    normalized = (s - s.min()) / spread if spread > 0 else np.zeros_like(s)
+    raw = np.exp(math.log(ratio) * normalized)
+    return raw / raw.mean()
+
+
+def write_allocation(path: Path, sensitivity, mult) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({"layer": np.arange(len(mult)), "sensitivity": sensitivity, "multiplier": mult}).to_csv(
+        path, index=False, float_format="%.10g"
+    )
+
+
+@torch.inference_mode()
+def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens: int = 32, progress=None) -> pd.DataFrame:
+    """Teacher-forced KL(full || ripplekv@R) and agreement on calibration prompts, for each ratio.
+
+    Each prompt is prefilled once; the full cache's greedy answer is the reference; all ratios are
+    scored together in one batch.
+    """
+    from ripplekv.decode import fidelity, greedy_decode, teacher_forced_logprobs
+    from ripplekv.methods import make_method
+    from ripplekv.prefill import prefill
+
+    rows = []
+    methods = [make_method("ripplekv", multipliers=tuple(multipliers(sensitivity, r))) for r in ratios]
+    for index, prompt in enumerate(prompts):
+        state = prefill(model, prompt.context + prompt.probe)
+        stop = model.generation_config.eos_token_id
+        stop = stop if isinstance(stop, list) else [stop] if stop is not None else []
+        answer = greedy_decode(model, state, None, max_new_tokens, stop)[0]
+        reference = teacher_forced_logprobs(model, state, None, answer)[0]
+        masks = [m.select(state, budget) for m in methods]
+        scores = fidelity(reference, teacher_forced_logprobs(model, state, masks, answer), answer)
+        for ratio, score in zip(ratios, scores):
+            rows.append({"sample_id": prompt.sample_id, "ratio": ratio, "kl": score.kl, "agreement": score.agreement})
+        if progress is not None:
+            progress(index)
+    per_sample = pd.DataFrame(rows)
+    return (
+        per_sample.groupby("ratio", as_index=False)
+        .agg(kl=("kl", "mean"), agreement=("agreement", "mean"), n=("kl", "size"))
+        .assign(budget=budget)
+    )
+
+
+def plot_allocation(path: Path, sensitivity, mult, ratio: float, num_layers: int, budget=128, prompt_len=3500) -> None:
+    """Multipliers, and the per-layer budgets they give at B=128 for a 3.5k prompt beside PyramidKV's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ripplekv.methods import make_method
+
+    ripple = make_method("ripplekv", multipliers=tuple(mult)).layer_budgets(num_layers, budget, prompt_len)
+    pyramid = make_method("pyramidkv").layer_budgets(num_layers, budget, prompt_len)
+    layers = np.arange(num_layers)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.bar(layers, mult, color="tab:blue")
+    left.axhline(1.0, color="grey", lw=0.8, ls="--")
+    left.set_xlabel("layer")
+    left.set_ylabel("budget multiplier")
+    left.set_title(f"RippleKV multipliers (ratio {ratio:g})", fontsize=9)
+    right.plot(layers, ripple, marker="o", ms=3, label=f"ripplekv (sum {sum(ripple)})")
+    right.plot(layers, pyramid, marker="s", ms=3, label=f"pyramidkv (sum {sum(pyramid)})")
+    right.axhline(budget, color="grey", lw=0.8, ls="--", label=f"uniform {budget} (sum {budget * num_layers})")
+    right.set_xlabel("layer")
+    right.set_ylabel("entries per KV head")
+    right.set_title(f"per-layer budgets at B={budget}, n={prompt_len}", fontsize=9)
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,321 @@
+"""RippleKV sensitivity: how much does perturbing one layer's value cache move the model's output?
+
+For each calibration sample the prompt is split into a compressible context and the final probe tokens
+(the question; optionally the reference answer, teacher-forced). The context is prefilled once; then
+every layer's perturbed variant (plus the clean one) runs the probe tokens in one batch over the shared
+cache. Only the perturbed layer of each variant differs, stored as a per-variant override, so no K/V is
+copied. The signal is KL(p_clean || p_perturbed) of next-token distributions, averaged over probe positions.
+
+Signals: `noise` adds norm-adaptive Gaussian noise to layer l's values, v + eta * ||v|| / sqrt(d) * eps;
+`evict` (DepthKV-style) evicts layer l alone down to a SnapKV budget while every other layer stays full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import DynamicCache
+
+from ripplekv.cache import CompressedCache, CompressedLayer, VariantOverride, build_cache
+from ripplekv.decode import _forward
+from ripplekv.errors import UserError
+from ripplekv.methods import make_method
+from ripplekv.prefill import prefill
+
+SIGNALS = ("noise", "evict")
+DEFAULT_ETA = 0.5
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """Everything that determines a profile (written to profile.json)."""
+
+    eta: float = DEFAULT_ETA
+    seeds: int = 2
+    signal: str = "noise"
+    probe_tokens: int = 32
+    evict_budget: int = 128
+    batch_size: int = 32
+
+    def check(self) -> None:
+        if self.signal not in SIGNALS:
+            raise UserError(f"unknown signal {self.signal!r}; choose one of {', '.join(SIGNALS)}")
+        if self.eta < 0:
+            raise UserError(f"--eta must be >= 0, got {self.eta}")
+        if self.seeds < 1 or self.probe_tokens < 1 or self.batch_size < 1:
+            raise UserError("--seeds, --probe-tokens and --batch-size must be positive integers")
+
+
+@dataclass
+class CalibrationPrompt:
+    """One calibration sample: its id, the context to compress, and the probe tokens after it."""
+
+    sample_id: str
+    context: list[int]
+    probe: list[int]
+
+
+def split_prompt(sample_id: str, prompt_ids: list[int], probe_tokens: int, answer_ids=None) -> CalibrationPrompt:
+    """Context = all but the last `probe_tokens` prompt tokens; probe = those tokens (+ the answer)."""
+    if len(prompt_ids) <= probe_tokens + 1:
+        raise UserError(f"calibration sample {sample_id} has {len(prompt_ids)} tokens, too short for {probe_tokens} probe tokens")
+    return CalibrationPrompt(sample_id, list(prompt_ids[:-probe_tokens]), list(prompt_ids[-probe_tokens:]) + list(answer_ids or []))
+
+
+def noise_delta(values: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
+    """eta * ||v||_2 / sqrt(d) * eps per token and KV head: the same relative size in every layer."""
+    scale = values.norm(dim=-1, keepdim=True) / values.shape[-1] ** 0.5
+    eps = torch.randn(values.shape, generator=generator, dtype=values.dtype)
+    return eta * scale * eps
+
+
+def _generator(seed: int, sample_index: int, layer: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1_000_003 * seed + 10_007 * sample_index + layer)
+
+
+def layer_overrides(state, settings: ProfileSettings, seed: int, sample_index: int) -> list[VariantOverride]:
+    """One override per layer: layer l's perturbation, to be applied in variant l."""
+    overrides = []
+    if settings.signal == "evict":
+        keep = make_method("snapkv").select(state, settings.evict_budget)
+    for layer in range(state.num_layers):
+        if settings.signal == "noise":
+            delta = noise_delta(state.values[layer], settings.eta, _generator(seed, sample_index, layer))
+            overrides.append(VariantOverride(layer, value_delta=delta))
+        else:
+            bias = torch.zeros(keep[layer].shape).masked_fill(~keep[layer], float("-inf"))
+            overrides.append(VariantOverride(layer, key_bias=bias))
+    return overrides
+
+
+def kl_per_variant(clean: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
+    """KL(clean || perturbed) of log-prob rows [.., P, vocab], averaged over probe positions."""
+    return (clean.exp() * (clean - perturbed)).sum(-1).clamp_min(0.0).mean(-1)
+
+
+@torch.inference_mode()
+def profile_prompt(model, prompt: CalibrationPrompt, settings: ProfileSettings, sample_index: int) -> np.ndarray:
+    """KL per (seed, layer) for one sample, from a single prefill of its context."""
+    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
+    return profile_state(model, state, prompt.probe, settings, sample_index)
+
+
+@torch.inference_mode()
+def profile_state(model, state, probe_ids: list[int], settings: ProfileSettings, sample_index: int) -> np.ndarray:
+    """KL per (seed, layer) of the probe tokens over an already prefilled context."""
+    probe = torch.tensor(probe_ids, dtype=torch.long)
+    num_layers = state.num_layers
+    shared = [CompressedLayer(state.keys[i][None], state.values[i][None], None, state.length) for i in range(num_layers)]
+
+    def run(variant_overrides: dict[int, VariantOverride], count: int) -> torch.Tensor:
+        for i, layer in enumerate(shared):
+            layer.keys = layer.values = None
+            layer.override = variant_overrides.get(i)
+        cache = CompressedCache(shared, count)
+        logits = _forward(model, cache, probe[None].expand(count, -1), state.length)
+        return torch.log_softmax(logits, -1)
+
+    clean = run({}, 1)[0]
+    seeds = settings.seeds if settings.signal == "noise" else 1
+    result = np.zeros((seeds, num_layers))
+    for seed in range(seeds):
+        overrides = layer_overrides(state, settings, seed, sample_index)
+        for start in range(0, num_layers, settings.batch_size):
+            chunk = list(range(start, min(num_layers, start + settings.batch_size)))
+            batch = {
+                layer: VariantOverride(row, overrides[layer].value_delta, overrides[layer].key_bias)
+                for row, layer in enumerate(chunk)
+            }
+            logprobs = run(batch, len(chunk))
+            result[seed, chunk] = kl_per_variant(clean[None], logprobs).numpy()
+    return result
+
+
+@torch.inference_mode()
+def profile_prompt_one_layer_at_a_time(model, prompt: CalibrationPrompt, settings: ProfileSettings, sample_index: int):
+    """The naive way peers do it: a fresh prefill per perturbed layer, stock attention and cache.
+
+    Kept as the reference the batched profile is tested and benchmarked against.
+    """
+    from ripplekv import cache as kvcache
+
+    kvcache.install(model)
+    context = torch.tensor(prompt.context, dtype=torch.long)[None]
+    probe = torch.tensor(prompt.probe, dtype=torch.long)[None]
+    start = context.shape[1]
+    positions = torch.arange(start, start + probe.shape[1])[None]
+
+    def probe_logprobs(delta_layer=None, delta=None):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+        if delta is not None:
+            cache.layers[delta_layer].values = cache.layers[delta_layer].values + delta[None]
+        out = model(input_ids=probe, position_ids=positions, cache=cache, use_cache=True)
+        return torch.log_softmax(out.logits[0].float(), -1)
+
+    def evicted_logprobs(layer, keep):
+        # Stock attention cannot hold one shorter layer, so the evicted layer goes through our cache.
+        fresh = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
+        masks = torch.ones(fresh.num_layers, *keep.shape, dtype=torch.bool)
+        masks[layer] = keep
+        cache = build_cache(fresh, [masks])
+        return torch.log_softmax(_forward(model, cache, probe, start)[0], -1)
+
+    clean = probe_logprobs()
+    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
+    num_layers = state.num_layers
+    seeds = settings.seeds if settings.signal == "noise" else 1
+    result = np.zeros((seeds, num_layers))
+    for seed in range(seeds):
+        overrides = layer_overrides(state, settings, seed, sample_index)
+        for layer, override in enumerate(overrides):
+            if override.value_delta is not None:
+                perturbed = probe_logprobs(layer, override.value_delta)
+            else:
+                perturbed = evicted_logprobs(layer, torch.isfinite(override.key_bias))
+            result[seed, layer] = float(kl_per_variant(clean, perturbed))
+    return result
+
+
+@dataclass
+class Profile:
+    """The outcome of profiling: per-sample matrix and its summary across depth."""
+
+    sample_ids: list[str]
+    per_sample: np.ndarray  # [samples, layers], averaged over seeds
+    per_seed: np.ndarray  # [samples, seeds, layers]
+    settings: ProfileSettings
+    model: str
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> pd.DataFrame:
+        data = self.per_sample
+        return pd.DataFrame(
+            {
+                "layer": np.arange(data.shape[1]),
+                "kl_mean": data.mean(0),
+                "kl_std": data.std(0, ddof=1) if data.shape[0] > 1 else np.zeros(data.shape[1]),
+                "kl_median": np.median(data, 0),
+                "n_samples": data.shape[0],
+            }
+        )
+
+    def split_half_rho(self) -> float | None:
+        """Spearman rho between the profiles of two disjoint halves (even / odd samples)."""
+        from scipy.stats import spearmanr
+
+        if self.per_sample.shape[0] < 2:
+            return None
+        first, second = self.per_sample[0::2].mean(0), self.per_sample[1::2].mean(0)
+        rho = spearmanr(first, second).statistic
+        return None if np.isnan(rho) else float(rho)
+
+
+def calibration_hash(prompts: list[CalibrationPrompt]) -> str:
+    """A short fingerprint of the exact calibration tokens, so a profile can be matched to its data."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(p.sample_id.encode())
+        digest.update(np.asarray(p.context + p.probe, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path) -> dict:
+    """sensitivity.csv, per_sample.csv, profile.json and sensitivity.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary = profile.summary()
+    summary.to_csv(out / "sensitivity.csv", index=False)
+    rows = [
+        {"sample_id": sid, "seed": seed, "layer": layer, "kl": float(profile.per_seed[i, seed, layer])}
+        for i, sid in enumerate(profile.sample_ids)
+        for seed in range(profile.per_seed.shape[1])
+        for layer in range(profile.per_seed.shape[2])
+    ]
+    pd.DataFrame(rows).to_csv(out / "per_sample.csv", index=False)
+    meta = {
+        "model": profile.model,
+        **asdict(profile.settings),
+        "num_layers": int(profile.per_sample.shape[1]),
+        "calibration_ids": profile.sample_ids,
+        "calibration_hash": calibration_hash(prompts),
+        "split_half_spearman": profile.split_half_rho(),
+        **profile.extra,
+    }
+    (out / "profile.json").write_text(json.dumps(meta, indent=2) + "\n")
+    plot_profile(summary, meta, out / "sensitivity.png")
+    return meta
+
+
+def plot_profile(summary: pd.DataFrame, meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.errorbar(summary["layer"], summary["kl_mean"], yerr=summary["kl_std"], marker="o", ms=3, capsize=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("KL(clean || perturbed)")
+    rho = meta.get("split_half_spearman")
+    rho_text = f", split-half rho {rho:.2f}" if rho is not None else ""
+    ax.set_title(f"{meta['model']}: {meta['signal']} sensitivity, eta={meta['eta']}, {meta['calibration_ids'].__len__()} samples{rho_text}", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def calibration_prompts(
+    tokenizer,
+    count: int,
+    probe_tokens: int,
+    target_tokens: int = 3500,
+    max_length: int = 7500,
+    with_answer: bool = False,
+    tasks: list[str] | None = None,
+    seed: int = 0,
+) -> list[CalibrationPrompt]:
+    """`count` prompts from the offline suite's calibration split, round-robin over its tasks.
+
+    The calibration split is disjoint from the evaluation samples, so profiling never sees them.
+    """
+    from ripplekv.data import build_prompt_ids, get_tasks, load_samples
+
+    if count < 1:
+        raise UserError(f"--calib-samples must be at least 1, got {count}")
+    chosen = get_tasks("offline", tasks)
+    per_task = -(-count // len(chosen))
+    pools = [
+        (task, load_samples(task, tokenizer, split="calibration", limit=per_task, target_tokens=target_tokens, seed=seed))
+        for task in chosen
+    ]
+    if not any(records for _, records in pools):
+        raise UserError("the calibration split is empty; build the offline suite or pass more --calib-samples")
+    prompts: list[CalibrationPrompt] = []
+    for index in range(per_task):
+        for task, records in pools:
+            if index < len(records) and len(prompts) < count:
+                record = records[index]
+                ids = build_prompt_ids(task, record, tokenizer, max_length)
+                answer = tokenizer(record["answers"][0], add_special_tokens=False).input_ids if with_answer else None
+                prompts.append(split_prompt(record["_id"], ids, probe_tokens, answer))
+    return prompts
+
+
+def run_profile(model, prompts: list[CalibrationPrompt], settings: ProfileSettings, model_label: str, progress=None) -> Profile:
+    """Profile every calibration prompt (one prefill each); `progress(i)` is called after each."""
+    settings.check()
+    per_seed = []
+    for index, prompt in enumerate(prompts):
+        per_seed.append(profile_prompt(model, prompt, settings, index))
+        if progress is not None:
+            progress(index)
+    stacked = np.stack(per_seed)  # [samples, seeds, layers]
+    return Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, model_label)
