@@ -106,34 +106,75 @@ def profile_prompt(model, prompt: CalibrationPrompt, settings: ProfileSettings, 
     return profile_state(model, state, prompt.probe, settings, sample_index)
 
 
+class ProbeRunner:
+    """Runs the probe tokens over one prefilled context for many single-layer perturbations.
+
+    A variant perturbed in layer l equals the clean run below layer l, so it joins the batch only at
+    layer l, starting from the clean hidden state there: the batch grows with depth and about half of
+    the layer passes are saved. Everything runs through the model's own decoder layers.
+    """
+
+    def __init__(self, model, state, probe_ids: list[int]):
+        self.model, self.state = model, state
+        self.inner = model.model
+        self.probe = torch.tensor(probe_ids, dtype=torch.long)[None]
+        self.positions = torch.arange(state.length, state.length + self.probe.shape[1])[None]
+        self.layers = [
+            CompressedLayer(state.keys[i][None], state.values[i][None], None, state.length)
+            for i in range(state.num_layers)
+        ]
+        self.clean_inputs: list[torch.Tensor] = []
+        self.clean = self._run(0, state.num_layers, {}, record=True)[0]
+
+    def _run(self, first: int, stop: int, overrides: dict[int, VariantOverride], record: bool = False) -> torch.Tensor:
+        """Log-probs [variants, P, vocab] of variants perturbed in layers first..stop-1 (clean if none)."""
+        cache = CompressedCache(self.layers, max(1, stop - first))
+        for i, layer in enumerate(self.layers):
+            layer.keys = layer.values = None
+            layer.override = overrides.get(i)
+        hidden = self.inner.embed_tokens(self.probe) if record else self.clean_inputs[first]
+        rotary = self.inner.rotary_emb(hidden, position_ids=self.positions)
+        for index, decoder in enumerate(self.inner.layers):
+            if record:
+                self.clean_inputs.append(hidden)
+            elif first < index < stop:
+                hidden = torch.cat([hidden, self.clean_inputs[index]])
+            if not record and index < first:
+                continue
+            hidden = decoder(
+                hidden,
+                attention_mask=None,
+                position_ids=self.positions,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=rotary,
+                ripplekv_cache=cache,
+            )
+        logits = self.model.lm_head(self.inner.norm(hidden)).float()
+        return torch.log_softmax(logits, -1)
+
+    def perturbed_kl(self, overrides: list[VariantOverride], batch_size: int) -> np.ndarray:
+        """KL(clean || variant l) for every layer l, `batch_size` perturbed layers per pass."""
+        result = np.zeros(len(overrides))
+        for first in range(0, len(overrides), batch_size):
+            stop = min(len(overrides), first + batch_size)
+            rows = {
+                layer: VariantOverride(layer - first, overrides[layer].value_delta, overrides[layer].key_bias)
+                for layer in range(first, stop)
+            }
+            logprobs = self._run(first, stop, rows)
+            result[first:stop] = kl_per_variant(self.clean[None], logprobs).numpy()
+        return result
+
+
 @torch.inference_mode()
 def profile_state(model, state, probe_ids: list[int], settings: ProfileSettings, sample_index: int) -> np.ndarray:
     """KL per (seed, layer) of the probe tokens over an already prefilled context."""
-    probe = torch.tensor(probe_ids, dtype=torch.long)
-    num_layers = state.num_layers
-    shared = [CompressedLayer(state.keys[i][None], state.values[i][None], None, state.length) for i in range(num_layers)]
-
-    def run(variant_overrides: dict[int, VariantOverride], count: int) -> torch.Tensor:
-        for i, layer in enumerate(shared):
-            layer.keys = layer.values = None
-            layer.override = variant_overrides.get(i)
-        cache = CompressedCache(shared, count)
-        logits = _forward(model, cache, probe[None].expand(count, -1), state.length)
-        return torch.log_softmax(logits, -1)
-
-    clean = run({}, 1)[0]
+    runner = ProbeRunner(model, state, probe_ids)
     seeds = settings.seeds if settings.signal == "noise" else 1
-    result = np.zeros((seeds, num_layers))
+    result = np.zeros((seeds, state.num_layers))
     for seed in range(seeds):
-        overrides = layer_overrides(state, settings, seed, sample_index)
-        for start in range(0, num_layers, settings.batch_size):
-            chunk = list(range(start, min(num_layers, start + settings.batch_size)))
-            batch = {
-                layer: VariantOverride(row, overrides[layer].value_delta, overrides[layer].key_bias)
-                for row, layer in enumerate(chunk)
-            }
-            logprobs = run(batch, len(chunk))
-            result[seed, chunk] = kl_per_variant(clean[None], logprobs).numpy()
+        result[seed] = runner.perturbed_kl(layer_overrides(state, settings, seed, sample_index), settings.batch_size)
     return result
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The whole pipeline: profile -> allocate -> eval -> report, from one config file (configs/*.env).
+# Each stage is skipped when its outputs exist and were made by the same command; eval resumes by itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+config=${1:?usage: scripts/reproduce.sh configs/NAME.env}
+# shellcheck disable=SC1090
+source "$config"
+RKV=${RKV:-.venv/bin/ripplekv}
+model_args=()
+[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
+mkdir -p "$OUT"
+
+# run_stage NAME MARKER_FILE COMMAND...: run unless MARKER_FILE exists and NAME's recorded command matches.
+run_stage() {
+  local name=$1 marker=$2; shift 2
+  local record="$OUT/.$name.cmd" wanted
+  wanted=$(printf '%q ' "$@")
+  if [ -f "$marker" ] && [ -f "$record" ] && [ "$(cat "$record")" = "$wanted" ]; then
+    echo "== $name: up to date ($marker), skipped"
+    return
+  fi
+  echo "== $name: $wanted"
+  "$@"
+  echo "$wanted" > "$record"
+}
+
+start=$(date +%s)
+run_stage profile "$OUT/profile/sensitivity.csv" \
+  "$RKV" profile "${model_args[@]}" --calib-samples "$CALIB_SAMPLES" --seeds "$SEEDS" --eta "$ETA" \
+  --probe-tokens "$PROBE_TOKENS" --target-tokens "$TARGET_TOKENS" --out "$OUT/profile"
+
+ratio_args=()
+for r in $RATIOS; do ratio_args+=(--ratio "$r"); done
+run_stage allocate "$OUT/allocation.csv" \
+  "$RKV" allocate "$OUT/profile/sensitivity.csv" "${model_args[@]}" "${ratio_args[@]}" \
+  --budget "$SWEEP_BUDGET" --calib-samples "$SWEEP_SAMPLES" --target-tokens "$TARGET_TOKENS" --out "$OUT/allocation.csv"
+
+budget_args=()
+for b in $BUDGETS; do budget_args+=(--budget "$b"); done
+echo "== eval (resumes where it stopped)"
+"$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$METHODS" --limit "$LIMIT" \
+  --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" --out "$OUT/eval"
+
+.venv/bin/python scripts/write_results_readme.py "$OUT" "$config"
+echo "== done in $(( $(date +%s) - start ))s: see $OUT/README.md"
