@@ -1,0 +1,63 @@
+"""Engine costs on one long prompt: prefill time and peak RSS, and building every method's selection.
+
+Selections for 5 methods x 4 budgets are built from one prefill; their cost is reported as a share of
+the prefill time measured in the same run. The last line is `selection/prefill X.XX%  peak_rss Y.YY GB`.
+
+    .venv/bin/python scripts/bench_engine.py [--tokens 3500] [--allocation ALLOC.csv] [--model M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import torch
+
+from ripplekv.methods import make_method
+from ripplekv.models import load_model
+from ripplekv.prefill import prefill
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is KiB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=3500)
+    parser.add_argument("--allocation", default=None, help="RippleKV allocation CSV; default: a linear ramp 2..0.5")
+    args = parser.parse_args()
+
+    model, tokenizer, source = load_model(args.model)
+    num_layers = model.config.num_hidden_layers
+    ramp = tuple(2.0 - 1.5 * i / max(1, num_layers - 1) for i in range(num_layers))
+    methods = [make_method(name, allocation=args.allocation, multipliers=None if args.allocation else ramp)
+               for name in ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, len(tokenizer) - 100, (args.tokens,), generator=generator)
+    rss_loaded = peak_rss_gb()
+    prefill(model, ids[:256])  # warm-up
+    start = time.perf_counter()
+    state = prefill(model, ids)
+    prefill_time = time.perf_counter() - start
+    rss_prefill = peak_rss_gb()
+    start = time.perf_counter()
+    total = {}
+    for method in methods:
+        for budget in (64, 128, 256, 512):
+            total[(method.name, budget)] = int(method.select(state, budget).sum())
+    select_time = time.perf_counter() - start
+    heads = state.num_kv_heads
+    for budget in (64, 128, 256, 512):
+        kept = {name: total[(name, budget)] for name in ("streamingllm", "snapkv", "pyramidkv", "ripplekv")}
+        assert len(set(kept.values())) == 1 and kept["snapkv"] == num_layers * heads * budget, kept
+    print(f"model {source.label}, {args.tokens} tokens, {num_layers} layers x {heads} KV heads")
+    print(f"prefill {prefill_time:.2f}s; 5 methods x 4 budgets selected in {select_time:.3f}s; totals match L*H*B")
+    print(f"peak RSS after loading {rss_loaded:.2f} GB, after prefill {rss_prefill:.2f} GB")
+    print(f"selection/prefill {100 * select_time / prefill_time:.2f}%  peak_rss {rss_prefill:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
