@@ -104,12 +104,12 @@ def _progress_bar(description: str, total: int):
 def profile(
     out: str = typer.Option(..., help="Directory for sensitivity.csv, per_sample.csv, profile.json, sensitivity.png."),
     model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
-    calib_samples: int = typer.Option(14, "--calib-samples", help="Calibration prompts (offline suite's calibration split)."),
+    calib_samples: int = typer.Option(12, "--calib-samples", help="Calibration prompts (offline suite's calibration split)."),
     seeds: int = typer.Option(2, help="Noise draws per sample."),
-    eta: float = typer.Option(0.5, help="Noise scale relative to each value vector's RMS."),
+    eta: float = typer.Option(0.3, help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
     signal: str = typer.Option("noise", help="noise (RippleKV) or evict (DepthKV-style: SnapKV-evict one layer)."),
     evict_budget: int = typer.Option(128, "--evict-budget", help="Budget a layer is evicted to with --signal evict."),
-    probe_tokens: int = typer.Option(32, "--probe-tokens", help="Final prompt tokens used as probes (the question)."),
+    probe_tokens: int = typer.Option(16, "--probe-tokens", help="Final prompt tokens used as probes (the question)."),
     with_answer: bool = typer.Option(False, "--with-answer", help="Also teacher-force the reference answer as probes."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
     batch_size: int = typer.Option(32, "--batch-size", help="Perturbed layers run together in one batch."),
@@ -123,6 +123,8 @@ def profile(
 
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
     settings.check()
+    if calib_samples < 1:
+        raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
     loaded, tokenizer, source = load_model(model)
     prompts = calibration_prompts(tokenizer, calib_samples, probe_tokens, target_tokens, with_answer=with_answer)
@@ -330,3 +332,7 @@ def main() -> None:
         print("error: interrupted; results written so far are kept", file=sys.stderr)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +121,8 @@ def _materialize_gguf(source: ModelSource) -> Path:
     target = _gguf_cache_dir(source.location)
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
+    _quiet_transformers()
+    print(f"dequantizing {Path(source.location).name} once into {target} (about 20 s)", file=sys.stderr)
     folder, name = os.path.dirname(source.location), os.path.basename(source.location)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -135,6 +138,14 @@ def _materialize_gguf(source: ModelSource) -> Path:
         shutil.rmtree(target)
     tmp.rename(target)
     return target
+
+
+def _quiet_transformers() -> None:
+    """Our commands draw their own progress; transformers' per-load bars and notices would interleave."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def load_config(spec: str | None = None):
@@ -163,6 +174,7 @@ def load_model(spec: str | None = None, dtype: str = "float32"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_transformers()
     source = resolve_model(spec)
     location = str(_materialize_gguf(source)) if source.kind == "gguf" else source.location
     config = _from_hub_or_local(AutoConfig, location, source)

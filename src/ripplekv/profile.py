@@ -29,7 +29,7 @@ from ripplekv.methods import make_method
 from ripplekv.prefill import prefill
 
 SIGNALS = ("noise", "evict")
-DEFAULT_ETA = 0.5
+DEFAULT_ETA = 0.3
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ProfileSettings:
     eta: float = DEFAULT_ETA
     seeds: int = 2
     signal: str = "noise"
-    probe_tokens: int = 32
+    probe_tokens: int = 16
     evict_budget: int = 128
     batch_size: int = 32
 

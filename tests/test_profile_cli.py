@@ -1,0 +1,74 @@
+"""`ripplekv profile` and `ripplekv allocate` end to end on a tiny model, and their one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+RKV = [sys.executable, "-m", "ripplekv.cli"]
+
+
+def run(*args):
+    return subprocess.run([*RKV, *map(str, args)], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def profiled(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    result = run("profile", "--model", tiny_model_dir, "--calib-samples", 4, "--seeds", 1, "--eta", 1.0,
+                 "--target-tokens", 300, "--out", out)
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def test_profile_writes_every_output(profiled):
+    out, result = profiled
+    table = pd.read_csv(out / "sensitivity.csv")
+    assert list(table.columns) == ["layer", "kl_mean", "kl_std", "kl_median", "n_samples"]
+    assert len(table) == 4 and (table["kl_mean"] > 0).all() and (table["n_samples"] == 4).all()
+    meta = json.loads((out / "profile.json").read_text())
+    assert meta["eta"] == 1.0 and meta["signal"] == "noise" and len(meta["calibration_ids"]) == 4
+    assert all("calibration" in sample_id for sample_id in meta["calibration_ids"])
+    assert "split-half Spearman rho" in result.stderr
+    assert len(pd.read_csv(out / "per_sample.csv")) == 4 * 4
+    assert (out / "sensitivity.png").stat().st_size > 1000
+
+
+def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_dir, tmp_path):
+    out, _ = profiled
+    alloc = tmp_path / "alloc.csv"
+    result = run("allocate", out / "sensitivity.csv", "--model", tiny_model_dir, "--ratio", 1, "--ratio", 4,
+                 "--budget", 32, "--calib-samples", 2, "--target-tokens", 300, "--out", alloc)
+    assert result.returncode == 0, result.stderr
+    table = pd.read_csv(alloc)
+    assert list(table.columns) == ["layer", "sensitivity", "multiplier"]
+    assert table["multiplier"].mean() == pytest.approx(1.0)
+    sweep = pd.read_csv(tmp_path / "alloc.sweep.csv")
+    assert sorted(sweep["ratio"]) == [1.0, 4.0] and sweep["chosen"].sum() == 1
+    chosen = json.loads((tmp_path / "alloc.choice.json").read_text())["ratio"]
+    assert chosen == sweep.sort_values("kl").iloc[0]["ratio"]
+    assert table["multiplier"].max() / table["multiplier"].min() == pytest.approx(chosen)
+    assert (tmp_path / "alloc.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["allocate", "{sens}", "--ratio", "0.5", "--out", "{tmp}/a.csv"], "--ratio must be a number >= 1"),
+        (["allocate", "{tmp}/missing.csv", "--out", "{tmp}/a.csv"], "does not exist"),
+        (["allocate", "{bad}", "--out", "{tmp}/a.csv"], "has 2 layers but the model has 4"),
+        (["profile", "--signal", "prune", "--out", "{tmp}/p"], "unknown signal"),
+        (["profile", "--calib-samples", "0", "--out", "{tmp}/p"], "--calib-samples must be at least 1"),
+        (["budgets", "--methods", "ripplekv"], "run `ripplekv profile`"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(profiled, tiny_model_dir, tmp_path, args, message):
+    out, _ = profiled
+    bad = tmp_path / "bad.csv"
+    bad.write_text("layer,kl_mean\n0,1\n1,2\n")
+    filled = [a.format(sens=out / "sensitivity.csv", tmp=tmp_path, bad=bad) for a in args]
+    result = run(*filled, "--model", tiny_model_dir)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
