@@ -1,0 +1,257 @@
+"""`ripplekv eval` on a tiny random model: outputs, exact budgets, fidelity, resuming, config guard."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from ripplekv import cli, evaluate
+
+BUDGETS = (32, 64)
+METHODS = ("full", "snapkv", "streamingllm", "pyramidkv", "ripplekv", "random")
+TASKS = ("niah", "squad")
+LAYERS, KV_HEADS = 4, 2
+VARIANTS = 1 + (len(METHODS) - 1) * len(BUDGETS)
+CSVS = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv")
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """The real entry point in-process: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["ripplekv", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def allocation(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("alloc") / "alloc.csv"
+    path.write_text("layer,multiplier\n0,1.5\n1,1.0\n2,0.75\n3,0.75\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def eval_args(tiny_model_dir, allocation):
+    def make(out, *extra: str) -> list[str]:
+        args = ["eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", ",".join(TASKS),
+                "--limit", "1", "--target-tokens", "300", "--methods", ",".join(METHODS),
+                "--allocation", str(allocation), "--batch-size", "4", "--out", str(out)]
+        for budget in BUDGETS:
+            args += ["--budget", str(budget)]
+        return args + list(extra)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, eval_args) -> Path:
+    """One uninterrupted run, shared by the tests below (they copy it before changing anything)."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["ripplekv", *eval_args(out)])
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+    assert stop.value.code == 0
+    return out
+
+
+def lines(run: Path) -> list[str]:
+    return (run / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in lines(run)]
+
+
+def copy_run(base: Path, target: Path) -> Path:
+    shutil.copytree(base, target)
+    return target
+
+
+def test_eval_writes_every_output_with_its_columns(base_run):
+    for name in ("predictions.jsonl", "config.json", "summary.md", *CSVS,
+                 "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png"):
+        assert (base_run / name).is_file() and (base_run / name).stat().st_size > 0, name
+    records = rows(base_run)
+    assert len(records) == len(TASKS) * VARIANTS
+    needed = {"id", "task", "category", "method", "budget", "prediction", "answers", "score", "kept_entries",
+              "kl", "agreement", "prompt_tokens", "layer_budgets"}
+    assert all(needed <= set(r) for r in records)
+    assert {(r["method"], r["budget"]) for r in records} == evaluate.variant_keys(
+        {"methods": list(METHODS), "budgets": list(BUDGETS)})
+    assert list(pd.read_csv(base_run / "scores.csv").columns) == [
+        "task", "category", "method", "budget", "n", "score", "kl", "agreement"]
+    board = pd.read_csv(base_run / "leaderboard.csv")
+    assert {"method", "budget", "rank", "avg", "kl", "agreement", "Synthetic", "Single-Doc QA"} <= set(board.columns)
+    assert len(board) == VARIANTS
+    assert board.loc[board["method"] == "full", "rank"].isna().all()
+    assert board.loc[board["method"] != "full", "rank"].between(1, len(METHODS) - 1).all()
+    wide = pd.read_csv(base_run / "leaderboard_wide.csv")
+    assert set(TASKS) <= set(wide.columns) and "avg" in wide.columns
+    config = json.loads((base_run / "config.json").read_text())
+    assert config["budgets"] == list(BUDGETS) and config["methods"] == list(METHODS)
+    assert config["model_label"] and config["ripplekv_version"]
+    assert len(config["allocation_sha256"]) == 64
+    assert set(config["samples"]) == set(TASKS) and all(len(ids) == 1 for ids in config["samples"].values())
+    assert "| method |" in (base_run / "summary.md").read_text()
+
+
+def test_full_cache_is_the_reference(base_run):
+    full = [r for r in rows(base_run) if r["method"] == "full"]
+    assert len(full) == len(TASKS)
+    assert all(r["budget"] is None and r["kl"] == 0.0 and r["agreement"] == 1.0 for r in full)
+    others = [r for r in rows(base_run) if r["method"] != "full"]
+    assert all(r["kl"] >= 0.0 and 0.0 <= r["agreement"] <= 1.0 for r in others)
+    assert all(0.0 <= r["score"] <= 1.0 for r in rows(base_run))
+
+
+def test_every_method_keeps_exactly_the_same_entries(base_run):
+    for r in rows(base_run):
+        n = r["prompt_tokens"]
+        assert len(r["layer_budgets"]) == LAYERS
+        if r["method"] == "full":
+            assert r["kept_entries"] == LAYERS * KV_HEADS * n
+        else:
+            assert n > r["budget"]
+            assert r["kept_entries"] == LAYERS * KV_HEADS * r["budget"]
+            assert sum(r["layer_budgets"]) == LAYERS * r["budget"]
+
+
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_lines(base_run, eval_args, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_append = evaluate.append_rows
+
+    def append_then_die(fh, sample_rows):
+        real_append(fh, sample_rows)
+        raise KeyboardInterrupt  # killed right after the first sample was written
+
+    monkeypatch.setattr(evaluate, "append_rows", append_then_die)
+    code, _, err = run_cli(monkeypatch, capsys, *eval_args(out))
+    assert code == 130 and "interrupted" in err
+    assert lines(out) == lines(base_run)[:VARIANTS]
+    monkeypatch.setattr(evaluate, "append_rows", real_append)
+    code, _, _ = run_cli(monkeypatch, capsys, *eval_args(out))
+    assert code == 0
+    assert lines(out) == lines(base_run)
+
+
+def test_a_kill_mid_write_drops_only_the_sample_in_flight(base_run, eval_args, tmp_path, monkeypatch, capsys):
+    out = copy_run(base_run, tmp_path / "run")
+    text = (base_run / "predictions.jsonl").read_text(encoding="utf-8")
+    first_sample = "".join(line + "\n" for line in lines(base_run)[:VARIANTS])
+    partial_next = "".join(line + "\n" for line in lines(base_run)[VARIANTS : VARIANTS + 3])
+    half_line = lines(base_run)[VARIANTS + 3][:40]
+    (out / "predictions.jsonl").write_text(first_sample + partial_next + half_line, encoding="utf-8")
+    code, _, _ = run_cli(monkeypatch, capsys, *eval_args(out))
+    assert code == 0
+    assert (out / "predictions.jsonl").read_text(encoding="utf-8") == text
+
+
+def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_path, monkeypatch, capsys):
+    out = copy_run(base_run, tmp_path / "run")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished run must not prefill or load the model again")
+
+    monkeypatch.setattr(evaluate, "prefill", fail)
+    monkeypatch.setattr("ripplekv.models.load_model", fail)
+    code, _, _ = run_cli(monkeypatch, capsys, *eval_args(out))
+    assert code == 0
+    assert lines(out) == lines(base_run)
+    for name in CSVS:
+        assert (out / name).read_text() == (base_run / name).read_text()
+
+
+def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path, monkeypatch, capsys):
+    out = copy_run(base_run, tmp_path / "run")
+    before = (out / "predictions.jsonl").read_bytes()
+    code, _, err = run_cli(monkeypatch, capsys, *eval_args(out, "--budget", "128"))
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "budgets" in err and "new --out" in err
+    changed = tmp_path / "alloc.csv"
+    changed.write_text("layer,multiplier\n0,1.0\n1,1.0\n2,1.0\n3,1.0\n")
+    args = eval_args(out)
+    args[args.index("--allocation") + 1] = str(changed)
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2 and "allocation_sha256" in err
+    assert (out / "predictions.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("--budget", "0"), "budget must be a positive integer"),
+        (("--methods", "full,h2o"), "unknown method 'h2o'"),
+        (("--tasks", "nosuch"), "unknown task 'nosuch'"),
+        (("--suite", "nosuch"), "unknown suite"),
+        (("--batch-size", "0"), "--batch-size"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_model_work(change, message, eval_args, tmp_path, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise AssertionError("bad input must fail before loading anything")
+
+    monkeypatch.setattr("ripplekv.models.load_model", fail)
+    monkeypatch.setattr("ripplekv.models.load_tokenizer", fail)
+    args = eval_args(tmp_path / "run")
+    flag, value = change
+    if flag in ("--methods", "--tasks", "--suite", "--batch-size"):
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and message in err
+    assert not (tmp_path / "run" / "predictions.jsonl").exists()
+
+
+def test_ripplekv_without_allocation_says_how_to_make_one(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("ripplekv.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code, _, err = run_cli(monkeypatch, capsys, "eval", "--model", str(tiny_model_dir), "--budget", "64",
+                           "--out", str(tmp_path / "run"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "ripplekv profile" in err and "ripplekv allocate" in err
+
+
+def test_an_allocation_for_another_model_fails_before_loading(eval_args, tmp_path, monkeypatch, capsys):
+    wrong = tmp_path / "alloc30.csv"
+    wrong.write_text("layer,multiplier\n" + "".join(f"{i},1.0\n" for i in range(30)))
+    monkeypatch.setattr("ripplekv.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    args = eval_args(tmp_path / "run")
+    args[args.index("--allocation") + 1] = str(wrong)
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2 and "30 layers" in err
+
+
+def test_report_regenerates_identical_csvs_from_predictions_alone(base_run, tmp_path, monkeypatch, capsys):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(base_run / "predictions.jsonl", alone / "predictions.jsonl")
+    code, out, _ = run_cli(monkeypatch, capsys, "report", str(alone))
+    assert code == 0 and "snapkv" in out
+    for name in CSVS:
+        assert (alone / name).read_text() == (base_run / name).read_text(), name
+    for name in ("score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "summary.md"):
+        assert (alone / name).is_file()
+
+
+def test_parse_budgets_accepts_repeats_and_commas():
+    assert evaluate.parse_budgets(["256", "64,128", "64"]) == (64, 128, 256)
+
+
+def test_a_run_dir_with_nothing_computed_takes_the_new_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"budgets": [16]}))
+    assert evaluate.check_run_dir(tmp_path, {"budgets": [32]}) is None
+    (tmp_path / "predictions.jsonl").write_text('{"id": "a"}\n')
+    with pytest.raises(evaluate.UserError, match="differs in: budgets"):
+        evaluate.check_run_dir(tmp_path, {"budgets": [32]})
