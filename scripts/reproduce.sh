@@ -38,9 +38,11 @@ run_stage allocate "$OUT/allocation.csv" \
 
 budget_args=()
 for b in $BUDGETS; do budget_args+=(--budget "$b"); done
-echo "== eval (resumes where it stopped)"
-"$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$METHODS" --limit "$LIMIT" \
-  --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" --out "$OUT/eval"
+eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$METHODS" --limit "$LIMIT"
+  --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" --out "$OUT/eval")
+echo "== eval (resumes where it stopped): ${eval_cmd[*]}"
+"${eval_cmd[@]}"
+printf '%q ' "${eval_cmd[@]}" > "$OUT/.eval.cmd"
 
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config"
 echo "== done in $(( $(date +%s) - start ))s: see $OUT/README.md"

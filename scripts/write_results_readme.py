@@ -14,15 +14,21 @@ def main(out: Path, config: str) -> None:
     choice_path = out / "allocation.choice.json"
     choice = json.loads(choice_path.read_text()) if choice_path.is_file() else None
     summary = (out / "eval" / "summary.md").read_text() if (out / "eval" / "summary.md").is_file() else ""
-    commands = [(out / f".{stage}.cmd").read_text().strip() for stage in ("profile", "allocate") if (out / f".{stage}.cmd").is_file()]
-    eval_config = json.loads((out / "eval" / "config.json").read_text()) if (out / "eval" / "config.json").is_file() else {}
+    # Nest the eval summary under this page: drop its title and its images (linked again below).
+    summary = "\n".join(
+        ("#" + line if line.startswith("## ") else line)
+        for line in summary.splitlines()
+        if not line.startswith("# ") and not line.startswith("![")
+    )
+    stages = ("profile", "allocate", "eval")
+    commands = [(out / f".{stage}.cmd").read_text().strip() for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     lines = [
         "# Results of `make reproduce`",
         "",
         f"Produced by `bash scripts/reproduce.sh {config}` (config: `{config}`). Model: `{profile['model']}`.",
         "",
-        "## Leaderboard",
+        "## Evaluation",
         "",
         summary.strip(),
         "",
@@ -53,7 +59,6 @@ def main(out: Path, config: str) -> None:
         "",
         "```",
         *commands,
-        "ripplekv eval " + " ".join(eval_config.get("argv", [])) if eval_config.get("argv") else "(eval: see eval/config.json)",
         "```",
         "",
         "Files: `eval/predictions.jsonl` (every answer), `eval/scores.csv`, `eval/leaderboard.csv`,",

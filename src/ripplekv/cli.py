@@ -202,7 +202,9 @@ def eval_command(
     out: str = typer.Option(..., "--out", help="Run directory; rerunning the same command resumes it."),
     methods: str = typer.Option(",".join(("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")),
                                 "--methods", help="Comma-separated methods (full is always included)."),
-    suite: str = typer.Option("offline", "--suite", help="offline (bundled), longbench or longbench-e."),
+    suite: str | None = typer.Option(
+        None, "--suite", help="offline (bundled), longbench or longbench-e; default: longbench when its files are on disk, else offline."
+    ),
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks of the suite (default: all)."),
     limit: int | None = typer.Option(None, "--limit", help="At most N samples per task."),
     allocation: str | None = typer.Option(None, "--allocation", help="Allocation CSV from `ripplekv allocate` (for ripplekv)."),
@@ -216,11 +218,12 @@ def eval_command(
     from rich.console import Console
 
     from ripplekv import evaluate, report
+    from ripplekv.data.tasks import default_suite
 
     settings = evaluate.EvalSettings(
         budgets=evaluate.parse_budgets(budget),
         methods=evaluate.parse_names(methods),
-        suite=suite,
+        suite=suite or default_suite(data_dir),
         tasks=evaluate.parse_names(tasks),
         limit=limit,
         allocation=allocation,
