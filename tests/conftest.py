@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -49,3 +51,21 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """Run the real `ripplekv` entry point in-process: run_cli(*args) -> (exit code, stdout, stderr)."""
+    from ripplekv import cli
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["ripplekv", *map(str, args)])
+        code = 0
+        try:
+            cli.main()
+        except SystemExit as stop:
+            code = stop.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

@@ -20,18 +20,6 @@ VARIANTS = 1 + (len(METHODS) - 1) * len(BUDGETS)
 CSVS = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv")
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """The real entry point in-process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["ripplekv", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as stop:
-        code = stop.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.fixture(scope="module")
 def allocation(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("alloc") / "alloc.csv"
@@ -126,7 +114,7 @@ def test_every_method_keeps_exactly_the_same_entries(base_run):
             assert sum(r["layer_budgets"]) == LAYERS * r["budget"]
 
 
-def test_a_killed_run_resumes_to_exactly_the_uninterrupted_lines(base_run, eval_args, tmp_path, monkeypatch, capsys):
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_lines(base_run, eval_args, tmp_path, monkeypatch, run_cli):
     out = tmp_path / "run"
     real_append = evaluate.append_rows
 
@@ -135,28 +123,28 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_lines(base_run, eval_
         raise KeyboardInterrupt  # killed right after the first sample was written
 
     monkeypatch.setattr(evaluate, "append_rows", append_then_die)
-    code, _, err = run_cli(monkeypatch, capsys, *eval_args(out))
+    code, _, err = run_cli(*eval_args(out))
     assert code == 130 and "interrupted" in err
     assert lines(out) == lines(base_run)[:VARIANTS]
     monkeypatch.setattr(evaluate, "append_rows", real_append)
-    code, _, _ = run_cli(monkeypatch, capsys, *eval_args(out))
+    code, _, _ = run_cli(*eval_args(out))
     assert code == 0
     assert lines(out) == lines(base_run)
 
 
-def test_a_kill_mid_write_drops_only_the_sample_in_flight(base_run, eval_args, tmp_path, monkeypatch, capsys):
+def test_a_kill_mid_write_drops_only_the_sample_in_flight(base_run, eval_args, tmp_path, run_cli):
     out = copy_run(base_run, tmp_path / "run")
     text = (base_run / "predictions.jsonl").read_text(encoding="utf-8")
     first_sample = "".join(line + "\n" for line in lines(base_run)[:VARIANTS])
     partial_next = "".join(line + "\n" for line in lines(base_run)[VARIANTS : VARIANTS + 3])
     half_line = lines(base_run)[VARIANTS + 3][:40]
     (out / "predictions.jsonl").write_text(first_sample + partial_next + half_line, encoding="utf-8")
-    code, _, _ = run_cli(monkeypatch, capsys, *eval_args(out))
+    code, _, _ = run_cli(*eval_args(out))
     assert code == 0
     assert (out / "predictions.jsonl").read_text(encoding="utf-8") == text
 
 
-def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_path, monkeypatch, capsys):
+def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_path, monkeypatch, run_cli):
     out = copy_run(base_run, tmp_path / "run")
 
     def fail(*args, **kwargs):
@@ -164,17 +152,17 @@ def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_pa
 
     monkeypatch.setattr(evaluate, "prefill", fail)
     monkeypatch.setattr("ripplekv.models.load_model", fail)
-    code, _, _ = run_cli(monkeypatch, capsys, *eval_args(out))
+    code, _, _ = run_cli(*eval_args(out))
     assert code == 0
     assert lines(out) == lines(base_run)
     for name in CSVS:
         assert (out / name).read_text() == (base_run / name).read_text()
 
 
-def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path, monkeypatch, capsys):
+def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path, run_cli):
     out = copy_run(base_run, tmp_path / "run")
     before = (out / "predictions.jsonl").read_bytes()
-    code, _, err = run_cli(monkeypatch, capsys, *eval_args(out, "--budget", "128"))
+    code, _, err = run_cli(*eval_args(out, "--budget", "128"))
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert "budgets" in err and "new --out" in err
@@ -182,7 +170,7 @@ def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path
     changed.write_text("layer,multiplier\n0,1.0\n1,1.0\n2,1.0\n3,1.0\n")
     args = eval_args(out)
     args[args.index("--allocation") + 1] = str(changed)
-    code, _, err = run_cli(monkeypatch, capsys, *args)
+    code, _, err = run_cli(*args)
     assert code == 2 and "allocation_sha256" in err
     assert (out / "predictions.jsonl").read_bytes() == before
 
@@ -197,7 +185,7 @@ def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path
         (("--batch-size", "0"), "--batch-size"),
     ],
 )
-def test_bad_input_is_one_line_before_any_model_work(change, message, eval_args, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_before_any_model_work(change, message, eval_args, tmp_path, monkeypatch, run_cli):
     def fail(*args, **kwargs):
         raise AssertionError("bad input must fail before loading anything")
 
@@ -209,35 +197,35 @@ def test_bad_input_is_one_line_before_any_model_work(change, message, eval_args,
         args[args.index(flag) + 1] = value
     else:
         args += [flag, value]
-    code, _, err = run_cli(monkeypatch, capsys, *args)
+    code, _, err = run_cli(*args)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and message in err
     assert not (tmp_path / "run" / "predictions.jsonl").exists()
 
 
-def test_ripplekv_without_allocation_says_how_to_make_one(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_ripplekv_without_allocation_says_how_to_make_one(tiny_model_dir, tmp_path, monkeypatch, run_cli):
     monkeypatch.setattr("ripplekv.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
-    code, _, err = run_cli(monkeypatch, capsys, "eval", "--model", str(tiny_model_dir), "--budget", "64",
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--budget", "64",
                            "--out", str(tmp_path / "run"))
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "ripplekv profile" in err and "ripplekv allocate" in err
 
 
-def test_an_allocation_for_another_model_fails_before_loading(eval_args, tmp_path, monkeypatch, capsys):
+def test_an_allocation_for_another_model_fails_before_loading(eval_args, tmp_path, monkeypatch, run_cli):
     wrong = tmp_path / "alloc30.csv"
     wrong.write_text("layer,multiplier\n" + "".join(f"{i},1.0\n" for i in range(30)))
     monkeypatch.setattr("ripplekv.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
     args = eval_args(tmp_path / "run")
     args[args.index("--allocation") + 1] = str(wrong)
-    code, _, err = run_cli(monkeypatch, capsys, *args)
+    code, _, err = run_cli(*args)
     assert code == 2 and "30 layers" in err
 
 
-def test_report_regenerates_identical_csvs_from_predictions_alone(base_run, tmp_path, monkeypatch, capsys):
+def test_report_regenerates_identical_csvs_from_predictions_alone(base_run, tmp_path, run_cli):
     alone = tmp_path / "alone"
     alone.mkdir()
     shutil.copy(base_run / "predictions.jsonl", alone / "predictions.jsonl")
-    code, out, _ = run_cli(monkeypatch, capsys, "report", str(alone))
+    code, out, _ = run_cli("report", str(alone))
     assert code == 0 and "snapkv" in out
     for name in CSVS:
         assert (alone / name).read_text() == (base_run / name).read_text(), name

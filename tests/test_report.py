@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from ripplekv import cli, report
+from ripplekv import report
 
 # task -> category; two categories so category averages differ from the overall average.
 TASKS = {"niah": "Synthetic", "passage_count": "Synthetic", "squad": "Single-Doc QA"}
@@ -48,17 +47,6 @@ def write(folder: Path, records: list[dict], tail: str = "") -> Path:
     return folder
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["ripplekv", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as stop:
-        code = stop.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_task_scores_are_longbench_rounded_means(tmp_path):
     tables = report.render(write(tmp_path / "run", predictions()))
     scores = pd.read_csv(tmp_path / "run" / "scores.csv")
@@ -93,9 +81,9 @@ def test_wide_table_has_one_column_per_task_grouped_by_category(tmp_path):
     assert list(wide["avg"]) == list(board["avg"])
 
 
-def test_report_writes_plots_and_summary_and_ignores_a_partial_last_line(tmp_path, monkeypatch, capsys):
+def test_report_writes_plots_and_summary_and_ignores_a_partial_last_line(tmp_path, run_cli):
     run = write(tmp_path / "run", predictions(), tail='{"id": "niah-9", "task": "ni')
-    code, out, err = run_cli(monkeypatch, capsys, "report", str(run))
+    code, out, err = run_cli("report", str(run))
     assert code == 0, err
     for name in ("score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png"):
         assert (run / name).read_bytes()[:4] == b"\x89PNG"
@@ -111,11 +99,11 @@ def test_typical_sample_is_the_median_prompt(tmp_path):
 
 
 @pytest.mark.parametrize("content", [None, "", "\n"])
-def test_missing_or_empty_predictions_is_one_line_exit_2(content, tmp_path, monkeypatch, capsys):
+def test_missing_or_empty_predictions_is_one_line_exit_2(content, tmp_path, run_cli):
     run = tmp_path / "run"
     run.mkdir()
     if content is not None:
         (run / "predictions.jsonl").write_text(content)
-    code, _, err = run_cli(monkeypatch, capsys, "report", str(run))
+    code, _, err = run_cli("report", str(run))
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "predictions.jsonl" in err and "ripplekv eval" in err

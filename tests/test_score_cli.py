@@ -9,27 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import typer
 
-from ripplekv import cli
-
-
-def _argv(*args: str) -> list[str]:
-    """Command line for `score`; while `score` is the app's only command Typer runs it without a name."""
-    group = hasattr(typer.main.get_command(cli.app), "commands")
-    return ["ripplekv", *(["score"] if group else []), *args]
-
-
-def _run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run the real entry point in-process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", _argv(*args))
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as stop:
-        code = stop.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _write(path: Path, records: list) -> Path:
@@ -46,10 +26,10 @@ GOOD = [
 ]
 
 
-def test_score_writes_dataset_and_sample_csvs(tmp_path, monkeypatch, capsys):
+def test_score_writes_dataset_and_sample_csvs(tmp_path, run_cli):
     pred = _write(tmp_path / "pred.jsonl", GOOD)
-    code, out, err = _run(
-        monkeypatch, capsys, str(pred), "--out", str(tmp_path / "d" / "datasets.csv"), "--samples", str(tmp_path / "s.csv")
+    code, out, err = run_cli(
+        "score", str(pred), "--out", str(tmp_path / "d" / "datasets.csv"), "--samples", str(tmp_path / "s.csv")
     )
     assert code == 0, err
     datasets = pd.read_csv(tmp_path / "d" / "datasets.csv")
@@ -68,9 +48,9 @@ def test_score_writes_dataset_and_sample_csvs(tmp_path, monkeypatch, capsys):
     assert "trec_e@0-4k" in out and "83.33" in out
 
 
-def test_sample_line_numbers_count_blank_lines(tmp_path, monkeypatch, capsys):
+def test_sample_line_numbers_count_blank_lines(tmp_path, run_cli):
     pred = _write(tmp_path / "pred.jsonl", [GOOD[0], "", GOOD[1]])
-    code, _, err = _run(monkeypatch, capsys, str(pred), "--out", str(tmp_path / "d.csv"), "--samples", str(tmp_path / "s.csv"))
+    code, _, err = run_cli("score", str(pred), "--out", str(tmp_path / "d.csv"), "--samples", str(tmp_path / "s.csv"))
     assert code == 0, err
     assert pd.read_csv(tmp_path / "s.csv")["line"].tolist() == [0, 2]
 
@@ -86,17 +66,17 @@ def test_sample_line_numbers_count_blank_lines(tmp_path, monkeypatch, capsys):
         ([{"dataset": "trec", "pred": "x", "answers": ["x"], "all_classes": None}], "line 1: classification needs"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, records, message):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, records, message, run_cli):
     pred = _write(tmp_path / "pred.jsonl", records)
-    code, _, err = _run(monkeypatch, capsys, str(pred), "--out", str(tmp_path / "d.csv"))
+    code, _, err = run_cli("score", str(pred), "--out", str(tmp_path / "d.csv"))
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1
     assert message in err
     assert not (tmp_path / "d.csv").exists()
 
 
-def test_missing_file(tmp_path, monkeypatch, capsys):
-    code, _, err = _run(monkeypatch, capsys, str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "d.csv"))
+def test_missing_file(tmp_path, run_cli):
+    code, _, err = run_cli("score", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "d.csv"))
     assert code == 2
     assert err == f"error: predictions file not found: {tmp_path / 'absent.jsonl'}\n"
 
@@ -107,7 +87,7 @@ def test_installed_command_exit_code(tmp_path):
         pytest.skip(f"console script not installed next to {sys.executable}")
     pred = _write(tmp_path / "pred.jsonl", ["{not json"])
     proc = subprocess.run(
-        [str(exe), *_argv(str(pred), "--out", str(tmp_path / "d.csv"))[1:]], capture_output=True, text=True, timeout=60
+        [str(exe), "score", str(pred), "--out", str(tmp_path / "d.csv")], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2
     assert proc.stderr == f"error: {pred} line 1: not valid JSON (Expecting property name enclosed in double quotes)\n"

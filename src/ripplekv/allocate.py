@@ -20,28 +20,17 @@ from ripplekv.errors import UserError
 
 def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
     """kl_mean by layer from sensitivity.csv, checked against the model's layer count."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"sensitivity file {path} does not exist; run `ripplekv profile --out DIR` first")
-    try:
-        table = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise UserError(f"sensitivity file {path} is not a readable CSV ({err.__class__.__name__})") from None
-    missing = {"layer", "kl_mean"} - set(table.columns)
-    if missing:
-        raise UserError(f"sensitivity file {path} lacks column(s) {', '.join(sorted(missing))}; expected layer,kl_mean,...")
-    layers = pd.to_numeric(table["layer"], errors="coerce")
-    values = pd.to_numeric(table["kl_mean"], errors="coerce")
-    if layers.isna().any() or sorted(layers.astype(int)) != list(range(len(table))):
-        raise UserError(f"sensitivity file {path} must list layers 0..{len(table) - 1} exactly once each")
-    if values.isna().any() or not np.isfinite(values).all() or (values < 0).any():
-        raise UserError(f"sensitivity file {path} has missing, negative or non-finite kl_mean values")
-    if num_layers is not None and len(table) != num_layers:
+    from ripplekv.methods.ripplekv import read_layer_column
+
+    values = np.asarray(read_layer_column(path, "kl_mean", "sensitivity", "run `ripplekv profile --out DIR` first"))
+    if (values < 0).any():
+        raise UserError(f"sensitivity file {path} has negative kl_mean values; a KL divergence is never negative")
+    if num_layers is not None and len(values) != num_layers:
         raise UserError(
-            f"sensitivity file {path} has {len(table)} layers but the model has {num_layers}; "
+            f"sensitivity file {path} has {len(values)} layers but the model has {num_layers}; "
             "profile the same model you allocate for"
         )
-    return values.to_numpy(dtype=float)[layers.astype(int).to_numpy().argsort()]
+    return values
 
 
 def check_ratio(ratio: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ripplekv.errors import UserError
@@ -16,26 +17,39 @@ from ripplekv.methods.base import register
 from ripplekv.methods.snapkv import SnapScored
 
 
-def read_allocation(path: str | Path) -> tuple[float, ...]:
-    """Multipliers by layer from an allocation CSV, checked: layers 0..L-1 once each, multipliers > 0."""
+def read_layer_column(path: str | Path, column: str, kind: str, remedy: str) -> list[float]:
+    """`column` ordered by layer from a CSV whose `layer` column lists 0..L-1 once each (missing file,
+    missing columns, bad layers or non-numbers are one-line UserErrors naming the file)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"allocation file {path} does not exist; run `ripplekv profile` then `ripplekv allocate`")
+        raise UserError(f"{kind} file {path} does not exist; {remedy}")
     try:
         table = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise UserError(f"allocation file {path} is not a readable CSV ({err.__class__.__name__})") from None
-    missing = {"layer", "multiplier"} - set(table.columns)
+        raise UserError(f"{kind} file {path} is not a readable CSV ({err.__class__.__name__})") from None
+    missing = {"layer", column} - set(table.columns)
     if missing:
-        raise UserError(f"allocation file {path} lacks column(s) {', '.join(sorted(missing))}; expected layer,multiplier")
+        raise UserError(f"{kind} file {path} lacks column(s) {', '.join(sorted(missing))}; expected layer,{column}")
     layers = pd.to_numeric(table["layer"], errors="coerce")
-    multipliers = pd.to_numeric(table["multiplier"], errors="coerce")
+    values = pd.to_numeric(table[column], errors="coerce")
     if layers.isna().any() or sorted(layers.astype(int).tolist()) != list(range(len(table))):
-        raise UserError(f"allocation file {path} must list layers 0..{len(table) - 1} exactly once each")
-    if multipliers.isna().any() or not (multipliers > 0).all() or not multipliers.map(float).map(abs).lt(float("inf")).all():
+        raise UserError(f"{kind} file {path} must list layers 0..{len(table) - 1} exactly once each")
+    if values.isna().any() or not np.isfinite(values.to_numpy(dtype=float)).all():
+        raise UserError(f"{kind} file {path} has missing or non-numeric {column} values")
+    return [float(v) for v in values.to_numpy(dtype=float)[layers.astype(int).to_numpy().argsort()]]
+
+
+def read_allocation(path: str | Path) -> tuple[float, ...]:
+    """Multipliers by layer from an allocation CSV; every multiplier must be positive."""
+    try:
+        values = read_layer_column(path, "multiplier", "allocation", "run `ripplekv profile` then `ripplekv allocate`")
+    except UserError as err:
+        if "non-numeric" in str(err):
+            raise UserError(f"allocation file {path} has non-positive or non-numeric multipliers; all must be > 0") from None
+        raise
+    if not all(v > 0 for v in values):
         raise UserError(f"allocation file {path} has non-positive or non-numeric multipliers; all must be > 0")
-    ordered = multipliers.to_numpy()[layers.astype(int).to_numpy().argsort()]
-    return tuple(float(m) for m in ordered)
+    return tuple(values)
 
 
 @register("ripplekv")
