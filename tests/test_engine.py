@@ -153,3 +153,23 @@ def test_fidelity_of_identical_distributions_is_zero_kl_full_agreement():
     tokens = logprobs.argmax(-1).tolist()
     (result,) = fidelity(logprobs, logprobs[None], tokens)
     assert result.kl == pytest.approx(0.0, abs=1e-7) and result.agreement == 1.0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_other_supported_families_match_their_own_output(family):
+    """Qwen3 (q/k norms) and Mistral go through the same engine: full cache = the model; batched = alone."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=101, head_dim=16, **TINY)).eval()
+    else:
+        model = MistralForCausalLM(MistralConfig(vocab_size=101, sliding_window=None, **TINY)).eval()
+    ids = prompt(150)
+    expected = reference_greedy(model, ids, 10)
+    state = prefill(model, ids, capture_window=32)
+    assert greedy_decode(model, state, None, 10)[0] == expected
+    masks = [make_method(name).select(state, 40) for name in ("snapkv", "pyramidkv", "streamingllm")]
+    assert greedy_decode(model, state, masks, 10) == [greedy_decode(model, state, [m], 10)[0] for m in masks]

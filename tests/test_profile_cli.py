@@ -62,6 +62,9 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
         (["profile", "--signal", "prune", "--out", "{tmp}/p"], "unknown signal"),
         (["profile", "--calib-samples", "0", "--out", "{tmp}/p"], "--calib-samples must be at least 1"),
         (["budgets", "--methods", "ripplekv"], "run `ripplekv profile`"),
+        (["budgets", "--pooling", "median"], "unknown pooling"),
+        (["budgets", "--budget", "0"], "budget must be a positive integer"),
+        (["budgets", "--budget", "1.5"], "Invalid value for '--budget'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(profiled, tiny_model_dir, tmp_path, args, message):
@@ -72,3 +75,15 @@ def test_bad_input_is_one_line_and_exit_2(profiled, tiny_model_dir, tmp_path, ar
     result = run(*filled, "--model", tiny_model_dir)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_budgets_command_prints_exact_matched_totals(tiny_model_dir):
+    result = run("budgets", "--methods", "snapkv,pyramidkv,streamingllm", "--budget", 48, "--prompt-len", 500,
+                 "--window", 16, "--format", "csv", "--model", tiny_model_dir)
+    assert result.returncode == 0, result.stderr
+    table = pd.read_csv(__import__("io").StringIO(result.stdout))
+    assert list(table.columns) == ["method", "layer", "budget"]
+    totals = table.groupby("method")["budget"].sum()
+    assert (totals == 4 * 48).all() and len(totals) == 3
+    pyramid = table[table.method == "pyramidkv"]["budget"].tolist()
+    assert pyramid == sorted(pyramid, reverse=True) and pyramid[0] > pyramid[-1]

@@ -28,6 +28,17 @@ def _root() -> None:
 # --- commands: budgets (engine) ---
 
 
+WINDOW_HELP = "SnapKV observation window (always kept); default 32."
+KERNEL_HELP = "SnapKV pooling kernel; default 7."
+POOLING_HELP = "SnapKV pooling: max (default), avg or none."
+
+
+def snap_options(window: int | None, kernel: int | None, pooling: str | None) -> dict:
+    """SnapKV scoring options the user set (the rest keep the methods' documented defaults)."""
+    given = {"window": window, "kernel": kernel, "pooling": pooling}
+    return {key: value for key, value in given.items() if value is not None}
+
+
 def split_list(text: str) -> list[str]:
     """`a,b, c` -> ['a', 'b', 'c'] (empty items dropped)."""
     return [item.strip() for item in text.split(",") if item.strip()]
@@ -49,6 +60,9 @@ def budgets(
     allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv."),
     model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
     output_format: str = typer.Option("table", "--format", help="table or csv."),
+    window: int | None = typer.Option(None, help=WINDOW_HELP),
+    kernel: int | None = typer.Option(None, help=KERNEL_HELP),
+    pooling: str | None = typer.Option(None, help=POOLING_HELP),
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.budgets import check_budget
@@ -59,7 +73,8 @@ def budgets(
         raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
     if output_format not in ("table", "csv"):
         raise UserError(f"--format must be table or csv, got {output_format!r}")
-    chosen = [make_method(name, allocation=allocation) for name in split_list(methods)]
+    options = snap_options(window, kernel, pooling)
+    chosen = [make_method(name, allocation=allocation, **options) for name in split_list(methods)]
     num_layers, kv_heads = model_shape(model)
     rows = {m.name: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
     if output_format == "csv":
@@ -213,6 +228,9 @@ def eval_command(
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Offline suite: prompt length to build, in tokens."),
     max_length: int = typer.Option(7500, "--max-length", help="Prompts longer than this are truncated in the middle."),
     batch_size: int = typer.Option(16, "--batch-size", help="Compressed variants decoded together."),
+    window: int | None = typer.Option(None, help=WINDOW_HELP),
+    kernel: int | None = typer.Option(None, help=KERNEL_HELP),
+    pooling: str | None = typer.Option(None, help=POOLING_HELP),
 ) -> None:
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
@@ -232,6 +250,8 @@ def eval_command(
         target_tokens=target_tokens,
         max_length=max_length,
         batch_size=batch_size,
+        method_options=snap_options(window, kernel, pooling),
+        capture_window=max(64, window or 0),
     )
     tables = evaluate.run_eval(settings, out)
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out}"))

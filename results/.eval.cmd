@@ -1,0 +1,1 @@
+.venv/bin/ripplekv eval --suite offline --budget 64 --budget 128 --budget 256 --budget 512 --methods full\,streamingllm\,snapkv\,pyramidkv\,ripplekv --limit 10 --target-tokens 3500 --allocation results/allocation.csv --out results/eval 
