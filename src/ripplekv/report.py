@@ -124,10 +124,7 @@ def _pyplot():
 def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (method, group) in enumerate(board[board["method"] != REFERENCE].groupby("method", sort=False)):
-        group = group.sort_values("budget")
-        marker, line = STYLES[i % len(STYLES)]
-        ax.plot(group["budget"].astype(int), group["avg"], marker=marker, linestyle=line, label=method)
+    _method_lines(ax, board, board["avg"])
     full = board.loc[board["method"] == REFERENCE, "avg"]
     if len(full):
         ax.axhline(float(full.iloc[0]), color="black", linestyle="--", linewidth=1, label="full (reference)")
@@ -143,11 +140,7 @@ def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
 def plot_kl_vs_budget(board: pd.DataFrame, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (method, group) in enumerate(board[board["method"] != REFERENCE].groupby("method", sort=False)):
-        group = group.sort_values("budget")
-        marker, line = STYLES[i % len(STYLES)]
-        ax.plot(group["budget"].astype(int), group["kl"].clip(lower=KL_FLOOR), marker=marker, linestyle=line,
-                label=method)
+    _method_lines(ax, board, board["kl"].clip(lower=KL_FLOOR))
     ax.set_yscale("log")
     _budget_axis(ax, board)
     ax.set_ylabel("KL(full || variant) per answer token")
@@ -156,6 +149,15 @@ def plot_kl_vs_budget(board: pd.DataFrame, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _method_lines(ax, board: pd.DataFrame, values: pd.Series) -> None:
+    """One line per compressed method: `values` (aligned with `board`) against budget."""
+    compressed = board[board["method"] != REFERENCE].assign(value=values)
+    for i, (method, group) in enumerate(compressed.groupby("method", sort=False)):
+        group = group.sort_values("budget")
+        marker, line = STYLES[i % len(STYLES)]
+        ax.plot(group["budget"].astype(int), group["value"], marker=marker, linestyle=line, label=method)
 
 
 def _budget_axis(ax, board: pd.DataFrame) -> None:
