@@ -108,16 +108,6 @@ class CompressedCache(Cache):
             layer.select_variants(index)
         self.num_variants = len(index)
 
-    def kept_entries(self) -> int:
-        """Prompt entries kept, summed over layers and heads, for one variant (the first)."""
-        total = 0
-        for layer in self.layers:
-            if layer.prompt_bias is None:
-                total += layer.prompt_keys.shape[1] * layer.prompt_keys.shape[2]
-            else:
-                total += int(torch.isfinite(layer.prompt_bias[0]).sum())
-        return total
-
 
 def gather_selection(keys: torch.Tensor, values: torch.Tensor, masks: torch.Tensor):
     """Kept entries of one layer for V variants, padded to the longest head.

@@ -16,7 +16,7 @@ from ripplekv.cache import CompressedCache, build_cache
 from ripplekv.prefill import PrefillState
 
 
-def _forward(model, cache: CompressedCache, tokens: torch.Tensor, start: int, logits_to_keep: int = 0):
+def forward_tokens(model, cache: CompressedCache, tokens: torch.Tensor, start: int, logits_to_keep: int = 0):
     """Feed `tokens` [V, P] at positions start..start+P-1; returns float32 logits [V, P or 1, vocab]."""
     positions = torch.arange(start, start + tokens.shape[1])[None].expand(tokens.shape[0], -1)
     out = model(
@@ -55,7 +55,7 @@ def greedy_decode(
         if not active:
             break
         last = torch.tensor([[outputs[i][-1]] for i in active], dtype=torch.long)
-        logits = _forward(model, cache, last, state.length + step - 1, logits_to_keep=1)
+        logits = forward_tokens(model, cache, last, state.length + step - 1, logits_to_keep=1)
         chosen = logits[:, -1].argmax(-1).tolist()
         still = []
         for row, (variant, token) in enumerate(zip(active, chosen)):
@@ -85,7 +85,7 @@ def teacher_forced_logprobs(model, state: PrefillState, selections, tokens: list
     if len(tokens) <= 1:
         return first.clone()
     fed = torch.tensor(tokens[:-1], dtype=torch.long)[None].expand(cache.num_variants, -1)
-    rest = torch.log_softmax(_forward(model, cache, fed, state.length), -1)
+    rest = torch.log_softmax(forward_tokens(model, cache, fed, state.length), -1)
     return torch.cat([first, rest], dim=1)
 
 

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from ripplekv.cache import CompressedCache, CompressedLayer, VariantOverride, build_cache
-from ripplekv.decode import _forward
+from ripplekv.decode import forward_tokens
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.prefill import prefill
@@ -206,7 +206,7 @@ def profile_prompt_one_layer_at_a_time(model, prompt: CalibrationPrompt, setting
         masks = torch.ones(fresh.num_layers, *keep.shape, dtype=torch.bool)
         masks[layer] = keep
         cache = build_cache(fresh, [masks])
-        return torch.log_softmax(_forward(model, cache, probe, start)[0], -1)
+        return torch.log_softmax(forward_tokens(model, cache, probe, start)[0], -1)
 
     clean = probe_logprobs()
     state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
