@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole pipeline: profile -> allocate -> eval -> report, from one config file (configs/*.env).
-# Each stage is skipped when its outputs exist and were made by the same command; eval resumes by itself.
+# A new run starts from scratch (earlier outputs are moved aside to runs/previous-*, never deleted).
+# An interrupted run (OUT/.in-progress left behind) resumes: finished stages are skipped when made by
+# the same command, and eval resumes by itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:?usage: scripts/reproduce.sh configs/NAME.env}
@@ -9,7 +11,14 @@ source "$config"
 RKV=${RKV:-.venv/bin/ripplekv}
 model_args=()
 [ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
+if [ ! -f "$OUT/.in-progress" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
+  previous="runs/previous-$(basename "$OUT")-$(date +%Y%m%d-%H%M%S)"
+  mkdir -p runs
+  mv "$OUT" "$previous"
+  echo "== earlier outputs of $OUT moved to $previous"
+fi
 mkdir -p "$OUT"
+touch "$OUT/.in-progress"
 
 # run_stage NAME MARKER_FILE COMMAND...: run unless MARKER_FILE exists and NAME's recorded command matches.
 run_stage() {
@@ -45,4 +54,5 @@ echo "== eval (resumes where it stopped): ${eval_cmd[*]}"
 printf '%q ' "${eval_cmd[@]}" > "$OUT/.eval.cmd"
 
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config"
+rm -f "$OUT/.in-progress"
 echo "== done in $(( $(date +%s) - start ))s: see $OUT/README.md"

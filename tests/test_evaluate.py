@@ -175,6 +175,20 @@ def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path
     assert (out / "predictions.jsonl").read_bytes() == before
 
 
+def test_a_second_eval_into_a_busy_run_directory_is_refused(base_run, eval_args, tmp_path, run_cli):
+    """Two evals appending to one directory would duplicate lines: the second one stops with one line."""
+    import fcntl
+
+    out = copy_run(base_run, tmp_path / "run")
+    (out / "predictions.jsonl").write_text("")  # unfinished: the second eval would have work to do
+    before = (out / "predictions.jsonl").read_bytes()
+    with (out / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _, err = run_cli(*eval_args(out))
+    assert code == 2 and "another ripplekv eval is writing to" in err and len(err.strip().splitlines()) == 1
+    assert (out / "predictions.jsonl").read_bytes() == before
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -10,10 +10,12 @@ a different configuration never mixes into it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +233,22 @@ def finished_samples(out: Path, config: dict) -> set[tuple[str, str]]:
     return done
 
 
+@contextmanager
+def exclusive_run(out: Path):
+    """Hold `out/.lock` for the whole run: two evals appending to one directory would duplicate lines."""
+    handle = (out / ".lock").open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UserError(f"another ripplekv eval is writing to {out}; wait for it to finish or use another --out") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
 def append_rows(fh, rows: list[dict]) -> None:
     """One sample's lines in one write, flushed to disk before the next sample starts."""
     fh.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
@@ -377,12 +395,8 @@ def check_model_fits(plan: Plan) -> None:
 def run_eval(settings: EvalSettings, out: str | Path, console=None) -> dict:
     """Run (or resume) an evaluation into `out`, then render its report; returns the report's tables."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-    from rich.markup import escape
 
-    from ripplekv import report
-    from ripplekv.models import load_model, load_tokenizer
+    from ripplekv.models import load_tokenizer
 
     console = console or Console(stderr=True)
     out = Path(out)
@@ -396,6 +410,19 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None) -> dict:
         config["samples"].setdefault(task.name, []).append(sid)
     old = check_run_dir(out, config)
     out.mkdir(parents=True, exist_ok=True)
+    with exclusive_run(out):
+        return _run_locked(settings, out, plan, config, old, work, tokenizer, console)
+
+
+def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console) -> dict:
+    """The part of `run_eval` that writes: only one process at a time per run directory."""
+    from rich.markup import escape
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    from ripplekv import report
+    from ripplekv.models import load_model
+
     if old is None:
         write_json_atomic(out / CONFIG, config)
     done = finished_samples(out, config)
