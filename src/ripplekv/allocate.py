@@ -69,10 +69,10 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
 
     rows = []
     methods = [make_method("ripplekv", multipliers=tuple(multipliers(sensitivity, r))) for r in ratios]
+    stop = model.generation_config.eos_token_id
+    stop = stop if isinstance(stop, list) else [stop] if stop is not None else []
     for index, prompt in enumerate(prompts):
         state = prefill(model, prompt.context + prompt.probe)
-        stop = model.generation_config.eos_token_id
-        stop = stop if isinstance(stop, list) else [stop] if stop is not None else []
         answer = greedy_decode(model, state, None, max_new_tokens, stop)[0]
         reference = teacher_forced_logprobs(model, state, None, answer)[0]
         masks = [m.select(state, budget) for m in methods]
