@@ -28,12 +28,15 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=3500)
     parser.add_argument("--allocation", default=None, help="RippleKV allocation CSV; default: a linear ramp 2..0.5")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
-    model, tokenizer, source = load_model(args.model)
+    model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
     num_layers = model.config.num_hidden_layers
     ramp = tuple(2.0 - 1.5 * i / max(1, num_layers - 1) for i in range(num_layers))
-    methods = [make_method(name, allocation=args.allocation, multipliers=None if args.allocation else ramp)
+    ripple = {"allocation": args.allocation} if args.allocation else {"multipliers": ramp}
+    methods = [make_method(name, **(ripple if name == "ripplekv" else {}))
                for name in ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(100, len(tokenizer) - 100, (args.tokens,), generator=generator)
@@ -47,14 +50,14 @@ def main() -> None:
     total = {}
     for method in methods:
         for budget in (64, 128, 256, 512):
-            total[(method.name, budget)] = int(method.select(state, budget).sum())
+            total[(method.name, budget)] = sum(layer.total() for layer in method.compress(state, budget))
     select_time = time.perf_counter() - start
     heads = state.num_kv_heads
     for budget in (64, 128, 256, 512):
         kept = {name: total[(name, budget)] for name in ("streamingllm", "snapkv", "pyramidkv", "ripplekv")}
         assert len(set(kept.values())) == 1 and kept["snapkv"] == num_layers * heads * budget, kept
     print(f"model {source.label}, {args.tokens} tokens, {num_layers} layers x {heads} KV heads")
-    print(f"prefill {prefill_time:.2f}s; 5 methods x 4 budgets selected in {select_time:.3f}s; totals match L*H*B")
+    print(f"prefill {prefill_time:.2f}s; 5 methods x 4 budgets built (entries) in {select_time:.3f}s; totals match L*H*B")
     print(f"peak RSS after loading {rss_loaded:.2f} GB, after prefill {rss_prefill:.2f} GB")
     print(f"selection/prefill {100 * select_time / prefill_time:.2f}%  peak_rss {rss_prefill:.2f} GB")
 

@@ -42,8 +42,8 @@ def peer_loop(model, tokenizer, task, record, methods, budgets, max_length, capt
     predictions = []
     for name, budget in variants:
         state = prefill(model, ids, capture_window=capture_window)
-        selections = None if budget is None else [methods[name].select(state, budget)]
-        tokens = greedy_decode(model, state, selections, task.max_new_tokens, stops, num_variants=1)[0]
+        variant = None if budget is None else [methods[name].compress(state, budget)]
+        tokens = greedy_decode(model, state, variant, task.max_new_tokens, stops, num_variants=1)[0]
         predictions.append(tokenizer.decode(tokens, skip_special_tokens=True))
     return predictions
 
@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="64,128,256,512")
     parser.add_argument("--allocation", default=None, help="allocation CSV; without it `random` replaces ripplekv")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); 1 avoids oversubscription on a busy machine")
     args = parser.parse_args()
@@ -68,8 +70,8 @@ def main() -> None:
     budgets = evaluate.parse_budgets([args.budgets])
     fourth = "ripplekv" if args.allocation else "random"
     names = ("full", "snapkv", "streamingllm", "pyramidkv", fourth)
-    methods = {name: make_method(name, allocation=args.allocation) for name in names}
-    model, tokenizer, source = load_model(args.model)
+    methods = {name: make_method(name, shared={"allocation": args.allocation}) for name in names}
+    model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
     tasks = get_tasks(args.suite, list(evaluate.parse_names(args.tasks)))
     work = []
     for task in tasks:
@@ -82,7 +84,7 @@ def main() -> None:
     capture = 64
 
     # Warm-up outside the clock (first-call allocations, thread pools).
-    warm = prefill(model, torch.arange(100, 164), capture_window=capture)
+    warm = prefill(model, torch.arange(100, 164), capture_window=capture)  # moved to the model's device
     greedy_decode(model, warm, None, 2, num_variants=1)
 
     start = time.perf_counter()

@@ -9,12 +9,17 @@ agree (max |KL difference| is printed). The last line is `speedup X.XX`.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ripplekv.models import load_model
-from ripplekv.profile import ProfileSettings, calibration_prompts, profile_prompt, profile_prompt_one_layer_at_a_time
+from ripplekv.profile import ProfileSettings, calibration_prompts, profile_prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.naive_profile import profile_prompt_one_layer_at_a_time  # noqa: E402  (the reference lives with the tests)
 
 
 def main() -> None:
@@ -24,9 +29,11 @@ def main() -> None:
     parser.add_argument("--target-tokens", type=int, default=2000)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--signal", default="noise", choices=["noise", "evict"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
-    model, tokenizer, source = load_model(args.model)
+    model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
     settings = ProfileSettings(seeds=args.seeds, signal=args.signal, probe_tokens=16)
     prompts = calibration_prompts(tokenizer, args.samples, settings.probe_tokens, args.target_tokens)
     profile_prompt(model, prompts[0], settings, 0)  # warm-up: first-call overheads out of both timings

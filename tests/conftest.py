@@ -69,3 +69,18 @@ def run_cli(monkeypatch, capsys):
         return code, out.out, out.err
 
     return run
+
+
+def every_method(num_layers: int, folder) -> dict:
+    """Every registered method, with the inputs the ones that need them get (an allocation, a route).
+
+    Method tests loop over this, so a newly registered method is covered without touching them.
+    """
+    from ripplekv.methods import make_method, method_names
+
+    route = folder / "route.csv"
+    choices = ("snapkv", "streamingllm", "random", "snapkv:kernel=3")
+    route.write_text("layer,method\n" + "".join(f"{i},{choices[i % len(choices)]}\n" for i in range(num_layers)))
+    multipliers = tuple(float(m) for m in torch.linspace(2.0, 0.5, num_layers).tolist())
+    needs = {"ripplekv": {"multipliers": multipliers}, "routed": {"route": str(route)}}
+    return {name: make_method(name, **needs.get(name, {})) for name in method_names()}

@@ -53,7 +53,7 @@ def test_allocation_csv_round_trips_into_the_method(tmp_path):
     table = pd.read_csv(tmp_path / "alloc.csv")
     assert list(table.columns) == ["layer", "sensitivity", "multiplier"]
     method = make_method("ripplekv", allocation=str(tmp_path / "alloc.csv"))
-    assert np.allclose(method.multipliers, m)
+    assert np.allclose(method.allocator.multipliers, m)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,8 @@
 """Exact totals: every method keeps L*H_kv*B entries (or everything when n <= B), whatever n, B, L."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +12,7 @@ from ripplekv.budgets import integer_budgets
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.prefill import PrefillState
+from tests.conftest import every_method
 
 
 def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int = 4, dim: int = 8, seed: int = 0):
@@ -60,26 +64,31 @@ def test_bad_budget_is_a_user_error():
             integer_budgets([1.0], bad, 100)
 
 
-METHODS = ["snapkv", "streamingllm", "pyramidkv", "random", "ripplekv"]
-
-
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     num_layers=st.integers(1, 6),
+    kv_heads=st.integers(1, 3),
     length=st.integers(1, 300),
     budget=st.integers(1, 400),
-    name=st.sampled_from(METHODS),
-    multipliers=st.lists(st.floats(0.05, 20.0), min_size=6, max_size=6),
+    index=st.integers(0, 10_000),
 )
-def test_every_method_keeps_exactly_the_matched_total(num_layers, length, budget, name, multipliers):
-    state = fake_state(num_layers, length)
-    method = make_method(name, multipliers=tuple(multipliers[:num_layers]))
-    masks = method.select(state, budget)
-    per_head = masks.sum(-1)
-    expected_per_layer_head = min(budget, length)
-    assert int(masks.sum()) == num_layers * state.num_kv_heads * expected_per_layer_head
-    budgets = method.layer_budgets(num_layers, budget, length)
-    assert per_head.tolist() == [[b] * state.num_kv_heads for b in budgets]
+def test_every_method_keeps_exactly_the_matched_total(num_layers, kv_heads, length, budget, index):
+    """For every registered method (layer- and head-level allocators alike): L*H*min(B, n) entries in all,
+    entries built per head equal to the allocated [L, H] matrix, and no head over n."""
+    state = fake_state(num_layers, length, kv_heads=kv_heads, query_heads=2 * kv_heads)
+    with tempfile.TemporaryDirectory() as folder:
+        methods = every_method(num_layers, Path(folder))
+    name = sorted(methods)[index % len(methods)]
+    method = methods[name]
+    counts = method.budgets(state, budget)
+    built = method.compress(state, budget)
+    kept = torch.stack([layer.counts for layer in built])
+    assert kept.tolist() == counts.tolist()
+    expected = length if method.is_full else min(budget, length)
+    assert int(kept.sum()) == num_layers * kv_heads * expected
+    assert int(kept.max()) <= length
+    if not method.allocator.needs_prompt:
+        assert [row[0] for row in counts.tolist()] == method.layer_budgets(num_layers, budget, length)
 
 
 def test_pyramidkv_decreases_with_depth_and_matches_uniform_total():

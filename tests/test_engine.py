@@ -1,15 +1,18 @@
 """The engine against the model itself: full cache = the model's own output; batched = one at a time."""
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from ripplekv import entries
 from ripplekv.cache import CompressedLayer, build_cache, compressed_attention
 from ripplekv.decode import fidelity, greedy_decode, teacher_forced_logprobs
-from ripplekv.methods import make_method
+from ripplekv.methods import Method, make_method
+from tests.conftest import every_method
 from ripplekv.prefill import prefill
 
 
@@ -37,9 +40,12 @@ def test_full_cache_and_budget_above_n_reproduce_the_model(tiny_model):
     expected = reference_greedy(tiny_model, ids, 15)
     state = prefill(tiny_model, ids, capture_window=32)
     assert greedy_decode(tiny_model, state, None, 15)[0] == expected
-    masks = [make_method(name).select(state, 500) for name in ("snapkv", "pyramidkv", "streamingllm")]
-    assert all(m.all() for m in masks)
-    assert greedy_decode(tiny_model, state, masks, 15) == [expected] * 3
+    methods = [make_method(name) for name in ("snapkv", "pyramidkv", "streamingllm")]
+    assert all(m.select(state, 500).all() for m in methods)
+    variants = [m.compress(state, 500) for m in methods]
+    # A budget >= n keeps every layer whole: the prefill's own tensors, shared, not copies.
+    assert all(layer is state.full_entries(i) for v in variants for i, layer in enumerate(v))
+    assert greedy_decode(tiny_model, state, variants, 15) == [expected] * 3
     # Teacher-forced log-probs of the full cache equal one forward pass of prompt + answer.
     stock = copy.deepcopy(tiny_model)
     logits = stock(torch.cat([ids, torch.tensor(expected[:-1])])[None]).logits[0, len(ids) - 1 :]
@@ -51,8 +57,9 @@ def test_compressed_decode_matches_stock_model_on_the_kept_entries(tiny_model):
     """Reference: the stock model and DynamicCache holding only the kept K/V, positions continuing at n."""
     ids = prompt(150)
     state = prefill(tiny_model, ids, capture_window=32)
-    mask = make_method("pyramidkv", window=8).select(state, 40)  # per-layer lengths differ
-    ours = greedy_decode(tiny_model, state, [mask], 10)[0]
+    method = make_method("pyramidkv", window=8)  # per-layer lengths differ
+    mask = method.select(state, 40)
+    ours = greedy_decode(tiny_model, state, [method.compress(state, 40)], 10)[0]
     stock = copy.deepcopy(tiny_model)
     stock.set_attn_implementation("sdpa")
     cache = DynamicCache(config=stock.config)
@@ -74,12 +81,12 @@ def test_compressed_decode_matches_stock_model_on_the_kept_entries(tiny_model):
     assert ours == tokens
 
 
-def test_batched_variants_decode_as_one_at_a_time(tiny_model):
+def test_batched_variants_decode_as_one_at_a_time(tiny_model, tmp_path):
     ids = prompt(200)
     state = prefill(tiny_model, ids, capture_window=64)
     masks = [
-        make_method(name, multipliers=(2.0, 1.0, 0.5, 0.5)).select(state, budget)
-        for name in ("snapkv", "streamingllm", "pyramidkv", "ripplekv", "random")
+        method.compress(state, budget)
+        for method in every_method(state.num_layers, tmp_path).values()
         for budget in (16, 48, 96)
     ]
     batched = greedy_decode(tiny_model, state, masks, 12)
@@ -87,7 +94,7 @@ def test_batched_variants_decode_as_one_at_a_time(tiny_model):
     assert batched == alone
     full = greedy_decode(tiny_model, state, None, 12)[0]
     together = teacher_forced_logprobs(tiny_model, state, masks, full)
-    for i in (0, 7, 14):
+    for i in range(0, len(masks), 5):
         single = teacher_forced_logprobs(tiny_model, state, [masks[i]], full)[0]
         assert torch.allclose(together[i], single, atol=1e-5)
 
@@ -95,7 +102,7 @@ def test_batched_variants_decode_as_one_at_a_time(tiny_model):
 def test_finished_variants_leave_the_batch_without_changing_the_others(tiny_model):
     ids = prompt(100)
     state = prefill(tiny_model, ids, capture_window=32)
-    masks = [make_method("snapkv", window=8).select(state, b) for b in (16, 32, 64)]
+    masks = [make_method("snapkv", window=8).compress(state, b) for b in (16, 32, 64)]
     free = greedy_decode(tiny_model, state, masks, 12)
     stop = free[1][3]  # make variant 1 stop early at its 4th token
     stopped = greedy_decode(tiny_model, state, masks, 12, stop_ids=[stop])
@@ -117,7 +124,7 @@ def test_decode_positions_continue_after_the_original_prompt(tiny_model):
 
     rotary.forward = spy
     try:
-        greedy_decode(tiny_model, state, [make_method("streamingllm").select(state, 20)], 4)
+        greedy_decode(tiny_model, state, [make_method("streamingllm").compress(state, 20)], 4)
     finally:
         rotary.forward = original
     assert [p.flatten().tolist() for p in seen] == [[90], [91], [92]]
@@ -133,7 +140,7 @@ def test_per_head_lengths_attend_exactly_over_each_heads_entries():
     mask[0, 1, 10:29] = True
 
     state = SimpleNamespace(num_layers=1, length=length, keys=[keys], values=[values])
-    cache = build_cache(state, [mask], None)
+    cache = build_cache(state, [[entries.gather(keys, values, mask[0])]], None)
     layer = cache.layers[0]
     assert isinstance(layer, CompressedLayer) and layer.prompt_bias is not None
     query = torch.randn(1, kv_heads * group, 1, dim)
@@ -171,5 +178,50 @@ def test_other_supported_families_match_their_own_output(family):
     expected = reference_greedy(model, ids, 10)
     state = prefill(model, ids, capture_window=32)
     assert greedy_decode(model, state, None, 10)[0] == expected
-    masks = [make_method(name).select(state, 40) for name in ("snapkv", "pyramidkv", "streamingllm")]
+    masks = [make_method(name).compress(state, 40) for name in ("snapkv", "pyramidkv", "streamingllm")]
     assert greedy_decode(model, state, masks, 10) == [greedy_decode(model, state, [m], 10)[0] for m in masks]
+
+
+class MergeIdentical(Method):
+    """Test-only merging method: per layer, tokens [start, start+m) are made identical (copies of `start`);
+    with `merge` they are stored as ONE prototype entry of log-weight log m instead of m entries."""
+
+    def __init__(self, start: int, m: int, merge: bool):
+        super().__init__("merge-test", "merge-test", make_method("snapkv").allocator, make_method("snapkv").scorer)
+        object.__setattr__(self, "span", (start, m, merge))
+
+    def compress(self, state, budget):
+        start, m, merge = self.span
+        built = []
+        for layer in range(state.num_layers):
+            keys, values = state.keys[layer].clone(), state.values[layer].clone()
+            keys[:, start : start + m] = keys[:, start : start + 1]
+            values[:, start : start + m] = values[:, start : start + 1]
+            keep = torch.ones(keys.shape[:2], dtype=torch.bool)
+            if merge:
+                keep[:, start + 1 : start + m] = False
+            layer_entries = entries.gather(keys, values, keep)
+            if merge:
+                log_weights = torch.zeros(layer_entries.keys.shape[:2])
+                log_weights[:, start] = math.log(m)
+                layer_entries.log_weights = log_weights
+            built.append(layer_entries)
+        return built
+
+
+def test_a_prototype_of_m_identical_tokens_attends_as_the_m_tokens(tiny_model):
+    """Merging needs no change to the cache: one entry with log-weight log m == m identical entries."""
+    ids = prompt(120)
+    state = prefill(tiny_model, ids, capture_window=16)
+    copies, prototype = MergeIdentical(30, 9, False), MergeIdentical(30, 9, True)
+    merged = prototype.compress(state, 64)
+    assert all(layer.total() == 2 * (120 - 8) for layer in merged)  # 8 entries fewer in each of 2 heads
+    answer = greedy_decode(tiny_model, state, [copies.compress(state, 64)], 10)[0]
+    both = teacher_forced_logprobs(tiny_model, state, [copies.compress(state, 64), merged], answer)
+    assert torch.allclose(both[0], both[1], atol=1e-5)
+    assert greedy_decode(tiny_model, state, [merged], 10)[0] == answer
+    # Without the log-weight the prototype counts once, and attention really differs.
+    for layer in merged:
+        layer.log_weights = None
+    plain = teacher_forced_logprobs(tiny_model, state, [merged], answer)[0]
+    assert not torch.allclose(both[0], plain, atol=1e-3)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from ripplekv import cli, evaluate
 
@@ -93,10 +94,22 @@ def test_eval_writes_every_output_with_its_columns(base_run):
     assert "| method |" in (base_run / "summary.md").read_text()
 
 
-def test_full_cache_is_the_reference(base_run):
-    full = [r for r in rows(base_run) if r["method"] == "full"]
-    assert len(full) == len(TASKS)
-    assert all(r["budget"] is None and r["kl"] == 0.0 and r["agreement"] == 1.0 for r in full)
+def test_full_cache_is_the_models_own_greedy_answer(base_run, tiny_model_dir):
+    """The reference row must be what the stock model generates on the same prompt (not just labelled so)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ripplekv.data import build_prompt_ids, get_tasks, load_samples
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    full = {r["task"]: r for r in rows(base_run) if r["method"] == "full"}
+    assert set(full) == set(TASKS) and all(r["budget"] is None for r in full.values())
+    for task in get_tasks("offline", list(TASKS)):
+        record = load_samples(task, tokenizer, limit=1, target_tokens=300)[0]
+        ids = torch.tensor([build_prompt_ids(task, record, tokenizer, 7500)])
+        out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=False,
+                             eos_token_id=evaluate.stop_ids(task, tokenizer, model), pad_token_id=0)
+        assert full[task.name]["prediction"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     others = [r for r in rows(base_run) if r["method"] != "full"]
     assert all(r["kl"] >= 0.0 and 0.0 <= r["agreement"] <= 1.0 for r in others)
     assert all(0.0 <= r["score"] <= 1.0 for r in rows(base_run))
@@ -193,7 +206,7 @@ def test_a_second_eval_into_a_busy_run_directory_is_refused(base_run, eval_args,
     "change, message",
     [
         (("--budget", "0"), "budget must be a positive integer"),
-        (("--methods", "full,h2o"), "unknown method 'h2o'"),
+        (("--methods", "full,nosuch"), "unknown method 'nosuch'"),
         (("--tasks", "nosuch"), "unknown task 'nosuch'"),
         (("--suite", "nosuch"), "unknown suite"),
         (("--batch-size", "0"), "--batch-size"),

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ripplekv import entries
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
 from ripplekv.methods.snapkv import window_scores
@@ -47,24 +48,98 @@ def test_snapkv_scores_match_a_direct_attention_computation():
     assert torch.allclose(scores, expected, atol=1e-6)
 
 
-def test_kept_positions_sorted_and_unique_after_gather():
-    from ripplekv.cache import gather_selection
-
+def test_gathered_entries_are_the_kept_tokens_in_prompt_order():
     state = fake_state(1, 100)
-    masks = torch.stack([make_method(n, multipliers=(1.0,)).select(state, 30)[0] for n in ("snapkv", "random")])
-    keys, _, bias = gather_selection(state.keys[0], state.values[0], masks)
-    assert bias is None and keys.shape == (2, 2, 30, 8)
-    for v in range(2):
+    for name in ("snapkv", "random", "streamingllm"):
+        mask = make_method(name).select(state, 30)[0]
+        layer = make_method(name).compress(state, 30)[0]
+        assert layer.bias() is None and layer.keys.shape == (2, 30, 8) and layer.counts.tolist() == [30, 30]
         for h in range(2):
-            positions = masks[v, h].nonzero().flatten()
-            assert torch.equal(keys[v, h], state.keys[0][h, positions])
+            positions = mask[h].nonzero().flatten()
+            assert torch.equal(layer.positions[h], positions)
+            assert torch.equal(layer.keys[h], state.keys[0][h, positions])
+            assert torch.equal(layer.values[h], state.values[0][h, positions])
             assert (positions[1:] > positions[:-1]).all()
 
 
+def test_uneven_heads_are_padded_with_minus_infinity_and_positions_minus_one():
+    state = fake_state(1, 50)
+    mask = torch.zeros(2, 50, dtype=torch.bool)
+    mask[0, [1, 7, 9]] = True
+    mask[1, 40:] = True
+    layer = entries.gather(state.keys[0], state.values[0], mask)
+    assert layer.counts.tolist() == [3, 10] and layer.capacity == 10
+    assert layer.positions[0].tolist() == [1, 7, 9] + [-1] * 7
+    bias = layer.bias()
+    assert (bias[0, :3] == 0).all() and torch.isinf(bias[0, 3:]).all() and (bias[1] == 0).all()
+
+
 def test_registry_lists_methods_and_rejects_unknown():
-    assert {"full", "snapkv", "streamingllm", "pyramidkv", "ripplekv", "random"} <= set(method_names())
-    with pytest.raises(UserError, match="known methods: full"):
-        make_method("h2o")
+    assert {"full", "uniform", "snapkv", "streamingllm", "pyramidkv", "ripplekv", "random", "adakv", "routed"} <= set(method_names())
+    with pytest.raises(UserError, match="known methods: adakv"):
+        make_method("no-such-method")
+
+
+def test_uniform_is_snapkv_under_its_own_name():
+    state = fake_state(3, 200)
+    uniform, snap = make_method("uniform"), make_method("snapkv")
+    assert uniform.label == "uniform" and uniform.describe()["scorer"] == snap.describe()["scorer"]
+    assert torch.equal(uniform.select(state, 48), snap.select(state, 48))
+
+
+def test_specs_set_options_swap_components_and_label_canonically():
+    method = make_method("snapkv:kernel=5:window=16")
+    assert method.label == "snapkv:kernel=5:window=16" == make_method("snapkv:window=16:kernel=5").label
+    assert method.describe() == {"preset": "snapkv", "allocator": {"name": "uniform"},
+                                 "scorer": {"name": "snapkv", "window": 16, "kernel": 5, "pooling": "max"}}
+    swapped = make_method("ripplekv:scorer=random", multipliers=(1.0, 1.0))
+    assert swapped.describe()["scorer"]["name"] == "random" and swapped.describe()["allocator"]["name"] == "file"
+    # Shared (command-line) options reach only the methods that take them.
+    assert make_method("streamingllm", shared={"window": 8, "allocation": "x.csv"}).describe()["scorer"] == {"name": "recency", "sinks": 4}
+    assert make_method("snapkv", shared={"window": 8}).scorer.window == 8
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("snapkv:foo=1", "unknown option"),
+        ("snapkv:window=abc", "must be an integer"),
+        ("snapkv:window", "not key=value"),
+        ("snapkv:window=8:window=9", "twice"),
+        (":window=8", "empty method name"),
+        ("full:window=8", "takes no options"),
+        ("snapkv:scorer=nope", "unknown scorer"),
+        ("snapkv:pooling=mean", "unknown pooling"),
+        ("pyramidkv:beta=0.5", "beta"),
+        ("adakv:alpha=2", "alpha"),
+        ("snapkv:window=0", "positive integer"),
+        ("routed", "needs a route"),
+    ],
+)
+def test_bad_specs_are_one_clear_error(spec, message):
+    with pytest.raises(UserError, match=message):
+        make_method(spec)
+
+
+def test_keyword_options_are_never_silently_dropped():
+    with pytest.raises(UserError, match="unknown option"):
+        make_method("streamingllm", window=8)
+
+
+def test_adakv_heads_compete_by_scores_with_a_floor():
+    """Naive reference: per layer, every head's window + floor share, then the best remaining scores of all heads."""
+    state = fake_state(2, 300, kv_heads=3, query_heads=6, seed=4)
+    method = make_method("adakv:window=8")
+    counts = method.budgets(state, 40)
+    assert counts.sum() == 2 * 3 * 40 and (counts >= 8 + int(0.2 * 32)).all()
+    for layer in range(2):
+        scores = method.scorer.scores(state, layer)
+        floor_extra = int(0.2 * 32)
+        ranked = torch.sort(scores, dim=-1, descending=True).values
+        pool = sorted(((float(v), h) for h in range(3) for v in ranked[h, floor_extra:].tolist()), reverse=True)
+        expected = [8 + floor_extra + sum(1 for _, h in pool[: 3 * 40 - 3 * (8 + floor_extra)] if h == head) for head in range(3)]
+        assert counts[layer].tolist() == expected
+    assert len(set(counts.flatten().tolist())) > 1  # heads really differ on random scores
 
 
 def test_ripplekv_needs_an_allocation_and_a_matching_layer_count(tmp_path):
@@ -92,3 +167,12 @@ def test_malformed_allocation_is_one_clear_error(tmp_path, text, message):
     alloc.write_text(text)
     with pytest.raises(UserError, match=message):
         make_method("ripplekv", allocation=str(alloc))
+
+
+def test_avg_pooling_counts_the_edge_padding_as_snapkv_does():
+    state = fake_state(1, 60)
+    raw = window_scores(state, 0, 8, 1, "none")
+    pooled = window_scores(state, 0, 8, 5, "avg")
+    # At the first position the window covers 2 pads + 3 entries and divides by 5 (count_include_pad=True).
+    assert torch.allclose(pooled[:, 0], raw[:, :3].sum(-1) / 5, atol=1e-7)
+    assert torch.allclose(pooled[:, 10], raw[:, 8:13].mean(-1), atol=1e-7)

@@ -12,11 +12,11 @@ from ripplekv.profile import (
     ProfileSettings,
     noise_delta,
     profile_prompt,
-    profile_prompt_one_layer_at_a_time,
     split_prompt,
     write_profile,
 )
 from tests.conftest import tiny_llama, tiny_qwen2
+from tests.naive_profile import profile_prompt_one_layer_at_a_time
 
 
 def calibration(length=160, probe=12, seed=3):

@@ -27,7 +27,7 @@ def test_bundled_model_loads_offline_and_finds_a_needle(monkeypatch):
     full = tokenizer.decode(greedy_decode(model, state, None, 32, stop)[0], skip_special_tokens=True)
     assert "4817263" in full
     # Compressed variants keep matched totals and decode together from the same prefill.
-    masks = [make_method(name).select(state, 128) for name in ("snapkv", "pyramidkv", "streamingllm")]
-    assert {int(m.sum()) for m in masks} == {30 * 3 * 128}
-    outputs = greedy_decode(model, state, masks, 32, stop)
-    assert len(outputs) == 3 and all(out[0] == int(state.last_logits.argmax()) for out in outputs)
+    variants = [make_method(name).compress(state, 128) for name in ("snapkv", "pyramidkv", "streamingllm")]
+    assert {sum(layer.total() for layer in v) for v in variants} == {30 * 3 * 128}
+    outputs = greedy_decode(model, state, variants, 32, stop)
+    assert outputs == [greedy_decode(model, state, [v], 32, stop)[0] for v in variants]

@@ -20,7 +20,7 @@ from ripplekv.errors import UserError
 
 def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
     """kl_mean by layer from sensitivity.csv, checked against the model's layer count."""
-    from ripplekv.methods.ripplekv import read_layer_column
+    from ripplekv.methods.allocators import read_layer_column
 
     values = np.asarray(read_layer_column(path, "kl_mean", "sensitivity", "run `ripplekv profile --out DIR` first"))
     if (values < 0).any():
@@ -63,7 +63,7 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     Each prompt is prefilled once; the full cache's greedy answer is the reference; all ratios are
     scored together in one batch.
     """
-    from ripplekv.decode import fidelity, greedy_decode, teacher_forced_logprobs
+    from ripplekv.decode import full_reference, measure_fidelity
     from ripplekv.methods import make_method
     from ripplekv.prefill import prefill
 
@@ -72,11 +72,9 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     stop = model.generation_config.eos_token_id
     stop = stop if isinstance(stop, list) else [stop] if stop is not None else []
     for index, prompt in enumerate(prompts):
-        state = prefill(model, prompt.context + prompt.probe)
-        answer = greedy_decode(model, state, None, max_new_tokens, stop)[0]
-        reference = teacher_forced_logprobs(model, state, None, answer)[0]
-        masks = [m.select(state, budget) for m in methods]
-        scores = fidelity(reference, teacher_forced_logprobs(model, state, masks, answer), answer)
+        state = prefill(model, prompt.context + prompt.probe, reserve=max_new_tokens)
+        reference = full_reference(model, state, max_new_tokens, stop)
+        scores = measure_fidelity(model, state, [m.compress(state, budget) for m in methods], reference, len(methods))
         for ratio, score in zip(ratios, scores):
             rows.append({"sample_id": prompt.sample_id, "ratio": ratio, "kl": score.kl, "agreement": score.agreement})
         if progress is not None:

@@ -1,7 +1,8 @@
 """A KV cache whose layers (and heads) keep different numbers of prompt entries, for several variants at once.
 
-Each layer holds the kept prompt entries of every variant padded to the layer's longest, with an additive
-key bias (0 kept, -inf padding), followed by the tokens decoded so far (the same count for every variant).
+It is built from entries (`ripplekv.entries`): each layer holds the prompt entries of every variant padded
+to the layer's longest, with an additive key bias (the entries' log-weights: 0 for a token, log m for a
+prototype, -inf on padding), followed by the tokens decoded so far (the same count for every variant).
 Attention over it is our own function, registered in transformers' AttentionInterface under the name
 `ripplekv`, so it works with any backend and any per-head lengths (kvpress needs flash attention for this).
 
@@ -19,6 +20,9 @@ from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from ripplekv import entries
+from ripplekv.entries import LayerEntries
 
 ATTENTION_NAME = "ripplekv"
 
@@ -41,6 +45,7 @@ class CompressedLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    is_croppable = True
 
     def __init__(self, prompt_keys, prompt_values, prompt_bias, original_length: int, override: VariantOverride | None = None):
         super().__init__()
@@ -77,8 +82,9 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def select_variants(self, index: torch.Tensor) -> None:
-        """Keep only the variants in `index` (finished variants leave the batch)."""
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep (or reorder, or repeat) the variants in `indices`: finished variants leave the batch."""
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.prompt_keys.device)
         if self.prompt_keys.shape[0] > 1:
             self.prompt_keys = self.prompt_keys.index_select(0, index)
             self.prompt_values = self.prompt_values.index_select(0, index)
@@ -95,6 +101,23 @@ class CompressedLayer(CacheLayerMixin):
                 else None
             )
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search reorders the batch: the same as selecting variants."""
+        self.batch_select_indices(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop decoded tokens (negative: that many from the end; positive: keep that many in total).
+
+        The compressed prompt entries cannot be cropped: they are not a prefix of the prompt any more.
+        """
+        decoded = self.decoded_length()
+        keep = decoded + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove - self.original_length
+        if keep < 0:
+            raise ValueError("a compressed cache can only crop decoded tokens, not its prompt entries")
+        if self.keys is not None and keep < decoded:
+            self.keys = self.keys[..., :keep, :]
+            self.values = self.values[..., :keep, :]
+
 
 class CompressedCache(Cache):
     """A transformers Cache made of `CompressedLayer`s; pass it as `cache=` and as `ripplekv_cache=`."""
@@ -104,51 +127,43 @@ class CompressedCache(Cache):
         self.num_variants = num_variants
 
     def select_variants(self, index: torch.Tensor) -> None:
+        self.batch_select_indices(index)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every variant `repeats` times (generate's num_return_sequences and beams)."""
+        self.batch_select_indices(torch.arange(self.num_variants).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
         for layer in self.layers:
-            layer.select_variants(index)
-        self.num_variants = len(index)
+            layer.batch_select_indices(indices)
+        self.num_variants = len(indices)
 
 
-def gather_selection(keys: torch.Tensor, values: torch.Tensor, masks: torch.Tensor):
-    """Kept entries of one layer for V variants, padded to the longest head.
-
-    keys/values: [H_kv, n, d]; masks: [V, H_kv, n] bool. Returns keys/values [V, H_kv, K, d] and an
-    additive bias [V, H_kv, K] (None when no head needs padding). Kept entries stay in original order.
-    """
-    counts = masks.sum(-1)  # [V, H]
-    longest = int(counts.max())
-    # Stable sort puts kept positions first, in ascending order.
-    order = torch.argsort((~masks).to(torch.int8), dim=-1, stable=True)[..., :longest]  # [V, H, K]
-    heads = torch.arange(keys.shape[0])[None, :, None]
-    kept_keys = keys[heads, order]
-    kept_values = values[heads, order]
-    if bool((counts == longest).all()):
-        return kept_keys, kept_values, None
-    valid = torch.arange(longest)[None, None, :] < counts[..., None]
-    bias = torch.zeros(valid.shape, dtype=keys.dtype).masked_fill(~valid, float("-inf"))
-    return kept_keys, kept_values, bias
-
-
-def build_cache(state, selections: list[torch.Tensor] | None, num_variants: int | None = None) -> CompressedCache:
+def build_cache(state, variants: list[list[LayerEntries]] | None, num_variants: int | None = None) -> CompressedCache:
     """A cache for several variants of one prefilled prompt.
 
-    `selections`: one bool mask [L, H_kv, n] per variant, or None for the full cache shared by
-    `num_variants` variants (no copies).
+    `variants`: per variant, one `LayerEntries` per layer; None for the full cache shared by
+    `num_variants` variants. A layer whose entries are the same object in every variant (the full
+    layer, or profiling's shared cache) is stored once and never copied.
     """
     layers = []
     for layer_idx in range(state.num_layers):
-        keys, values = state.keys[layer_idx], state.values[layer_idx]
-        if selections is None:
-            layers.append(CompressedLayer(keys[None], values[None], None, state.length))
+        if variants is None:
+            shared = state.full_entries(layer_idx)
+        else:
+            chosen = [variant[layer_idx] for variant in variants]
+            shared = chosen[0] if all(entry is chosen[0] for entry in chosen) else None
+        if shared is not None:
+            layers.append(CompressedLayer(shared.keys[None], shared.values[None], _unsqueeze(shared.bias()), state.length))
             continue
-        masks = torch.stack([s[layer_idx] for s in selections])
-        if bool(masks.all()):
-            layers.append(CompressedLayer(keys[None], values[None], None, state.length))
-            continue
-        kept_keys, kept_values, bias = gather_selection(keys, values, masks)
-        layers.append(CompressedLayer(kept_keys, kept_values, bias, state.length))
-    variants = len(selections) if selections is not None else (num_variants or 1)
-    return CompressedCache(layers, variants)
+        keys, values, bias = entries.pad_variants(chosen)
+        layers.append(CompressedLayer(keys, values, bias, state.length))
+    count = len(variants) if variants is not None else (num_variants or 1)
+    return CompressedCache(layers, count)
+
+
+def _unsqueeze(bias):
+    return None if bias is None else bias[None]
 
 
 def _scores_against(query_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -178,24 +193,26 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
     group = query_heads // kv_heads
     # Query head h serves KV head h // group (transformers' repeat_kv): group rows per KV head.
     rows = query.reshape(num_variants, kv_heads, group * new_len, dim)
-    prompt_scores = _scores_against(rows, layer.prompt_keys) * scaling
+    # Scores, bias and softmax in float32 whatever the model dtype (log-weights need the precision).
+    prompt_scores = _scores_against(rows, layer.prompt_keys).float() * scaling
     if layer.prompt_bias is not None:
         prompt_scores = prompt_scores + layer.prompt_bias[:, :, None, :]
     override = layer.override
     if override is not None and override.key_bias is not None:
         prompt_scores[override.variant] += override.key_bias[:, None, :]
     decoded = new_keys.shape[-2]
-    new_scores = torch.matmul(rows, new_keys.transpose(-1, -2)) * scaling  # [V, H, g*P, T]
+    new_scores = torch.matmul(rows, new_keys.transpose(-1, -2)).float() * scaling  # [V, H, g*P, T]
     # Query p of the P new tokens sits at decoded index decoded - P + p and sees decoded keys up to it.
-    visible = torch.arange(decoded)[None, :] <= (decoded - new_len + torch.arange(new_len))[:, None]
+    steps = torch.arange(decoded, device=query.device)
+    visible = steps[None, :] <= (decoded - new_len + torch.arange(new_len, device=query.device))[:, None]
     new_scores = new_scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
-    weights = torch.softmax(torch.cat([prompt_scores, new_scores], dim=-1).float(), dim=-1).to(query.dtype)
+    weights = torch.softmax(torch.cat([prompt_scores, new_scores], dim=-1), dim=-1).to(new_values.dtype)
     prompt_len = prompt_scores.shape[-1]
     out = _weighted_sum(weights[..., :prompt_len], layer.prompt_values)
     out = out + torch.matmul(weights[..., prompt_len:], new_values)
     if override is not None and override.value_delta is not None:
         v = override.variant
-        out[v] = out[v] + torch.matmul(weights[v, :, :, :prompt_len], override.value_delta)
+        out[v] = out[v] + torch.matmul(weights[v, :, :, :prompt_len], override.value_delta.to(out.dtype))
     return out.reshape(num_variants, query_heads, new_len, dim).transpose(1, 2).contiguous()
 
 

@@ -31,17 +31,16 @@ def _root() -> None:
 WINDOW_HELP = "SnapKV observation window (always kept); default 32."
 KERNEL_HELP = "SnapKV pooling kernel; default 7."
 POOLING_HELP = "SnapKV pooling: max (default), avg or none."
+METHODS_HELP = "Comma-separated method specs, e.g. snapkv,pyramidkv:beta=10,ripplekv:scorer=random (`ripplekv methods`)."
+ROUTE_HELP = "Route CSV (layer,method) for the routed method."
+DEVICE_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N."
+DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."
 
 
 def snap_options(window: int | None, kernel: int | None, pooling: str | None) -> dict:
     """SnapKV scoring options the user set (the rest keep the methods' documented defaults)."""
     given = {"window": window, "kernel": kernel, "pooling": pooling}
     return {key: value for key, value in given.items() if value is not None}
-
-
-def split_list(text: str) -> list[str]:
-    """`a,b, c` -> ['a', 'b', 'c'] (empty items dropped)."""
-    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def model_shape(model: str | None) -> tuple[int, int]:
@@ -54,7 +53,7 @@ def model_shape(model: str | None) -> tuple[int, int]:
 
 @app.command()
 def budgets(
-    methods: str = typer.Option("snapkv,streamingllm,pyramidkv", help="Comma-separated methods."),
+    methods: str = typer.Option("snapkv,streamingllm,pyramidkv", help=METHODS_HELP),
     budget: int = typer.Option(128, help="Average prompt entries kept per layer per KV head."),
     prompt_len: int = typer.Option(3500, "--prompt-len", help="Prompt length n in tokens."),
     allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv."),
@@ -63,9 +62,11 @@ def budgets(
     window: int | None = typer.Option(None, help=WINDOW_HELP),
     kernel: int | None = typer.Option(None, help=KERNEL_HELP),
     pooling: str | None = typer.Option(None, help=POOLING_HELP),
+    route: str | None = typer.Option(None, help=ROUTE_HELP),
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.budgets import check_budget
+    from ripplekv.evaluate import parse_names
     from ripplekv.methods import make_method
 
     check_budget(budget)
@@ -73,10 +74,17 @@ def budgets(
         raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
     if output_format not in ("table", "csv"):
         raise UserError(f"--format must be table or csv, got {output_format!r}")
-    options = snap_options(window, kernel, pooling)
-    chosen = [make_method(name, allocation=allocation, **options) for name in split_list(methods)]
+    shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
+    specs = parse_names(methods)
+    if not specs:
+        raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv,pyramidkv")
+    chosen = [make_method(spec, shared=shared) for spec in specs]
+    for method in chosen:
+        if method.allocator.needs_prompt:
+            raise UserError(f"{method.label} splits budgets by the prompt's scores; its per-layer totals are uniform, "
+                            "and its per-head counts are recorded per sample by `ripplekv eval`")
     num_layers, kv_heads = model_shape(model)
-    rows = {m.name: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
+    rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
     if output_format == "csv":
         print("method,layer,budget")
         for name, counts in rows.items():
@@ -128,12 +136,14 @@ def profile(
     with_answer: bool = typer.Option(False, "--with-answer", help="Also teacher-force the reference answer as probes."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
     batch_size: int = typer.Option(32, "--batch-size", help="Perturbed layers run together in one batch."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Measure each layer's sensitivity: perturb its value cache, KL at the output."""
     from rich.console import Console
 
     from ripplekv.budgets import check_budget
-    from ripplekv.models import load_model
+    from ripplekv.models import load_model, resolve_device_dtype, runtime_info
     from ripplekv.profile import ProfileSettings, calibration_prompts, run_profile, write_profile
 
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
@@ -141,11 +151,13 @@ def profile(
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
-    loaded, tokenizer, source = load_model(model)
+    device, dtype = resolve_device_dtype(device, dtype)
+    loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
     prompts = calibration_prompts(tokenizer, calib_samples, probe_tokens, target_tokens, with_answer=with_answer)
     progress, advance = _progress_bar("profiling", len(prompts))
     with progress:
         result = run_profile(loaded, prompts, settings, source.label, progress=advance)
+    result.extra.update({"device": device, "dtype": dtype, **runtime_info(device)})
     meta = write_profile(result, prompts, Path(out))
     rho = meta["split_half_spearman"]
     console.print(
@@ -164,6 +176,8 @@ def allocate(
     budget: int = typer.Option(128, help="Budget at which calibration compares ratios."),
     calib_samples: int = typer.Option(7, "--calib-samples", help="Calibration prompts for choosing among ratios."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
     import json
@@ -184,7 +198,7 @@ def allocate(
         from ripplekv.models import load_model
         from ripplekv.profile import calibration_prompts
 
-        loaded, tokenizer, _ = load_model(model)
+        loaded, tokenizer, _ = load_model(model, device=device, dtype=dtype)
         prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)
         progress, advance = _progress_bar("choosing ratio", len(prompts))
         with progress:
@@ -216,7 +230,7 @@ def eval_command(
     ),
     out: str = typer.Option(..., "--out", help="Run directory; rerunning the same command resumes it."),
     methods: str = typer.Option(",".join(("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")),
-                                "--methods", help="Comma-separated methods (full is always included)."),
+                                "--methods", help=METHODS_HELP + " full is always included."),
     suite: str | None = typer.Option(
         None, "--suite", help="offline (bundled), longbench or longbench-e; default: longbench when its files are on disk, else offline."
     ),
@@ -231,6 +245,9 @@ def eval_command(
     window: int | None = typer.Option(None, help=WINDOW_HELP),
     kernel: int | None = typer.Option(None, help=KERNEL_HELP),
     pooling: str | None = typer.Option(None, help=POOLING_HELP),
+    route: str | None = typer.Option(None, "--route", help=ROUTE_HELP),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
@@ -252,6 +269,9 @@ def eval_command(
         batch_size=batch_size,
         method_options=snap_options(window, kernel, pooling),
         capture_window=max(64, window or 0),
+        route=route,
+        device=device,
+        dtype=dtype,
     )
     tables = evaluate.run_eval(settings, out)
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out}"))
@@ -304,6 +324,39 @@ def score(
     for row in datasets.itertuples(index=False):
         table.add_row(row.dataset, str(row.n), f"{row.score:.2f}")
     Console().print(table)
+
+
+# --- commands: methods ---
+
+
+@app.command("methods")
+def methods_command() -> None:
+    """List every method: its allocator, its scorer and their options with defaults."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
+    from ripplekv.methods.presets import defaults_of
+
+    def options(component) -> str:
+        return ", ".join(f"{k}={v}" for k, v in defaults_of(component).items()) or "-"
+
+    table = Table(title="ripplekv methods (spec: name[:option=value...])", box=box.SIMPLE_HEAD)
+    for column in ("method", "allocator", "scorer", "options (defaults)", "what it is"):
+        table.add_column(column, overflow="fold")
+    for name, chosen in sorted(PRESETS.items()):
+        if chosen.scorer is None:
+            table.add_row(name, "-", "-", "-", chosen.about)
+            continue
+        opts = "; ".join(o for o in (options(ALLOCATORS[chosen.allocator]), options(SCORERS[chosen.scorer])) if o != "-")
+        table.add_row(name, chosen.allocator, chosen.scorer, opts or "-", chosen.about)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(table)
+    console.print(f"allocators: {', '.join(sorted(ALLOCATORS))}; scorers: {', '.join(sorted(SCORERS))} "
+                  "(swap one with allocator=NAME or scorer=NAME)")
 
 
 # --- commands: tasks ---

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from ripplekv.cache import CompressedCache, build_cache
+from ripplekv.entries import LayerEntries
 from ripplekv.prefill import PrefillState
+
+Variants = list[list[LayerEntries]] | None  # per variant, entries per layer; None = the full cache
 
 
 def forward_tokens(model, cache: CompressedCache, tokens: torch.Tensor, start: int, logits_to_keep: int = 0):
     """Feed `tokens` [V, P] at positions start..start+P-1; returns float32 logits [V, P or 1, vocab]."""
-    positions = torch.arange(start, start + tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)
     out = model(
         input_ids=tokens,
         position_ids=positions,
@@ -34,27 +37,27 @@ def forward_tokens(model, cache: CompressedCache, tokens: torch.Tensor, start: i
 def greedy_decode(
     model,
     state: PrefillState,
-    selections: list[torch.Tensor] | None,
+    variants: Variants,
     max_new_tokens: int,
     stop_ids: Iterable[int] = (),
     num_variants: int | None = None,
 ) -> list[list[int]]:
     """Greedy tokens of every variant (stop tokens included when produced).
 
-    `selections`: bool masks [L, H_kv, n] per variant; None decodes the full cache (`num_variants` copies).
+    `variants`: entries per layer for each variant; None decodes the full cache (`num_variants` copies).
     """
     stop = set(int(t) for t in stop_ids)
-    cache = build_cache(state, selections, num_variants)
+    cache = build_cache(state, variants, num_variants)
     total = cache.num_variants
     first = int(state.last_logits.argmax())
     outputs = [[first] for _ in range(total)]
     active = [i for i in range(total) if first not in stop]
     if len(active) < total:
-        cache.select_variants(torch.tensor(active, dtype=torch.long))
+        cache.select_variants(torch.tensor(active, dtype=torch.long, device=state.device))
     for step in range(1, max_new_tokens):
         if not active:
             break
-        last = torch.tensor([[outputs[i][-1]] for i in active], dtype=torch.long)
+        last = torch.tensor([[outputs[i][-1]] for i in active], dtype=torch.long, device=state.device)
         logits = forward_tokens(model, cache, last, state.length + step - 1, logits_to_keep=1)
         chosen = logits[:, -1].argmax(-1).tolist()
         still = []
@@ -65,7 +68,7 @@ def greedy_decode(
         if len(still) < len(active):
             active = [active[r] for r in still]
             if active:
-                cache.select_variants(torch.tensor(still, dtype=torch.long))
+                cache.select_variants(torch.tensor(still, dtype=torch.long, device=state.device))
     return outputs
 
 
@@ -78,13 +81,13 @@ class Fidelity:
 
 
 @torch.inference_mode()
-def teacher_forced_logprobs(model, state: PrefillState, selections, tokens: list[int], num_variants=None):
-    """Log-probs [V, T, vocab] of each variant at each answer position, feeding the given answer tokens."""
-    cache = build_cache(state, selections, num_variants)
+def teacher_forced_logprobs(model, state: PrefillState, variants: Variants, tokens: list[int], num_variants=None):
+    """Log-probs [V, T, vocab] (float32) of each variant at each answer position, feeding the given answer tokens."""
+    cache = build_cache(state, variants, num_variants)
     first = torch.log_softmax(state.last_logits, -1)[None, None].expand(cache.num_variants, 1, -1)
     if len(tokens) <= 1:
         return first.clone()
-    fed = torch.tensor(tokens[:-1], dtype=torch.long)[None].expand(cache.num_variants, -1)
+    fed = torch.tensor(tokens[:-1], dtype=torch.long, device=state.device)[None].expand(cache.num_variants, -1)
     rest = torch.log_softmax(forward_tokens(model, cache, fed, state.length), -1)
     return torch.cat([first, rest], dim=1)
 
@@ -96,6 +99,37 @@ def fidelity(reference_logprobs: torch.Tensor, variant_logprobs: torch.Tensor, t
     """
     ref = reference_logprobs[None]
     kl = (ref.exp() * (ref - variant_logprobs)).sum(-1).clamp_min(0.0).mean(-1)  # [V]
-    target = torch.tensor(tokens, dtype=torch.long)[None]
+    target = torch.tensor(tokens, dtype=torch.long, device=variant_logprobs.device)[None]
     agree = (variant_logprobs.argmax(-1) == target).float().mean(-1)
-    return [Fidelity(float(k), float(a)) for k, a in zip(kl, agree)]
+    return [Fidelity(float(k), float(a)) for k, a in zip(kl.tolist(), agree.tolist())]
+
+
+# Teacher-forced log-probs are [V, T, vocab] floats; keep one chunk of them under this many bytes.
+LOGPROB_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The full cache's greedy answer and its log-probs: what every variant's fidelity is measured against."""
+
+    tokens: list[int]
+    logprobs: torch.Tensor  # [T, vocab]
+
+
+@torch.inference_mode()
+def full_reference(model, state: PrefillState, max_new_tokens: int, stop_ids: Iterable[int] = ()) -> Reference:
+    tokens = greedy_decode(model, state, None, max_new_tokens, stop_ids, num_variants=1)[0]
+    return Reference(tokens, teacher_forced_logprobs(model, state, None, tokens)[0])
+
+
+@torch.inference_mode()
+def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16) -> list[Fidelity]:
+    """Fidelity of every variant to the reference, in chunks that bound the log-prob memory."""
+    per_variant = max(1, len(reference.tokens) * int(reference.logprobs.shape[-1]) * 4)
+    chunk = max(1, min(batch_size, LOGPROB_BYTES // per_variant))
+    result: list[Fidelity] = []
+    for start in range(0, len(variants), chunk):
+        part = variants[start : start + chunk]
+        logprobs = teacher_forced_logprobs(model, state, part, reference.tokens)
+        result.extend(fidelity(reference.logprobs, logprobs, reference.tokens))
+    return result

@@ -19,17 +19,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ripplekv.budgets import check_budget
 from ripplekv.errors import UserError
+from ripplekv.runfiles import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
 
-PREDICTIONS = "predictions.jsonl"
-CONFIG = "config.json"
 DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
-REFERENCE = "full"
 # config.json keys that do not change results, so a rerun may differ in them.
-NOT_COMPARED = ("ripplekv_version", "model", "allocation")
-# Teacher-forced log-probs are [V, T, vocab] floats; keep one chunk of them under this many bytes.
-LOGPROB_BYTES = 256 * 2**20
+NOT_COMPARED = ("ripplekv_version", "model", "allocation", "route", "versions", "device_name")
 
 
 @dataclass(frozen=True)
@@ -50,6 +48,9 @@ class EvalSettings:
     seed: int = 0
     capture_window: int = 64
     method_options: dict = field(default_factory=dict)
+    route: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
 
 
 def parse_names(text: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -96,7 +97,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
     from ripplekv import __version__
     from ripplekv.data import get_tasks
     from ripplekv.methods import make_method
-    from ripplekv.models import resolve_model
+    from ripplekv.methods.presets import shared_option_users
+    from ripplekv.models import resolve_device_dtype, resolve_model, runtime_info
 
     for budget in settings.budgets:
         check_budget(budget)
@@ -110,18 +112,25 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError(f"--target-tokens must be positive, got {settings.target_tokens}")
     if settings.max_length < 2:
         raise UserError(f"--max-length must be at least 2 tokens, got {settings.max_length}")
+    if not settings.methods:
+        raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv,pyramidkv")
     # The full cache is always computed (it is the reference for fidelity), so it is always reported.
-    names = tuple(dict.fromkeys((REFERENCE, *settings.methods)))
-    options = {**settings.method_options, "allocation": settings.allocation}
-    methods = {name: make_method(name, **options) for name in names}
+    shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
+    built = [make_method(spec, shared=shared) for spec in (REFERENCE, *settings.methods)]
+    for key, used in shared_option_users(settings.methods, shared).items():
+        if not used:
+            raise UserError(f"--{key} applies to none of the chosen methods ({', '.join(settings.methods)})")
+    methods = {method.label: method for method in built}
+    names = tuple(methods)
     tasks = get_tasks(settings.suite, list(settings.tasks) or None)
     source = resolve_model(settings.model)
-    uses_allocation = "ripplekv" in names
-    allocation = settings.allocation if uses_allocation else None
+    device, dtype = resolve_device_dtype(settings.device, settings.dtype)
+    allocation = settings.allocation if any("allocation" in m.describe().get("allocator", {}) for m in built) else None
     config = {
         "command": "eval",
         "budgets": list(settings.budgets),
         "methods": list(names),
+        "method_specs": {label: method.describe() for label, method in methods.items()},
         "suite": settings.suite,
         "tasks": [task.name for task in tasks],
         "limit": settings.limit,
@@ -137,6 +146,9 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "method_options": dict(sorted(settings.method_options.items())),
         "allocation": str(Path(allocation).resolve()) if allocation else None,
         "allocation_sha256": file_sha256(allocation),
+        "device": device,
+        "dtype": dtype,
+        **runtime_info(device),
         "ripplekv_version": __version__,
     }
     return Plan(settings=settings, tasks=tasks, methods=methods, config=config)
@@ -184,26 +196,6 @@ def variant_keys(config: dict) -> set[tuple[str, int | None]]:
     keys = {(REFERENCE, None)}
     keys.update((m, b) for m in config["methods"] if m != REFERENCE for b in config["budgets"])
     return keys
-
-
-def read_lines(path: Path) -> tuple[list[dict], bool]:
-    """Parsed lines of a predictions file and whether a trailing partial line (a kill mid-write) was seen."""
-    if not path.is_file():
-        return [], False
-    data = path.read_bytes()
-    partial = bool(data) and not data.endswith(b"\n")
-    lines = data.split(b"\n")
-    if partial:
-        lines = lines[:-1]
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise UserError(f"{path} line {number} is not valid JSON; use a new --out directory") from None
-    return rows, partial
 
 
 def finished_samples(out: Path, config: dict) -> set[tuple[str, str]]:
@@ -296,29 +288,21 @@ def evaluate_sample(
 ) -> list[dict]:
     """Result rows of one sample: full first, then every other method at every budget, from ONE prefill."""
     from ripplekv.data import build_prompt_ids
-    from ripplekv.decode import fidelity, greedy_decode, teacher_forced_logprobs
+    from ripplekv.decode import full_reference, greedy_decode, measure_fidelity
     from ripplekv.metrics import score_sample
 
     ids = build_prompt_ids(task, record, tokenizer, max_length)
-    state = prefill(model, ids, capture_window=capture_window)
+    state = prefill(model, ids, capture_window=capture_window, reserve=task.max_new_tokens)
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
-    stops = stop_ids(task, tokenizer, model)
+    reference = full_reference(model, state, task.max_new_tokens, stop_ids(task, tokenizer, model))
 
-    full_tokens = greedy_decode(model, state, None, task.max_new_tokens, stops, num_variants=1)[0]
-    reference = teacher_forced_logprobs(model, state, None, full_tokens)[0]
-
-    variants = [(name, budget, method) for name, method in methods.items() if name != REFERENCE for budget in budgets]
-    selections = [method.select(state, budget) for _, budget, method in variants]
+    variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets]
+    counts = [method.budgets(state, budget) for _, budget, method in variants]
+    built = [method.compress(state, budget) for _, budget, method in variants]
     tokens: list[list[int]] = []
-    quality = []
-    vocab = int(reference.shape[-1])
-    per_variant = max(1, len(full_tokens) * vocab * 4)
-    fidelity_chunk = max(1, min(batch_size, LOGPROB_BYTES // per_variant))
-    for batch in _chunks(selections, batch_size):
-        tokens.extend(greedy_decode(model, state, batch, task.max_new_tokens, stops))
-        for part in _chunks(batch, fidelity_chunk):
-            logprobs = teacher_forced_logprobs(model, state, part, full_tokens)
-            quality.extend(fidelity(reference, logprobs, full_tokens))
+    for batch in _chunks(built, batch_size):
+        tokens.extend(greedy_decode(model, state, batch, task.max_new_tokens, stop_ids(task, tokenizer, model)))
+    quality = measure_fidelity(model, state, built, reference, batch_size)
 
     base = {
         "id": sid,
@@ -329,34 +313,41 @@ def evaluate_sample(
         "answers": list(record["answers"]),
     }
 
-    def row(name, budget, out_tokens, kept, layer_budgets, kl, agreement):
+    def row(name, budget, out_tokens, entry_counts, kl, agreement):
         prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
         score = score_sample(task.name, prediction, record["answers"], record.get("all_classes"))
-        return {
+        per_layer = entry_counts.sum(1)
+        fields = {
             **base,
             "method": name,
             "budget": budget,
             "prediction": prediction,
             "new_tokens": len(out_tokens),
             "score": float(score),
-            "kept_entries": int(kept),
+            "kept_entries": int(entry_counts.sum()),
             "kl": float(kl),
             "agreement": float(agreement),
-            "layer_budgets": [int(b) for b in layer_budgets],
+            # Entries per KV head in each layer (the mean over heads when heads differ; then head_budgets too).
+            "layer_budgets": [int(t) // heads if t % heads == 0 else round(float(t) / heads, 3) for t in per_layer],
         }
+        if bool((entry_counts != entry_counts[:, :1]).any()):
+            fields["head_budgets"] = entry_counts.tolist()
+        return fields
 
-    rows = [row(REFERENCE, None, full_tokens, layers * heads * n, [n] * layers, 0.0, 1.0)]
-    for (name, budget, method), selection, out_tokens, fid in zip(variants, selections, tokens, quality):
-        rows.append(row(name, budget, out_tokens, selection.sum(), method.layer_budgets(layers, budget, n),
-                        fid.kl, fid.agreement))
+    full_counts = np.full((layers, heads), n, dtype=np.int64)
+    rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)]
+    for (name, budget, _), entry_counts, entry_list, out_tokens, fid in zip(variants, counts, built, tokens, quality):
+        kept = np.array([[int(c) for c in layer.counts.tolist()] for layer in entry_list], dtype=np.int64)
+        assert (kept == entry_counts).all(), f"{name}@{budget}: built entries differ from the allocated budgets"
+        rows.append(row(name, budget, out_tokens, kept, fid.kl, fid.agreement))
     return rows
 
 
-def prefill(model, ids, capture_window: int = 64):
+def prefill(model, ids, capture_window: int = 64, reserve: int = 0):
     """The engine's prefill (a module-level name so tests can prove a resumed run never calls it)."""
     from ripplekv.prefill import prefill as engine_prefill
 
-    return engine_prefill(model, ids, capture_window=capture_window)
+    return engine_prefill(model, ids, capture_window=capture_window, reserve=reserve)
 
 
 # --------------------------------------------------------------------------- the run
@@ -389,7 +380,8 @@ def check_model_fits(plan: Plan) -> None:
 
     layers = load_config(plan.settings.model).num_hidden_layers
     for method in plan.methods.values():
-        method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
+        if not method.allocator.needs_prompt:
+            method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
 
 
 def run_eval(settings: EvalSettings, out: str | Path, console=None) -> dict:
@@ -431,7 +423,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     if todo:
         console.print(f"[bold]eval[/bold] {len(work)} samples ({len(done)} already done), "
                       f"{len(variant_keys(config))} variants each -> {out}")
-        model, _, _ = load_model(settings.model)
+        model, _, _ = load_model(settings.model, device=settings.device, dtype=settings.dtype)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         finished = len(done)

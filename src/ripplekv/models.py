@@ -180,15 +180,61 @@ def load_tokenizer(spec: str | None = None):
     return _from_hub_or_local(AutoTokenizer, location, source)
 
 
-def load_model(spec: str | None = None, dtype: str = "float32"):
-    """Return `(model, tokenizer, source)` in eval mode on the CPU, ready for the engine."""
+DEVICES_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_device_dtype(device: str | None = "auto", dtype: str | None = "auto") -> tuple[str, str]:
+    """Concrete (device, dtype): auto is CUDA + bfloat16 when a GPU is there, else CPU + float32."""
+    import torch
+
+    device = (device or "auto").strip().lower()
+    dtype = (dtype or "auto").strip().lower()
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise UserError(f"--device must be {DEVICES_HELP}; got {device!r}")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device} asked for a GPU, but torch sees no CUDA device; use --device cpu")
+        index = int(device[5:]) if device.startswith("cuda:") else 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
+def runtime_info(device: str) -> dict:
+    """What a result depends on besides the settings: versions, attention path, the device's name."""
+    import torch
+    import transformers
+
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+    return {
+        "attention": "prefill: sdpa; compressed decode: ripplekv attention (float32 softmax)",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "device_name": name,
+    }
+
+
+def load_model(spec: str | None = None, device: str | None = "auto", dtype: str | None = "auto"):
+    """Return `(model, tokenizer, source)` in eval mode on `device` in `dtype` (see `resolve_device_dtype`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from ripplekv import adapter
+
+    device, dtype = resolve_device_dtype(device, dtype)
     _quiet_transformers()
     source, location = _source_and_location(spec)
-    _check_supported(_from_hub_or_local(AutoConfig, location, source))  # before any weights are read
+    config = _from_hub_or_local(AutoConfig, location, source)
+    _check_supported(config)  # before any weights are read
+    adapter.check_supported(config)
     model = _from_hub_or_local(AutoModelForCausalLM, location, source, dtype=getattr(torch, dtype))
     tokenizer = _from_hub_or_local(AutoTokenizer, location, source)
+    model.to(device)
     model.eval()
     return model, tokenizer, source

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ripplekv import adapter
 from ripplekv import cache as kvcache
+from ripplekv import entries
 
 DEFAULT_CAPTURE_WINDOW = 64
 
@@ -27,6 +29,18 @@ class PrefillState:
     last_logits: torch.Tensor  # [vocab] next-token logits after the whole prompt
     scaling: float
     scores: dict = field(default_factory=dict)  # method scores shared across methods and budgets
+    model: object = field(default=None, repr=False)  # for methods that need the model's RoPE (via adapter)
+    _full: dict = field(default_factory=dict, repr=False)
+
+    def full_entries(self, layer: int) -> entries.LayerEntries:
+        """Every token of `layer` as entries: one shared object, so caches store it once."""
+        if layer not in self._full:
+            self._full[layer] = entries.full(self.keys[layer], self.values[layer])
+        return self._full[layer]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
 
     @property
     def length(self) -> int:
@@ -46,22 +60,26 @@ class PrefillState:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW) -> PrefillState:
-    """Run the prompt once with full attention; keep K/V, window queries and the last logits."""
+def prefill(model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0) -> PrefillState:
+    """Run the prompt once with full attention; keep K/V, window queries and the last logits.
+
+    `reserve`: tokens that will follow the prompt (the answer), checked against the model's window.
+    """
     kvcache.install(model)
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
+    adapter.check_length(model.config, len(ids) + reserve)
     capture: dict = {"window": min(capture_window, len(ids))}
     out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_capture=capture)
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
     keys = [dyn.layers[i].keys[0] for i in range(num_layers)]
     values = [dyn.layers[i].values[0] for i in range(num_layers)]
-    attn = model.model.layers[0].self_attn
     return PrefillState(
         input_ids=ids,
         keys=keys,
         values=values,
         window_queries=[capture[i] for i in range(num_layers)],
         last_logits=out.logits[0, -1].float(),
-        scaling=float(attn.scaling),
+        scaling=adapter.attention_scaling(model),
+        model=model,
     )

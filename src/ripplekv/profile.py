@@ -20,10 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from transformers import DynamicCache
-
-from ripplekv.cache import CompressedCache, CompressedLayer, VariantOverride, build_cache
-from ripplekv.decode import forward_tokens
+from ripplekv import adapter
+from ripplekv.cache import CompressedCache, CompressedLayer, VariantOverride
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.prefill import prefill
@@ -69,9 +67,12 @@ def split_prompt(sample_id: str, prompt_ids: list[int], probe_tokens: int, answe
 
 
 def noise_delta(values: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
-    """eta * ||v||_2 / sqrt(d) * eps per token and KV head: the same relative size in every layer."""
-    scale = values.norm(dim=-1, keepdim=True) / values.shape[-1] ** 0.5
-    eps = torch.randn(values.shape, generator=generator, dtype=values.dtype)
+    """eta * ||v||_2 / sqrt(d) * eps per token and KV head: the same relative size in every layer.
+
+    Noise is drawn in float32 on the CPU, so a seed gives the same draw on every device and dtype.
+    """
+    scale = values.float().norm(dim=-1, keepdim=True) / values.shape[-1] ** 0.5
+    eps = torch.randn(values.shape, generator=generator, dtype=torch.float32).to(values.device)
     return eta * scale * eps
 
 
@@ -89,7 +90,7 @@ def layer_overrides(state, settings: ProfileSettings, seed: int, sample_index: i
             delta = noise_delta(state.values[layer], settings.eta, _generator(seed, sample_index, layer))
             overrides.append(VariantOverride(layer, value_delta=delta))
         else:
-            bias = torch.zeros(keep[layer].shape).masked_fill(~keep[layer], float("-inf"))
+            bias = torch.zeros(keep[layer].shape, device=state.device).masked_fill(~keep[layer], float("-inf"))
             overrides.append(VariantOverride(layer, key_bias=bias))
     return overrides
 
@@ -102,7 +103,7 @@ def kl_per_variant(clean: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor
 @torch.inference_mode()
 def profile_prompt(model, prompt: CalibrationPrompt, settings: ProfileSettings, sample_index: int) -> np.ndarray:
     """KL per (seed, layer) for one sample, from a single prefill of its context."""
-    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
+    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens), reserve=len(prompt.probe))
     return profile_state(model, state, prompt.probe, settings, sample_index)
 
 
@@ -116,9 +117,8 @@ class ProbeRunner:
 
     def __init__(self, model, state, probe_ids: list[int]):
         self.model, self.state = model, state
-        self.inner = model.model
-        self.probe = torch.tensor(probe_ids, dtype=torch.long)[None]
-        self.positions = torch.arange(state.length, state.length + self.probe.shape[1])[None]
+        self.probe = torch.tensor(probe_ids, dtype=torch.long, device=state.device)[None]
+        self.positions = torch.arange(state.length, state.length + self.probe.shape[1], device=state.device)[None]
         self.layers = [
             CompressedLayer(state.keys[i][None], state.values[i][None], None, state.length)
             for i in range(state.num_layers)
@@ -132,9 +132,9 @@ class ProbeRunner:
         for i, layer in enumerate(self.layers):
             layer.keys = layer.values = None
             layer.override = overrides.get(i)
-        hidden = self.inner.embed_tokens(self.probe) if record else self.clean_inputs[first]
-        rotary = self.inner.rotary_emb(hidden, position_ids=self.positions)
-        for index, decoder in enumerate(self.inner.layers):
+        hidden = adapter.embed(self.model, self.probe) if record else self.clean_inputs[first]
+        rotary = adapter.rotary(self.model, hidden, self.positions)
+        for index, decoder in enumerate(adapter.decoder_layers(self.model)):
             if record:
                 self.clean_inputs.append(hidden)
             elif first < index < stop:
@@ -150,8 +150,7 @@ class ProbeRunner:
                 position_embeddings=rotary,
                 ripplekv_cache=cache,
             )
-        logits = self.model.lm_head(self.inner.norm(hidden)).float()
-        return torch.log_softmax(logits, -1)
+        return torch.log_softmax(adapter.logits(self.model, hidden), -1)
 
     def perturbed_kl(self, overrides: list[VariantOverride], batch_size: int) -> np.ndarray:
         """KL(clean || variant l) for every layer l, `batch_size` perturbed layers per pass."""
@@ -163,7 +162,7 @@ class ProbeRunner:
                 for layer in range(first, stop)
             }
             logprobs = self._run(first, stop, rows)
-            result[first:stop] = kl_per_variant(self.clean[None], logprobs).numpy()
+            result[first:stop] = kl_per_variant(self.clean[None], logprobs).cpu().numpy()
         return result
 
 
@@ -175,52 +174,6 @@ def profile_state(model, state, probe_ids: list[int], settings: ProfileSettings,
     result = np.zeros((seeds, state.num_layers))
     for seed in range(seeds):
         result[seed] = runner.perturbed_kl(layer_overrides(state, settings, seed, sample_index), settings.batch_size)
-    return result
-
-
-@torch.inference_mode()
-def profile_prompt_one_layer_at_a_time(model, prompt: CalibrationPrompt, settings: ProfileSettings, sample_index: int):
-    """The naive way peers do it: a fresh prefill per perturbed layer, stock attention and cache.
-
-    Kept as the reference the batched profile is tested and benchmarked against.
-    """
-    from ripplekv import cache as kvcache
-
-    kvcache.install(model)
-    context = torch.tensor(prompt.context, dtype=torch.long)[None]
-    probe = torch.tensor(prompt.probe, dtype=torch.long)[None]
-    start = context.shape[1]
-    positions = torch.arange(start, start + probe.shape[1])[None]
-
-    def probe_logprobs(delta_layer=None, delta=None):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-        if delta is not None:
-            cache.layers[delta_layer].values = cache.layers[delta_layer].values + delta[None]
-        out = model(input_ids=probe, position_ids=positions, cache=cache, use_cache=True)
-        return torch.log_softmax(out.logits[0].float(), -1)
-
-    def evicted_logprobs(layer, keep):
-        # Stock attention cannot hold one shorter layer, so the evicted layer goes through our cache.
-        fresh = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
-        masks = torch.ones(fresh.num_layers, *keep.shape, dtype=torch.bool)
-        masks[layer] = keep
-        cache = build_cache(fresh, [masks])
-        return torch.log_softmax(forward_tokens(model, cache, probe, start)[0], -1)
-
-    clean = probe_logprobs()
-    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
-    num_layers = state.num_layers
-    seeds = settings.seeds if settings.signal == "noise" else 1
-    result = np.zeros((seeds, num_layers))
-    for seed in range(seeds):
-        overrides = layer_overrides(state, settings, seed, sample_index)
-        for layer, override in enumerate(overrides):
-            if override.value_delta is not None:
-                perturbed = probe_logprobs(layer, override.value_delta)
-            else:
-                perturbed = evicted_logprobs(layer, torch.isfinite(override.key_bias))
-            result[seed, layer] = float(kl_per_variant(clean, perturbed))
     return result
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from ripplekv.errors import UserError
-from ripplekv.evaluate import PREDICTIONS, REFERENCE, read_lines
+from ripplekv.runfiles import PREDICTIONS, REFERENCE, read_lines
 from ripplekv.metrics import aggregate
 
 FLOAT_FORMAT = "%.6g"

@@ -1,6 +1,7 @@
-"""Compression methods, one file each; importing this package fills the registry."""
+"""Compression methods: allocators and scorers (one small file each) and the presets built from them."""
 
-from ripplekv.methods import full, pyramidkv, random_keep, ripplekv, snapkv, streamingllm  # noqa: F401
-from ripplekv.methods.base import REGISTRY, Method, make_method, method_names
+from ripplekv.methods import adakv, allocators, random_keep, router, snapkv, streamingllm  # noqa: F401  (registration)
+from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.presets import PRESETS, make_method, method_names, parse_spec
 
-__all__ = ["REGISTRY", "Method", "make_method", "method_names"]
+__all__ = ["ALLOCATORS", "PRESETS", "SCORERS", "Method", "make_method", "method_names", "parse_spec"]

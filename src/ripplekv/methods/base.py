@@ -1,84 +1,197 @@
-"""What a compression method is: per-layer budgets, and which prompt entries each layer and head keeps.
+"""A compression method is an allocator x a scorer.
 
-A method is a small frozen dataclass registered by name. Selections are bool masks [L, H_kv, n], so
-kept positions are unique and in order by construction, and heads may keep different counts.
+- An **allocator** decides how many entries each (layer, KV head) keeps: an `[L, H_kv]` integer matrix
+  that sums exactly to `L * H_kv * B` (or keeps everything when the prompt has n <= B tokens).
+- A **scorer** decides which entries a head keeps, given its count.
+- A **method** composes the two and builds entries (`ripplekv.entries`) from a prefilled prompt. The
+  default is to gather the tokens the scorer keeps; a merging method overrides `compress`.
+
+Scorers and allocators are small frozen dataclasses registered by name; their fields are the options a
+method spec can set (see `methods.presets`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
+from ripplekv import entries
 from ripplekv.budgets import check_budget, integer_budgets
 from ripplekv.errors import UserError
 from ripplekv.prefill import PrefillState
 
-REGISTRY: dict[str, Callable[..., "Method"]] = {}
+SCORERS: dict[str, Callable[..., "Scorer"]] = {}
+ALLOCATORS: dict[str, Callable[..., "Allocator"]] = {}
 
 
-def register(name: str):
-    """Class decorator: make a method available by name (one registry line per method)."""
-
+def register_scorer(name: str):
     def wrap(cls):
-        REGISTRY[name] = cls
+        cls.name = name
+        SCORERS[name] = cls
         return cls
 
     return wrap
 
 
-def method_names() -> list[str]:
-    return sorted(REGISTRY)
+def register_allocator(name: str):
+    def wrap(cls):
+        cls.name = name
+        ALLOCATORS[name] = cls
+        return cls
+
+    return wrap
 
 
-def make_method(name: str, **options) -> "Method":
-    """Build a method by name; options a method does not take are ignored."""
-    if name not in REGISTRY:
-        raise UserError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
-    cls = REGISTRY[name]
-    fields = getattr(cls, "__dataclass_fields__", {})
-    return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
+def options_of(component) -> dict:
+    """A component's resolved options (None-valued ones left out), for config.json."""
+    chosen = {}
+    for f in fields(component):
+        value = getattr(component, f.name)
+        if value is None or (f.metadata.get("internal") and not f.metadata.get("record")):
+            continue
+        chosen[f.name] = list(value) if isinstance(value, tuple) else value
+    return chosen
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """Which entries a head keeps."""
+
+    name = "scorer"
+
+    def floor(self) -> int:
+        """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
+        return 1
+
+    def scores(self, state: PrefillState, layer: int) -> torch.Tensor:
+        """Float32 scores [H_kv, m] of the scored candidates (higher = keep), comparable across heads."""
+        raise NotImplementedError
+
+    def keep(self, state: PrefillState, layer: int, counts: torch.Tensor) -> torch.Tensor:
+        """Bool mask [H_kv, n] keeping `counts[h]` entries in head h."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Allocator:
+    """How many entries each (layer, KV head) keeps. Layer-level by default: every head of a layer alike."""
+
+    name = "allocator"
+    needs_prompt = False  # True when budgets depend on the prompt's scores (not only its length)
+
+    def layer_weights(self, num_layers: int, budget: int, floor: int) -> list[float]:
+        """Real-valued per-layer weights; only proportions matter."""
+        return [1.0] * num_layers
+
+    def layer_budgets(self, num_layers: int, budget: int, length: int, floor: int) -> list[int]:
+        """Entries per KV head in each layer, summing to `num_layers * budget` exactly."""
+        check_budget(budget)
+        return integer_budgets(self.layer_weights(num_layers, budget, floor), budget, length, floor)
+
+    def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
+        """The `[L, H_kv]` budget matrix for one prefilled prompt."""
+        per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())
+        return np.repeat(np.asarray(per_layer, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
 
 
 @dataclass(frozen=True)
 class Method:
-    """Base: uniform budgets; subclasses choose entries (and may change budgets)."""
+    """A named, fully resolved method: allocator x scorer (`scorer` None keeps everything: the full cache)."""
 
-    name = "method"
+    label: str
+    preset: str
+    allocator: Allocator
+    scorer: Scorer | None
 
-    def layer_targets(self, num_layers: int, budget: int) -> list[float]:
-        """Real-valued per-layer weights; only proportions matter (uniform by default)."""
-        return [1.0] * num_layers
+    @property
+    def name(self) -> str:
+        return self.label
 
-    def layer_floor(self) -> int:
-        """No layer gets fewer than this many entries (when the budget allows)."""
-        return 1
+    @property
+    def is_full(self) -> bool:
+        return self.scorer is None
+
+    def describe(self) -> dict:
+        """Everything that determines this method's output (written to config.json)."""
+        if self.is_full:
+            return {"preset": self.preset}
+        described = {"preset": self.preset, "allocator": {"name": self.allocator.name, **options_of(self.allocator)}}
+        if self.scorer is not None:
+            described["scorer"] = {"name": self.scorer.name, **options_of(self.scorer)}
+        return described
+
+    def floor(self) -> int:
+        return self.scorer.floor() if self.scorer is not None else 1
 
     def layer_budgets(self, num_layers: int, budget: int, length: int) -> list[int]:
-        """Exact integer budgets summing to `num_layers * budget` (or all entries for short prompts)."""
-        check_budget(budget)
-        return integer_budgets(self.layer_targets(num_layers, budget), budget, length, self.layer_floor())
+        """Entries per KV head in each layer (prompt-independent allocators only)."""
+        if self.is_full:
+            return [length] * num_layers
+        return self.allocator.layer_budgets(num_layers, budget, length, self.floor())
 
-    def keep(self, state: PrefillState, layer: int, count: int) -> torch.Tensor:
-        """Bool mask [H_kv, n] keeping `count` entries per head of one layer."""
-        raise NotImplementedError
+    def budgets(self, state: PrefillState, budget: int) -> np.ndarray:
+        """The `[L, H_kv]` entry counts for this prompt."""
+        if self.is_full:
+            return np.full((state.num_layers, state.num_kv_heads), state.length, dtype=np.int64)
+        return self.allocator.allocate(state, budget, self.scorer)
 
     def select(self, state: PrefillState, budget: int) -> torch.Tensor:
-        """Bool mask [L, H_kv, n] for the whole cache at this budget."""
-        budgets = self.layer_budgets(state.num_layers, budget, state.length)
+        """Bool mask [L, H_kv, n] of the tokens kept (for token-selecting methods)."""
+        counts = self.budgets(state, budget)
         masks = []
-        for layer, count in enumerate(budgets):
-            if count >= state.length:
-                masks.append(torch.ones(state.num_kv_heads, state.length, dtype=torch.bool))
+        for layer in range(state.num_layers):
+            layer_counts = torch.as_tensor(counts[layer], device=state.device)
+            if bool((layer_counts >= state.length).all()):
+                masks.append(torch.ones(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device))
             else:
-                masks.append(self.keep(state, layer, count))
+                masks.append(self.scorer.keep(state, layer, layer_counts))
         return torch.stack(masks)
 
+    def compress(self, state: PrefillState, budget: int) -> list[entries.LayerEntries]:
+        """Entries per layer; a layer that keeps everything shares the prefill's tensors."""
+        if self.is_full:
+            return [state.full_entries(layer) for layer in range(state.num_layers)]
+        masks = self.select(state, budget)
+        return [
+            state.full_entries(layer) if bool(mask.all()) else entries.gather(state.keys[layer], state.values[layer], mask)
+            for layer, mask in enumerate(masks)
+        ]
 
-def recent_mask(num_heads: int, length: int, count: int) -> torch.Tensor:
+
+def recent_mask(num_heads: int, length: int, count: int, device=None) -> torch.Tensor:
     """Keep the last `count` positions in every head."""
-    mask = torch.zeros(num_heads, length, dtype=torch.bool)
+    mask = torch.zeros(num_heads, length, dtype=torch.bool, device=device)
     if count > 0:
         mask[:, length - count :] = True
     return mask
+
+
+def top_scored_mask(scores: torch.Tensor, length: int, window: int, count: int) -> torch.Tensor:
+    """Keep the window (or its last `count` entries) plus the top `count - window` prefix entries per head.
+
+    `scores` [H, n - window] rank the prefix; the window is the last `window` positions.
+    """
+    kept_window = min(window, count)
+    mask = recent_mask(scores.shape[0], length, kept_window, scores.device)
+    extra = count - kept_window
+    if extra > 0:
+        top = torch.topk(scores, extra, dim=-1).indices
+        mask.scatter_(1, top, True)
+    return mask
+
+
+def per_head(counts: torch.Tensor, build: Callable[[slice, int], torch.Tensor]) -> torch.Tensor:
+    """Apply `build(heads, count)` once when every head keeps the same count, else head by head."""
+    values = [int(c) for c in counts.tolist()]
+    if len(set(values)) == 1:
+        return build(slice(None), values[0])
+    return torch.cat([build(slice(h, h + 1), count) for h, count in enumerate(values)])
+
+
+def check_positive(**values: int) -> None:
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"option {key} must be a positive integer, got {value!r}")

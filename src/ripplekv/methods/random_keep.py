@@ -1,4 +1,4 @@
-"""Random: the window plus uniformly random prefix entries, uniform budgets — a floor for sanity."""
+"""Random scoring: the window plus uniformly random prefix entries — a floor for sanity."""
 
 from __future__ import annotations
 
@@ -6,18 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.methods.base import register
-from ripplekv.methods.snapkv import SnapScored, top_scored_mask
+from ripplekv.methods.base import register_scorer
+from ripplekv.methods.snapkv import WindowScorer
 
 
-@register("random")
+@register_scorer("random")
 @dataclass(frozen=True)
-class RandomKeep(SnapScored):
-    name = "random"
+class RandomScorer(WindowScorer):
     seed: int = 0
 
-    def keep(self, state, layer, count):
-        window = min(self.window, state.length, count)
+    def scores(self, state, layer):
+        window = min(self.window, state.length)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
-        scores = torch.rand(state.num_kv_heads, state.length - window, generator=generator)
-        return top_scored_mask(scores, state.length, window, count)
+        return torch.rand(state.num_kv_heads, state.length - window, generator=generator).to(state.device)

@@ -1,7 +1,17 @@
-"""SnapKV: the observation window's attention over the prefix, pooled, picks the top entries per KV head.
+"""SnapKV scoring: the observation window's attention over the prefix, pooled, picks the top entries per KV head.
 
-Defaults follow the SnapKV paper and KVCache-Factory: window 32, max pooling with kernel 7. With grouped
-KV heads, a KV head's score is the mean over the query heads that share it. The window is always kept.
+The last `window` prompt tokens are the observation window and are always kept. Their attention to each
+earlier entry (softmax over the causal prefix, summed over window queries) is smoothed by 1-D pooling
+and the top entries per KV head are kept. With grouped KV heads, a KV head's score is the mean over the
+query heads that share it, taken *before* pooling: the kept entries are stored once per KV head, so the
+score must rank them for the whole group, and pooling the mean is the same as averaging pooled heads
+for average pooling (and close to it for max pooling).
+
+Defaults and their sources: the SnapKV repository's `init_snapkv` uses window 32, kernel 5 and average
+pooling; KVCache-Factory's LongBench script uses window 8, kernel 7 and max pooling. We keep window 32
+(SnapKV's) with kernel 7 and max pooling (KVCache-Factory's), the setting our earlier results use;
+`--window`, `--kernel`, `--pooling` (or `snapkv:window=..`) choose others. Average pooling counts the
+zero padding at the two edges (`count_include_pad=True`), as the original code and kvpress do.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Method, recent_mask, register
+from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
 from ripplekv.prefill import PrefillState
 
 POOLINGS = ("max", "avg", "none")
@@ -31,58 +41,54 @@ def window_scores(state: PrefillState, layer: int, window: int, kernel: int, poo
     group = queries.shape[0] // kv_heads
     logits = torch.matmul(queries.reshape(kv_heads, group * window, -1), keys.transpose(-1, -2)) * state.scaling
     # Window query i sits at position n - w + i and sees keys up to it.
-    visible = torch.arange(length)[None, :] <= (length - window + torch.arange(window))[:, None]
+    positions = torch.arange(length, device=keys.device)
+    visible = positions[None, :] <= (length - window + torch.arange(window, device=keys.device))[:, None]
     logits = logits.masked_fill(~visible.repeat(group, 1), float("-inf"))
     mass = torch.softmax(logits, dim=-1).view(kv_heads, group, window, length).sum(2).mean(1)
     prefix = mass[:, : length - window]
     if pooling == "max" and kernel > 1:
         prefix = F.max_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
     elif pooling == "avg" and kernel > 1:
-        prefix = F.avg_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=False)[:, 0]
+        prefix = F.avg_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
     prefix = prefix[:, : length - window]
     state.scores[key] = prefix
     return prefix
 
 
-def top_scored_mask(scores: torch.Tensor, length: int, window: int, count: int) -> torch.Tensor:
-    """Keep the window (or its last `count` entries) plus the top `count - window` prefix entries per head."""
-    kept_window = min(window, count)
-    mask = recent_mask(scores.shape[0], length, kept_window)
-    extra = count - kept_window
-    if extra > 0:
-        top = torch.topk(scores, extra, dim=-1).indices
-        mask.scatter_(1, top, True)
-    return mask
-
-
 @dataclass(frozen=True)
-class SnapScored(Method):
-    """Any method that ranks entries by SnapKV scores (budgets may differ by subclass)."""
+class WindowScorer(Scorer):
+    """A scorer that always keeps the last `window` tokens and ranks the prefix before them."""
 
     window: int = 32
+
+    def floor(self) -> int:
+        return self.window
+
+    def keep(self, state, layer, counts):
+        window = min(self.window, state.length)
+        scores = None
+
+        def build(heads, count):
+            nonlocal scores
+            if count <= window:
+                return recent_mask(state.num_kv_heads, state.length, count, state.device)[heads]
+            if scores is None:
+                scores = self.scores(state, layer)
+            return top_scored_mask(scores[heads], state.length, window, count)
+
+        return per_head(counts, build)
+
+
+@register_scorer("snapkv")
+@dataclass(frozen=True)
+class SnapKVScorer(WindowScorer):
     kernel: int = 7
     pooling: str = "max"
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:
             raise UserError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(POOLINGS)}")
-        if self.window < 1 or self.kernel < 1:
-            raise UserError("SnapKV window and kernel must be positive integers")
+        check_positive(window=self.window, kernel=self.kernel)
 
-    def layer_floor(self) -> int:
-        return self.window
-
-    def keep(self, state, layer, count):
-        window = min(self.window, state.length)
-        if count <= window:
-            return recent_mask(state.num_kv_heads, state.length, count)
-        scores = window_scores(state, layer, window, self.kernel, self.pooling)
-        return top_scored_mask(scores, state.length, window, count)
-
-
-@register("snapkv")
-@dataclass(frozen=True)
-class SnapKV(SnapScored):
-    """Uniform budgets, SnapKV scoring."""
-
-    name = "snapkv"
+    def scores(self, state, layer):
+        return window_scores(state, layer, min(self.window, state.length), self.kernel, self.pooling)

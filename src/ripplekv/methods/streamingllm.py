@@ -1,20 +1,34 @@
-"""StreamingLLM: attention sinks (the first tokens) plus the most recent window, uniform budgets."""
+"""StreamingLLM scoring: attention sinks (the first tokens) plus the most recent tokens."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ripplekv.methods.base import Method, recent_mask, register
+import torch
+
+from ripplekv.errors import UserError
+from ripplekv.methods.base import Scorer, per_head, recent_mask, register_scorer
 
 
-@register("streamingllm")
+@register_scorer("recency")
 @dataclass(frozen=True)
-class StreamingLLM(Method):
-    name = "streamingllm"
+class SinksAndRecent(Scorer):
     sinks: int = 4
 
-    def keep(self, state, layer, count):
-        sinks = min(self.sinks, count)
-        mask = recent_mask(state.num_kv_heads, state.length, count - sinks)
-        mask[:, :sinks] = True
-        return mask
+    def __post_init__(self):
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise UserError(f"option sinks must be a non-negative integer, got {self.sinks!r}")
+
+    def scores(self, state, layer):
+        """Later tokens score higher (sinks are kept first by `keep`); the last token is the floor."""
+        order = torch.arange(state.length - 1, dtype=torch.float32, device=state.device)
+        return order.expand(state.num_kv_heads, -1).clone()
+
+    def keep(self, state, layer, counts):
+        def build(heads, count):
+            sinks = min(self.sinks, count)
+            mask = recent_mask(state.num_kv_heads, state.length, count - sinks, state.device)[heads]
+            mask[:, :sinks] = True
+            return mask
+
+        return per_head(counts, build)

@@ -1,7 +1,11 @@
-"""RippleKV: per-layer budgets from a sensitivity-derived allocation, SnapKV scoring inside each layer.
+"""Layer-level allocators: every head of a layer keeps the same count; layers differ.
 
-The allocation CSV (written by `ripplekv allocate`) has columns `layer,multiplier`; multipliers are
-turned into exact integer budgets by the same rounding as every other method, so totals match.
+- `uniform`: the same budget in every layer (SnapKV, StreamingLLM).
+- `pyramid`: PyramidKV's schedule. Beyond the scorer's window, layer 0 gets (2 - 1/beta) times and the
+  last layer 1/beta times the average, linearly in between. Unlike the common implementation (integer
+  steps that keep ~4.6% more than uniform at B=128), our integer budgets sum exactly to L*B.
+- `file`: multipliers from an allocation CSV (`layer,multiplier`, written by `ripplekv allocate`):
+  RippleKV's and DepthKV's budgets.
 """
 
 from __future__ import annotations
@@ -13,8 +17,34 @@ import numpy as np
 import pandas as pd
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import register
-from ripplekv.methods.snapkv import SnapScored
+from ripplekv.methods.base import Allocator, register_allocator
+
+
+@register_allocator("uniform")
+@dataclass(frozen=True)
+class Uniform(Allocator):
+    pass
+
+
+@register_allocator("pyramid")
+@dataclass(frozen=True)
+class Pyramid(Allocator):
+    beta: float = 20.0
+
+    def __post_init__(self):
+        if not self.beta >= 1:
+            raise UserError(f"option beta must be a number >= 1, got {self.beta!r}")
+
+    def layer_weights(self, num_layers, budget, floor):
+        spare = max(budget - floor, 0)
+        low = spare / self.beta
+        high = 2 * spare - low
+        if num_layers == 1:
+            return [float(budget)]
+        step = (high - low) / (num_layers - 1)
+        return [floor + high - step * layer for layer in range(num_layers)]
+
+
 
 
 def read_layer_column(path: str | Path, column: str, kind: str, remedy: str) -> list[float]:
@@ -52,24 +82,24 @@ def read_allocation(path: str | Path) -> tuple[float, ...]:
     return tuple(values)
 
 
-@register("ripplekv")
+@register_allocator("file")
 @dataclass(frozen=True)
-class RippleKV(SnapScored):
-    name = "ripplekv"
+class FromAllocation(Allocator):
+    """Budgets proportional to per-layer multipliers from `ripplekv allocate`."""
+
     allocation: str | None = None
     multipliers: tuple[float, ...] | None = None
 
     def __post_init__(self):
-        super().__post_init__()
         if self.multipliers is None:
             if self.allocation is None:
                 raise UserError(
-                    "ripplekv needs an allocation: run `ripplekv profile` and `ripplekv allocate`, "
+                    "this method needs an allocation: run `ripplekv profile` and `ripplekv allocate`, "
                     "then pass --allocation ALLOC.csv (or use `make reproduce`)"
                 )
             object.__setattr__(self, "multipliers", read_allocation(self.allocation))
 
-    def layer_targets(self, num_layers, budget):
+    def layer_weights(self, num_layers, budget, floor):
         if len(self.multipliers) != num_layers:
             raise UserError(
                 f"allocation has {len(self.multipliers)} layers but the model has {num_layers}; "

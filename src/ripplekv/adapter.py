@@ -1,0 +1,110 @@
+"""The one place that touches model internals: embeddings, rotary embedding (and its inverse), decoder
+layers, final norm, lm_head, attention scaling, and the checks that a model fits our engine.
+
+Supported families (Llama, Qwen2, Qwen3, Mistral) share this layout in transformers. Our compressed
+cache assumes every layer attends to the whole prompt with plain softmax attention, so sliding-window
+layers and logit soft-capping are refused here with one clear line rather than computed wrongly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ripplekv.errors import UserError
+
+
+def inner(model):
+    """The decoder stack (`model.model` in every supported family)."""
+    return model.model
+
+
+def decoder_layers(model):
+    return inner(model).layers
+
+
+def num_layers(model) -> int:
+    return int(model.config.num_hidden_layers)
+
+
+def device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def attention_scaling(model) -> float:
+    return float(decoder_layers(model)[0].self_attn.scaling)
+
+
+def embed(model, ids: torch.Tensor) -> torch.Tensor:
+    return inner(model).embed_tokens(ids)
+
+
+def rotary(model, hidden: torch.Tensor, positions: torch.Tensor):
+    """(cos, sin) for `positions`, as the decoder layers take them."""
+    return inner(model).rotary_emb(hidden, position_ids=positions)
+
+
+def logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm and lm_head, in float32."""
+    return model.lm_head(inner(model).norm(hidden)).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_at(model, positions: torch.Tensor, like: torch.Tensor):
+    """(cos, sin) [.., len, d] in float32 for integer `positions` [len] (any shape broadcasting over heads)."""
+    flat = positions.reshape(1, -1).to(like.device)
+    cos, sin = rotary(model, like.float(), flat)
+    return cos[0].float().reshape(*positions.shape, -1), sin[0].float().reshape(*positions.shape, -1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [.., d] to the positions cos/sin stand for (the model's own RoPE)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo `apply_rope` at the same positions: the key as it was before rotation (position 0)."""
+    return x * cos - _rotate_half(x) * sin
+
+
+def check_supported(config) -> None:
+    """Refuse what our attention would compute wrongly: logit soft-capping."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            raise UserError(
+                f"model type {config.model_type!r} uses {name}; ripplekv's attention does not implement "
+                "soft-capping, so its results would be wrong: use a model without it"
+            )
+
+
+def sliding_window(config) -> int | None:
+    """The attention window a model's layers are limited to, or None when they see the whole context."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_length(config, total_tokens: int) -> None:
+    """A prompt plus its answer must fit the model's attention window (ours has no sliding window).
+
+    Mistral-7B-v0.1's config carries `sliding_window=4096`: within 4096 tokens sliding and full attention
+    are the same thing, so such prompts run; a 7.5k prompt is refused, with the fix in the message.
+    """
+    window = sliding_window(config)
+    if window is not None and total_tokens > window:
+        raise UserError(
+            f"prompt plus answer is {total_tokens} tokens but this model attends only to its last {window} "
+            f"(sliding_window={window}); ripplekv computes full attention, so pass --max-length "
+            f"{max(1, window - 256)} or less"
+        )

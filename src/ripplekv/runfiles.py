@@ -1,0 +1,35 @@
+"""The files of an eval run directory that both `eval` (which writes them) and `report` (which reads them) know.
+
+Kept apart from `evaluate` so that data flows one way: evaluate -> report -> runfiles.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ripplekv.errors import UserError
+
+PREDICTIONS = "predictions.jsonl"
+CONFIG = "config.json"
+REFERENCE = "full"
+
+
+def read_lines(path: Path) -> tuple[list[dict], bool]:
+    """Parsed lines of a predictions file and whether a trailing partial line (a kill mid-write) was seen."""
+    if not path.is_file():
+        return [], False
+    data = path.read_bytes()
+    partial = bool(data) and not data.endswith(b"\n")
+    lines = data.split(b"\n")
+    if partial:
+        lines = lines[:-1]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{path} line {number} is not valid JSON; use a new --out directory") from None
+    return rows, partial
