@@ -62,7 +62,8 @@ def main(out: Path, config: str) -> None:
         "```",
         "",
         "Files: `eval/predictions.jsonl` (every answer), `eval/scores.csv`, `eval/leaderboard.csv`,",
-        "`eval/leaderboard_wide.csv`, `profile/sensitivity.csv`, `allocation.csv`, `eval/config.json`.",
+        "`eval/leaderboard_wide.csv`, `eval/ranks.csv`, `eval/lengths.csv`, `profile/sensitivity.csv`, `allocation.csv`,",
+        "`eval/config.json`.",
         "",
     ]
     (out / "README.md").write_text("\n".join(lines))

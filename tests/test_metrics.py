@@ -192,3 +192,31 @@ def test_dataset_and_length_buckets():
     assert M.score_dataset("narrativeqa", ["paris rome", "oslo"], [["paris"], ["oslo"]], None) == 83.33
     with pytest.raises(UserError):
         M.score_dataset("narrativeqa", [], [], None)
+
+
+# --------------------------------------------------------------------------- rouge-score (Google) beside the official ROUGE
+
+
+def test_rouge_score_option_matches_hand_computed_rouge_l():
+    # rouge-score's README example: LCS "the quick brown jumps the" = 5 of 8 predicted and 9 reference
+    # tokens, F1 = 2 * 5 / (8 + 9).
+    pred, gold = "The quick brown dog jumps on the log.", "The quick brown fox jumps over the lazy dog"
+    assert M.score_sample("gov_report", pred, [gold], rouge="rouge-score") == pytest.approx(10 / 17)
+    # Lower-casing and the Porter stemmer: cats->cat, running/run->run; "were" and "was" differ.
+    # LCS "the cat run" = 3 of 4 and 4 -> 0.75; the official scorer (case-sensitive, no stemming) finds no common word.
+    assert M.score_sample("qmsum", "the cats were running", ["The cat was run"], rouge="rouge-score") == 0.75
+    assert M.score_sample("qmsum", "the cats were running", ["The cat was run"]) == 0.0
+
+
+def test_rouge_score_option_on_chinese_uses_jieba_words():
+    # jieba: 我们/去/公园 vs 我们/去/公园/散步 -> LCS 3 of 3 and 4, F1 = 6/7 (the package's own
+    # tokenizer keeps only a-z0-9 and would find nothing).
+    assert M.score_sample("vcsum", "我们去公园", ["我们去公园散步"], rouge="rouge-score") == pytest.approx(6 / 7)
+
+
+def test_rouge_option_leaves_other_metrics_alone_and_rejects_unknown_names():
+    assert M.score_sample("hotpotqa", "Paris\nLondon", ["London"], rouge="rouge-score") == pytest.approx(2 / 3)
+    assert M.metric_label("gov_report_e", "rouge-score") == "rouge:rouge-score"
+    assert M.metric_label("hotpotqa", "rouge-score") == "qa_f1"
+    with pytest.raises(UserError, match="--rouge must be one of official, rouge-score"):
+        M.score_sample("gov_report", "x", ["x"], rouge="rouge2")

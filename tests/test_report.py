@@ -107,3 +107,133 @@ def test_missing_or_empty_predictions_is_one_line_exit_2(content, tmp_path, run_
     code, _, err = run_cli("report", str(run))
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "predictions.jsonl" in err and "ripplekv eval" in err
+
+
+# --------------------------------------------------------------------------- uncertainty
+
+
+def noisy_predictions(samples_per_task: int = 10) -> list[dict]:
+    """snapkv scores vary per sample; 'clone' copies it, 'ahead' beats it on every sample,
+    'coin' is snapkv plus noise; budget 128 has no uniform baseline."""
+    out = []
+    for t, (task, category) in enumerate(TASKS.items()):
+        for i in range(samples_per_task):
+            base = ((7 * i + 3 * t) % 10) / 10
+            plan = {("full", None): 1.0, ("snapkv", 64): base, ("clone", 64): base,
+                    ("ahead", 64): min(1.0, base + 0.2), ("coin", 64): abs(base - 0.1 * ((i + t) % 3 - 1)),
+                    ("h2o", 128): base}
+            for (method, budget), score in plan.items():
+                out.append({"id": f"{task}-{i}", "task": task, "category": category, "method": method,
+                            "budget": budget, "score": score, "kl": 0.0 if budget is None else (1 - score) / 2,
+                            "agreement": 0.9, "prompt_tokens": 300 + i, "length": 200 + i,
+                            "layer_budgets": [budget or 300 + i] * 4})
+    return out
+
+
+def test_leaderboard_has_intervals_differences_and_p_values(tmp_path):
+    run = write(tmp_path / "run", noisy_predictions())
+    report.render(run)
+    board = pd.read_csv(run / "leaderboard.csv")
+    for column in ("avg_ci_low", "avg_ci_high", "kl_ci_low", "kl_ci_high",
+                   "delta_vs_uniform", "delta_ci_low", "delta_ci_high", "p_vs_uniform"):
+        assert column in board.columns
+    assert ((board.avg_ci_low <= board.avg) & (board.avg <= board.avg_ci_high)).all()
+    assert ((board.kl_ci_low <= board.kl) & (board.kl <= board.kl_ci_high)).all()
+    assert (board.avg_ci_high - board.avg_ci_low > 1).sum() >= 4  # real spread, not a point
+    rows = board.set_index(["method", "budget"], drop=False)
+    clone, ahead, coin = rows.loc[("clone", 64)], rows.loc[("ahead", 64)], rows.loc[("coin", 64)]
+    assert clone.delta_vs_uniform == 0 and clone.delta_ci_low <= 0 <= clone.delta_ci_high and clone.p_vs_uniform == 1
+    assert ahead.delta_vs_uniform > 0 and ahead.delta_ci_low > 0 and ahead.p_vs_uniform < 0.05
+    assert coin.delta_ci_low < 0 < coin.delta_ci_high
+    assert rows.loc[("snapkv", 64)].delta_vs_uniform == 0
+    full = board[board.method == "full"].iloc[0]
+    assert pd.isna(full.delta_vs_uniform) and pd.isna(full.p_vs_uniform) and full.avg_ci_low == full.avg == 100
+    assert board.loc[board.budget == 128, ["delta_vs_uniform", "p_vs_uniform"]].isna().all().all()  # no baseline
+
+
+def test_uniform_is_the_baseline_when_present(tmp_path):
+    records = noisy_predictions()
+    records += [{**r, "method": "uniform", "score": 0.0} for r in records if r["method"] == "snapkv"]
+    board = report.render(write(tmp_path / "run", records))["leaderboard"].set_index("method")
+    assert board.loc["snapkv", "delta_vs_uniform"] == board.loc["snapkv", "avg"] > 0
+    assert board.loc["uniform", "delta_vs_uniform"] == 0
+
+
+def test_ranks_csv_and_determinism(tmp_path):
+    records = noisy_predictions()
+    first = write(tmp_path / "a", records)
+    report.render(first)
+    ranks = pd.read_csv(first / "ranks.csv")
+    assert list(ranks.columns) == ["method", "budget", "p_rank1", "expected_rank"]
+    assert ranks.groupby("budget")["p_rank1"].sum().round(9).eq(1).all()
+    at64 = ranks[ranks.budget == 64].set_index("method")
+    assert at64.loc["ahead", "p_rank1"] > 0.9 and at64.loc["ahead", "expected_rank"] < 1.1
+    assert ranks[ranks.budget == 128].iloc[0].tolist() == ["h2o", 128, 1.0, 1.0]
+    # Rendered again: byte-identical. The same lines in another order: the same numbers (rows and
+    # columns follow first appearance, so compare them sorted).
+    again = write(tmp_path / "again", records)
+    report.render(again)
+    for name in ("leaderboard.csv", "ranks.csv", "lengths.csv", "summary.md"):
+        assert (first / name).read_bytes() == (again / name).read_bytes()
+    shuffled = write(tmp_path / "shuffled", list(reversed(records)))
+    report.render(shuffled)
+
+    def table(folder, name):
+        frame = pd.read_csv(folder / name)
+        return frame.sort_values(["method", "budget"]).reset_index(drop=True).sort_index(axis=1)
+
+    for name in ("leaderboard.csv", "ranks.csv"):
+        pd.testing.assert_frame_equal(table(first, name), table(shuffled, name))
+    report.render(again, seed=1)
+    assert (first / "leaderboard.csv").read_bytes() != (again / "leaderboard.csv").read_bytes()
+
+
+def test_summary_and_table_mark_only_significant_differences(tmp_path, run_cli):
+    run = write(tmp_path / "run", noisy_predictions())
+    code, out, err = run_cli("report", str(run), "--resamples", "500")
+    assert code == 0, err
+    summary = (run / "summary.md").read_text()
+    lines = {line.split(" | ")[1]: line for line in summary.splitlines() if line.startswith("| 64 | ")}
+    assert "| better |" in lines["ahead"] and "| n.s. |" in lines["coin"] and "| n.s. |" in lines["clone"]
+    assert "| baseline |" in lines["snapkv"] and "500 resamples" in summary
+    rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("│")}
+    assert "▲" in rows["ahead"] and not {"▲", "▼"} & set(rows["coin"] + rows["clone"] + rows["snapkv"])
+    assert json.loads((run / "report.json").read_text())["resamples"] == 500
+
+
+def test_length_buckets_longbench_e_and_terciles(tmp_path):
+    longbench_e = {"niah": "hotpotqa_e", "passage_count": "passage_count_e", "squad": "qasper_e"}
+    records = [{**r, "task": longbench_e[r["task"]], "length": [1000, 5000, 9000][int(r["id"][-1]) % 3]}
+               for r in noisy_predictions(samples_per_task=6)]
+    lengths = report.render(write(tmp_path / "e", records))["lengths"]
+    full = lengths[lengths.method == "full"]
+    assert full["bucket"].tolist() == ["0-4k", "4-8k", "8k+"] and full["samples"].tolist() == [6, 6, 6]
+    assert "## By context length" in (tmp_path / "e" / "summary.md").read_text()
+    lengths = report.render(write(tmp_path / "offline", noisy_predictions(samples_per_task=6)))["lengths"]
+    row = lengths[(lengths.method == "snapkv")].set_index("bucket")
+    assert list(row.index) == ["short", "medium", "long"] and row["tasks"].tolist() == [3, 3, 3]
+    assert row.loc["short", "length_max"] == 201 and row.loc["long", "length_min"] == 204
+    plain = [{k: v for k, v in r.items() if k != "length"} for r in noisy_predictions(2)]
+    assert report.render(write(tmp_path / "none", plain))["lengths"] is None
+    assert not (tmp_path / "none" / "lengths.csv").exists()
+
+
+def test_report_rouge_score_rescores_summaries(tmp_path, run_cli):
+    records = [{**r, "task": "gov_report", "category": "Summarization", "prediction": "the cats were running",
+                "answers": ["The cat was run"]} for r in noisy_predictions(2) if r["task"] == "niah"]
+    run = write(tmp_path / "run", records)
+    code, _, err = run_cli("report", str(run), "--rouge", "rouge-score")
+    assert code == 0, err
+    assert set(pd.read_csv(run / "scores.csv")["score"]) == {75.0}
+    assert json.loads((run / "report.json").read_text())["rouge"] == "rouge-score"
+    assert "rouge-score" in (run / "summary.md").read_text()
+    code, _, _ = run_cli("report", str(run))
+    assert code == 0 and set(pd.read_csv(run / "scores.csv")["score"]) != {75.0}
+
+
+@pytest.mark.parametrize("args, message", [(["--rouge", "nope"], "--rouge must be one of"),
+                                           (["--resamples", "0"], "--resamples must be a positive number")])
+def test_bad_report_options_are_one_line(tmp_path, run_cli, args, message):
+    run = write(tmp_path / "run", noisy_predictions(2))
+    code, _, err = run_cli("report", str(run), *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err

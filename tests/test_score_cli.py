@@ -33,19 +33,43 @@ def test_score_writes_dataset_and_sample_csvs(tmp_path, run_cli):
     )
     assert code == 0, err
     datasets = pd.read_csv(tmp_path / "d" / "datasets.csv")
-    assert list(datasets.columns) == ["dataset", "n", "score"]
+    assert list(datasets.columns) == ["dataset", "n", "score", "metric"]
     assert datasets.to_dict("records") == [
-        {"dataset": "narrativeqa", "n": 2, "score": 83.33},
-        {"dataset": "trec_e", "n": 2, "score": 50.0},
-        {"dataset": "trec_e@0-4k", "n": 1, "score": 100.0},
-        {"dataset": "trec_e@8k+", "n": 1, "score": 0.0},  # empty 4-8k bucket: no row
-        {"dataset": "niah_multikey", "n": 1, "score": 66.67},
+        {"dataset": "narrativeqa", "n": 2, "score": 83.33, "metric": "qa_f1"},
+        {"dataset": "trec_e", "n": 2, "score": 50.0, "metric": "classification"},
+        {"dataset": "trec_e@0-4k", "n": 1, "score": 100.0, "metric": "classification"},
+        {"dataset": "trec_e@8k+", "n": 1, "score": 0.0, "metric": "classification"},  # empty 4-8k bucket: no row
+        {"dataset": "niah_multikey", "n": 1, "score": 66.67, "metric": "string_match"},
     ]
     samples = pd.read_csv(tmp_path / "s.csv")
     assert list(samples.columns) == ["line", "dataset", "score"]
     assert samples["line"].tolist() == [0, 1, 2, 3, 4]
     assert samples["score"].tolist() == [100.0, 66.67, 100.0, 0.0, 66.67]
     assert "trec_e@0-4k" in out and "83.33" in out
+
+
+SUMMARIES = [
+    {"dataset": "gov_report", "pred": "the cats were running", "answers": ["The cat was run"], "all_classes": None},
+    {"dataset": "narrativeqa", "pred": "Max", "answers": ["Max Carl"], "all_classes": None},
+]
+
+
+@pytest.mark.parametrize("rouge, gov_report, metric", [(None, 0.0, "rouge"), ("rouge-score", 75.0, "rouge:rouge-score")])
+def test_rouge_option_rescores_summaries_and_says_so(tmp_path, run_cli, rouge, gov_report, metric):
+    pred = _write(tmp_path / "pred.jsonl", SUMMARIES)
+    code, out, err = run_cli("score", str(pred), "--out", str(tmp_path / "d.csv"), *(["--rouge", rouge] if rouge else []))
+    assert code == 0, err
+    datasets = pd.read_csv(tmp_path / "d.csv").set_index("dataset")
+    assert datasets.loc["gov_report", "score"] == gov_report and datasets.loc["gov_report", "metric"] == metric
+    assert datasets.loc["narrativeqa", "score"] == 66.67 and datasets.loc["narrativeqa", "metric"] == "qa_f1"
+    assert metric in out
+
+
+def test_unknown_rouge_is_one_line(tmp_path, run_cli):
+    pred = _write(tmp_path / "pred.jsonl", SUMMARIES)
+    code, _, err = run_cli("score", str(pred), "--out", str(tmp_path / "d.csv"), "--rouge", "rouge2")
+    assert code == 2 and err == "error: --rouge must be one of official, rouge-score, got 'rouge2'\n"
+    assert not (tmp_path / "d.csv").exists()
 
 
 def test_sample_line_numbers_count_blank_lines(tmp_path, run_cli):

@@ -277,16 +277,22 @@ def eval_command(
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out}"))
 
 
+ROUGE_HELP = "ROUGE-L for summarization tasks: official (LongBench parity, default) or rouge-score (Google's, as HELM)."
+
+
 @app.command("report")
 def report_command(
     run_dir: str = typer.Argument(..., help="A directory written by `ripplekv eval`."),
+    rouge: str = typer.Option("official", "--rouge", help=ROUGE_HELP),
+    resamples: int = typer.Option(2000, "--resamples", help="Bootstrap resamples for intervals, p-values and rank probabilities."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap resamples."),
 ) -> None:
-    """Re-render scores.csv, leaderboards, plots and summary.md from predictions.jsonl alone."""
+    """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
     from rich.console import Console
 
     from ripplekv import report
 
-    tables = report.render(run_dir)
+    tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
 
 # --- commands: score ---
@@ -297,8 +303,9 @@ def score(
     pred_file: str = typer.Argument(
         ..., help="JSON lines {dataset, pred, answers, all_classes[, length]} (length needed for *_e)."
     ),
-    out: str = typer.Option(..., "--out", help="Per-dataset CSV: dataset,n,score (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)."),
+    out: str = typer.Option(..., "--out", help="Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)."),
     samples: str | None = typer.Option(None, "--samples", help="Per-sample CSV: line (0-based),dataset,score."),
+    rouge: str = typer.Option("official", "--rouge", help=ROUGE_HELP),
 ) -> None:
     """Score a predictions file with the official LongBench metrics (also rescores other tools' outputs)."""
     from pathlib import Path
@@ -306,9 +313,10 @@ def score(
     from rich.console import Console
     from rich.table import Table
 
-    from ripplekv.metrics import load_predictions, score_predictions
+    from ripplekv.metrics import check_rouge, load_predictions, score_predictions
 
-    datasets, per_sample = score_predictions(load_predictions(Path(pred_file)))
+    rouge = check_rouge(rouge)
+    datasets, per_sample = score_predictions(load_predictions(Path(pred_file)), rouge)
     for target, frame in ((out, datasets), (samples, per_sample)):
         if target is not None:
             try:
@@ -321,8 +329,9 @@ def score(
     table.add_column("dataset")
     table.add_column("n", justify="right")
     table.add_column("score", justify="right")
+    table.add_column("metric")
     for row in datasets.itertuples(index=False):
-        table.add_row(row.dataset, str(row.n), f"{row.score:.2f}")
+        table.add_row(row.dataset, str(row.n), f"{row.score:.2f}", row.metric)
     Console().print(table)
 
 

@@ -6,6 +6,10 @@ official `eval.py` does. ROUGE-L is re-implemented (same tokenization, tie-break
 `rouge==1.0.1`) because the package's recursive LCS crashes on long texts, which the official code
 silently scores as 0.
 
+`rouge="rouge-score"` swaps the official ROUGE-L for Google's `rouge-score` implementation (ROUGE-L F1,
+Porter stemmer, as HELM scores summaries), for comparison with papers that use it; parity stays the
+default.
+
 `load_predictions` / `score_predictions` score a predictions file of JSON lines
 `{dataset, pred, answers, all_classes[, length]}`, so outputs of other tools can be rescored.
 """
@@ -17,6 +21,7 @@ import re
 import string
 import warnings
 from collections import Counter
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -151,6 +156,43 @@ def rouge_zh_score(prediction: str, ground_truth: str, **kwargs) -> float:
     return rouge_l_f(" ".join(_jieba_cut(prediction)), " ".join(_jieba_cut(ground_truth)))
 
 
+ROUGE_CHOICES = ("official", "rouge-score")
+
+
+def check_rouge(rouge: str) -> str:
+    if rouge not in ROUGE_CHOICES:
+        raise UserError(f"--rouge must be one of {', '.join(ROUGE_CHOICES)}, got {rouge!r}")
+    return rouge
+
+
+class _SplitTokenizer:
+    """rouge-score's default tokenizer keeps only [a-z0-9]; Chinese text arrives as jieba words
+    joined by spaces, so split on whitespace instead."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return text.lower().split()
+
+
+@lru_cache(maxsize=2)
+def _google_scorer(chinese: bool):
+    from rouge_score import rouge_scorer
+
+    if chinese:
+        return rouge_scorer.RougeScorer(["rougeL"], tokenizer=_SplitTokenizer())
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def google_rouge_score(prediction: str, ground_truth: str, **kwargs) -> float:
+    """ROUGE-L F1 by Google's `rouge-score` (lower-cased, alphanumeric tokens, Porter stemmer)."""
+    return _google_scorer(False).score(ground_truth, prediction)["rougeL"].fmeasure
+
+
+def google_rouge_zh_score(prediction: str, ground_truth: str, **kwargs) -> float:
+    """ROUGE-L F1 by `rouge-score` over jieba words (Chinese summarisation datasets)."""
+    words = lambda text: " ".join(_jieba_cut(text))  # noqa: E731
+    return _google_scorer(True).score(words(ground_truth), words(prediction))["rougeL"].fmeasure
+
+
 # --------------------------------------------------------------------------- classification, ids, counts, code
 
 
@@ -240,6 +282,9 @@ METRICS: dict[str, Callable[..., float]] = {
     "string_match": string_match_score,
 }
 
+# Replacements under `rouge="rouge-score"`.
+_GOOGLE_ROUGE = {"rouge": google_rouge_score, "rouge_zh": google_rouge_zh_score}
+
 # Metrics that score the whole answer list at once instead of the best single answer.
 _WHOLE_LIST_METRICS = {"string_match"}
 
@@ -314,15 +359,27 @@ def _base_name(dataset: str) -> str:
     return dataset
 
 
+def is_longbench_e(dataset: str) -> bool:
+    """A LongBench-E dataset (`<name>_e`), whose samples fall into the 0-4k / 4-8k / 8k+ buckets."""
+    return _base_name(dataset) != dataset
+
+
 def score_sample(
-    dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None
+    dataset: str,
+    prediction: str,
+    answers: Sequence[str],
+    all_classes: Sequence[str] | None = None,
+    rouge: str = "official",
 ) -> float:
     """One sample's score in [0, 1]: the best metric value over the gold answers (0 with none),
-    after the official first-line cut for trec, triviaqa, samsum and lsht."""
+    after the official first-line cut for trec, triviaqa, samsum and lsht. `rouge` picks the ROUGE-L
+    implementation for the ROUGE datasets (`official` or `rouge-score`)."""
     metric = metric_for(dataset)
     if _base_name(dataset) in _FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     fn = METRICS[metric]
+    if check_rouge(rouge) == "rouge-score" and metric in _GOOGLE_ROUGE:
+        fn = _GOOGLE_ROUGE[metric]
     if metric in _WHOLE_LIST_METRICS:
         return float(fn(prediction, list(answers)))
     best = 0.0
@@ -439,11 +496,18 @@ def load_predictions(path: Path) -> list[dict]:
     return records
 
 
-def score_predictions(records: list[dict]):
+def metric_label(dataset: str, rouge: str = "official") -> str:
+    """The metric a dataset is scored with, naming the ROUGE implementation when it is not the official one."""
+    metric = metric_for(dataset)
+    return f"{metric}:rouge-score" if rouge == "rouge-score" and metric in _GOOGLE_ROUGE else metric
+
+
+def score_predictions(records: list[dict], rouge: str = "official"):
     """Score loaded records -> (per-dataset table, per-sample table) as pandas DataFrames.
 
-    Per-dataset rows `dataset,n,score` in order of first appearance; each LongBench-E dataset is
-    followed by one row per non-empty length bucket, named `<dataset>@0-4k`, `@4-8k`, `@8k+`.
+    Per-dataset rows `dataset,n,score,metric` in order of first appearance; each LongBench-E dataset
+    is followed by one row per non-empty length bucket, named `<dataset>@0-4k`, `@4-8k`, `@8k+`.
+    `metric` names the metric (`rouge:rouge-score` under `rouge="rouge-score"`).
     Per-sample rows `line,dataset,score` with the score x100 rounded to 2 decimals.
     """
     import pandas as pd
@@ -452,7 +516,7 @@ def score_predictions(records: list[dict]):
     by_dataset: dict[str, list[tuple[float, float | None]]] = {}
     for rec in records:
         try:
-            value = score_sample(rec["dataset"], rec["pred"], rec["answers"], rec["all_classes"])
+            value = score_sample(rec["dataset"], rec["pred"], rec["answers"], rec["all_classes"], rouge)
         except UserError as err:
             raise UserError(f"line {rec['line'] + 1}: {err}") from None
         sample_rows.append({"line": rec["line"], "dataset": rec["dataset"], "score": round(100 * value, 2)})
@@ -460,14 +524,17 @@ def score_predictions(records: list[dict]):
 
     dataset_rows = []
     for dataset, items in by_dataset.items():
-        dataset_rows.append({"dataset": dataset, "n": len(items), "score": aggregate([v for v, _ in items])})
+        metric = metric_label(dataset, rouge)
+        dataset_rows.append({"dataset": dataset, "n": len(items), "score": aggregate([v for v, _ in items]), "metric": metric})
         if _base_name(dataset) != dataset:
             buckets: dict[str, list[float]] = {name: [] for name in LENGTH_BUCKETS}
             for value, length in items:
                 buckets[length_bucket(length)].append(value)
             for name, values in buckets.items():
                 if values:
-                    dataset_rows.append({"dataset": f"{dataset}@{name}", "n": len(values), "score": aggregate(values)})
-    datasets = pd.DataFrame(dataset_rows, columns=["dataset", "n", "score"])
+                    dataset_rows.append(
+                        {"dataset": f"{dataset}@{name}", "n": len(values), "score": aggregate(values), "metric": metric}
+                    )
+    datasets = pd.DataFrame(dataset_rows, columns=["dataset", "n", "score", "metric"])
     samples = pd.DataFrame(sample_rows, columns=["line", "dataset", "score"])
     return datasets, samples
