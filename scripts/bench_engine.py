@@ -44,6 +44,8 @@ def main() -> None:
     prefill(model, ids[:256])  # warm-up
     start = time.perf_counter()
     state = prefill(model, ids)
+    if state.device.type == "cuda":
+        torch.cuda.synchronize()
     prefill_time = time.perf_counter() - start
     rss_prefill = peak_rss_gb()
     start = time.perf_counter()

@@ -82,6 +82,9 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # the same question under its name in transformers < 5.5
+        return -1
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep (or reorder, or repeat) the variants in `indices`: finished variants leave the batch."""
         index = torch.as_tensor(indices, dtype=torch.long, device=self.prompt_keys.device)
