@@ -237,3 +237,24 @@ def test_bad_report_options_are_one_line(tmp_path, run_cli, args, message):
     run = write(tmp_path / "run", noisy_predictions(2))
     code, _, err = run_cli("report", str(run), *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_inspect_writes_the_kept_entries_and_a_picture(tiny_model_dir, tmp_path, run_cli):
+    import numpy as np
+
+    out = tmp_path / "inspect"
+    code, _, err = run_cli("inspect", "--model", str(tiny_model_dir), "--suite", "offline", "--task", "niah",
+                           "--index", "0", "--method", "snapkv:window=8", "--budget", "32", "--target-tokens", "300",
+                           "--out", str(out))
+    assert code == 0, err
+    kept = np.load(out / "kept.npz")
+    counts, positions = kept["counts"], kept["positions"]
+    assert counts.shape == (4, 2) and (counts == 32).all()
+    n = int(json.loads(str(kept["meta"]))["prompt_tokens"])
+    assert ((positions >= 0) & (positions < n)).sum() == 4 * 2 * 32
+    assert (positions[:, :, -8:] == np.arange(n - 8, n)).all()  # the window is always kept
+    assert 0 < int(kept["question_start"]) < n and len(kept["answer_positions"]) > 0
+    assert (out / "kept.png").stat().st_size > 10_000
+    code, _, err = run_cli("inspect", "--model", str(tiny_model_dir), "--method", "snapkv", "--budget", "32",
+                           "--out", str(out))
+    assert code == 2 and "--task" in err and len(err.strip().splitlines()) == 1

@@ -82,7 +82,7 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # the same question under its name in transformers < 5.5
+    def get_max_cache_shape(self) -> int:  # the same question under its older name (abstract in transformers 5.2)
         return -1
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

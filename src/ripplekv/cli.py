@@ -335,6 +335,83 @@ def score(
     Console().print(table)
 
 
+# --- commands: inspect ---
+
+
+@app.command("inspect")
+def inspect_command(
+    method: str = typer.Option(..., "--method", help="One method spec, e.g. snapkv or pyramidkv:beta=10."),
+    budget: int = typer.Option(..., "--budget", help="Average prompt entries kept per layer per KV head."),
+    out: str = typer.Option(..., "--out", help="Directory for kept.npz and kept.png."),
+    task: str | None = typer.Option(None, "--task", help="Task of the suite (with --index)."),
+    index: int = typer.Option(0, "--index", help="Sample index within the task (0-based)."),
+    prompt_file: str | None = typer.Option(None, "--prompt-file", help="A text file used as the whole prompt instead."),
+    suite: str = typer.Option("offline", "--suite", help="offline, longbench or longbench-e."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
+    target_tokens: int = typer.Option(3500, "--target-tokens", help="Offline suite: prompt length to build, in tokens."),
+    max_length: int = typer.Option(7500, "--max-length", help="Prompts longer than this are truncated in the middle."),
+    allocation: str | None = typer.Option(None, "--allocation", help="Allocation CSV (ripplekv and other file-budget methods)."),
+    route: str | None = typer.Option(None, "--route", help=ROUTE_HELP),
+    model: str | None = typer.Option(None, "--model", help="Hub id, model directory or .gguf; default: bundled SmolLM2-135M."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+) -> None:
+    """Save and draw which entries a method keeps for one prompt (why did it lose the answer?)."""
+    import json
+
+    import numpy as np
+    from rich.console import Console
+
+    from ripplekv.budgets import check_budget
+    from ripplekv.kept import answer_positions, kept_arrays, plot_kept
+    from ripplekv.methods import make_method
+    from ripplekv.models import load_model, load_tokenizer
+    from ripplekv.prefill import prefill
+
+    check_budget(budget)
+    chosen = make_method(method, shared={"allocation": allocation, "route": route})
+    if (task is None) == (prompt_file is None):
+        raise UserError("give either --task T (with --index I) or --prompt-file FILE")
+    if index < 0:
+        raise UserError(f"--index must be >= 0, got {index}")
+    tokenizer = load_tokenizer(model)
+    if prompt_file is not None:
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise UserError(f"prompt file {path} does not exist")
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace")).input_ids
+        question, answers, label = len(ids), [], path.name
+    else:
+        from ripplekv.data import build_prompt_ids, get_tasks, load_samples
+        from ripplekv.data.prompts import question_start
+
+        (chosen_task,) = get_tasks(suite, [task])
+        records = load_samples(chosen_task, tokenizer, limit=index + 1, data_dir=data_dir, target_tokens=target_tokens)
+        if index >= len(records):
+            raise UserError(f"task {chosen_task.name} has {len(records)} samples; --index must be below that")
+        record = records[index]
+        ids = build_prompt_ids(chosen_task, record, tokenizer, max_length)
+        question = question_start(chosen_task, record, tokenizer, max_length)
+        answers, label = list(record["answers"]), f"{chosen_task.name} #{index}"
+    loaded, _, source = load_model(model, device=device, dtype=dtype)
+    state = prefill(loaded, ids)
+    built = chosen.compress(state, budget)
+    arrays = kept_arrays(built)
+    needles = answer_positions(ids, tokenizer, answers, question)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"method": chosen.label, "spec": chosen.describe(), "budget": budget, "prompt_tokens": state.length,
+            "question_start": question, "answer_positions": needles, "sample": label, "model": source.label}
+    np.savez_compressed(folder / "kept.npz", **arrays, question_start=question, answer_positions=np.asarray(needles, dtype=np.int64),
+                        meta=json.dumps(meta))
+    kept_needles = int(sum(int((arrays["spans"][..., 0] <= p)[(arrays["spans"][..., 1] > p)].sum()) for p in needles))
+    slots = len(needles) * arrays["counts"].size
+    title = (f"{source.label}: {chosen.label} at B={budget} on {label} ({state.length} tokens, "
+             f"{int(arrays['counts'].sum())} entries); answer tokens kept in {kept_needles} of {slots} (token, layer, head) slots")
+    plot_kept(folder / "kept.png", arrays, state.length, question, needles, title)
+    Console(stderr=True).print(f"{title}\nwrote {folder / 'kept.npz'} and {folder / 'kept.png'}")
+
+
 # --- commands: methods ---
 
 

@@ -25,6 +25,7 @@ class LayerEntries:
     positions: torch.Tensor  # [H_kv, K] long; source prompt position, -1 on padding
     counts: torch.Tensor  # [H_kv] long; real entries per head (a prototype counts as one)
     log_weights: torch.Tensor | None = None  # [H_kv, K] float32; None when every entry is a plain token
+    spans: torch.Tensor | None = None  # [H_kv, K, 2] prompt span [start, end) a prototype stands for; None: tokens
 
     @property
     def num_heads(self) -> int:

@@ -78,19 +78,62 @@ def format_prompt(task, record: dict) -> str:
                         "records need the LongBench fields 'context' and 'input'") from None
 
 
-def _final_ids(task, prompt: str, tokenizer) -> list[int]:
-    """Wrap in the chat template (one user turn) unless the task says not to, then tokenize.
+def _final_text(task, prompt: str, tokenizer) -> tuple[str, bool]:
+    """The text the model reads and whether the tokenizer adds its special tokens to it.
 
-    The chat template text already holds any BOS the model wants, so it is tokenized without adding
-    special tokens again; a tokenizer without a chat template gets the plain prompt (pred.py does the
-    same for base models).
+    Wrapped in the chat template (one user turn) unless the task says not to. The chat template text
+    already holds any BOS the model wants, so it is tokenized without adding special tokens again; a
+    tokenizer without a chat template gets the plain prompt (pred.py does the same for base models).
     """
     if task.chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
-    return list(tokenizer(prompt, truncation=False).input_ids)
+        return text, False
+    return prompt, True
+
+
+def _final_ids(task, prompt: str, tokenizer) -> list[int]:
+    text, special = _final_text(task, prompt, tokenizer)
+    return list(tokenizer(text, add_special_tokens=special, truncation=False).input_ids)
+
+
+def _middle_truncated(task, record: dict, tokenizer, max_length: int) -> str:
+    if max_length < 2:
+        raise UserError(f"max length must be at least 2 tokens, got {max_length}")
+    prompt = format_prompt(task, record)
+    ids = tokenizer(prompt, truncation=False).input_ids
+    if len(ids) > max_length:
+        half = int(max_length / 2)
+        prompt = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+            ids[-half:], skip_special_tokens=True
+        )
+    return prompt
+
+
+def question_start(task, record: dict, tokenizer, max_length: int) -> int:
+    """Token index where the part of the prompt after the context (the question, the instructions that
+    follow it and the chat template's closing) begins: the boundary of the context-only protocol.
+
+    Found by locating the template's text after `{context}` in the final text and mapping that
+    character offset to a token with the fast tokenizer's offsets (the prompt itself is unchanged).
+    """
+    text, special = _final_text(task, _middle_truncated(task, record, tokenizer, max_length), tokenizer)
+    template = task.prompt_template
+    tail = template.split("{context}", 1)[1] if "{context}" in template else ""
+    try:
+        tail_text = tail.format(**{k: v for k, v in record.items() if isinstance(k, str)})
+    except (KeyError, IndexError, ValueError):
+        tail_text = ""
+    encoded = tokenizer(text, add_special_tokens=special, truncation=False, return_offsets_mapping=True)
+    ids, offsets = encoded.input_ids, encoded.offset_mapping
+    cut = text.rfind(tail_text) if tail_text.strip() else -1
+    if cut < 0:
+        return len(ids)
+    for index, (start, end) in enumerate(offsets):
+        if end > cut and end > start:
+            return index
+    return len(ids)
 
 
 def build_prompt_ids(task, record: dict, tokenizer, max_length: int) -> list[int]:
@@ -103,16 +146,7 @@ def build_prompt_ids(task, record: dict, tokenizer, max_length: int) -> list[int
        instructions at both ends)
     4. apply the chat template unless task.chat_template is False, and tokenize the result.
     """
-    if max_length < 2:
-        raise UserError(f"max length must be at least 2 tokens, got {max_length}")
-    prompt = format_prompt(task, record)
-    ids = tokenizer(prompt, truncation=False).input_ids
-    if len(ids) > max_length:
-        half = int(max_length / 2)
-        prompt = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
-            ids[-half:], skip_special_tokens=True
-        )
-    return _final_ids(task, prompt, tokenizer)
+    return _final_ids(task, _middle_truncated(task, record, tokenizer, max_length), tokenizer)
 
 
 def prompt_length(task, record: dict, tokenizer) -> int:
