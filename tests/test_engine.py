@@ -225,3 +225,22 @@ def test_a_prototype_of_m_identical_tokens_attends_as_the_m_tokens(tiny_model):
         layer.log_weights = None
     plain = teacher_forced_logprobs(tiny_model, state, [merged], answer)[0]
     assert not torch.allclose(both[0], plain, atol=1e-3)
+
+
+def test_context_only_protocol_reads_the_question_through_the_cache(tiny_model):
+    """Prefill the context alone, feed the question through the cache: with the full cache this is exactly
+    the model on the whole prompt; compressed, the question attends to the kept context entries only."""
+    ids = prompt(160)
+    context, question = ids[:140], ids[140:].tolist()
+    expected = reference_greedy(tiny_model, ids, 12)
+    state = prefill(tiny_model, context, capture_window=32)
+    assert greedy_decode(tiny_model, state, None, 12, prefix=question)[0] == expected
+    whole = prefill(tiny_model, ids, capture_window=32)
+    full_lp = teacher_forced_logprobs(tiny_model, whole, None, expected)[0]
+    ours = teacher_forced_logprobs(tiny_model, state, None, expected, prefix=question)[0]
+    assert torch.allclose(ours, full_lp, atol=1e-5)
+    # Budgets count the context alone; batched variants still decode as each one alone.
+    variants = [make_method(name).compress(state, 40) for name in ("snapkv", "streamingllm")]
+    assert all(sum(layer.total() for layer in v) == state.num_layers * state.num_kv_heads * 40 for v in variants)
+    batched = greedy_decode(tiny_model, state, variants, 8, prefix=question)
+    assert batched == [greedy_decode(tiny_model, state, [v], 8, prefix=question)[0] for v in variants]

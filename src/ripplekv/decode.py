@@ -41,24 +41,32 @@ def greedy_decode(
     max_new_tokens: int,
     stop_ids: Iterable[int] = (),
     num_variants: int | None = None,
+    prefix: list[int] | None = None,
 ) -> list[list[int]]:
     """Greedy tokens of every variant (stop tokens included when produced).
 
     `variants`: entries per layer for each variant; None decodes the full cache (`num_variants` copies).
+    `prefix`: tokens read through the compressed cache before answering (the question, in the
+    context-only protocol); without it the first token comes from the prefill and is the same for all.
     """
     stop = set(int(t) for t in stop_ids)
     cache = build_cache(state, variants, num_variants)
     total = cache.num_variants
-    first = int(state.last_logits.argmax())
-    outputs = [[first] for _ in range(total)]
-    active = [i for i in range(total) if first not in stop]
+    start = state.length + len(prefix or [])
+    if prefix:
+        fed = torch.tensor(prefix, dtype=torch.long, device=state.device)[None].expand(total, -1)
+        firsts = forward_tokens(model, cache, fed, state.length, logits_to_keep=1)[:, -1].argmax(-1).tolist()
+    else:
+        firsts = [int(state.last_logits.argmax())] * total
+    outputs = [[int(token)] for token in firsts]
+    active = [i for i in range(total) if outputs[i][0] not in stop]
     if len(active) < total:
         cache.select_variants(torch.tensor(active, dtype=torch.long, device=state.device))
     for step in range(1, max_new_tokens):
         if not active:
             break
         last = torch.tensor([[outputs[i][-1]] for i in active], dtype=torch.long, device=state.device)
-        logits = forward_tokens(model, cache, last, state.length + step - 1, logits_to_keep=1)
+        logits = forward_tokens(model, cache, last, start + step - 1, logits_to_keep=1)
         chosen = logits[:, -1].argmax(-1).tolist()
         still = []
         for row, (variant, token) in enumerate(zip(active, chosen)):
@@ -81,9 +89,15 @@ class Fidelity:
 
 
 @torch.inference_mode()
-def teacher_forced_logprobs(model, state: PrefillState, variants: Variants, tokens: list[int], num_variants=None):
-    """Log-probs [V, T, vocab] (float32) of each variant at each answer position, feeding the given answer tokens."""
+def teacher_forced_logprobs(model, state: PrefillState, variants: Variants, tokens: list[int], num_variants=None,
+                            prefix: list[int] | None = None):
+    """Log-probs [V, T, vocab] (float32) of each variant at each answer position, feeding the given answer
+    tokens (after `prefix`, read through the cache, when given)."""
     cache = build_cache(state, variants, num_variants)
+    if prefix:
+        fed = torch.tensor(list(prefix) + list(tokens[:-1]), dtype=torch.long, device=state.device)
+        logits = forward_tokens(model, cache, fed[None].expand(cache.num_variants, -1), state.length)
+        return torch.log_softmax(logits[:, len(prefix) - 1 :], -1)
     first = torch.log_softmax(state.last_logits, -1)[None, None].expand(cache.num_variants, 1, -1)
     if len(tokens) <= 1:
         return first.clone()
@@ -117,19 +131,21 @@ class Reference:
 
 
 @torch.inference_mode()
-def full_reference(model, state: PrefillState, max_new_tokens: int, stop_ids: Iterable[int] = ()) -> Reference:
-    tokens = greedy_decode(model, state, None, max_new_tokens, stop_ids, num_variants=1)[0]
-    return Reference(tokens, teacher_forced_logprobs(model, state, None, tokens)[0])
+def full_reference(model, state: PrefillState, max_new_tokens: int, stop_ids: Iterable[int] = (),
+                   prefix: list[int] | None = None) -> Reference:
+    tokens = greedy_decode(model, state, None, max_new_tokens, stop_ids, num_variants=1, prefix=prefix)[0]
+    return Reference(tokens, teacher_forced_logprobs(model, state, None, tokens, prefix=prefix)[0])
 
 
 @torch.inference_mode()
-def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16) -> list[Fidelity]:
+def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16,
+                     prefix: list[int] | None = None) -> list[Fidelity]:
     """Fidelity of every variant to the reference, in chunks that bound the log-prob memory."""
-    per_variant = max(1, len(reference.tokens) * int(reference.logprobs.shape[-1]) * 4)
+    per_variant = max(1, (len(reference.tokens) + len(prefix or [])) * int(reference.logprobs.shape[-1]) * 4)
     chunk = max(1, min(batch_size, LOGPROB_BYTES // per_variant))
     result: list[Fidelity] = []
     for start in range(0, len(variants), chunk):
         part = variants[start : start + chunk]
-        logprobs = teacher_forced_logprobs(model, state, part, reference.tokens)
+        logprobs = teacher_forced_logprobs(model, state, part, reference.tokens, prefix=prefix)
         result.extend(fidelity(reference.logprobs, logprobs, reference.tokens))
     return result
