@@ -149,6 +149,9 @@ def test_leaderboard_has_intervals_differences_and_p_values(tmp_path):
     full = board[board.method == "full"].iloc[0]
     assert pd.isna(full.delta_vs_uniform) and pd.isna(full.p_vs_uniform) and full.avg_ci_low == full.avg == 100
     assert board.loc[board.budget == 128, ["delta_vs_uniform", "p_vs_uniform"]].isna().all().all()  # no baseline
+    # KL (lower is better) gets the same paired treatment: 'ahead' is closer to the full cache on every sample.
+    assert clone.kl_delta_vs_uniform == 0 and clone.p_kl_vs_uniform == 1
+    assert ahead.kl_delta_ci_high < 0 and ahead.p_kl_vs_uniform < 0.05
 
 
 def test_uniform_is_the_baseline_when_present(tmp_path):

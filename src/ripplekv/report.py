@@ -167,6 +167,7 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
     board.insert(board.columns.get_loc("kl") + 2, "kl_ci_high", np.maximum(high, kl))
 
     delta = np.full((4, len(board)), np.nan)  # delta, low, high, p
+    kl_delta = np.full((4, len(board)), np.nan)  # the same for KL to the full cache (lower is better)
     ranks = []
     compressed = board[board["method"] != REFERENCE]
     for budget, group in compressed.groupby("budget", sort=True):
@@ -178,13 +179,30 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
             point = np.round(avg[rows] - avg[b], 2)
             low, high = stats.interval(diff)
             delta[:, rows] = [point, _floor2(np.minimum(low, point)), _ceil2(np.maximum(high, point)), stats.p_value(diff)]
+            kl_diff = kls[rows] - kls[b]
+            kl_point = kl[rows] - kl[b]
+            low, high = stats.interval(kl_diff)
+            kl_delta[:, rows] = [kl_point, np.minimum(low, kl_point), np.maximum(high, kl_point), stats.p_value(kl_diff)]
         first, expected = stats.rank_probabilities(scores[rows])
         ranks += [{"method": m, "budget": int(budget), "p_rank1": p, "expected_rank": e}
                   for m, p, e in zip(group["method"], first, expected)]
     for name, values in zip(("delta_vs_uniform", "delta_ci_low", "delta_ci_high", "p_vs_uniform"), delta):
         board[name] = values
+    for name, values in zip(("kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high", "p_kl_vs_uniform"), kl_delta):
+        board[name] = values
     ranks = pd.DataFrame(ranks, columns=["method", "budget", "p_rank1", "expected_rank"])
     return board, ranks
+
+
+def kl_verdict(row) -> str:
+    """For KL lower is better: `closer` / `further` from the full cache only when the interval excludes 0."""
+    if pd.isna(row["kl_delta_ci_low"]):
+        return ""
+    if row["kl_delta_ci_high"] < 0:
+        return "closer"
+    if row["kl_delta_ci_low"] > 0:
+        return "further"
+    return "n.s."
 
 
 def verdict(row) -> str:
@@ -409,6 +427,10 @@ def differences_view(board: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
                     zip(rows["method"], rows["budget"], rows.iterrows())],
         "P(rank 1)": rows["p_rank1"],
         "expected rank": rows["expected_rank"],
+        "KL difference": rows["kl_delta_vs_uniform"],
+        "KL 95% CI": [_interval(a, b, ".3f") for a, b in zip(rows["kl_delta_ci_low"], rows["kl_delta_ci_high"])],
+        "KL verdict": ["baseline" if m == baseline[b] else kl_verdict(r) or "–" for m, b, (_, r) in
+                       zip(rows["method"], rows["budget"], rows.iterrows())],
     })
 
 
