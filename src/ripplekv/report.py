@@ -280,6 +280,11 @@ def summary_table(board: pd.DataFrame, title: str = "average score (kl) by metho
     return table
 
 
+# What `render` writes, in order (listed at the end of `ripplekv eval` and `ripplekv report`).
+REPORT_FILES = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "score_vs_budget.png",
+                "kl_vs_budget.png", "layer_budgets.png", "summary.md")
+
+
 def render(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     """Write scores.csv, leaderboard.csv, leaderboard_wide.csv, the plots and summary.md into `run_dir`."""
     run_dir = Path(run_dir)
