@@ -300,3 +300,15 @@ def test_a_run_grows_by_a_budget_and_a_sample_keeping_every_old_line(base_run, e
     code, _, err = run_cli(*eval_args(out))
     assert code == 0 and "already done" in err
     assert (out / "predictions.jsonl").read_bytes() == before
+
+
+def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
+    """`ripplekv score` on eval output: one row per task x method x budget, equal to the run's scores.csv."""
+    code, _, err = run_cli("score", str(base_run / "predictions.jsonl"), "--out", str(tmp_path / "s.csv"))
+    assert code == 0, err
+    scored = pd.read_csv(tmp_path / "s.csv")
+    assert list(scored.columns) == ["dataset", "method", "budget", "n", "score"]
+    ours = pd.read_csv(base_run / "scores.csv").rename(columns={"task": "dataset"})
+    merged = scored.merge(ours, on=["dataset", "method", "budget"], suffixes=("", "_eval"), how="outer")
+    assert len(merged) == len(scored) == len(TASKS) * VARIANTS
+    assert (merged["score"] - merged["score_eval"]).abs().max() < 0.01

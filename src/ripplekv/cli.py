@@ -343,7 +343,8 @@ def report_command(
 @app.command("score")
 def score(
     pred_file: str = typer.Argument(
-        ..., help="JSON lines {dataset, pred, answers, all_classes[, length]} (length needed for *_e)."
+        ..., help="JSON lines {dataset, pred, answers, all_classes[, length]} (length needed for *_e), "
+                  "or the predictions.jsonl of `ripplekv eval` (scored per method and budget)."
     ),
     out: str = typer.Option(..., "--out", help="Per-dataset CSV: dataset,n,score (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)."),
     samples: str | None = typer.Option(None, "--samples", help="Per-sample CSV: line (0-based),dataset,score."),
@@ -351,6 +352,7 @@ def score(
     """Score a predictions file with the official LongBench metrics (also rescores other tools' outputs)."""
     from pathlib import Path
 
+    import pandas as pd
     from rich.console import Console
     from rich.table import Table
 
@@ -366,11 +368,10 @@ def score(
                 raise UserError(f"cannot write {target}: {err.strerror or err}") from None
 
     table = Table(title=f"LongBench scores: {pred_file}")
-    table.add_column("dataset")
-    table.add_column("n", justify="right")
-    table.add_column("score", justify="right")
-    for row in datasets.itertuples(index=False):
-        table.add_row(row.dataset, str(row.n), f"{row.score:.2f}")
+    for column in datasets.columns:
+        table.add_column(column, justify="left" if column in ("dataset", "method") else "right")
+    for row in datasets.to_dict("records"):
+        table.add_row(*("" if pd.isna(v) else f"{v:.2f}" if k == "score" else str(v) for k, v in row.items()))
     Console().print(table)
 
 
