@@ -401,6 +401,10 @@ def tasks_command(
     if not console.is_terminal:  # piped: don't squeeze the table into 80 columns
         console = Console(width=120)
     console.print(table)
+    if suite in (None, "longbench", "longbench-e"):
+        from ripplekv.data.longbench import where_data_is
+
+        console.print(where_data_is(data_dir), soft_wrap=True, markup=False)
 
 
 def main() -> None:
