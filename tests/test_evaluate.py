@@ -312,3 +312,33 @@ def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
     merged = scored.merge(ours, on=["dataset", "method", "budget"], suffixes=("", "_eval"), how="outer")
     assert len(merged) == len(scored) == len(TASKS) * VARIANTS
     assert (merged["score"] - merged["score_eval"]).abs().max() < 0.01
+
+
+def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, allocation):
+    """The ETA's work units: prompt tokens at prefill, then (1 + variants) x max new tokens of decoding."""
+    from ripplekv.data import get_tasks, load_samples
+    from ripplekv.methods import make_method
+    from ripplekv.models import load_model
+
+    model, tokenizer, _ = load_model(str(tiny_model_dir))
+    task = get_tasks("offline", ["niah"])[0]
+    record = load_samples(task, tokenizer, limit=1, target_tokens=300)[0]
+    methods = {name: make_method(name, allocation=str(allocation)) for name in ("full", "snapkv", "ripplekv")}
+    seen = []
+    rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, (32, 64), sid="s", batch_size=2,
+                                    variants=[("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)], with_full=False,
+                                    progress=lambda kind, units: seen.append((kind, units)))
+    assert [(r["method"], r["budget"]) for r in rows] == [("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)]
+    n = rows[0]["prompt_tokens"]
+    assert seen == [("prefill", n), ("decode", 32), ("decode", 2 * 32), ("decode", 32)]
+
+
+def test_eta_comes_from_the_time_per_token_of_each_kind_of_work(monkeypatch):
+    now = iter([0.0, 10.0, 30.0]).__next__
+    clock = evaluate.WorkClock(prefill_left=3000, decode_left=400)
+    clock._now, clock.mark = now, now()
+    assert clock.eta() is None
+    clock.advance("prefill", 1000)  # 10 s for 1000 prompt tokens
+    assert clock.eta() is None  # decoding not timed yet
+    clock.advance("decode", 100)  # 20 s for 100 decode tokens
+    assert clock.eta() == pytest.approx(2000 * 0.01 + 300 * 0.2)

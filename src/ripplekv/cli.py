@@ -25,6 +25,8 @@ app = typer.Typer(
 DEFAULT_PROFILE = Path("runs/profile")
 DEFAULT_ALLOCATION = Path("runs/allocate/allocation.csv")
 DEFAULT_EVAL = Path("runs/eval")
+# Samples per task `eval` takes from the offline suite without --limit: the defaults finish in minutes.
+OFFLINE_FIRST_LOOK = 3
 
 
 def _show_version(value: bool) -> None:
@@ -148,8 +150,9 @@ def profile(
     out: str | None = typer.Option(None, help=f"Directory for sensitivity.csv, per_sample.csv, profile.json, "
                                    f"sensitivity.png; default: {DEFAULT_PROFILE}."),
     model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
-    calib_samples: int = typer.Option(12, "--calib-samples", help="Calibration prompts (offline suite's calibration split)."),
-    seeds: int = typer.Option(2, help="Noise draws per sample."),
+    calib_samples: int = typer.Option(
+        4, "--calib-samples", help="Calibration prompts (offline suite's calibration split); make reproduce uses 12."),
+    seeds: int = typer.Option(1, help="Noise draws per sample; make reproduce uses 2."),
     eta: float = typer.Option(0.3, help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
     signal: str = typer.Option("noise", help="noise (RippleKV) or evict (DepthKV-style: SnapKV-evict one layer)."),
     evict_budget: int = typer.Option(128, "--evict-budget", help="Budget a layer is evicted to with --signal evict."),
@@ -265,7 +268,10 @@ def eval_command(
         None, "--suite", help="offline (bundled), longbench or longbench-e; default: longbench when its files are on disk, else offline."
     ),
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks of the suite (default: all)."),
-    limit: int | None = typer.Option(None, "--limit", help="At most N samples per task."),
+    limit: int | None = typer.Option(
+        None, "--limit",
+        help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the offline suite (a first look in "
+             "minutes; a rerun with a higher --limit adds samples), all on LongBench."),
     allocation: str | None = typer.Option(
         None, "--allocation",
         help=f"Allocation CSV for ripplekv; default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
@@ -291,12 +297,13 @@ def eval_command(
     if allocation is None and "ripplekv" in names:
         allocation, note = default_allocation(model)
         notes += [note] if note else []
+    suite = suite or default_suite(data_dir)
     settings = evaluate.EvalSettings(
         budgets=evaluate.parse_budgets(budget),
         methods=names,
-        suite=suite or default_suite(data_dir),
+        suite=suite,
         tasks=evaluate.parse_names(tasks),
-        limit=limit,
+        limit=OFFLINE_FIRST_LOOK if limit is None and suite == "offline" else limit,
         allocation=allocation,
         model=model,
         data_dir=data_dir,
