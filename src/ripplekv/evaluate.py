@@ -549,14 +549,14 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
         fresh = len(jobs) - len(again)
         prefill_left = sum(job.prompt_tokens for job in jobs)
         decode_left = sum(job.decode_units for job in jobs)
-        console.print(f"[bold]eval[/bold] {len(work)} samples: {len(work) - len(jobs)} complete, {fresh} to run, "
-                      f"{len(again)} to extend; {prefill_left} prompt tokens to prefill, "
-                      f"up to {decode_left} tokens to decode")
+        console.print(f"eval: {len(work)} samples ({len(work) - len(jobs)} done, {fresh} to run, "
+                      f"{len(again)} to extend): {prefill_left} prompt tokens to prefill, "
+                      f"up to {decode_left} tokens to decode", soft_wrap=True)
         if again:
             tokens = sum(job.prompt_tokens for job in again)
             console.print(f"extending {len(again)} finished samples with {sum(len(j.variants) for j in again)} "
                           f"new variants prefills them again ({tokens} tokens) and re-decodes their full-cache "
-                          "reference (kept once in the file)")
+                          "reference (kept once in the file)", soft_wrap=True)
         model, _, _ = load_model(settings.model)
         clock = WorkClock(prefill_left, decode_left)
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[samples]}"),
