@@ -532,6 +532,22 @@ def _clock_text(seconds: float | None) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _eta_column():
+    """Counts down from the last estimate between updates (which come only at phase boundaries)."""
+    import time
+
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class EtaColumn(ProgressColumn):
+        def render(self, task):
+            deadline = task.fields.get("deadline")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return Text("ETA " + _clock_text(left))
+
+    return EtaColumn()
+
+
 def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console) -> dict:
     """The part of `run_eval` that writes: only one process at a time per run directory."""
     from rich.markup import escape
@@ -560,17 +576,18 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
         model, _, _ = load_model(settings.model)
         clock = WorkClock(prefill_left, decode_left)
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[samples]}"),
-                   TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"))
+                   TimeElapsedColumn(), _eta_column())
         finished = 0
         try:
             with Progress(*columns, console=console, transient=False) as progress, \
                     (out / PREDICTIONS).open("a", encoding="utf-8") as fh:
                 bar = progress.add_task("eval", total=prefill_left + decode_left,
-                                        samples=f"0/{len(jobs)} samples", eta=_clock_text(None))
+                                        samples=f"0/{len(jobs)} samples", deadline=None)
 
                 def advance(kind: str, units: int) -> None:
                     clock.advance(kind, units)
-                    progress.update(bar, advance=units, eta=_clock_text(clock.eta()))
+                    eta = clock.eta()
+                    progress.update(bar, advance=units, deadline=None if eta is None else clock.mark + eta)
 
                 for job in jobs:
                     name = f"{job.task.name} [dim]{escape(job.sid)}[/dim]"
