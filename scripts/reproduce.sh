@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole pipeline: profile -> allocate -> eval -> report, from one config file (configs/*.env).
-# A new run starts from scratch (earlier outputs are moved aside to runs/previous-*, never deleted).
-# An interrupted run (OUT/.in-progress left behind) resumes: finished stages are skipped when made by
-# the same command, and eval resumes by itself.
+# It builds into a staging directory (runs/.staging/NAME) and replaces OUT only when every stage
+# succeeded, so an interrupted run never leaves OUT (the committed results/) half-written. The earlier
+# OUT is then moved aside to runs/previous-*, never deleted. An interrupted run resumes from its
+# staging directory: finished stages are skipped when made by the same command; eval resumes itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:?usage: scripts/reproduce.sh configs/NAME.env}
@@ -11,20 +12,22 @@ source "$config"
 RKV=${RKV:-.venv/bin/ripplekv}
 model_args=()
 [ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
-if [ ! -f "$OUT/.in-progress" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
-  previous="runs/previous-$(basename "$OUT")-$(date +%Y%m%d-%H%M%S)"
-  mkdir -p runs
-  mv "$OUT" "$previous"
-  echo "== earlier outputs of $OUT moved to $previous"
+FINAL=$OUT
+OUT="runs/.staging/$(basename "$FINAL")"
+if [ -d "$OUT" ]; then
+  echo "== resuming the interrupted run in $OUT (becomes $FINAL when it completes)"
+else
+  echo "== building in $OUT; $FINAL is replaced only when the whole pipeline succeeds"
 fi
 mkdir -p "$OUT"
-touch "$OUT/.in-progress"
 
 # run_stage NAME MARKER_FILE COMMAND...: run unless MARKER_FILE exists and NAME's recorded command matches.
+# Commands are recorded with FINAL in place of the staging path: that is where their outputs end up.
 run_stage() {
   local name=$1 marker=$2; shift 2
   local record="$OUT/.$name.cmd" wanted
   wanted=$(printf '%q ' "$@")
+  wanted=${wanted//"$OUT"/$FINAL}
   if [ -f "$marker" ] && [ -f "$record" ] && [ "$(cat "$record")" = "$wanted" ]; then
     echo "== $name: up to date ($marker), skipped"
     return
@@ -51,8 +54,16 @@ eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --
   --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" --out "$OUT/eval")
 echo "== eval (resumes where it stopped): ${eval_cmd[*]}"
 "${eval_cmd[@]}"
-printf '%q ' "${eval_cmd[@]}" > "$OUT/.eval.cmd"
+eval_record=$(printf '%q ' "${eval_cmd[@]}")
+echo "${eval_record//"$OUT"/$FINAL}" > "$OUT/.eval.cmd"
 
-.venv/bin/python scripts/write_results_readme.py "$OUT" "$config"
-rm -f "$OUT/.in-progress"
-echo "== done in $(( $(date +%s) - start ))s: see $OUT/README.md"
+.venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"
+rm -f "$OUT/.lock" "$OUT/eval/.lock"
+if [ -e "$FINAL" ]; then
+  previous="runs/previous-$(basename "$FINAL")-$(date +%Y%m%d-%H%M%S)"
+  mv "$FINAL" "$previous"
+  echo "== earlier outputs of $FINAL moved to $previous"
+fi
+mkdir -p "$(dirname "$FINAL")"
+mv "$OUT" "$FINAL"
+echo "== done in $(( $(date +%s) - start ))s: see $FINAL/README.md"

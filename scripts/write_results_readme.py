@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+# The make target behind each config, for the page title.
+TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick"}
 
-def main(out: Path, config: str) -> None:
+
+def shell_line(recorded: str) -> str:
+    """A recorded command (bash `printf %q`, which escapes commas) as one would type it."""
+    return shlex.join(shlex.split(recorded))
+
+
+def main(out: Path, config: str, final: str | None = None) -> None:
     profile = json.loads((out / "profile" / "profile.json").read_text())
     choice_path = out / "allocation.choice.json"
     choice = json.loads(choice_path.read_text()) if choice_path.is_file() else None
@@ -21,12 +30,16 @@ def main(out: Path, config: str) -> None:
         if not line.startswith("# ") and not line.startswith("![")
     )
     stages = ("profile", "allocate", "eval")
-    commands = [(out / f".{stage}.cmd").read_text().strip() for stage in stages if (out / f".{stage}.cmd").is_file()]
+    commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
+    target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")
+    quick = Path(config).name == "quick.env"
     lines = [
-        "# Results of `make reproduce`",
+        f"# Results of `{target}`" + (" (a quick first look)" if quick else ""),
         "",
-        f"Produced by `bash scripts/reproduce.sh {config}` (config: `{config}`). Model: `{profile['model']}`.",
+        f"Produced by `bash scripts/reproduce.sh {config}` into `{final or out}`. Model: `{profile['model']}`.",
+        *(["", "A few short samples to see the pipeline work end to end; too few to compare methods. "
+           "The committed results of `make reproduce` are in `results/README.md`."] if quick else []),
         "",
         "## Evaluation",
         "",
@@ -70,4 +83,4 @@ def main(out: Path, config: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

@@ -172,13 +172,25 @@ def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_pa
         assert (out / name).read_text() == (base_run / name).read_text()
 
 
-def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path, run_cli):
+def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path, tokenizer, run_cli):
     out = copy_run(base_run, tmp_path / "run")
     before = (out / "predictions.jsonl").read_bytes()
-    code, _, err = run_cli(*eval_args(out, "--budget", "128"))
+    args = eval_args(out)
+    args[args.index("--target-tokens") + 1] = "400"
+    code, _, err = run_cli(*args)
     assert code == 2
     assert len(err.strip().splitlines()) == 1
-    assert "budgets" in err and "new --out" in err
+    assert "target_tokens" in err and "new --out" in err
+    other_model = tmp_path / "other-model"
+    from tests.conftest import tiny_llama
+
+    tiny_llama(vocab_size=len(tokenizer), num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+               seed=1).save_pretrained(other_model)
+    tokenizer.save_pretrained(other_model)
+    args = eval_args(out)
+    args[args.index("--model") + 1] = str(other_model)
+    code, _, err = run_cli(*args)
+    assert code == 2 and "model_location" in err
     changed = tmp_path / "alloc.csv"
     changed.write_text("layer,multiplier\n0,1.0\n1,1.0\n2,1.0\n3,1.0\n")
     args = eval_args(out)
@@ -265,8 +277,81 @@ def test_parse_budgets_accepts_repeats_and_commas():
 
 
 def test_a_run_dir_with_nothing_computed_takes_the_new_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"budgets": [16]}))
-    assert evaluate.check_run_dir(tmp_path, {"budgets": [32]}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"max_length": 16}))
+    assert evaluate.check_run_dir(tmp_path, {"max_length": 32}) is None
     (tmp_path / "predictions.jsonl").write_text('{"id": "a"}\n')
-    with pytest.raises(evaluate.UserError, match="differs in: budgets"):
-        evaluate.check_run_dir(tmp_path, {"budgets": [32]})
+    with pytest.raises(evaluate.UserError, match="differs in: max_length"):
+        evaluate.check_run_dir(tmp_path, {"max_length": 32})
+
+
+def test_a_run_grows_by_a_budget_and_a_sample_keeping_every_old_line(base_run, eval_args, tmp_path, run_cli):
+    """--budget 16 and --limit 2 over a finished run: old lines untouched, only the missing ones added."""
+    out = copy_run(base_run, tmp_path / "run")
+    args = eval_args(out, "--budget", "16")
+    args[args.index("--limit") + 1] = "2"
+    code, _, err = run_cli(*args)
+    assert code == 0, err
+    assert "prefills them again" in err and "wrote:" in err
+    old, new = lines(base_run), lines(out)
+    assert new[: len(old)] == old
+    added = [json.loads(line) for line in new[len(old):]]
+    keys = [(r["task"], r["id"], r["method"], r["budget"]) for r in rows(out)]
+    assert len(keys) == len(set(keys))  # nothing written twice, the full rows included
+    per_old_sample = {(r["method"], r["budget"]) for r in added if r["id"] in {x["id"] for x in rows(base_run)}}
+    assert per_old_sample == {(m, 16) for m in METHODS if m != "full"}
+    new_samples = {(r["task"], r["id"]) for r in added} - {(r["task"], r["id"]) for r in rows(base_run)}
+    assert len(new_samples) == len(TASKS)
+    for sample in new_samples:
+        variants = {(r["method"], r["budget"]) for r in added if (r["task"], r["id"]) == sample}
+        assert variants == {("full", None)} | {(m, b) for m in METHODS if m != "full" for b in (16, *BUDGETS)}
+    config = json.loads((out / "config.json").read_text())
+    assert config["budgets"] == [16, *BUDGETS] and config["limit"] == 2
+    assert all(len(ids) == 2 for ids in config["samples"].values())
+    assert set(pd.read_csv(out / "leaderboard.csv")["budget"].dropna()) == {16, *BUDGETS}
+    # The run now holds more than the original command asks for: rerunning that command adds nothing.
+    before = (out / "predictions.jsonl").read_bytes()
+    code, _, err = run_cli(*eval_args(out))
+    assert code == 0 and "already done" in err
+    assert (out / "predictions.jsonl").read_bytes() == before
+
+
+def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
+    """`ripplekv score` on eval output: one row per task x method x budget, equal to the run's scores.csv."""
+    code, _, err = run_cli("score", str(base_run / "predictions.jsonl"), "--out", str(tmp_path / "s.csv"))
+    assert code == 0, err
+    scored = pd.read_csv(tmp_path / "s.csv")
+    assert list(scored.columns) == ["dataset", "method", "budget", "n", "score"]
+    ours = pd.read_csv(base_run / "scores.csv").rename(columns={"task": "dataset"})
+    merged = scored.merge(ours, on=["dataset", "method", "budget"], suffixes=("", "_eval"), how="outer")
+    assert len(merged) == len(scored) == len(TASKS) * VARIANTS
+    assert (merged["score"] - merged["score_eval"]).abs().max() < 0.01
+
+
+def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, allocation):
+    """The ETA's work units: prompt tokens at prefill, then (1 + variants) x max new tokens of decoding."""
+    from ripplekv.data import get_tasks, load_samples
+    from ripplekv.methods import make_method
+    from ripplekv.models import load_model
+
+    model, tokenizer, _ = load_model(str(tiny_model_dir))
+    task = get_tasks("offline", ["niah"])[0]
+    record = load_samples(task, tokenizer, limit=1, target_tokens=300)[0]
+    methods = {name: make_method(name, allocation=str(allocation)) for name in ("full", "snapkv", "ripplekv")}
+    seen = []
+    rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, (32, 64), sid="s", batch_size=2,
+                                    variants=[("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)], with_full=False,
+                                    progress=lambda kind, units: seen.append((kind, units)))
+    assert [(r["method"], r["budget"]) for r in rows] == [("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)]
+    n = rows[0]["prompt_tokens"]
+    assert seen == [("prefill", n), ("decode", 32), ("decode", 2 * 32), ("decode", 32)]
+
+
+def test_eta_comes_from_the_time_per_token_of_each_kind_of_work(monkeypatch):
+    now = iter([0.0, 10.0, 30.0]).__next__
+    clock = evaluate.WorkClock(prefill_left=3000, decode_left=400)
+    clock._now, clock.mark = now, now()
+    assert clock.eta() is None
+    clock.advance("prefill", 1000)  # 10 s for 1000 prompt tokens
+    assert clock.eta() is None  # decoding not timed yet
+    clock.advance("decode", 100)  # 20 s for 100 decode tokens
+    assert clock.eta() == pytest.approx(2000 * 0.01 + 300 * 0.2)

@@ -147,7 +147,7 @@ def test_unreachable_hub_fails_fast_without_retries(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("no route to host")
 
-    monkeypatch.setattr(longbench.socket, "create_connection", refuse)
+    monkeypatch.setattr("socket.create_connection", refuse)
     start = time.time()
     with pytest.raises(UserError, match="LongBench data not found"):
         load_samples(_task("qasper"), None)
@@ -163,6 +163,26 @@ def test_tasks_command(tmp_path):
     assert done.returncode == 0, done.stderr
     for text in ("niah_multikey", "passage_retrieval_en", "repobench-p_e", "3 local", "500 official", "string_match"):
         assert text in done.stdout
+    assert f"datasets found in {FIXTURES}" in done.stdout
+    missing = subprocess.run([str(exe), "tasks", "--data-dir", str(tmp_path / "none")], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert f"LongBench data: not found in {tmp_path / 'none'}" in missing.stdout
     bad = subprocess.run([str(exe), "tasks", "--suite", "nope"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: unknown suite 'nope'; known suites: offline, longbench, longbench-e"
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_mistyped_hub_model_fails_in_seconds(offline, monkeypatch, run_cli):
+    """Offline, or the hub unreachable: one line at once, no download retries."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.setattr("socket.create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError("unreachable")))
+    start = time.time()
+    code, _, err = run_cli("budgets", "--model", "no-such-org/no-such-model-xyz")
+    assert time.time() - start < 10
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "not in the local hub cache" in err and ("switched off" if offline else "cannot be reached") in err

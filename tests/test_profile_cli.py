@@ -87,3 +87,43 @@ def test_budgets_command_prints_exact_matched_totals(tiny_model_dir):
     assert (totals == 4 * 48).all() and len(totals) == 3
     pyramid = table[table.method == "pyramidkv"]["budget"].tolist()
     assert pyramid == sorted(pyramid, reverse=True) and pyramid[0] > pyramid[-1]
+
+
+def test_the_pipeline_runs_without_out_or_allocation_flags(tiny_model_dir, tmp_path):
+    """profile -> allocate -> eval in an empty directory: each stage writes to runs/<command>/ and the
+    next one finds it there."""
+    def here(*args):
+        return subprocess.run([*RKV, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+    model = ("--model", tiny_model_dir)
+    result = here("profile", *model, "--calib-samples", 2, "--target-tokens", 300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("profile: writing to runs/profile (the default")
+    assert (tmp_path / "runs" / "profile" / "sensitivity.csv").is_file()
+    result = here("allocate", *model)
+    assert result.returncode == 0, result.stderr
+    assert "read runs/profile/sensitivity.csv" in result.stderr
+    result = here("eval", *model, "--budget", 32, "--tasks", "niah", "--limit", 1, "--target-tokens", 300)
+    assert result.returncode == 0, result.stderr
+    assert "using the last allocation, runs/allocate/allocation.csv" in result.stderr
+    config = json.loads((tmp_path / "runs" / "eval" / "config.json").read_text())
+    assert config["allocation"] == str(tmp_path / "runs" / "allocate" / "allocation.csv")
+    assert "wrote: runs/eval/predictions.jsonl" in result.stderr
+
+
+def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
+    from ripplekv.cli import default_allocation
+    from ripplekv.methods.ripplekv import read_allocation
+    from ripplekv.models import load_config
+
+    monkeypatch.chdir(tmp_path)  # no runs/allocate here
+    path, note = default_allocation(None)
+    assert "shipped" in note
+    assert len(read_allocation(path)) == load_config(None).num_hidden_layers
+    assert default_allocation(str(tmp_path / "some-other-model")) == (None, None)
+
+
+def test_allocate_without_a_profile_says_what_to_run(tmp_path):
+    result = subprocess.run([*RKV, "allocate"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "error: no profile at runs/profile/sensitivity.csv: run `ripplekv profile` first, or pass a sensitivity.csv\n"

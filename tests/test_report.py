@@ -109,6 +109,14 @@ def test_missing_or_empty_predictions_is_one_line_exit_2(content, tmp_path, run_
     assert "predictions.jsonl" in err and "ripplekv eval" in err
 
 
+def test_methods_with_identical_layer_budgets_share_one_labelled_line():
+    from ripplekv.report import shared_lines
+
+    rows = pd.DataFrame({"method": ["streamingllm", "snapkv", "pyramidkv"],
+                         "layer_budgets": [[64, 64], [64, 64], [80, 48]]})
+    assert shared_lines(rows) == {(64, 64): ["streamingllm", "snapkv"], (80, 48): ["pyramidkv"]}
+
+
 # --------------------------------------------------------------------------- uncertainty
 
 

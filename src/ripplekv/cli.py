@@ -16,13 +16,43 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain help: flags without a `<bool>` type, and defaults wrapped instead of cut off at the edge.
+    rich_markup_mode=None,
     help="Benchmark KV-cache compression methods under exactly matched budgets.",
 )
 
+# Where each stage writes when no --out is given, and where the next stage looks for it.
+DEFAULT_PROFILE = Path("runs/profile")
+DEFAULT_ALLOCATION = Path("runs/allocate/allocation.csv")
+DEFAULT_EVAL = Path("runs/eval")
+# Samples per task `eval` takes from the offline suite without --limit: the defaults finish in minutes.
+OFFLINE_FIRST_LOOK = 3
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from ripplekv import __version__
+
+        print(f"ripplekv {__version__}")
+        raise typer.Exit()
+
 
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
     """Benchmark KV-cache compression methods under exactly matched budgets."""
+
+
+def _say_out(console, command: str, out, given: bool) -> None:
+    """First line of a command: where its outputs go (and that it is the default, when it is)."""
+    console.print(f"{command}: writing to {out}" + ("" if given else " (the default; choose with --out)"), soft_wrap=True)
+
+
+def _say_written(console, paths) -> None:
+    """Last lines of a command: every file it wrote."""
+    console.print("wrote: " + ", ".join(str(p) for p in paths), soft_wrap=True)
 
 
 # --- commands: budgets (engine) ---
@@ -125,10 +155,12 @@ def _progress_bar(description: str, total: int):
 
 @app.command()
 def profile(
-    out: str = typer.Option(..., help="Directory for sensitivity.csv, per_sample.csv, profile.json, sensitivity.png."),
+    out: str | None = typer.Option(None, help=f"Directory for sensitivity.csv, per_sample.csv, profile.json, "
+                                   f"sensitivity.png; default: {DEFAULT_PROFILE}."),
     model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
-    calib_samples: int = typer.Option(12, "--calib-samples", help="Calibration prompts (offline suite's calibration split)."),
-    seeds: int = typer.Option(2, help="Noise draws per sample."),
+    calib_samples: int = typer.Option(
+        4, "--calib-samples", help="Calibration prompts (offline suite's calibration split); make reproduce uses 12."),
+    seeds: int = typer.Option(1, help="Noise draws per sample; make reproduce uses 2."),
     eta: float = typer.Option(0.3, help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
     signal: str = typer.Option("noise", help="noise (RippleKV) or evict (DepthKV-style: SnapKV-evict one layer)."),
     evict_budget: int = typer.Option(128, "--evict-budget", help="Budget a layer is evicted to with --signal evict."),
@@ -151,26 +183,30 @@ def profile(
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
+    out_dir = Path(out) if out else DEFAULT_PROFILE
     device, dtype = resolve_device_dtype(device, dtype)
     loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
+    _say_out(console, "profile", out_dir, out is not None)
     prompts = calibration_prompts(tokenizer, calib_samples, probe_tokens, target_tokens, with_answer=with_answer)
     progress, advance = _progress_bar("profiling", len(prompts))
     with progress:
         result = run_profile(loaded, prompts, settings, source.label, progress=advance)
     result.extra.update({"device": device, "dtype": dtype, **runtime_info(device)})
-    meta = write_profile(result, prompts, Path(out))
+    meta = write_profile(result, prompts, out_dir)
     rho = meta["split_half_spearman"]
     console.print(
         f"profiled {len(prompts)} samples x {meta['num_layers']} layers; split-half Spearman rho = "
         + (f"{rho:.3f}" if rho is not None else "n/a (one sample)")
-        + f"; wrote {out}/sensitivity.csv"
     )
+    _say_written(console, [out_dir / name for name in ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png")])
 
 
 @app.command()
 def allocate(
-    sensitivity: str = typer.Argument(..., help="sensitivity.csv from `ripplekv profile`."),
-    out: str = typer.Option(..., help="Allocation CSV to write (layer,sensitivity,multiplier)."),
+    sensitivity: str | None = typer.Argument(
+        None, help=f"sensitivity.csv from `ripplekv profile`; default: {DEFAULT_PROFILE}/sensitivity.csv."),
+    out: str | None = typer.Option(
+        None, help=f"Allocation CSV to write (layer,sensitivity,multiplier); default: {DEFAULT_ALLOCATION}."),
     ratio: list[float] = typer.Option([4.0], help="Max/min budget multiplier; repeat to let calibration choose."),
     model: str | None = typer.Option(None, help="Model the profile belongs to; default: bundled SmolLM2."),
     budget: int = typer.Option(128, help="Budget at which calibration compares ratios."),
@@ -190,9 +226,16 @@ def allocate(
     ratios = sorted({check_ratio(r) for r in ratio})
     check_budget(budget)
     console = Console(stderr=True)
+    out_path = Path(out) if out else DEFAULT_ALLOCATION
+    if sensitivity is None:
+        sensitivity = str(DEFAULT_PROFILE / "sensitivity.csv")
+        if not Path(sensitivity).is_file():
+            raise UserError(f"no profile at {sensitivity}: run `ripplekv profile` first, or pass a sensitivity.csv")
     num_layers, _ = model_shape(model)
     values = read_sensitivity(sensitivity, num_layers)
-    out_path = Path(out)
+    _say_out(console, "allocate", out_path, out is not None)
+    console.print(f"allocate: read {sensitivity}", soft_wrap=True)
+    written = []
     chosen = ratios[0]
     if len(ratios) > 1:
         from ripplekv.models import load_model
@@ -213,11 +256,13 @@ def allocate(
             + "\n"
         )
         console.print(sweep.to_string(index=False))
-        console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {sweep_path}")
+        console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget})")
+        written += [sweep_path, out_path.with_name(out_path.stem + ".choice.json")]
     mult = multipliers(values, chosen)
     write_allocation(out_path, values, mult)
     plot_allocation(out_path.with_suffix(".png"), values, mult, chosen, num_layers)
-    console.print(f"wrote {out_path} (ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}) and {out_path.with_suffix('.png')}")
+    console.print(f"ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}")
+    _say_written(console, [out_path, out_path.with_suffix(".png"), *written])
 
 
 # --- commands: eval, report ---
@@ -226,17 +271,24 @@ def allocate(
 @app.command("eval")
 def eval_command(
     budget: list[str] = typer.Option(
-        ..., "--budget", help="Average prompt entries kept per layer per KV head; repeat or comma-separate (128,256)."
+        ..., "--budget", metavar="B",
+        help="Average prompt entries kept per layer per KV head; repeat or comma-separate (128,256).",
     ),
-    out: str = typer.Option(..., "--out", help="Run directory; rerunning the same command resumes it."),
+    out: str | None = typer.Option(
+        None, "--out", help=f"Run directory (default: {DEFAULT_EVAL}); a rerun resumes it and adds what is new."),
     methods: str = typer.Option(",".join(("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")),
                                 "--methods", help=METHODS_HELP + " full is always included."),
     suite: str | None = typer.Option(
         None, "--suite", help="offline (bundled), longbench or longbench-e; default: longbench when its files are on disk, else offline."
     ),
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks of the suite (default: all)."),
-    limit: int | None = typer.Option(None, "--limit", help="At most N samples per task."),
-    allocation: str | None = typer.Option(None, "--allocation", help="Allocation CSV from `ripplekv allocate` (for ripplekv)."),
+    limit: int | None = typer.Option(
+        None, "--limit",
+        help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the offline suite (a first look in "
+             "minutes; a rerun with a higher --limit adds samples), all on LongBench."),
+    allocation: str | None = typer.Option(
+        None, "--allocation",
+        help=f"Allocation CSV for ripplekv; default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
     model: str | None = typer.Option(None, "--model", help="Hub id, model directory or .gguf; default: bundled SmolLM2-135M."),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Offline suite: prompt length to build, in tokens."),
@@ -255,12 +307,22 @@ def eval_command(
     from ripplekv import evaluate, report
     from ripplekv.data.tasks import default_suite
 
+    console = Console(stderr=True)
+    out_dir = Path(out) if out else DEFAULT_EVAL
+    names = evaluate.parse_names(methods)
+    notes = [f"eval: writing to {out_dir}" + ("" if out else " (the default; choose with --out)")]
+    from ripplekv.methods.presets import shared_option_users
+
+    if allocation is None and shared_option_users(names, {"allocation": "?"})["allocation"]:
+        allocation, note = default_allocation(model)
+        notes += [note] if note else []
+    suite = suite or default_suite(data_dir)
     settings = evaluate.EvalSettings(
         budgets=evaluate.parse_budgets(budget),
-        methods=evaluate.parse_names(methods),
-        suite=suite or default_suite(data_dir),
+        methods=names,
+        suite=suite,
         tasks=evaluate.parse_names(tasks),
-        limit=limit,
+        limit=OFFLINE_FIRST_LOOK if limit is None and suite == "offline" else limit,
         allocation=allocation,
         model=model,
         data_dir=data_dir,
@@ -273,8 +335,23 @@ def eval_command(
         device=device,
         dtype=dtype,
     )
-    tables = evaluate.run_eval(settings, out)
-    Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out}"))
+    tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes)
+    Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out_dir}"))
+
+
+def default_allocation(model: str | None) -> tuple[str | None, str | None]:
+    """(allocation, what to tell the user) when a method with file budgets (ripplekv) runs without --allocation: the last
+    `ripplekv allocate`, else the one shipped for the bundled model, else none (ripplekv then says
+    how to make one)."""
+    from ripplekv.models import DEFAULT_MODEL
+
+    if DEFAULT_ALLOCATION.is_file():
+        return str(DEFAULT_ALLOCATION), f"ripplekv: using the last allocation, {DEFAULT_ALLOCATION}"
+    if model in (None, "", DEFAULT_MODEL):
+        shipped = Path(__file__).parent / "data" / "allocations" / f"{DEFAULT_MODEL}.csv"
+        return str(shipped), (f"ripplekv: no {DEFAULT_ALLOCATION} yet; using the allocation shipped for "
+                              f"{DEFAULT_MODEL} (made by `make reproduce`)")
+    return None, None
 
 
 ROUGE_HELP = "ROUGE-L for summarization tasks: official (LongBench parity, default) or rouge-score (Google's, as HELM)."
@@ -301,7 +378,8 @@ def report_command(
 @app.command("score")
 def score(
     pred_file: str = typer.Argument(
-        ..., help="JSON lines {dataset, pred, answers, all_classes[, length]} (length needed for *_e)."
+        ..., help="JSON lines {dataset, pred, answers, all_classes[, length]} (length needed for *_e), "
+                  "or the predictions.jsonl of `ripplekv eval` (scored per method and budget)."
     ),
     out: str = typer.Option(..., "--out", help="Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)."),
     samples: str | None = typer.Option(None, "--samples", help="Per-sample CSV: line (0-based),dataset,score."),
@@ -310,6 +388,7 @@ def score(
     """Score a predictions file with the official LongBench metrics (also rescores other tools' outputs)."""
     from pathlib import Path
 
+    import pandas as pd
     from rich.console import Console
     from rich.table import Table
 
@@ -326,12 +405,10 @@ def score(
                 raise UserError(f"cannot write {target}: {err.strerror or err}") from None
 
     table = Table(title=f"LongBench scores: {pred_file}")
-    table.add_column("dataset")
-    table.add_column("n", justify="right")
-    table.add_column("score", justify="right")
-    table.add_column("metric")
-    for row in datasets.itertuples(index=False):
-        table.add_row(row.dataset, str(row.n), f"{row.score:.2f}", row.metric)
+    for column in datasets.columns:
+        table.add_column(column, justify="left" if column in ("dataset", "method") else "right")
+    for row in datasets.to_dict("records"):
+        table.add_row(*("" if pd.isna(v) else f"{v:.2f}" if k == "score" else str(v) for k, v in row.items()))
     Console().print(table)
 
 
@@ -471,6 +548,10 @@ def tasks_command(
     if not console.is_terminal:  # piped: don't squeeze the table into 80 columns
         console = Console(width=120)
     console.print(table)
+    if suite in (None, "longbench", "longbench-e"):
+        from ripplekv.data.longbench import where_data_is
+
+        console.print(where_data_is(data_dir), soft_wrap=True, markup=False)
 
 
 def main() -> None:

@@ -3,9 +3,13 @@
 Per sample: build the prompt, prefill once, decode the full cache first (it is the reference), then
 decode the compressed variants together in batches and measure their fidelity to the full cache along
 the full cache's own answer. All of a sample's result lines are appended to `predictions.jsonl` and
-fsynced together, so a killed run loses at most the sample in flight and a rerun of the same command
-resumes where it stopped without recomputing anything. `config.json` pins what the run directory holds:
-a different configuration never mixes into it.
+fsynced together, so a killed run loses at most the sample in flight.
+
+A rerun computes only the (sample, method, budget) lines that are missing: the same command resumes,
+and more samples, tasks, methods or budgets grow the run. A sample that gains variants is prefilled
+again (its full-cache answer is the fidelity reference and is recomputed, deterministically, but not
+written twice). `config.json` pins what defines results (model, prompt lengths, method options, ...):
+a run that differs in any of those never mixes into the directory.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ from ripplekv.errors import UserError
 from ripplekv.runfiles import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
 
 DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
-# config.json keys that do not change results, so a rerun may differ in them.
-NOT_COMPARED = ("ripplekv_version", "model", "allocation", "route", "versions", "device_name")
+# config.json keys a run may grow in: a rerun adds the missing lines and the union is recorded.
+GROWABLE = ("budgets", "methods", "method_specs", "tasks", "limit", "samples")
+# config.json keys that do not change results, so a rerun may differ in them (the allocation's hash
+# is compared only when both runs use ripplekv; method specs are compared method by method).
+NOT_COMPARED = ("ripplekv_version", "model", "allocation", "allocation_sha256", "route", "versions", "device_name",
+                *GROWABLE)
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,36 @@ def plan_eval(settings: EvalSettings) -> Plan:
 
 
 def _differing(old: dict, new: dict, keys) -> list[str]:
-    return [key for key in keys if key not in NOT_COMPARED and old.get(key) != new.get(key)]
+    differing = [key for key in keys if key not in NOT_COMPARED and old.get(key) != new.get(key)]
+    # A method both runs name must be the same method: its resolved options (multipliers, route, ...) too.
+    old_specs, new_specs = old.get("method_specs", {}), new.get("method_specs", {})
+    changed = [label for label in set(old_specs) & set(new_specs) if old_specs[label] != new_specs[label]]
+    if changed:
+        differing.append(f"options of {', '.join(sorted(changed))}")
+    both_ripplekv = "ripplekv" in old.get("methods", ()) and "ripplekv" in new.get("methods", ())
+    if both_ripplekv and "allocation_sha256" in keys and old.get("allocation_sha256") != new.get("allocation_sha256"):
+        differing.append("allocation_sha256")
+    return differing
+
+
+def merge_config(old: dict | None, new: dict) -> dict:
+    """The config of a run grown by `new`: union of budgets, methods, tasks and samples."""
+    if old is None:
+        return new
+    merged = dict(new)
+    merged["budgets"] = sorted(set(old["budgets"]) | set(new["budgets"]))
+    merged["methods"] = list(dict.fromkeys([*old["methods"], *new["methods"]]))
+    merged["method_specs"] = {**old.get("method_specs", {}), **new.get("method_specs", {})}
+    merged["tasks"] = list(dict.fromkeys([*old["tasks"], *new["tasks"]]))
+    limits = (old.get("limit"), new.get("limit"))
+    merged["limit"] = None if None in limits else max(limits)
+    samples = {task: list(ids) for task, ids in old.get("samples", {}).items()}
+    for task, ids in new.get("samples", {}).items():
+        samples[task] = list(dict.fromkeys([*samples.get(task, []), *ids]))
+    merged["samples"] = samples
+    if "ripplekv" not in new["methods"]:  # the allocation that made the old ripplekv lines
+        merged["allocation"], merged["allocation_sha256"] = old.get("allocation"), old.get("allocation_sha256")
+    return merged
 
 
 def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
@@ -177,7 +214,7 @@ def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
     if differing:
         raise UserError(
             f"{out} holds a run with a different configuration (differs in: {', '.join(differing)}); "
-            "use a new --out directory, or rerun with the same options to resume"
+            "use a new --out directory (a run may only grow in budgets, methods, tasks and --limit)"
         )
     return old
 
@@ -198,31 +235,31 @@ def variant_keys(config: dict) -> set[tuple[str, int | None]]:
     return keys
 
 
-def finished_samples(out: Path, config: dict) -> set[tuple[str, str]]:
-    """(task, id) of samples with every variant written; rewrites the file without any unfinished sample.
+def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
+    """Per (task, id): the (method, budget) pairs already written and the prompt length they saw.
 
-    Lines of one sample are written together, so only the sample in flight at a kill can be unfinished;
-    it is dropped (with any trailing partial line) and recomputed.
+    Every complete line is a finished result and is kept, except after a kill mid-write (a trailing
+    partial line): then the lines of the last sample written are cut off with it, so that sample is
+    recomputed in one piece, exactly as an uninterrupted run would have written it.
     """
     path = out / PREDICTIONS
     rows, partial = read_lines(path)
-    expected = variant_keys(config)
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["task"], row["id"]), []).append(row)
-    done = {
-        key for key, group in groups.items()
-        if len(group) == len(expected) and {(r["method"], r["budget"]) for r in group} == expected
-    }
-    kept = [row for row in rows if (row["task"], row["id"]) in done]
-    if partial or len(kept) != len(rows):
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
-            fh.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept))
+    if partial:
+        data = path.read_bytes()
+        keep = data[: data.rfind(b"\n") + 1]
+        last = (rows[-1]["task"], rows[-1]["id"]) if rows else None
+        while rows and (rows[-1]["task"], rows[-1]["id"]) == last:
+            rows.pop()
+            keep = keep[: keep.rstrip(b"\n").rfind(b"\n") + 1]
+        with path.open("r+b") as fh:
+            fh.truncate(len(keep))
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    return done
+    have: dict[tuple[str, str], dict] = {}
+    for row in rows:
+        entry = have.setdefault((row["task"], row["id"]), {"variants": set(), "prompt_tokens": row.get("prompt_tokens")})
+        entry["variants"].add((row["method"], row["budget"]))
+    return have
 
 
 @contextmanager
@@ -285,8 +322,18 @@ def evaluate_sample(
     max_length: int = 7500,
     batch_size: int = 16,
     capture_window: int = 64,
+    variants: Sequence[tuple[str, int]] | None = None,
+    with_full: bool = True,
+    progress=None,
 ) -> list[dict]:
-    """Result rows of one sample: full first, then every other method at every budget, from ONE prefill."""
+    """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
+
+    `variants` limits the compressed (method, budget) pairs computed (a run that grows computes only
+    the missing ones); `with_full=False` leaves out the full row (already written; it is still decoded,
+    as the fidelity reference). `progress(kind, units)` is called after the prefill ("prefill", prompt
+    tokens) and after each decode ("decode", variants x max new tokens), for an ETA from work done.
+    """
+    report = progress or (lambda kind, units: None)
     from ripplekv.data import build_prompt_ids
     from ripplekv.decode import full_reference, greedy_decode, measure_fidelity
     from ripplekv.metrics import score_sample
@@ -294,14 +341,20 @@ def evaluate_sample(
     ids = build_prompt_ids(task, record, tokenizer, max_length)
     state = prefill(model, ids, capture_window=capture_window, reserve=task.max_new_tokens)
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
-    reference = full_reference(model, state, task.max_new_tokens, stop_ids(task, tokenizer, model))
+    report("prefill", n)
+    stops = stop_ids(task, tokenizer, model)
+    reference = full_reference(model, state, task.max_new_tokens, stops)
+    report("decode", task.max_new_tokens)
 
-    variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets]
+    wanted = None if variants is None else set(variants)
+    variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
+                if wanted is None or (label, budget) in wanted]
     counts = [method.budgets(state, budget) for _, budget, method in variants]
     built = [method.compress(state, budget) for _, budget, method in variants]
     tokens: list[list[int]] = []
     for batch in _chunks(built, batch_size):
-        tokens.extend(greedy_decode(model, state, batch, task.max_new_tokens, stop_ids(task, tokenizer, model)))
+        tokens.extend(greedy_decode(model, state, batch, task.max_new_tokens, stops))
+        report("decode", len(batch) * task.max_new_tokens)
     quality = measure_fidelity(model, state, built, reference, batch_size)
 
     base = {
@@ -335,7 +388,7 @@ def evaluate_sample(
         return fields
 
     full_counts = np.full((layers, heads), n, dtype=np.int64)
-    rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)]
+    rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)] if with_full else []
     for (name, budget, _), entry_counts, entry_list, out_tokens, fid in zip(variants, counts, built, tokens, quality):
         kept = np.array([[int(c) for c in layer.counts.tolist()] for layer in entry_list], dtype=np.int64)
         assert (kept == entry_counts).all(), f"{name}@{budget}: built entries differ from the allocated budgets"
@@ -384,8 +437,11 @@ def check_model_fits(plan: Plan) -> None:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
 
 
-def run_eval(settings: EvalSettings, out: str | Path, console=None) -> dict:
-    """Run (or resume) an evaluation into `out`, then render its report; returns the report's tables."""
+def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Sequence[str] = ()) -> dict:
+    """Run, resume or grow an evaluation into `out`, then render its report; returns the report's tables.
+
+    `notes` (where outputs go, which allocation) are printed once the input is known to be good, so
+    bad input still ends in exactly one line."""
     from rich.console import Console
 
     from ripplekv.models import load_tokenizer
@@ -403,47 +459,157 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None) -> dict:
     old = check_run_dir(out, config)
     out.mkdir(parents=True, exist_ok=True)
     with exclusive_run(out):
+        for note in notes:
+            console.print(note, soft_wrap=True, markup=False)
         return _run_locked(settings, out, plan, config, old, work, tokenizer, console)
+
+
+@dataclass
+class Job:
+    """One sample's missing work: which variants, whether its full row is new, its prompt length."""
+
+    task: object
+    sid: str
+    record: dict
+    variants: list[tuple[str, int]]
+    with_full: bool
+    prompt_tokens: int
+    old_prompt_tokens: int | None
+
+    @property
+    def decode_units(self) -> int:
+        # The full cache is decoded again even when its row exists: it is the fidelity reference.
+        return (1 + len(self.variants)) * self.task.max_new_tokens
+
+
+def plan_jobs(plan: Plan, config: dict, work, have: dict, tokenizer) -> list[Job]:
+    """What is missing from the run directory for this command's samples and variants."""
+    from ripplekv.data import build_prompt_ids
+
+    wanted = [(m, b) for m in config["methods"] if m != REFERENCE for b in config["budgets"]]
+    jobs = []
+    for task, sid, record in work:
+        entry = have.get((task.name, sid), {"variants": set(), "prompt_tokens": None})
+        missing = [key for key in wanted if key not in entry["variants"]]
+        with_full = (REFERENCE, None) not in entry["variants"]
+        if missing or with_full:
+            n = len(build_prompt_ids(task, record, tokenizer, plan.settings.max_length))
+            jobs.append(Job(task, sid, record, missing, with_full, n, entry["prompt_tokens"]))
+    return jobs
+
+
+class WorkClock:
+    """ETA from work done: seconds per prefilled token and per decoded token (max new tokens x variants),
+    each measured on this run, times the work left of each kind."""
+
+    def __init__(self, prefill_left: int, decode_left: int):
+        import time
+
+        self._now = time.monotonic
+        self.left = {"prefill": prefill_left, "decode": decode_left}
+        self.done = {"prefill": 0, "decode": 0}
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self.mark = self._now()
+
+    def advance(self, kind: str, units: int) -> None:
+        now = self._now()
+        self.seconds[kind] += now - self.mark
+        self.mark = now
+        self.done[kind] += units
+        self.left[kind] = max(0, self.left[kind] - units)
+
+    def eta(self) -> float | None:
+        """Seconds left, or None until both kinds of work have been timed once."""
+        if any(self.left[k] and not self.done[k] for k in self.left):
+            return None
+        return sum(self.left[k] * self.seconds[k] / self.done[k] for k in self.left if self.left[k])
+
+
+def _clock_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "measuring"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _eta_column():
+    """Counts down from the last estimate between updates (which come only at phase boundaries)."""
+    import time
+
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class EtaColumn(ProgressColumn):
+        def render(self, task):
+            deadline = task.fields.get("deadline")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return Text("ETA " + _clock_text(left))
+
+    return EtaColumn()
 
 
 def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console) -> dict:
     """The part of `run_eval` that writes: only one process at a time per run directory."""
     from rich.markup import escape
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ripplekv import report
     from ripplekv.models import load_model
 
-    if old is None:
-        write_json_atomic(out / CONFIG, config)
-    done = finished_samples(out, config)
-    todo = [item for item in work if (item[0].name, item[1]) not in done]
-
-    if todo:
-        console.print(f"[bold]eval[/bold] {len(work)} samples ({len(done)} already done), "
-                      f"{len(variant_keys(config))} variants each -> {out}")
+    have = existing_lines(out)
+    jobs = plan_jobs(plan, config, work, have, tokenizer)
+    write_json_atomic(out / CONFIG, merge_config(old, config))
+    written = []
+    if jobs:
+        again = [job for job in jobs if not job.with_full]
+        fresh = len(jobs) - len(again)
+        prefill_left = sum(job.prompt_tokens for job in jobs)
+        decode_left = sum(job.decode_units for job in jobs)
+        console.print(f"eval: {len(work)} samples ({len(work) - len(jobs)} done, {fresh} to run, "
+                      f"{len(again)} to extend): {prefill_left} prompt tokens to prefill, "
+                      f"up to {decode_left} tokens to decode", soft_wrap=True)
+        if again:
+            tokens = sum(job.prompt_tokens for job in again)
+            console.print(f"extending {len(again)} finished samples with {sum(len(j.variants) for j in again)} "
+                          f"new variants prefills them again ({tokens} tokens) and re-decodes their full-cache "
+                          "reference (kept once in the file)", soft_wrap=True)
         model, _, _ = load_model(settings.model, device=settings.device, dtype=settings.dtype)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
-        finished = len(done)
+        clock = WorkClock(prefill_left, decode_left)
+        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[samples]}"),
+                   TimeElapsedColumn(), _eta_column())
+        finished = 0
         try:
             with Progress(*columns, console=console, transient=False) as progress, \
                     (out / PREDICTIONS).open("a", encoding="utf-8") as fh:
-                bar = progress.add_task("samples", total=len(work), completed=len(done))
-                for task, sid, record in todo:
-                    progress.update(bar, description=f"{task.name} [dim]{escape(sid)}[/dim]")
-                    rows = evaluate_sample(model, tokenizer, task, record, plan.methods, settings.budgets,
-                                           sid=sid, max_length=settings.max_length,
-                                           batch_size=settings.batch_size,
-                                           capture_window=settings.capture_window)
+                bar = progress.add_task("eval", total=prefill_left + decode_left,
+                                        samples=f"0/{len(jobs)} samples", deadline=None)
+
+                def advance(kind: str, units: int) -> None:
+                    clock.advance(kind, units)
+                    eta = clock.eta()
+                    progress.update(bar, advance=units, deadline=None if eta is None else clock.mark + eta)
+
+                for job in jobs:
+                    name = f"{job.task.name} [dim]{escape(job.sid)}[/dim]"
+                    progress.update(bar, description=f"{name} ({job.prompt_tokens} tok, {len(job.variants)} variants)")
+                    rows = evaluate_sample(model, tokenizer, job.task, job.record, plan.methods, config["budgets"],
+                                           sid=job.sid, max_length=settings.max_length,
+                                           batch_size=settings.batch_size, capture_window=settings.capture_window,
+                                           variants=job.variants, with_full=job.with_full, progress=advance)
+                    if job.old_prompt_tokens is not None and rows and rows[0]["prompt_tokens"] != job.old_prompt_tokens:
+                        raise UserError(f"sample {job.task.name}/{job.sid} now has {rows[0]['prompt_tokens']} prompt "
+                                        f"tokens, not {job.old_prompt_tokens} as in {out}; use a new --out directory")
                     append_rows(fh, rows)
                     finished += 1
-                    progress.advance(bar)
+                    progress.update(bar, samples=f"{finished}/{len(jobs)} samples")
         except KeyboardInterrupt:
-            console.print(f"interrupted after {finished} of {len(work)} samples; "
+            console.print(f"interrupted after {finished} of {len(jobs)} samples; "
                           "rerun the same command to resume")
             raise
+        written.append(out / PREDICTIONS)
     else:
         console.print(f"all {len(work)} samples already done in {out}; re-rendering the report")
-    return report.render(out)
+    tables = report.render(out)
+    written += [out / CONFIG, *(out / name for name in report.REPORT_FILES if (out / name).exists())]
+    console.print("wrote: " + ", ".join(str(path) for path in written), soft_wrap=True)
+    return tables

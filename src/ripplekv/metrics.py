@@ -444,6 +444,8 @@ def score_by_length(
 def load_predictions(path: Path) -> list[dict]:
     """Read and check a predictions file of JSON lines `{dataset, pred, answers, all_classes[, length]}`.
 
+    ripplekv's own `predictions.jsonl` is read too: its `task` names the dataset, `prediction` is the
+    prediction, and `method`/`budget` are kept so each variant is scored on its own.
     Blank lines are skipped. Each record gets `line`: its 0-based line number in the file. Problems
     are a `UserError` naming the file and the 1-based line number, as editors count.
     """
@@ -462,6 +464,8 @@ def load_predictions(path: Path) -> list[dict]:
                 raise UserError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(rec, dict):
                 raise UserError(f"{where}: expected a JSON object")
+            if "dataset" not in rec and "task" in rec and "prediction" in rec:  # ripplekv eval output
+                rec = {**rec, "dataset": rec["task"], "pred": rec["prediction"]}
             dataset = rec.get("dataset")
             if not isinstance(dataset, str):
                 raise UserError(f"{where}: 'dataset' missing or not a string")
@@ -489,6 +493,8 @@ def load_predictions(path: Path) -> list[dict]:
                     "answers": [str(a) for a in answers],
                     "all_classes": all_classes,
                     "length": length,
+                    "method": rec.get("method"),
+                    "budget": rec.get("budget"),
                 }
             )
     if not records:
@@ -509,32 +515,40 @@ def score_predictions(records: list[dict], rouge: str = "official"):
     is followed by one row per non-empty length bucket, named `<dataset>@0-4k`, `@4-8k`, `@8k+`.
     `metric` names the metric (`rouge:rouge-score` under `rouge="rouge-score"`).
     Per-sample rows `line,dataset,score` with the score x100 rounded to 2 decimals.
+    Records with a `method` (ripplekv's own output) are scored per (dataset, method, budget), and
+    both tables get `method,budget` columns after `dataset`.
     """
     import pandas as pd
 
+    variant_cols = ["method", "budget"] if any(rec.get("method") is not None for rec in records) else []
     sample_rows = []
-    by_dataset: dict[str, list[tuple[float, float | None]]] = {}
+    by_dataset: dict[tuple, list[tuple[float, float | None]]] = {}
     for rec in records:
         try:
             value = score_sample(rec["dataset"], rec["pred"], rec["answers"], rec["all_classes"], rouge)
         except UserError as err:
             raise UserError(f"line {rec['line'] + 1}: {err}") from None
-        sample_rows.append({"line": rec["line"], "dataset": rec["dataset"], "score": round(100 * value, 2)})
-        by_dataset.setdefault(rec["dataset"], []).append((value, rec["length"]))
+        variant = {col: rec.get(col) for col in variant_cols}
+        sample_rows.append({"line": rec["line"], "dataset": rec["dataset"], **variant, "score": round(100 * value, 2)})
+        by_dataset.setdefault((rec["dataset"], *variant.values()), []).append((value, rec["length"]))
 
     dataset_rows = []
-    for dataset, items in by_dataset.items():
+    for (dataset, *variant), items in by_dataset.items():
+        variant = dict(zip(variant_cols, variant))
         metric = metric_label(dataset, rouge)
-        dataset_rows.append({"dataset": dataset, "n": len(items), "score": aggregate([v for v, _ in items]), "metric": metric})
+        dataset_rows.append({"dataset": dataset, **variant, "n": len(items), "score": aggregate([v for v, _ in items]),
+                             "metric": metric})
         if _base_name(dataset) != dataset:
             buckets: dict[str, list[float]] = {name: [] for name in LENGTH_BUCKETS}
             for value, length in items:
                 buckets[length_bucket(length)].append(value)
             for name, values in buckets.items():
                 if values:
-                    dataset_rows.append(
-                        {"dataset": f"{dataset}@{name}", "n": len(values), "score": aggregate(values), "metric": metric}
-                    )
-    datasets = pd.DataFrame(dataset_rows, columns=["dataset", "n", "score", "metric"])
-    samples = pd.DataFrame(sample_rows, columns=["line", "dataset", "score"])
+                    dataset_rows.append({"dataset": f"{dataset}@{name}", **variant, "n": len(values),
+                                         "score": aggregate(values), "metric": metric})
+    datasets = pd.DataFrame(dataset_rows, columns=["dataset", *variant_cols, "n", "score", "metric"])
+    samples = pd.DataFrame(sample_rows, columns=["line", "dataset", *variant_cols, "score"])
+    if variant_cols:  # budgets stay integers next to the full cache's empty budget
+        for table in (datasets, samples):
+            table["budget"] = table["budget"].astype("Int64")
     return datasets, samples

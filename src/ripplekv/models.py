@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,14 +89,39 @@ def _check_supported(config) -> None:
         )
 
 
+def hub_offline() -> bool:
+    """Whether the user switched the hub off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)."""
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("HF_DATASETS_OFFLINE", ""))
+    return any(flag.lower() in ("1", "true", "yes", "on") for flag in flags)
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One connection attempt to the hub (or a proxy is set): without it, a download retries for ~25 s."""
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(var) for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _from_hub_or_local(cls, location: str, source: ModelSource, **kwargs):
-    """Load from a directory, or from the hub cache first and the network second."""
+    """Load from a directory, or from the hub cache first and the network second (only when reachable,
+    so a mistyped id fails in seconds instead of retrying)."""
     if source.kind != "hub":
         return cls.from_pretrained(location, **kwargs)
     try:
         return cls.from_pretrained(location, local_files_only=True, **kwargs)
     except OSError:
         pass
+    if hub_offline() or not hub_reachable():
+        why = "the hub is switched off (HF_HUB_OFFLINE)" if hub_offline() else "the hub cannot be reached"
+        raise UserError(f"model {location!r} is not in the local hub cache and {why}; check the id, "
+                        "or pass a local model directory or .gguf file with --model")
     try:
         return cls.from_pretrained(location, **kwargs)
     except OSError as err:

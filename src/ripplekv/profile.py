@@ -242,21 +242,29 @@ def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path)
         **profile.extra,
     }
     (out / "profile.json").write_text(json.dumps(meta, indent=2) + "\n")
-    plot_profile(summary, meta, out / "sensitivity.png")
+    plot_profile(summary, meta, out / "sensitivity.png", profile.per_sample)
     return meta
 
 
-def plot_profile(summary: pd.DataFrame, meta: dict, path: Path) -> None:
+def plot_profile(summary: pd.DataFrame, meta: dict, path: Path, per_sample: np.ndarray | None = None) -> None:
+    """Mean KL per layer on a log axis; bars span the lowest to highest sample (mean +- std would
+    reach below zero, off a log axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.errorbar(summary["layer"], summary["kl_mean"], yerr=summary["kl_std"], marker="o", ms=3, capsize=2)
+    mean = summary["kl_mean"].to_numpy()
+    bars = None
+    if per_sample is not None and per_sample.shape[0] > 1:
+        bars = np.vstack([mean - per_sample.min(0), per_sample.max(0) - mean])
+    ax.errorbar(summary["layer"], mean, yerr=bars, marker="o", ms=3, capsize=2,
+                label="mean" + (" (bars: lowest to highest sample)" if bars is not None else ""))
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("KL(clean || perturbed)")
+    ax.legend(fontsize=8)
     rho = meta.get("split_half_spearman")
     rho_text = f", split-half rho {rho:.2f}" if rho is not None else ""
     ax.set_title(f"{meta['model']}: {meta['signal']} sensitivity, eta={meta['eta']}, {meta['calibration_ids'].__len__()} samples{rho_text}", fontsize=9)

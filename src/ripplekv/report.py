@@ -352,6 +352,15 @@ def typical_sample(frame: pd.DataFrame) -> tuple[str, str]:
     return pick["task"], pick["id"]
 
 
+def shared_lines(rows: pd.DataFrame) -> dict[tuple, list[str]]:
+    """Per-layer budgets -> the methods that have them: methods with identical budgets (snapkv and
+    streamingllm are both uniform) get one line and one label, instead of one line hiding the other."""
+    lines: dict[tuple, list[str]] = {}
+    for values, method in zip(rows["layer_budgets"], rows["method"]):
+        lines.setdefault(tuple(int(v) for v in values), []).append(method)
+    return lines
+
+
 def plot_layer_budgets(frame: pd.DataFrame, path: Path) -> None:
     """Per-layer budgets of each method at each budget, for a prompt of typical length."""
     plt = _pyplot()
@@ -360,19 +369,18 @@ def plot_layer_budgets(frame: pd.DataFrame, path: Path) -> None:
     task, sid = typical_sample(frame)
     rows = frame[(frame["task"] == task) & (frame["id"] == sid) & (frame["method"] != REFERENCE)]
     budgets = sorted(int(b) for b in rows["budget"].dropna().unique()) or [0]
-    fig, axes = plt.subplots(1, len(budgets), figsize=(3.6 * len(budgets), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(budgets), figsize=(3.6 * len(budgets), 4.2), squeeze=False)
     n = int(rows["prompt_tokens"].iloc[0]) if len(rows) else 0
     for ax, budget in zip(axes[0], budgets):
-        for i, (_, row) in enumerate(rows[rows["budget"] == budget].iterrows()):
+        for i, (values, names) in enumerate(shared_lines(rows[rows["budget"] == budget]).items()):
             marker, line = STYLES[i % len(STYLES)]
-            ax.plot(range(len(row["layer_budgets"])), row["layer_budgets"], marker=marker, markersize=3,
-                    linestyle=line, label=row["method"])
+            ax.plot(range(len(values)), values, marker=marker, markersize=3, linestyle=line, label=" = ".join(names))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"B={budget}, n={n}")
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     axes[0][0].set_ylabel("entries kept per KV head")
-    axes[0][-1].legend(fontsize="small")
     fig.suptitle(f"Per-layer budgets, prompt of median length ({task}, {sid})", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -534,6 +542,12 @@ def summary_table(board: pd.DataFrame, title: str = "average score (kl) by metho
             cells.append(f"{mark}{row['avg']:.2f} ({row['kl']:.3g})")
         table.add_row(method, *cells)
     return table
+
+
+# What `render` writes (listed at the end of `ripplekv eval` and `ripplekv report`; lengths.csv only when
+# samples carry a length).
+REPORT_FILES = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "ranks.csv", "lengths.csv",
+                "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "summary.md", "report.json")
 
 
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,

@@ -13,10 +13,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import zipfile
 from pathlib import Path
-from urllib.parse import urlparse
 
 from ripplekv.errors import UserError
 
@@ -119,23 +117,13 @@ def _read_local(found: tuple[str, Path, str], name: str) -> list[dict]:
         return _parse_jsonl(io.TextIOWrapper(raw, encoding="utf-8"), f"{path}:{member}", name)
 
 
-def _hub_worth_trying(timeout: float = 3.0) -> bool:
-    """False when the hub surely can't answer: no offline mode, no proxy, and no connection to it.
+def _hub_worth_trying() -> bool:
+    """False when the hub surely can't answer (not offline, and no connection to it): without this,
+    `datasets` spends ~25 s retrying a host it cannot resolve. In offline mode (HF_HUB_OFFLINE=1)
+    `datasets` answers from its cache at once, so let it try."""
+    from ripplekv.models import hub_offline, hub_reachable
 
-    Without this, `datasets` spends ~25 s retrying a host it cannot resolve before failing.
-    In offline mode (HF_HUB_OFFLINE=1) `datasets` answers from its cache at once, so let it try.
-    """
-    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("HF_DATASETS_OFFLINE", ""))
-    if any(flag.lower() in ("1", "true", "yes", "on") for flag in flags):
-        return True
-    if any(os.environ.get(var) for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+    return hub_offline() or hub_reachable()
 
 
 def _read_hub(name: str) -> list[dict]:
@@ -169,6 +157,16 @@ def read_records(name: str, data_dir: str | None = None) -> list[dict]:
                         f"or pass --data-dir (the hub copy {HUB_ID} could not be loaded; one already in "
                         "the HF cache loads with HF_HUB_OFFLINE=1)")
     return records
+
+
+def where_data_is(data_dir: str | None = None) -> str:
+    """One line for `ripplekv tasks`: whether LongBench files were found, and where ripplekv looked."""
+    where, _ = _configured_dir(data_dir)
+    found = [name for name in OFFICIAL_SIZES if _find_local(name, where)]
+    if found:
+        return f"LongBench data: {len(found)} of {len(OFFICIAL_SIZES)} datasets found in {where}"
+    return (f"LongBench data: not found in {where} (put the official jsonl files or data.zip there, or use "
+            f"--data-dir or ${ENV_DIR}; the offline suite needs no download)")
 
 
 def has_local_data(data_dir: str | None = None) -> bool:

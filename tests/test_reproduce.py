@@ -1,0 +1,94 @@
+"""scripts/reproduce.sh with a stand-in `ripplekv`: OUT is replaced only when every stage succeeded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Writes what each stage's real command writes (enough for write_results_readme.py); fails at $FAIL_AT.
+FAKE_RIPPLEKV = r'''#!/usr/bin/env python3
+import json, os, sys
+from pathlib import Path
+stage, args = sys.argv[1], sys.argv[2:]
+if os.environ.get("FAIL_AT") == stage:
+    sys.exit(f"{stage} failed")
+out = Path(args[args.index("--out") + 1])
+if stage == "profile":
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sensitivity.csv").write_text("layer,kl_mean\n0,1\n")
+    (out / "profile.json").write_text(json.dumps({"model": "m", "signal": "noise", "eta": 0.3, "seeds": 1,
+        "probe_tokens": 16, "calibration_ids": ["a"], "split_half_spearman": None}))
+elif stage == "allocate":
+    out.write_text("layer,multiplier\n0,1\n")
+else:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "predictions.jsonl").write_text("{}\n")
+    (out / "summary.md").write_text("# eval\n\n| method |\n")
+'''
+
+CONFIG = """MODEL=
+OUT=results
+CALIB_SAMPLES=2
+SEEDS=1
+ETA=0.3
+PROBE_TOKENS=16
+RATIOS="4"
+SWEEP_SAMPLES=2
+SWEEP_BUDGET=128
+SUITE=offline
+BUDGETS="64 128"
+METHODS=full,snapkv,ripplekv
+LIMIT=1
+TARGET_TOKENS=2000
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A copy of scripts/ with the stand-in ripplekv and the test's Python as .venv/bin/python."""
+    shutil.copytree(REPO / "scripts", tmp_path / "scripts")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "reproduce.env").write_text(CONFIG)
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "ripplekv").write_text(FAKE_RIPPLEKV.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
+    for name in ("python", "ripplekv"):
+        (venv / name).chmod((venv / name).stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "committed.txt").write_text("the committed results\n")
+    return tmp_path
+
+
+def reproduce(project: Path, fail_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FAIL_AT": fail_at or ""}
+    return subprocess.run(["bash", "scripts/reproduce.sh", "configs/reproduce.env"], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_replaces_them(project):
+    failed = reproduce(project, fail_at="eval")
+    assert failed.returncode != 0
+    assert sorted(p.name for p in (project / "results").iterdir()) == ["committed.txt"]
+    assert (project / "runs" / ".staging" / "results" / "profile" / "sensitivity.csv").is_file()
+
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    assert "profile: up to date" in done.stdout and "allocate: up to date" in done.stdout
+    results = project / "results"
+    assert (results / "eval" / "predictions.jsonl").is_file() and not (results / "committed.txt").exists()
+    assert not (project / "runs" / ".staging" / "results").exists()
+    previous = list((project / "runs").glob("previous-results-*"))
+    assert len(previous) == 1 and (previous[0] / "committed.txt").is_file()
+    readme = (results / "README.md").read_text()
+    assert readme.startswith("# Results of `make reproduce`")
+    assert "--methods full,snapkv,ripplekv" in readme and "\\," not in readme
+    assert ".staging" not in readme and "--out results/eval" in readme
