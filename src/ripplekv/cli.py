@@ -39,9 +39,11 @@ def snap_options(window: int | None, kernel: int | None, pooling: str | None) ->
     return {key: value for key, value in given.items() if value is not None}
 
 
-def split_list(text: str) -> list[str]:
-    """`a,b, c` -> ['a', 'b', 'c'] (empty items dropped)."""
-    return [item.strip() for item in text.split(",") if item.strip()]
+def split_list(text: str, option: str) -> list[str]:
+    """`a,b, c` -> ['a', 'b', 'c'] (empty items dropped); an empty list is a UserError naming `option`."""
+    from ripplekv.evaluate import parse_names
+
+    return list(parse_names(text, option))
 
 
 def model_shape(model: str | None) -> tuple[int, int]:
@@ -74,7 +76,7 @@ def budgets(
     if output_format not in ("table", "csv"):
         raise UserError(f"--format must be table or csv, got {output_format!r}")
     options = snap_options(window, kernel, pooling)
-    chosen = [make_method(name, allocation=allocation, **options) for name in split_list(methods)]
+    chosen = [make_method(name, allocation=allocation, **options) for name in split_list(methods, "--methods")]
     num_layers, kv_heads = model_shape(model)
     rows = {m.name: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
     if output_format == "csv":
@@ -99,7 +101,7 @@ def budgets(
 # --- commands: profile, allocate ---
 
 
-def _progress_bar(description: str, total: int):
+def _progress_bar(description: str, total: int, completed: int = 0):
     """A rich progress bar with ETA; returns (progress, advance callback)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -111,7 +113,7 @@ def _progress_bar(description: str, total: int):
         TextColumn("eta"),
         TimeRemainingColumn(),
     )
-    task = progress.add_task(description, total=total)
+    task = progress.add_task(description, total=total, completed=completed)
     return progress, lambda _index: progress.advance(task)
 
 
@@ -129,27 +131,22 @@ def profile(
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
     batch_size: int = typer.Option(32, "--batch-size", help="Perturbed layers run together in one batch."),
 ) -> None:
-    """Measure each layer's sensitivity: perturb its value cache, KL at the output."""
+    """Measure each layer's sensitivity: perturb its value cache, KL at the output.
+
+    Rerunning the same command resumes an interrupted profile (finished samples are kept)."""
     from rich.console import Console
 
     from ripplekv.budgets import check_budget
-    from ripplekv.models import load_model
-    from ripplekv.profile import ProfileSettings, calibration_prompts, run_profile, write_profile
+    from ripplekv.profile import ProfileSettings, profile_into
 
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
-    settings.check()
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
-    console = Console(stderr=True)
-    loaded, tokenizer, source = load_model(model)
-    prompts = calibration_prompts(tokenizer, calib_samples, probe_tokens, target_tokens, with_answer=with_answer)
-    progress, advance = _progress_bar("profiling", len(prompts))
-    with progress:
-        result = run_profile(loaded, prompts, settings, source.label, progress=advance)
-    meta = write_profile(result, prompts, Path(out))
+    count, meta = profile_into(Path(out), model, settings, calib_samples=calib_samples, target_tokens=target_tokens,
+                               with_answer=with_answer, bar=lambda total, done: _progress_bar("profiling", total, done))
     rho = meta["split_half_spearman"]
-    console.print(
-        f"profiled {len(prompts)} samples x {meta['num_layers']} layers; split-half Spearman rho = "
+    Console(stderr=True).print(
+        f"profiled {count} samples x {meta['num_layers']} layers; split-half Spearman rho = "
         + (f"{rho:.3f}" if rho is not None else "n/a (one sample)")
         + f"; wrote {out}/sensitivity.csv"
     )
@@ -166,44 +163,16 @@ def allocate(
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
 ) -> None:
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
-    import json
-
     from rich.console import Console
 
-    from ripplekv.allocate import check_ratio, multipliers, plot_allocation, ratio_sweep, read_sensitivity, write_allocation
+    from ripplekv.allocate import run_allocate
     from ripplekv.budgets import check_budget
 
-    ratios = sorted({check_ratio(r) for r in ratio})
     check_budget(budget)
-    console = Console(stderr=True)
-    num_layers, _ = model_shape(model)
-    values = read_sensitivity(sensitivity, num_layers)
-    out_path = Path(out)
-    chosen = ratios[0]
-    if len(ratios) > 1:
-        from ripplekv.models import load_model
-        from ripplekv.profile import calibration_prompts
-
-        loaded, tokenizer, _ = load_model(model)
-        prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)
-        progress, advance = _progress_bar("choosing ratio", len(prompts))
-        with progress:
-            sweep = ratio_sweep(loaded, prompts, values, ratios, budget, progress=advance)
-        chosen = float(sweep.sort_values(["kl", "ratio"]).iloc[0]["ratio"])
-        sweep = sweep.assign(chosen=sweep["ratio"] == chosen)
-        sweep_path = out_path.with_name(out_path.stem + ".sweep.csv")
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        sweep.to_csv(sweep_path, index=False)
-        (out_path.with_name(out_path.stem + ".choice.json")).write_text(
-            json.dumps({"ratio": chosen, "candidates": ratios, "budget": budget, "calibration_ids": [p.sample_id for p in prompts]}, indent=2)
-            + "\n"
-        )
-        console.print(sweep.to_string(index=False))
-        console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {sweep_path}")
-    mult = multipliers(values, chosen)
-    write_allocation(out_path, values, mult)
-    plot_allocation(out_path.with_suffix(".png"), values, mult, chosen, num_layers)
-    console.print(f"wrote {out_path} (ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}) and {out_path.with_suffix('.png')}")
+    if calib_samples < 1:
+        raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
+    run_allocate(sensitivity, Path(out), ratio, model, budget, calib_samples, target_tokens, Console(stderr=True),
+                 bar=lambda total, done: _progress_bar("choosing ratio", total, done))
 
 
 # --- commands: eval, report ---
@@ -240,9 +209,9 @@ def eval_command(
 
     settings = evaluate.EvalSettings(
         budgets=evaluate.parse_budgets(budget),
-        methods=evaluate.parse_names(methods),
+        methods=evaluate.parse_names(methods, "--methods"),
         suite=suite or default_suite(data_dir),
-        tasks=evaluate.parse_names(tasks),
+        tasks=evaluate.parse_names(tasks, "--tasks"),
         limit=limit,
         allocation=allocation,
         model=model,
@@ -287,15 +256,15 @@ def score(
     from rich.table import Table
 
     from ripplekv.metrics import load_predictions, score_predictions
+    from ripplekv.safeio import check_output, write_csv
 
+    check_output(out, inputs=[pred_file])
+    if samples is not None:
+        check_output(samples, inputs=[pred_file, out], option="--samples")
     datasets, per_sample = score_predictions(load_predictions(Path(pred_file)))
-    for target, frame in ((out, datasets), (samples, per_sample)):
-        if target is not None:
-            try:
-                Path(target).parent.mkdir(parents=True, exist_ok=True)
-                frame.to_csv(target, index=False)
-            except OSError as err:
-                raise UserError(f"cannot write {target}: {err.strerror or err}") from None
+    write_csv(out, datasets)
+    if samples is not None:
+        write_csv(samples, per_sample)
 
     table = Table(title=f"LongBench scores: {pred_file}")
     table.add_column("dataset")
@@ -343,7 +312,12 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always exactly one line
+        sys.exit(2)
+    except OSError as err:  # a file we were given or told to write, failing where no check caught it
+        if err.filename is None:
+            raise
+        print(f"error: {err.filename}: {err.strerror or err}", file=sys.stderr)
         sys.exit(2)
     except NoArgsIsHelpError as err:
         print(err.ctx.get_help() if err.ctx else str(err))

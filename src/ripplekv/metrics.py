@@ -4,7 +4,10 @@ Each metric is `fn(prediction, ground_truth, **kwargs) -> float` in [0, 1]; a sa
 best metric value over its gold answers, and a dataset scores `round(100 * mean, 2)`, as the
 official `eval.py` does. ROUGE-L is re-implemented (same tokenization, tie-breaks and formula as
 `rouge==1.0.1`) because the package's recursive LCS crashes on long texts, which the official code
-silently scores as 0.
+silently scores as 0: where the official scorer gives 0 (a sentence pair whose LCS trace passes
+Python's recursion limit, roughly 500+ words each), we give the true ROUGE-L. Memory stays bounded:
+a sentence pair whose LCS table would exceed `MAX_LCS_CELLS` scores 0, as the official scorer
+scores every pair that long.
 
 `load_predictions` / `score_predictions` score a predictions file of JSON lines
 `{dataset, pred, answers, all_classes[, length]}`, so outputs of other tools can be rescored.
@@ -13,6 +16,7 @@ silently scores as 0.
 from __future__ import annotations
 
 import json
+import math
 import re
 import string
 import warnings
@@ -91,6 +95,10 @@ def _rouge_sentences(text: str) -> list[list[str]]:
     return [" ".join(piece.split()).split(" ") for piece in text.split(".") if piece]
 
 
+# Largest LCS table ROUGE-L builds: 2**25 int32 cells = 128 MiB (two 5.8k-word sentences).
+MAX_LCS_CELLS = 2**25
+
+
 def _lcs_words(ref: list[str], hyp: list[str]) -> list[str]:
     """Reference words on one longest common subsequence of `ref` and `hyp`.
 
@@ -132,6 +140,8 @@ def rouge_l_f(hypothesis: str, reference: str) -> float:
     ref = _rouge_sentences(reference)
     if not hyp or not ref:
         return 0.0
+    if any((len(r) + 1) * (len(h) + 1) > MAX_LCS_CELLS for r in ref for h in hyp):
+        return 0.0  # beyond our memory bound; the official scorer already gives 0 far below it
     union: set[str] = set()
     for ref_words in ref:
         for hyp_words in hyp:
@@ -394,46 +404,55 @@ def load_predictions(path: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"predictions file not found: {path}")
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for index, text in enumerate(fh):
-            if not text.strip():
-                continue
-            where = f"{path} line {index + 1}"
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{where}: expected a JSON object")
-            dataset = rec.get("dataset")
-            if not isinstance(dataset, str):
-                raise UserError(f"{where}: 'dataset' missing or not a string")
-            try:
-                metric_for(dataset)
-            except UserError as err:
-                raise UserError(f"{where}: {err}") from None
-            if not isinstance(rec.get("pred"), str):
-                raise UserError(f"{where}: 'pred' missing or not a string")
-            answers = rec.get("answers")
-            if not isinstance(answers, list):
-                raise UserError(f"{where}: 'answers' missing or not a list")
-            all_classes = rec.get("all_classes")
-            if all_classes is not None and not isinstance(all_classes, list):
-                raise UserError(f"{where}: 'all_classes' must be a list or null")
-            length = rec.get("length")
-            if _base_name(dataset) != dataset:
-                if isinstance(length, bool) or not isinstance(length, (int, float)):
-                    raise UserError(f"{where}: LongBench-E dataset {dataset} needs a numeric 'length'")
-            records.append(
-                {
-                    "line": index,
-                    "dataset": dataset,
-                    "pred": rec["pred"],
-                    "answers": [str(a) for a in answers],
-                    "all_classes": all_classes,
-                    "length": length,
-                }
-            )
+    try:
+        with path.open(encoding="utf-8") as fh:
+            lines = list(fh)
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; pass a JSON-lines predictions file") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
+    for index, text in enumerate(lines):
+        if not text.strip():
+            continue
+        where = f"{path} line {index + 1}"
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where}: not valid JSON ({err.msg})") from None
+        if not isinstance(rec, dict):
+            raise UserError(f"{where}: expected a JSON object")
+        dataset = rec.get("dataset")
+        if not isinstance(dataset, str):
+            raise UserError(f"{where}: 'dataset' missing or not a string")
+        try:
+            metric_for(dataset)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
+        if not isinstance(rec.get("pred"), str):
+            raise UserError(f"{where}: 'pred' missing or not a string")
+        answers = rec.get("answers")
+        if not isinstance(answers, list):
+            raise UserError(f"{where}: 'answers' missing or not a list")
+        if not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in answers):
+            raise UserError(f"{where}: 'answers' must hold strings (or numbers), not null, lists or objects")
+        all_classes = rec.get("all_classes")
+        if all_classes is not None and not (isinstance(all_classes, list)
+                                            and all(isinstance(c, str) for c in all_classes)):
+            raise UserError(f"{where}: 'all_classes' must be a list of strings or null")
+        length = rec.get("length")
+        if _base_name(dataset) != dataset:
+            if isinstance(length, bool) or not isinstance(length, (int, float)) or not math.isfinite(length):
+                raise UserError(f"{where}: LongBench-E dataset {dataset} needs a numeric 'length'")
+        records.append(
+            {
+                "line": index,
+                "dataset": dataset,
+                "pred": rec["pred"],
+                "answers": [str(a) for a in answers],
+                "all_classes": all_classes,
+                "length": length,
+            }
+        )
     if not records:
         raise UserError(f"{path}: no predictions in the file")
     return records

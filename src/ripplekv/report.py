@@ -20,6 +20,7 @@ import pandas as pd
 from ripplekv.errors import UserError
 from ripplekv.evaluate import PREDICTIONS, REFERENCE, read_lines
 from ripplekv.metrics import aggregate
+from ripplekv.safeio import save_figure, write_csv, write_text
 
 FLOAT_FORMAT = "%.6g"
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
@@ -29,6 +30,11 @@ KL_FLOOR = 1e-8  # kl of a variant that keeps everything can be 0; a log axis ne
 def load_predictions(run_dir: str | Path) -> pd.DataFrame:
     """All result lines of a run (a trailing partial line from a kill is ignored)."""
     path = Path(run_dir) / PREDICTIONS
+    if not Path(run_dir).is_dir():
+        what = "is a file" if Path(run_dir).exists() else "does not exist"
+        raise UserError(f"{run_dir} {what}; pass a directory written by `ripplekv eval`")
+    if not path.is_file() and (Path(run_dir) / "profile.json").is_file():
+        raise UserError(f"{run_dir} holds a ripplekv profile, not an eval run; pass a directory written by `ripplekv eval`")
     rows, _ = read_lines(path)
     if not rows:
         where = "no" if not path.is_file() else "an empty"
@@ -133,7 +139,7 @@ def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
     ax.set_title("Score vs KV budget")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -147,7 +153,7 @@ def plot_kl_vs_budget(board: pd.DataFrame, path: Path) -> None:
     ax.set_title("Fidelity to the full cache vs KV budget")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -200,7 +206,7 @@ def plot_layer_budgets(frame: pd.DataFrame, path: Path) -> None:
     axes[0][-1].legend(fontsize="small")
     fig.suptitle(f"Per-layer budgets, prompt of median length ({task}, {sid})", fontsize="medium")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -288,13 +294,13 @@ def render(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     board = leaderboard(scores)
     wide = leaderboard_wide(scores, board)
     try:
-        scores.to_csv(run_dir / "scores.csv", index=False, float_format=FLOAT_FORMAT)
-        board.to_csv(run_dir / "leaderboard.csv", index=False, float_format=FLOAT_FORMAT)
-        wide.to_csv(run_dir / "leaderboard_wide.csv", index=False, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "leaderboard.csv", board, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "leaderboard_wide.csv", wide, float_format=FLOAT_FORMAT)
         plot_score_vs_budget(board, run_dir / "score_vs_budget.png")
         plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png")
         plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-        (run_dir / "summary.md").write_text(summary_markdown(frame, board, wide, run_dir), encoding="utf-8")
+        write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir))
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide}
