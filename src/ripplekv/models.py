@@ -109,7 +109,7 @@ def check_model_files(spec: str | None, weights: bool = True) -> None:
     if source.kind != "local":
         return
     folder = Path(source.location)
-    wanted = [("a tokenizer", TOKENIZER_FILES)] + ([("weights", WEIGHT_FILES)] if weights else [])
+    wanted = [("tokenizer", TOKENIZER_FILES)] + ([("weights", WEIGHT_FILES)] if weights else [])
     for what, names in wanted:
         if not any((folder / name).is_file() for name in names):
             raise UserError(f"model directory {folder} has no {what} (none of {', '.join(names)}); "
