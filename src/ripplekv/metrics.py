@@ -5,9 +5,9 @@ best metric value over its gold answers, and a dataset scores `round(100 * mean,
 official `eval.py` does. ROUGE-L is re-implemented (same tokenization, tie-breaks and formula as
 `rouge==1.0.1`) because the package's recursive LCS crashes on long texts, which the official code
 silently scores as 0: where the official scorer gives 0 (a sentence pair whose LCS trace passes
-Python's recursion limit, roughly 500+ words each), we give the true ROUGE-L. Memory stays bounded:
-a sentence pair whose LCS table would exceed `MAX_LCS_CELLS` scores 0, as the official scorer
-scores every pair that long.
+Python's recursion limit, roughly 500+ words each), we give the true ROUGE-L. Memory and time stay
+bounded: texts whose LCS tables would together exceed `MAX_LCS_CELLS` cells (e.g. two texts of about
+5,800 words each), or that split into more than `MAX_SENTENCE_PAIRS` sentence pairs, score 0.
 
 `load_predictions` / `score_predictions` score a predictions file of JSON lines
 `{dataset, pred, answers, all_classes[, length]}`, so outputs of other tools can be rescored.
@@ -21,6 +21,7 @@ import re
 import string
 import warnings
 from collections import Counter
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -50,7 +51,17 @@ def normalize_zh_answer(text: str) -> str:
 
 def _jieba_cut(text: str) -> list[str]:
     """Chinese word segmentation as the official scorer does it (precise mode); jieba is loaded lazily
-    because its dictionary takes a second to build and only Chinese datasets need it."""
+    because its dictionary takes a second to build and only Chinese datasets need it. Short texts are
+    cached: a prediction is cut once, not once per gold answer."""
+    return list(_cut_short(text)) if len(text) <= 2000 else _cut(text)
+
+
+@lru_cache(maxsize=1024)
+def _cut_short(text: str) -> tuple[str, ...]:
+    return tuple(_cut(text))
+
+
+def _cut(text: str) -> list[str]:
     import logging
 
     import jieba
@@ -95,8 +106,10 @@ def _rouge_sentences(text: str) -> list[list[str]]:
     return [" ".join(piece.split()).split(" ") for piece in text.split(".") if piece]
 
 
-# Largest LCS table ROUGE-L builds: 2**25 int32 cells = 128 MiB (two 5.8k-word sentences).
+# Bounds on ROUGE-L's work: LCS table cells over all sentence pairs (2**25 int32 = 128 MiB for one
+# pair of 5.8k-word sentences, about 0.3 s), and sentence pairs (each costs a few numpy calls).
 MAX_LCS_CELLS = 2**25
+MAX_SENTENCE_PAIRS = 2**16
 
 
 def _lcs_words(ref: list[str], hyp: list[str]) -> list[str]:
@@ -140,12 +153,16 @@ def rouge_l_f(hypothesis: str, reference: str) -> float:
     ref = _rouge_sentences(reference)
     if not hyp or not ref:
         return 0.0
-    if any((len(r) + 1) * (len(h) + 1) > MAX_LCS_CELLS for r in ref for h in hyp):
-        return 0.0  # beyond our memory bound; the official scorer already gives 0 far below it
+    cells = sum(len(r) + 1 for r in ref) * sum(len(h) + 1 for h in hyp)
+    if cells > MAX_LCS_CELLS or len(ref) * len(hyp) > MAX_SENTENCE_PAIRS:
+        return 0.0  # beyond our bounds on memory and time (see the module docstring)
     union: set[str] = set()
+    hyp_sets = [set(h) for h in hyp]
     for ref_words in ref:
-        for hyp_words in hyp:
-            union.update(_lcs_words(ref_words, hyp_words))
+        ref_set = set(ref_words)
+        for hyp_words, hyp_set in zip(hyp, hyp_sets):
+            if not (ref_set & hyp_set) <= union:  # an LCS holds only shared words: else it adds nothing
+                union.update(_lcs_words(ref_words, hyp_words))
     recall = len(union) / len({w for s in ref for w in s})
     precision = len(union) / len({w for s in hyp for w in s})
     return 2.0 * ((precision * recall) / (precision + recall + 1e-8))
