@@ -74,7 +74,7 @@ def test_eval_killed_at_three_seeded_points_resumes_byte_identical(tiny_model_di
 
 
 def test_profile_interrupted_after_one_sample_resumes_byte_identical(tiny_model_dir, tmp_path, run_cli, monkeypatch):
-    args = ["profile", "--model", str(tiny_model_dir), "--calib-samples", "3", "--seeds", "1",
+    args = ["profile", "--model", str(tiny_model_dir), "--calib-samples", "2", "--seeds", "1",
             "--target-tokens", "300"]
     code, _, err = run_cli(*args, "--out", str(tmp_path / "reference"))
     assert code == 0, err
@@ -103,7 +103,7 @@ def test_allocate_sweep_interrupted_resumes_byte_identical(tiny_model_dir, tmp_p
     sens = tmp_path / "sens.csv"
     sens.write_text("layer,kl_mean\n0,0.1\n1,0.4\n2,0.2\n3,0.3\n")
     args = ["allocate", str(sens), "--model", str(tiny_model_dir), "--ratio", "1", "--ratio", "4", "--budget", "32",
-            "--calib-samples", "3", "--target-tokens", "300"]
+            "--calib-samples", "2", "--target-tokens", "300"]
     (tmp_path / "reference").mkdir()
     code, _, err = run_cli(*args, "--out", str(tmp_path / "reference" / "alloc.csv"))
     assert code == 0, err

@@ -326,8 +326,9 @@ def main() -> None:
         print(f"error: {err.format_message()}", file=sys.stderr)
         sys.exit(err.exit_code)
     except (typer.Abort, KeyboardInterrupt):
-        print("error: interrupted; results written so far are kept", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+    if code == 130:  # typer turns Ctrl-C inside a command into exit code 130
+        print("error: interrupted; finished work is kept: rerun the same command to resume", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 
