@@ -45,15 +45,17 @@ def inputs(tmp_path_factory, tiny_model_dir) -> Path:
         "evalrun/config.json": json.dumps({"command": "eval"}),
         "evalrun/predictions.jsonl": "not json\n",
         "mine/notes.txt": "my own notes\n",
+        "oddrun/config.json": json.dumps({"command": "eval"}),
+        "oddrun/predictions.jsonl": "[1, 2]\n",
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text, encoding="utf-8")
     (root / "notok" / "model.safetensors").write_bytes((tiny_model_dir / "model.safetensors").read_bytes()[:64])
     binary = bytes(range(128, 256)) * 20
-    for name in ("bin.jsonl", "bad.gguf", "lb_bin/hotpotqa.jsonl", "bin.csv"):
+    for name in ("bin.jsonl", "bad.gguf", "lb_bin/hotpotqa.jsonl", "bin.csv", "binrun/predictions.jsonl"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_bytes(binary)
+        (root / name).write_bytes(binary + b"\n")
     return root
 
 
@@ -153,6 +155,8 @@ CASES = [
     (["report", "{d}/regular"], "is a file"),
     (["report", "{d}/absent"], "does not exist"),
     (["report", "{d}/evalrun"], "is not valid JSON"),
+    (["report", "{d}/oddrun"], "is not a JSON object"),
+    (["report", "{d}/binrun"], "is not valid JSON"),
     (["tasks", "--suite", "longbench", "--data-dir", "{d}/lb_bin"], "is not UTF-8 text"),
     (["tasks", "--suite", "nope"], "unknown suite"),
 ]

@@ -216,9 +216,12 @@ def read_lines(path: Path) -> tuple[list[dict], bool]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8 text
             raise UserError(f"{path} line {number} is not valid JSON; use a new --out directory") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path} line {number} is not a JSON object; use a new --out directory")
+        rows.append(row)
     return rows, partial
 
 
@@ -232,6 +235,10 @@ def finished_samples(out: Path, config: dict) -> set[tuple[str, str]]:
     rows, partial = read_lines(path)
     expected = variant_keys(config)
     groups: dict[tuple[str, str], list[dict]] = {}
+    for number, row in enumerate(rows, 1):
+        if not {"task", "id", "method", "budget"} <= set(row):
+            raise UserError(f"{path}: result {number} lacks task, id, method or budget; "
+                            "it was not written by `ripplekv eval`: use a new --out directory")
     for row in rows:
         groups.setdefault((row["task"], row["id"]), []).append(row)
     done = {

@@ -65,7 +65,7 @@ def _find_local(name: str, where: Path) -> tuple[str, Path, str] | None:
     else:
         zip_path = where
     if zip_path.is_file() and zipfile.is_zipfile(zip_path):
-        with zipfile.ZipFile(zip_path) as archive:
+        with _reading(str(zip_path)), zipfile.ZipFile(zip_path) as archive:
             members = set(archive.namelist())
         for member in (f"data/{name}.jsonl", f"{name}.jsonl"):
             if member in members:
