@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import zipfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
@@ -144,7 +145,7 @@ def _reading(where: str):
         yield
     except UnicodeDecodeError:
         raise UserError(f"{where} is not UTF-8 text; replace it with the official LongBench jsonl file") from None
-    except (OSError, zipfile.BadZipFile) as err:
+    except (OSError, zipfile.BadZipFile, zlib.error, EOFError) as err:
         raise UserError(f"{where} cannot be read ({getattr(err, 'strerror', None) or err}); "
                         "replace it with the official LongBench file") from None
 
