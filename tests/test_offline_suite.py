@@ -172,4 +172,6 @@ def test_bad_arguments_are_user_errors(tasks, tokenizer):
     with pytest.raises(UserError, match="at least"):
         load_samples(tasks["niah"], tokenizer, target_tokens=10)
     with pytest.raises(UserError, match="only"):
-        load_samples(tasks["squad"], tokenizer, split="calibration", limit=100_000)
+        load_samples(tasks["squad"], tokenizer, split="calibration", limit=1000)
+    with pytest.raises(UserError, match="at most 1000 samples per task"):  # never builds for minutes first
+        load_samples(tasks["niah"], tokenizer, limit=10**12)

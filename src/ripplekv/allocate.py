@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from ripplekv.errors import UserError
+from ripplekv.safeio import UnitLog, check_output, save_figure, write_csv, write_json
 
 
 def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
@@ -50,18 +51,18 @@ def multipliers(sensitivity, ratio: float) -> np.ndarray:
 
 
 def write_allocation(path: Path, sensitivity, mult) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame({"layer": np.arange(len(mult)), "sensitivity": sensitivity, "multiplier": mult}).to_csv(
-        path, index=False, float_format="%.10g"
-    )
+    frame = pd.DataFrame({"layer": np.arange(len(mult)), "sensitivity": sensitivity, "multiplier": mult})
+    write_csv(path, frame, float_format="%.10g")
 
 
 @torch.inference_mode()
-def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens: int = 32, progress=None) -> pd.DataFrame:
+def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens: int = 32, progress=None,
+                log=None) -> pd.DataFrame:
     """Teacher-forced KL(full || ripplekv@R) and agreement on calibration prompts, for each ratio.
 
     Each prompt is prefilled once; the full cache's greedy answer is the reference; all ratios are
-    scored together in one batch.
+    scored together in one batch. With a `UnitLog`, prompts already in it are skipped and each finished
+    prompt's rows are logged, so an interrupted sweep resumes.
     """
     from ripplekv.decode import full_reference, measure_fidelity
     from ripplekv.methods import make_method
@@ -72,11 +73,18 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     stop = model.generation_config.eos_token_id
     stop = stop if isinstance(stop, list) else [stop] if stop is not None else []
     for index, prompt in enumerate(prompts):
+        if log is not None and prompt.sample_id in log.done:
+            rows.extend(log.done[prompt.sample_id])
+            continue
+        first = len(rows)
         state = prefill(model, prompt.context + prompt.probe, reserve=max_new_tokens)
         reference = full_reference(model, state, max_new_tokens, stop)
         scores = measure_fidelity(model, state, [m.compress(state, budget) for m in methods], reference, len(methods))
         for ratio, score in zip(ratios, scores):
-            rows.append({"sample_id": prompt.sample_id, "ratio": ratio, "kl": score.kl, "agreement": score.agreement})
+            rows.append({"sample_id": prompt.sample_id, "ratio": ratio, "kl": float(score.kl),
+                         "agreement": float(score.agreement)})
+        if log is not None:
+            log.append(prompt.sample_id, rows[first:])
         if progress is not None:
             progress(index)
     per_sample = pd.DataFrame(rows)
@@ -115,5 +123,57 @@ def plot_allocation(path: Path, sensitivity, mult, ratio: float, num_layers: int
     for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
+
+
+def output_paths(out: Path) -> dict[str, Path]:
+    """The files `ripplekv allocate --out ALLOC.csv` writes."""
+    return {
+        "csv": out, "png": out.with_suffix(".png"),
+        "sweep": out.with_name(out.stem + ".sweep.csv"), "choice": out.with_name(out.stem + ".choice.json"),
+        "log": out.with_name(f".{out.stem}.sweep.jsonl"),
+    }
+
+
+def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, budget: int, calib_samples: int,
+                 target_tokens: int, console, bar=None, device: str = "auto", dtype: str = "auto") -> list[Path]:
+    """Check everything, sweep the ratios on calibration prompts (resumable), write the allocation;
+    returns the files written."""
+    from contextlib import nullcontext
+
+    from ripplekv.models import load_config, load_model, resolve_model
+
+    ratios = sorted({check_ratio(r) for r in ratios})
+    source = resolve_model(model_spec)
+    inputs = [sensitivity] + ([source.location] if source.kind == "gguf" else [])
+    paths = output_paths(Path(out))
+    for path in paths.values():
+        check_output(path, inputs=inputs)
+    num_layers = load_config(model_spec).num_hidden_layers
+    values = read_sensitivity(sensitivity, num_layers)
+    chosen = ratios[0]
+    if len(ratios) > 1:
+        from ripplekv.profile import calibration_hash, calibration_prompts
+
+        model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
+        prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)
+        settings = {"model": source.location, "sensitivity": [float(v) for v in values], "ratios": ratios,
+                    "budget": budget, "calibration_hash": calibration_hash(prompts)}
+        log = UnitLog(paths["log"], settings, restart=True)  # our scratch file: other settings start it over
+        context, advance = bar(len(prompts), len(log.done)) if bar else (nullcontext(), None)
+        with context:
+            sweep = ratio_sweep(model, prompts, values, ratios, budget, progress=advance, log=log)
+        chosen = float(sweep.sort_values(["kl", "ratio"]).iloc[0]["ratio"])
+        sweep = sweep.assign(chosen=sweep["ratio"] == chosen)
+        write_csv(paths["sweep"], sweep)
+        write_json(paths["choice"], {"ratio": chosen, "candidates": ratios, "budget": budget,
+                                     "calibration_ids": [p.sample_id for p in prompts]})
+        console.print(sweep.to_string(index=False))
+        console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {paths['sweep']}")
+    mult = multipliers(values, chosen)
+    write_allocation(paths["csv"], values, mult)
+    plot_allocation(paths["png"], values, mult, chosen, num_layers)
+    paths["log"].unlink(missing_ok=True)
+    console.print(f"ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}")
+    return [paths["csv"], paths["png"]] + ([paths["sweep"], paths["choice"]] if len(ratios) > 1 else [])

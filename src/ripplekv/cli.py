@@ -73,6 +73,13 @@ def snap_options(window: int | None, kernel: int | None, pooling: str | None) ->
     return {key: value for key, value in given.items() if value is not None}
 
 
+def split_list(text: str, option: str) -> list[str]:
+    """`a,b, c` -> ['a', 'b', 'c'] (empty items dropped); an empty list is a UserError naming `option`."""
+    from ripplekv.evaluate import parse_names
+
+    return list(parse_names(text, option))
+
+
 def model_shape(model: str | None) -> tuple[int, int]:
     """(layers, KV heads) of a model from its config alone, without loading weights."""
     from ripplekv.models import load_config
@@ -105,9 +112,7 @@ def budgets(
     if output_format not in ("table", "csv"):
         raise UserError(f"--format must be table or csv, got {output_format!r}")
     shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
-    specs = parse_names(methods)
-    if not specs:
-        raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv,pyramidkv")
+    specs = parse_names(methods, "--methods")
     chosen = [make_method(spec, shared=shared) for spec in specs]
     for method in chosen:
         if method.allocator.needs_prompt:
@@ -137,7 +142,7 @@ def budgets(
 # --- commands: profile, allocate ---
 
 
-def _progress_bar(description: str, total: int):
+def _progress_bar(description: str, total: int, completed: int = 0):
     """A rich progress bar with ETA; returns (progress, advance callback)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -149,7 +154,7 @@ def _progress_bar(description: str, total: int):
         TextColumn("eta"),
         TimeRemainingColumn(),
     )
-    task = progress.add_task(description, total=total)
+    task = progress.add_task(description, total=total, completed=completed)
     return progress, lambda _index: progress.advance(task)
 
 
@@ -171,31 +176,28 @@ def profile(
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
-    """Measure each layer's sensitivity: perturb its value cache, KL at the output."""
+    """Measure each layer's sensitivity: perturb its value cache, KL at the output.
+
+    Rerunning the same command resumes an interrupted profile (finished samples are kept)."""
     from rich.console import Console
 
     from ripplekv.budgets import check_budget
-    from ripplekv.models import load_model, resolve_device_dtype, runtime_info
-    from ripplekv.profile import ProfileSettings, calibration_prompts, run_profile, write_profile
+    from ripplekv.models import resolve_device_dtype
+    from ripplekv.profile import ProfileSettings, profile_into
 
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
-    settings.check()
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_PROFILE
     device, dtype = resolve_device_dtype(device, dtype)
-    loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
     _say_out(console, "profile", out_dir, out is not None)
-    prompts = calibration_prompts(tokenizer, calib_samples, probe_tokens, target_tokens, with_answer=with_answer)
-    progress, advance = _progress_bar("profiling", len(prompts))
-    with progress:
-        result = run_profile(loaded, prompts, settings, source.label, progress=advance)
-    result.extra.update({"device": device, "dtype": dtype, **runtime_info(device)})
-    meta = write_profile(result, prompts, out_dir)
+    count, meta = profile_into(out_dir, model, settings, calib_samples=calib_samples, target_tokens=target_tokens,
+                               with_answer=with_answer, device=device, dtype=dtype,
+                               bar=lambda total, done: _progress_bar("profiling", total, done))
     rho = meta["split_half_spearman"]
     console.print(
-        f"profiled {len(prompts)} samples x {meta['num_layers']} layers; split-half Spearman rho = "
+        f"profiled {count} samples x {meta['num_layers']} layers; split-half Spearman rho = "
         + (f"{rho:.3f}" if rho is not None else "n/a (one sample)")
     )
     _say_written(console, [out_dir / name for name in ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png")])
@@ -216,53 +218,25 @@ def allocate(
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
-    import json
-
     from rich.console import Console
 
-    from ripplekv.allocate import check_ratio, multipliers, plot_allocation, ratio_sweep, read_sensitivity, write_allocation
+    from ripplekv.allocate import run_allocate
     from ripplekv.budgets import check_budget
 
-    ratios = sorted({check_ratio(r) for r in ratio})
     check_budget(budget)
+    if calib_samples < 1:
+        raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
     out_path = Path(out) if out else DEFAULT_ALLOCATION
     if sensitivity is None:
         sensitivity = str(DEFAULT_PROFILE / "sensitivity.csv")
         if not Path(sensitivity).is_file():
             raise UserError(f"no profile at {sensitivity}: run `ripplekv profile` first, or pass a sensitivity.csv")
-    num_layers, _ = model_shape(model)
-    values = read_sensitivity(sensitivity, num_layers)
     _say_out(console, "allocate", out_path, out is not None)
     console.print(f"allocate: read {sensitivity}", soft_wrap=True)
-    written = []
-    chosen = ratios[0]
-    if len(ratios) > 1:
-        from ripplekv.models import load_model
-        from ripplekv.profile import calibration_prompts
-
-        loaded, tokenizer, _ = load_model(model, device=device, dtype=dtype)
-        prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)
-        progress, advance = _progress_bar("choosing ratio", len(prompts))
-        with progress:
-            sweep = ratio_sweep(loaded, prompts, values, ratios, budget, progress=advance)
-        chosen = float(sweep.sort_values(["kl", "ratio"]).iloc[0]["ratio"])
-        sweep = sweep.assign(chosen=sweep["ratio"] == chosen)
-        sweep_path = out_path.with_name(out_path.stem + ".sweep.csv")
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        sweep.to_csv(sweep_path, index=False)
-        (out_path.with_name(out_path.stem + ".choice.json")).write_text(
-            json.dumps({"ratio": chosen, "candidates": ratios, "budget": budget, "calibration_ids": [p.sample_id for p in prompts]}, indent=2)
-            + "\n"
-        )
-        console.print(sweep.to_string(index=False))
-        console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget})")
-        written += [sweep_path, out_path.with_name(out_path.stem + ".choice.json")]
-    mult = multipliers(values, chosen)
-    write_allocation(out_path, values, mult)
-    plot_allocation(out_path.with_suffix(".png"), values, mult, chosen, num_layers)
-    console.print(f"ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}")
-    _say_written(console, [out_path, out_path.with_suffix(".png"), *written])
+    written = run_allocate(sensitivity, out_path, ratio, model, budget, calib_samples, target_tokens, console,
+                           bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype)
+    _say_written(console, written)
 
 
 # --- commands: eval, report ---
@@ -309,7 +283,7 @@ def eval_command(
 
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_EVAL
-    names = evaluate.parse_names(methods)
+    names = evaluate.parse_names(methods, "--methods")
     notes = [f"eval: writing to {out_dir}" + ("" if out else " (the default; choose with --out)")]
     from ripplekv.methods.presets import shared_option_users
 
@@ -321,7 +295,7 @@ def eval_command(
         budgets=evaluate.parse_budgets(budget),
         methods=names,
         suite=suite,
-        tasks=evaluate.parse_names(tasks),
+        tasks=evaluate.parse_names(tasks, "--tasks"),
         limit=OFFLINE_FIRST_LOOK if limit is None and suite == "offline" else limit,
         allocation=allocation,
         model=model,
@@ -393,16 +367,16 @@ def score(
     from rich.table import Table
 
     from ripplekv.metrics import check_rouge, load_predictions, score_predictions
+    from ripplekv.safeio import check_output, write_csv
 
     rouge = check_rouge(rouge)
+    check_output(out, inputs=[pred_file])
+    if samples is not None:
+        check_output(samples, inputs=[pred_file, out], option="--samples")
     datasets, per_sample = score_predictions(load_predictions(Path(pred_file)), rouge)
-    for target, frame in ((out, datasets), (samples, per_sample)):
-        if target is not None:
-            try:
-                Path(target).parent.mkdir(parents=True, exist_ok=True)
-                frame.to_csv(target, index=False)
-            except OSError as err:
-                raise UserError(f"cannot write {target}: {err.strerror or err}") from None
+    write_csv(out, datasets)
+    if samples is not None:
+        write_csv(samples, per_sample)
 
     table = Table(title=f"LongBench scores: {pred_file}")
     for column in datasets.columns:
@@ -563,7 +537,12 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always exactly one line
+        sys.exit(2)
+    except OSError as err:  # a file we were given or told to write, failing where no check caught it
+        if err.filename is None:
+            raise
+        print(f"error: {err.filename}: {err.strerror or err}", file=sys.stderr)
         sys.exit(2)
     except NoArgsIsHelpError as err:
         print(err.ctx.get_help() if err.ctx else str(err))
@@ -572,8 +551,9 @@ def main() -> None:
         print(f"error: {err.format_message()}", file=sys.stderr)
         sys.exit(err.exit_code)
     except (typer.Abort, KeyboardInterrupt):
-        print("error: interrupted; results written so far are kept", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+    if code == 130:  # typer turns Ctrl-C inside a command into exit code 130
+        print("error: interrupted; finished work is kept: rerun the same command to resume", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -14,12 +14,10 @@ a run that differs in any of those never mixes into the directory.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import numpy as np
 from ripplekv.budgets import check_budget
 from ripplekv.errors import UserError
 from ripplekv.runfiles import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
+from ripplekv.safeio import check_output, exclusive, other_files, write_json
 
 DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
 # config.json keys a run may grow in: a rerun adds the missing lines and the union is recorded.
@@ -61,12 +60,17 @@ class EvalSettings:
     dtype: str = "auto"
 
 
-def parse_names(text: str | Sequence[str] | None) -> tuple[str, ...]:
-    """`"a,b, c"` (or several such strings) -> ('a', 'b', 'c'), duplicates dropped, order kept."""
+def parse_names(text: str | Sequence[str] | None, option: str | None = None) -> tuple[str, ...]:
+    """`"a,b, c"` (or several such strings) -> ('a', 'b', 'c'), duplicates dropped, order kept.
+
+    With `option` (e.g. "--methods"), a given but empty list is a UserError rather than "none".
+    """
     if text is None:
         return ()
     items = [text] if isinstance(text, str) else list(text)
     names = [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+    if option and not names:
+        raise UserError(f"{option} is empty; name at least one, comma-separated (or leave the option out)")
     return tuple(dict.fromkeys(names))
 
 
@@ -106,7 +110,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     from ripplekv.data import get_tasks
     from ripplekv.methods import make_method
     from ripplekv.methods.presets import shared_option_users
-    from ripplekv.models import resolve_device_dtype, resolve_model, runtime_info
+    from ripplekv.models import check_model_files, resolve_device_dtype, resolve_model, runtime_info
 
     for budget in settings.budgets:
         check_budget(budget)
@@ -114,6 +118,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError("give at least one --budget, e.g. --budget 128")
     if settings.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {settings.batch_size}")
+    if not settings.methods:
+        raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv")
     if settings.limit is not None and settings.limit < 1:
         raise UserError(f"--limit must be at least 1, got {settings.limit}")
     if settings.target_tokens < 1:
@@ -134,6 +140,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     source = resolve_model(settings.model)
     device, dtype = resolve_device_dtype(settings.device, settings.dtype)
     allocation = settings.allocation if any("allocation" in m.describe().get("allocator", {}) for m in built) else None
+    check_model_files(settings.model)
     config = {
         "command": "eval",
         "budgets": list(settings.budgets),
@@ -195,14 +202,27 @@ def merge_config(old: dict | None, new: dict) -> dict:
     return merged
 
 
+# Everything `eval` writes into its run directory (plus report.render's files).
+RUN_FILES = (PREDICTIONS, CONFIG, "scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "summary.md",
+             "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png")
+
+
 def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
-    """The existing config of `out` if it matches `config` on `keys`; a UserError naming the differences otherwise."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; pass a directory")
+    """The existing config of `out` if it matches `config` on `keys`; a UserError naming the differences otherwise.
+
+    `out` must be a writable directory that holds no inputs of the run, and either a new or empty one
+    or an earlier `ripplekv eval` run: eval never writes into a folder holding anything else.
+    """
+    model = config.get("model_location") if str(config.get("model_location") or "").endswith(".gguf") else None
+    check_output(out, kind="dir", inputs=[config.get("allocation"), model], writes=RUN_FILES)
     config_path, predictions = out / CONFIG, out / PREDICTIONS
     if not config_path.is_file():
         if predictions.exists():
             raise UserError(f"{out} holds {PREDICTIONS} but no {CONFIG}; use a new --out directory")
+        foreign = other_files(out, RUN_FILES)
+        if foreign:
+            what = "a ripplekv profile" if "profile.json" in foreign else "other files (" + ", ".join(foreign[:3]) + ")"
+            raise UserError(f"--out {out} holds {what}, not an eval run; pass a new or empty directory")
         return None
     if not predictions.is_file() or not predictions.read_bytes().strip():
         return None  # nothing computed yet: the new config simply replaces the old one
@@ -219,11 +239,7 @@ def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
     return old
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
+write_json_atomic = write_json
 
 # --------------------------------------------------------------------------- resuming
 
@@ -244,6 +260,10 @@ def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
     """
     path = out / PREDICTIONS
     rows, partial = read_lines(path)
+    for number, row in enumerate(rows, 1):
+        if not {"task", "id", "method", "budget"} <= set(row):
+            raise UserError(f"{path}: result {number} lacks task, id, method or budget; "
+                            "it was not written by `ripplekv eval`: use a new --out directory")
     if partial:
         data = path.read_bytes()
         keep = data[: data.rfind(b"\n") + 1]
@@ -262,20 +282,9 @@ def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
     return have
 
 
-@contextmanager
 def exclusive_run(out: Path):
     """Hold `out/.lock` for the whole run: two evals appending to one directory would duplicate lines."""
-    handle = (out / ".lock").open("w")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise UserError(f"another ripplekv eval is writing to {out}; wait for it to finish or use another --out") from None
-    try:
-        yield
-    finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
+    return exclusive(out, "eval")
 
 
 def append_rows(fh, rows: list[dict]) -> None:

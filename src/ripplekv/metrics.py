@@ -4,7 +4,10 @@ Each metric is `fn(prediction, ground_truth, **kwargs) -> float` in [0, 1]; a sa
 best metric value over its gold answers, and a dataset scores `round(100 * mean, 2)`, as the
 official `eval.py` does. ROUGE-L is re-implemented (same tokenization, tie-breaks and formula as
 `rouge==1.0.1`) because the package's recursive LCS crashes on long texts, which the official code
-silently scores as 0.
+silently scores as 0: where the official scorer gives 0 (a sentence pair whose LCS trace passes
+Python's recursion limit, roughly 500+ words each), we give the true ROUGE-L. Memory and time stay
+bounded: texts whose LCS tables would together exceed `MAX_LCS_CELLS` cells (e.g. two texts of about
+5,800 words each), or that split into more than `MAX_SENTENCE_PAIRS` sentence pairs, score 0.
 
 `rouge="rouge-score"` swaps the official ROUGE-L for Google's `rouge-score` implementation (ROUGE-L F1,
 Porter stemmer, as HELM scores summaries), for comparison with papers that use it; parity stays the
@@ -17,6 +20,7 @@ default.
 from __future__ import annotations
 
 import json
+import math
 import re
 import string
 import warnings
@@ -51,7 +55,17 @@ def normalize_zh_answer(text: str) -> str:
 
 def _jieba_cut(text: str) -> list[str]:
     """Chinese word segmentation as the official scorer does it (precise mode); jieba is loaded lazily
-    because its dictionary takes a second to build and only Chinese datasets need it."""
+    because its dictionary takes a second to build and only Chinese datasets need it. Short texts are
+    cached: a prediction is cut once, not once per gold answer."""
+    return list(_cut_short(text)) if len(text) <= 2000 else _cut(text)
+
+
+@lru_cache(maxsize=1024)
+def _cut_short(text: str) -> tuple[str, ...]:
+    return tuple(_cut(text))
+
+
+def _cut(text: str) -> list[str]:
     import logging
 
     import jieba
@@ -96,6 +110,12 @@ def _rouge_sentences(text: str) -> list[list[str]]:
     return [" ".join(piece.split()).split(" ") for piece in text.split(".") if piece]
 
 
+# Bounds on ROUGE-L's work: LCS table cells over all sentence pairs (2**25 int32 = 128 MiB for one
+# pair of 5.8k-word sentences, about 0.3 s), and sentence pairs (each costs a few numpy calls).
+MAX_LCS_CELLS = 2**25
+MAX_SENTENCE_PAIRS = 2**16
+
+
 def _lcs_words(ref: list[str], hyp: list[str]) -> list[str]:
     """Reference words on one longest common subsequence of `ref` and `hyp`.
 
@@ -137,10 +157,16 @@ def rouge_l_f(hypothesis: str, reference: str) -> float:
     ref = _rouge_sentences(reference)
     if not hyp or not ref:
         return 0.0
+    cells = sum(len(r) + 1 for r in ref) * sum(len(h) + 1 for h in hyp)
+    if cells > MAX_LCS_CELLS or len(ref) * len(hyp) > MAX_SENTENCE_PAIRS:
+        return 0.0  # beyond our bounds on memory and time (see the module docstring)
     union: set[str] = set()
+    hyp_sets = [set(h) for h in hyp]
     for ref_words in ref:
-        for hyp_words in hyp:
-            union.update(_lcs_words(ref_words, hyp_words))
+        ref_set = set(ref_words)
+        for hyp_words, hyp_set in zip(hyp, hyp_sets):
+            if not (ref_set & hyp_set) <= union:  # an LCS holds only shared words: else it adds nothing
+                union.update(_lcs_words(ref_words, hyp_words))
     recall = len(union) / len({w for s in ref for w in s})
     precision = len(union) / len({w for s in hyp for w in s})
     return 2.0 * ((precision * recall) / (precision + recall + 1e-8))
@@ -453,50 +479,59 @@ def load_predictions(path: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"predictions file not found: {path}")
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for index, text in enumerate(fh):
-            if not text.strip():
-                continue
-            where = f"{path} line {index + 1}"
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{where}: expected a JSON object")
-            if "dataset" not in rec and "task" in rec and "prediction" in rec:  # ripplekv eval output
-                rec = {**rec, "dataset": rec["task"], "pred": rec["prediction"]}
-            dataset = rec.get("dataset")
-            if not isinstance(dataset, str):
-                raise UserError(f"{where}: 'dataset' missing or not a string")
-            try:
-                metric_for(dataset)
-            except UserError as err:
-                raise UserError(f"{where}: {err}") from None
-            if not isinstance(rec.get("pred"), str):
-                raise UserError(f"{where}: 'pred' missing or not a string")
-            answers = rec.get("answers")
-            if not isinstance(answers, list):
-                raise UserError(f"{where}: 'answers' missing or not a list")
-            all_classes = rec.get("all_classes")
-            if all_classes is not None and not isinstance(all_classes, list):
-                raise UserError(f"{where}: 'all_classes' must be a list or null")
-            length = rec.get("length")
-            if _base_name(dataset) != dataset:
-                if isinstance(length, bool) or not isinstance(length, (int, float)):
-                    raise UserError(f"{where}: LongBench-E dataset {dataset} needs a numeric 'length'")
-            records.append(
-                {
-                    "line": index,
-                    "dataset": dataset,
-                    "pred": rec["pred"],
-                    "answers": [str(a) for a in answers],
-                    "all_classes": all_classes,
-                    "length": length,
-                    "method": rec.get("method"),
-                    "budget": rec.get("budget"),
-                }
-            )
+    try:
+        with path.open(encoding="utf-8") as fh:
+            lines = list(fh)
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; pass a JSON-lines predictions file") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
+    for index, text in enumerate(lines):
+        if not text.strip():
+            continue
+        where = f"{path} line {index + 1}"
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where}: not valid JSON ({err.msg})") from None
+        if not isinstance(rec, dict):
+            raise UserError(f"{where}: expected a JSON object")
+        if "dataset" not in rec and "task" in rec and "prediction" in rec:  # ripplekv eval output
+            rec = {**rec, "dataset": rec["task"], "pred": rec["prediction"]}
+        dataset = rec.get("dataset")
+        if not isinstance(dataset, str):
+            raise UserError(f"{where}: 'dataset' missing or not a string")
+        try:
+            metric_for(dataset)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
+        if not isinstance(rec.get("pred"), str):
+            raise UserError(f"{where}: 'pred' missing or not a string")
+        answers = rec.get("answers")
+        if not isinstance(answers, list):
+            raise UserError(f"{where}: 'answers' missing or not a list")
+        if not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in answers):
+            raise UserError(f"{where}: 'answers' must hold strings (or numbers), not null, lists or objects")
+        all_classes = rec.get("all_classes")
+        if all_classes is not None and not (isinstance(all_classes, list)
+                                            and all(isinstance(c, str) for c in all_classes)):
+            raise UserError(f"{where}: 'all_classes' must be a list of strings or null")
+        length = rec.get("length")
+        if _base_name(dataset) != dataset:
+            if isinstance(length, bool) or not isinstance(length, (int, float)) or not math.isfinite(length):
+                raise UserError(f"{where}: LongBench-E dataset {dataset} needs a numeric 'length'")
+        records.append(
+            {
+                "line": index,
+                "dataset": dataset,
+                "pred": rec["pred"],
+                "answers": [str(a) for a in answers],
+                "all_classes": all_classes,
+                "length": length,
+                "method": rec.get("method"),
+                "budget": rec.get("budget"),
+            }
+        )
     if not records:
         raise UserError(f"{path}: no predictions in the file")
     return records

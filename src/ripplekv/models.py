@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import socket
 import sys
@@ -66,13 +67,54 @@ def resolve_model(spec: str | None) -> ModelSource:
     if spec.endswith(".gguf"):
         if not Path(spec).is_file():
             raise UserError(f"model file {spec} does not exist; pass an existing .gguf file")
+        _check_gguf(Path(spec))
         return ModelSource("gguf", str(Path(spec).resolve()), Path(spec).name)
     if Path(spec).exists() or spec.startswith((".", "/", "~")):
         path = Path(spec).expanduser()
         if not (path / "config.json").is_file():
             raise UserError(f"model directory {spec} has no config.json; pass a transformers model directory")
+        _check_config_json(path / "config.json")
         return ModelSource("local", str(path.resolve()), path.name)
     return ModelSource("hub", spec, spec)
+
+
+def _check_gguf(path: Path) -> None:
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as err:
+        raise UserError(f"model file {path} cannot be read ({err.strerror}); pass a readable .gguf file") from None
+    if magic != b"GGUF":
+        raise UserError(f"model file {path} is not a GGUF file (it does not start with 'GGUF'); "
+                        "pass a real .gguf model file")
+
+
+def _check_config_json(path: Path) -> None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not a readable JSON file ({type(err).__name__}); "
+                        "restore the model directory's config.json") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(f"{path} is not a transformers model config (no 'model_type'); "
+                        "restore the model directory's config.json")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_model_files(spec: str | None, weights: bool = True) -> None:
+    """A local model directory must hold a tokenizer (and weights): say so before any work starts."""
+    source = resolve_model(spec)
+    if source.kind != "local":
+        return
+    folder = Path(source.location)
+    wanted = [("tokenizer", TOKENIZER_FILES)] + ([("weights", WEIGHT_FILES)] if weights else [])
+    for what, names in wanted:
+        if not any((folder / name).is_file() for name in names):
+            raise UserError(f"model directory {folder} has no {what} (none of {', '.join(names)}); "
+                            "pass a complete transformers model directory")
 
 
 def _gguf_cache_dir(gguf_path: str) -> Path:
@@ -113,7 +155,14 @@ def _from_hub_or_local(cls, location: str, source: ModelSource, **kwargs):
     """Load from a directory, or from the hub cache first and the network second (only when reachable,
     so a mistyped id fails in seconds instead of retrying)."""
     if source.kind != "hub":
-        return cls.from_pretrained(location, **kwargs)
+        try:
+            return cls.from_pretrained(location, **kwargs)
+        except UserError:
+            raise
+        except Exception as err:  # a broken file the user gave us: name it instead of a loader traceback
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"cannot load {cls.__name__.removeprefix('Auto')} from {source.location} "
+                            f"({type(err).__name__}: {first}); check or replace the model files") from None
     try:
         return cls.from_pretrained(location, local_files_only=True, **kwargs)
     except OSError:
@@ -157,8 +206,13 @@ def _materialize_gguf(source: ModelSource) -> Path:
     _quiet_transformers()
     print(f"dequantizing {Path(source.location).name} once into {target} (about 20 s)", file=sys.stderr)
     folder, name = os.path.dirname(source.location), os.path.basename(source.location)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as err:  # truncated or foreign GGUF: a user's file, not our bug
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"cannot read the GGUF model {source.location} ({type(err).__name__}: {first}); "
+                        "pass a complete GGUF file of a supported model") from None
     _check_supported(model.config)
     tmp = target.with_name(target.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -202,6 +256,7 @@ def load_tokenizer(spec: str | None = None):
     """The tokenizer alone (fast: no weights)."""
     from transformers import AutoTokenizer
 
+    check_model_files(spec, weights=False)
     source, location = _source_and_location(spec)
     return _from_hub_or_local(AutoTokenizer, location, source)
 
@@ -255,6 +310,7 @@ def load_model(spec: str | None = None, device: str | None = "auto", dtype: str 
 
     device, dtype = resolve_device_dtype(device, dtype)
     _quiet_transformers()
+    check_model_files(spec)
     source, location = _source_and_location(spec)
     config = _from_hub_or_local(AutoConfig, location, source)
     _check_supported(config)  # before any weights are read

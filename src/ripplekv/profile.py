@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,9 +26,14 @@ from ripplekv.cache import CompressedCache, CompressedLayer, VariantOverride
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.prefill import prefill
+from ripplekv.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 
 SIGNALS = ("noise", "evict")
 DEFAULT_ETA = 0.3
+MAX_ETA = 100.0  # far past saturation: KL stops growing once the noise drowns the values
+MAX_SEEDS = 1000
+SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
+PROFILE_FILES = ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png", SAMPLES_LOG)
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,13 @@ class ProfileSettings:
     def check(self) -> None:
         if self.signal not in SIGNALS:
             raise UserError(f"unknown signal {self.signal!r}; choose one of {', '.join(SIGNALS)}")
-        if self.eta < 0:
-            raise UserError(f"--eta must be >= 0, got {self.eta}")
+        if not math.isfinite(self.eta) or self.eta <= 0 or self.eta > MAX_ETA:
+            raise UserError(f"--eta must be a number in (0, {MAX_ETA:g}] (noise relative to each value vector's RMS; "
+                            f"0 would perturb nothing), got {self.eta}")
         if self.seeds < 1 or self.probe_tokens < 1 or self.batch_size < 1:
             raise UserError("--seeds, --probe-tokens and --batch-size must be positive integers")
+        if self.seeds > MAX_SEEDS:
+            raise UserError(f"--seeds must be at most {MAX_SEEDS} (noise draws per sample), got {self.seeds}")
 
 
 @dataclass
@@ -222,16 +231,15 @@ def calibration_hash(prompts: list[CalibrationPrompt]) -> str:
 
 def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path) -> dict:
     """sensitivity.csv, per_sample.csv, profile.json and sensitivity.png in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
     summary = profile.summary()
-    summary.to_csv(out / "sensitivity.csv", index=False)
+    write_csv(out / "sensitivity.csv", summary)
     rows = [
         {"sample_id": sid, "seed": seed, "layer": layer, "kl": float(profile.per_seed[i, seed, layer])}
         for i, sid in enumerate(profile.sample_ids)
         for seed in range(profile.per_seed.shape[1])
         for layer in range(profile.per_seed.shape[2])
     ]
-    pd.DataFrame(rows).to_csv(out / "per_sample.csv", index=False)
+    write_csv(out / "per_sample.csv", pd.DataFrame(rows))
     meta = {
         "model": profile.model,
         **asdict(profile.settings),
@@ -241,7 +249,7 @@ def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path)
         "split_half_spearman": profile.split_half_rho(),
         **profile.extra,
     }
-    (out / "profile.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_text(out / "profile.json", json.dumps(meta, indent=2) + "\n")
     plot_profile(summary, meta, out / "sensitivity.png", profile.per_sample)
     return meta
 
@@ -270,7 +278,7 @@ def plot_profile(summary: pd.DataFrame, meta: dict, path: Path, per_sample: np.n
     ax.set_title(f"{meta['model']}: {meta['signal']} sensitivity, eta={meta['eta']}, {meta['calibration_ids'].__len__()} samples{rho_text}", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -311,13 +319,49 @@ def calibration_prompts(
     return prompts
 
 
-def run_profile(model, prompts: list[CalibrationPrompt], settings: ProfileSettings, model_label: str, progress=None) -> Profile:
-    """Profile every calibration prompt (one prefill each); `progress(i)` is called after each."""
+def check_profile_dir(out: Path, inputs=()) -> Path:
+    """Before any model work: `out` must be a writable directory, new, empty or an earlier profile."""
+    check_output(out, kind="dir", inputs=inputs, writes=PROFILE_FILES)
+    foreign = other_files(out, PROFILE_FILES)
+    if foreign and not any((out / name).is_file() for name in ("profile.json", SAMPLES_LOG)):
+        what = "an eval run" if "predictions.jsonl" in foreign else "other files (" + ", ".join(foreign[:3]) + ")"
+        raise UserError(f"--out {out} holds {what}, not a profile; pass a new or empty directory")
+    return out
+
+
+def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samples: int, target_tokens: int,
+                 with_answer: bool = False, bar=None, device: str = "auto", dtype: str = "auto") -> tuple[int, dict]:
+    """Run (or resume) a profile into `out` and write its outputs; returns (samples, profile.json's data).
+
+    Every finished sample's KL matrix is appended to `samples.jsonl` and fsynced, so a killed run loses
+    at most the sample in flight; a rerun with the same settings and calibration data computes only the
+    rest, and any other settings are refused. `bar(total, done)` gives (context manager, advance).
+    """
+    from contextlib import nullcontext
+
+    from ripplekv.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
+
     settings.check()
-    per_seed = []
-    for index, prompt in enumerate(prompts):
-        per_seed.append(profile_prompt(model, prompt, settings, index))
-        if progress is not None:
-            progress(index)
-    stacked = np.stack(per_seed)  # [samples, seeds, layers]
-    return Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, model_label)
+    device, dtype = resolve_device_dtype(device, dtype)
+    source = resolve_model(model_spec)
+    check_profile_dir(out, inputs=[source.location] if source.kind == "gguf" else [])
+    tokenizer = load_tokenizer(model_spec)
+    prompts = calibration_prompts(tokenizer, calib_samples, settings.probe_tokens, target_tokens,
+                                  with_answer=with_answer)
+    header = {"model": source.label, "model_location": source.location, **asdict(settings),
+              "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
+    with exclusive(out, "profile"):
+        log = UnitLog(out / SAMPLES_LOG, header, remedy="use a new --out directory")
+        todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
+        if todo:
+            model, _, _ = load_model(model_spec, device=device, dtype=dtype)
+            context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
+            with context:
+                for index, prompt in todo:
+                    log.append(prompt.sample_id, profile_prompt(model, prompt, settings, index).tolist())
+                    if advance is not None:
+                        advance(index)
+        stacked = np.array([log.done[p.sample_id] for p in prompts], dtype=np.float64)
+        profile = Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, source.label,
+                          extra={"device": device, "dtype": dtype, **runtime_info(device)})
+        return len(prompts), write_profile(profile, prompts, out)

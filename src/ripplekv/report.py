@@ -27,6 +27,7 @@ from ripplekv import stats
 from ripplekv.errors import UserError
 from ripplekv.metrics import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
 from ripplekv.runfiles import PREDICTIONS, REFERENCE, read_lines
+from ripplekv.safeio import save_figure, write_csv, write_text
 
 FLOAT_FORMAT = "%.6g"
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
@@ -38,6 +39,11 @@ TERCILES = ("short", "medium", "long")
 def load_predictions(run_dir: str | Path) -> pd.DataFrame:
     """All result lines of a run (a trailing partial line from a kill is ignored)."""
     path = Path(run_dir) / PREDICTIONS
+    if not Path(run_dir).is_dir():
+        what = "is a file" if Path(run_dir).exists() else "does not exist"
+        raise UserError(f"{run_dir} {what}; pass a directory written by `ripplekv eval`")
+    if not path.is_file() and (Path(run_dir) / "profile.json").is_file():
+        raise UserError(f"{run_dir} holds a ripplekv profile, not an eval run; pass a directory written by `ripplekv eval`")
     rows, _ = read_lines(path)
     if not rows:
         where = "no" if not path.is_file() else "an empty"
@@ -300,7 +306,7 @@ def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
     ax.set_title("Score vs KV budget")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -314,7 +320,7 @@ def plot_kl_vs_budget(board: pd.DataFrame, path: Path) -> None:
     ax.set_title("Fidelity to the full cache vs KV budget")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -383,7 +389,7 @@ def plot_layer_budgets(frame: pd.DataFrame, path: Path) -> None:
     axes[0][0].set_ylabel("entries kept per KV head")
     fig.suptitle(f"Per-layer budgets, prompt of median length ({task}, {sid})", fontsize="medium")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -565,18 +571,17 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     lengths = length_table(frame, board)
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": stats.CONFIDENCE}
     try:
-        scores.to_csv(run_dir / "scores.csv", index=False, float_format=FLOAT_FORMAT)
-        board.to_csv(run_dir / "leaderboard.csv", index=False, float_format=FLOAT_FORMAT)
-        wide.to_csv(run_dir / "leaderboard_wide.csv", index=False, float_format=FLOAT_FORMAT)
-        ranks.to_csv(run_dir / "ranks.csv", index=False, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "leaderboard.csv", board, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "leaderboard_wide.csv", wide, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "ranks.csv", ranks, float_format=FLOAT_FORMAT)
         if lengths is not None:
-            lengths.to_csv(run_dir / "lengths.csv", index=False, float_format=FLOAT_FORMAT)
-        (run_dir / "report.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+            write_csv(run_dir / "lengths.csv", lengths, float_format=FLOAT_FORMAT)
+        write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
         plot_score_vs_budget(board, run_dir / "score_vs_budget.png")
         plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png")
         plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-        summary = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings)
-        (run_dir / "summary.md").write_text(summary, encoding="utf-8")
+        write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings))
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths}

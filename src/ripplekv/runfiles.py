@@ -29,7 +29,10 @@ def read_lines(path: Path) -> tuple[list[dict], bool]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8 text
             raise UserError(f"{path} line {number} is not valid JSON; use a new --out directory") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path} line {number} is not a JSON object; use a new --out directory")
+        rows.append(row)
     return rows, partial

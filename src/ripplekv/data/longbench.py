@@ -14,6 +14,8 @@ import io
 import json
 import os
 import zipfile
+import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 from ripplekv.errors import UserError
@@ -62,7 +64,7 @@ def _find_local(name: str, where: Path) -> tuple[str, Path, str] | None:
     else:
         zip_path = where
     if zip_path.is_file() and zipfile.is_zipfile(zip_path):
-        with zipfile.ZipFile(zip_path) as archive:
+        with _reading(str(zip_path)), zipfile.ZipFile(zip_path) as archive:
             members = set(archive.namelist())
         for member in (f"data/{name}.jsonl", f"{name}.jsonl"):
             if member in members:
@@ -88,32 +90,70 @@ def _parse_jsonl(lines, source: str, name: str) -> list[dict]:
 
 
 def _normalize(record: dict, name: str, where: str, fallback_id: str) -> dict:
-    """Check the fields every task needs and fill the optional ones the official files always have."""
+    """Check every field a task reads (names and types) and fill the optional ones the official files
+    always have, so a bad record fails when the data is loaded, before any model work."""
     missing = [field for field in REQUIRED_FIELDS if field not in record]
     if missing:
         raise UserError(f"{where}: record has no {', '.join(repr(m) for m in missing)}; "
                         "LongBench records need 'input', 'context' and 'answers'")
+    for field in ("input", "context"):
+        if not isinstance(record[field], str):
+            raise UserError(f"{where}: {field!r} must be a string, got {_type(record[field])}; "
+                            "replace the file with the official one")
     answers = record["answers"]
     if isinstance(answers, str):
         answers = [answers]
-    if not isinstance(answers, list) or not answers:
-        raise UserError(f"{where}: 'answers' must be a non-empty list of strings")
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise UserError(f"{where}: 'answers' must be a non-empty list of strings, got {_type(answers)}")
+    classes = record.get("all_classes")
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise UserError(f"{where}: 'all_classes' must be a list of strings or null, got {_type(classes)}")
+    length = record.get("length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))):
+        raise UserError(f"{where}: 'length' must be a number, got {_type(length)}")
+    if record.get("_id") is not None and not isinstance(record["_id"], (str, int)):
+        raise UserError(f"{where}: '_id' must be a string, got {_type(record['_id'])}")
     out = dict(record)
     out["answers"] = answers
-    out.setdefault("length", len(str(record["context"]).split()))
+    if length is None:
+        out["length"] = len(record["context"].split())
     out.setdefault("dataset", name)
     out.setdefault("language", "zh" if name.endswith("_zh") or name in ("dureader", "vcsum", "lsht") else "en")
-    out.setdefault("all_classes", None)
-    out.setdefault("_id", fallback_id)
+    out["all_classes"] = classes
+    if out.get("_id") is None:
+        out["_id"] = fallback_id
     return out
+
+
+def _type(value) -> str:
+    """`null`, `a number`, ... as a user would read a JSON value's type."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "a list" + (" holding " + _type(next(v for v in value if not isinstance(v, str)))
+                           if any(not isinstance(v, str) for v in value) else "")
+    return {bool: "true/false", int: "a number", float: "a number", str: "a string", dict: "an object"}.get(
+        type(value), type(value).__name__)
+
+
+@contextmanager
+def _reading(where: str):
+    """A file that is not UTF-8 text, or cannot be read, becomes one line naming it."""
+    try:
+        yield
+    except UnicodeDecodeError:
+        raise UserError(f"{where} is not UTF-8 text; replace it with the official LongBench jsonl file") from None
+    except (OSError, zipfile.BadZipFile, zlib.error, EOFError) as err:
+        raise UserError(f"{where} cannot be read ({getattr(err, 'strerror', None) or err}); "
+                        "replace it with the official LongBench file") from None
 
 
 def _read_local(found: tuple[str, Path, str], name: str) -> list[dict]:
     kind, path, member = found
     if kind == "jsonl":
-        with open(path, encoding="utf-8") as handle:
+        with _reading(str(path)), open(path, encoding="utf-8") as handle:
             return _parse_jsonl(handle, str(path), name)
-    with zipfile.ZipFile(path) as archive, archive.open(member) as raw:
+    with _reading(f"{path}:{member}"), zipfile.ZipFile(path) as archive, archive.open(member) as raw:
         return _parse_jsonl(io.TextIOWrapper(raw, encoding="utf-8"), f"{path}:{member}", name)
 
 
@@ -182,7 +222,7 @@ def local_record_count(name: str, data_dir: str | None = None) -> int | None:
         return None
     kind, path, member = found
     if kind == "jsonl":
-        with open(path, encoding="utf-8") as handle:
+        with _reading(str(path)), open(path, encoding="utf-8") as handle:
             return sum(1 for line in handle if line.strip())
-    with zipfile.ZipFile(path) as archive, archive.open(member) as raw:
+    with _reading(f"{path}:{member}"), zipfile.ZipFile(path) as archive, archive.open(member) as raw:
         return sum(1 for line in io.TextIOWrapper(raw, encoding="utf-8") if line.strip())

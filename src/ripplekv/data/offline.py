@@ -39,6 +39,9 @@ SOURCE_PACKAGE = "long_context_eval"
 DEFAULT_SIZES = {"eval": 20, "calibration": 8}
 CALIBRATION_EVERY = 5  # source unit i is calibration-only when i % 5 == 4
 MIN_TARGET_TOKENS = 256
+MAX_TARGET_TOKENS = 131_072  # the source texts run out long before; prompts this long need a bigger model anyway
+# Samples are built on demand, so an unbounded --limit would build forever: at most this many per task.
+MAX_SAMPLES = 1000
 # A first guess within 2% of the target is kept; otherwise whole units (a passage, a sentence, a
 # line) are added or removed towards the target. Tests hold every prompt to 5%.
 TOLERANCE = 0.02
@@ -430,6 +433,8 @@ def _passage_retrieval(b: _Builder, n: int) -> list[dict]:
     "abstract" is a real sentence of the target paragraph, removed from that paragraph. Filler
     paragraphs come from other essays and never contain the abstract sentence."""
     paragraphs = _essay_paragraphs(b.split)
+    if n > len(paragraphs):  # each sample needs its own paragraph: fail before building any
+        _take(paragraphs, n, "passage_retrieval", b.split)
     targets = list(range(len(paragraphs)))
     b.rng("targets").shuffle(targets)
     samples = []
@@ -590,8 +595,12 @@ def build_samples(task, tokenizer, *, split: str = "eval", limit: int | None = N
     """The first `limit` (default: DEFAULT_SIZES[split]) samples of an offline task's split."""
     if task.name not in _BUILDERS:
         raise UserError(f"unknown offline task {task.name!r}; known: {', '.join(_BUILDERS)}")
-    if target_tokens < MIN_TARGET_TOKENS:
-        raise UserError(f"target length must be at least {MIN_TARGET_TOKENS} tokens, got {target_tokens}")
+    if not MIN_TARGET_TOKENS <= target_tokens <= MAX_TARGET_TOKENS:
+        raise UserError(f"target length must be at least {MIN_TARGET_TOKENS} and at most {MAX_TARGET_TOKENS} tokens, "
+                        f"got {target_tokens}")
     n = DEFAULT_SIZES[split] if limit is None else limit
+    if n > MAX_SAMPLES:
+        raise UserError(f"the offline suite builds at most {MAX_SAMPLES} samples per task; "
+                        f"ask for {MAX_SAMPLES} or fewer, got {n}")
     builder = _Builder(task, tokenizer, split, target_tokens, seed)
     return _BUILDERS[task.name](builder, n)

@@ -1,0 +1,172 @@
+"""Safe outputs: locations checked before any work, atomic writes, and per-unit logs for resuming.
+
+- `check_output` runs before a command computes anything: the location must be creatable and
+  writable, of the right kind (file or directory), and never one of the command's inputs.
+- Every CSV/JSON/PNG/text output is written to a temporary file beside it, fsynced, then renamed
+  over the target (`os.replace`), so a crash or kill never leaves a half-written file where a good
+  one was.
+- `UnitLog` is an append-only JSON-lines file: a header line with the settings, then one fsynced line
+  per finished unit (a sample). A killed run loses at most the unit in flight; a rerun with the same
+  settings skips what is logged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+from ripplekv.errors import UserError
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_output(path: str | Path, *, kind: str = "file", inputs: Iterable = (), writes: Iterable[str] = (),
+                 option: str = "--out") -> Path:
+    """Fail with one line unless `path` can be written as a `kind` ('file' or 'dir') without touching
+    an input. For a directory, `writes` names the files the command puts in it."""
+    path = Path(path).expanduser()
+    inputs = [Path(p).expanduser() for p in inputs if p is not None]
+    targets = [path] if kind == "file" else [path / name for name in writes]
+    for target in targets:
+        for source in inputs:
+            if _same(target, source):
+                raise UserError(f"{option} {path} would overwrite the input {source}; write to another path")
+    if kind == "file" and path.is_dir():
+        raise UserError(f"{option} {path} is a directory; pass a file path")
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path} is a file; pass a directory")
+    existing = path if kind == "dir" else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{option} {path} cannot be created: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UserError(f"{option} {path} cannot be written ({err.strerror or err} in {existing}); "
+                        "pick a writable location") from None
+    return path
+
+
+def other_files(folder: Path, own: Iterable[str]) -> list[str]:
+    """Names in `folder` that the command does not write itself (hidden files ignored)."""
+    if not folder.is_dir():
+        return []
+    own = set(own)
+    return sorted(p.name for p in folder.iterdir() if p.name not in own and not p.name.startswith("."))
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` fills a temporary file beside `path`, which then replaces `path` in one step."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: str | Path, data) -> None:
+    write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_csv(path: str | Path, frame, **kwargs) -> None:
+    """A pandas DataFrame as CSV (`index=False` unless given)."""
+    kwargs.setdefault("index", False)
+    atomic_write(path, lambda tmp: frame.to_csv(tmp, **kwargs))
+
+
+def save_figure(fig, path: str | Path, **kwargs) -> None:
+    """A matplotlib figure; the format follows the target's suffix, not the temporary name."""
+    path = Path(path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **kwargs))
+
+
+@contextmanager
+def exclusive(folder: Path, what: str):
+    """Hold `folder/.lock` while writing: two runs appending to one log would duplicate lines."""
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = (folder / ".lock").open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UserError(f"another ripplekv {what} is writing to {folder}; wait for it to finish or use another --out") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+class UnitLog:
+    """Append-only JSON lines: `{"settings": ...}` first, then `{"key": ..., "value": ...}` per finished unit.
+
+    Opening it with other settings than the logged ones raises a UserError (`restart=False`) or starts
+    the log afresh (`restart=True`, for scratch logs the user never sees as results).
+    """
+
+    def __init__(self, path: Path, settings: dict, *, restart: bool = False, remedy: str = "use a new --out"):
+        self.path, self.settings = Path(path), json.loads(json.dumps(settings))
+        self.done: dict[str, object] = {}
+        lines, partial = self._read()
+        if lines and lines[0].get("settings") != self.settings:
+            if not restart:
+                old = lines[0].get("settings") or {}
+                differing = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+                raise UserError(f"{self.path.parent} holds results of other settings (differs in: "
+                                f"{', '.join(differing) or 'format'}); {remedy}, or rerun with the same options to resume")
+            lines, partial = [], True
+        for line in lines[1:]:
+            self.done[line["key"]] = line["value"]
+        if not lines or partial:  # start the file (again), keeping only whole lines
+            body = [{"settings": self.settings}] + [{"key": k, "value": v} for k, v in self.done.items()]
+            atomic_write(self.path, lambda tmp: tmp.write_text("".join(json.dumps(x) + "\n" for x in body)))
+
+    def _read(self) -> tuple[list[dict], bool]:
+        """Whole lines of the log and whether anything after them (a kill mid-write) was dropped."""
+        if not self.path.is_file():
+            return [], False
+        data = self.path.read_bytes()
+        lines, partial = [], not data.endswith(b"\n") and bool(data)
+        for raw in data.split(b"\n")[:-1]:  # the last piece is empty or a partial line
+            if not raw.strip():
+                continue
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                raise UserError(f"{self.path} is damaged (a line is not JSON); delete it to start over") from None
+            if not isinstance(line, dict) or (lines and "key" not in line):
+                raise UserError(f"{self.path} was not written by ripplekv; delete it to start over")
+            lines.append(line)
+        return lines, partial
+
+    def append(self, key: str, value) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"key": key, "value": value}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        self.done[key] = value
