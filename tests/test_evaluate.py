@@ -355,3 +355,23 @@ def test_eta_comes_from_the_time_per_token_of_each_kind_of_work(monkeypatch):
     assert clock.eta() is None  # decoding not timed yet
     clock.advance("decode", 100)  # 20 s for 100 decode tokens
     assert clock.eta() == pytest.approx(2000 * 0.01 + 300 * 0.2)
+
+
+def test_context_only_protocol_compresses_the_context_and_is_recorded(eval_args, tmp_path, run_cli):
+    out = tmp_path / "ctx"
+    args = eval_args(out, "--protocol", "context-only")
+    args[args.index("--tasks") + 1] = "niah"
+    code, _, err = run_cli(*args)
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["protocol"] == "context-only"
+    result = rows(out)
+    assert {r["protocol"] for r in result} == {"context-only"}
+    for r in result:
+        assert r["compressed_tokens"] < r["prompt_tokens"]  # the question is not compressed
+        if r["method"] != "full":
+            assert r["kept_entries"] == LAYERS * KV_HEADS * r["budget"]
+    board = pd.read_csv(out / "leaderboard.csv")
+    assert set(board["protocol"]) == {"context-only"}
+    code, _, err = run_cli(*eval_args(tmp_path / "bad", "--protocol", "sideways"))
+    assert code == 2 and "--protocol must be one of" in err

@@ -272,6 +272,10 @@ def eval_command(
     kernel: int | None = typer.Option(None, help=KERNEL_HELP),
     pooling: str | None = typer.Option(None, help=POOLING_HELP),
     route: str | None = typer.Option(None, "--route", help=ROUTE_HELP),
+    protocol: str = typer.Option(
+        "with-question", "--protocol",
+        help="with-question: compress the whole prompt (as the LongBench papers); context-only: compress the "
+             "context, then read the question through the compressed cache (a cache reused across questions)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
@@ -308,6 +312,7 @@ def eval_command(
         route=route,
         device=device,
         dtype=dtype,
+        protocol=protocol,
     )
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes)
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out_dir}"))

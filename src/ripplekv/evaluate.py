@@ -28,6 +28,7 @@ from ripplekv.errors import UserError
 from ripplekv.runfiles import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
 from ripplekv.safeio import check_output, exclusive, other_files, write_json
 
+PROTOCOLS = ("with-question", "context-only")
 DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
 # config.json keys a run may grow in: a rerun adds the missing lines and the union is recorded.
 GROWABLE = ("budgets", "methods", "method_specs", "tasks", "limit", "samples")
@@ -58,6 +59,7 @@ class EvalSettings:
     route: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    protocol: str = "with-question"
 
 
 def parse_names(text: str | Sequence[str] | None, option: str | None = None) -> tuple[str, ...]:
@@ -118,6 +120,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError("give at least one --budget, e.g. --budget 128")
     if settings.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {settings.batch_size}")
+    if settings.protocol not in PROTOCOLS:
+        raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {settings.protocol!r}")
     if not settings.methods:
         raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv")
     if settings.limit is not None and settings.limit < 1:
@@ -126,8 +130,6 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError(f"--target-tokens must be positive, got {settings.target_tokens}")
     if settings.max_length < 2:
         raise UserError(f"--max-length must be at least 2 tokens, got {settings.max_length}")
-    if not settings.methods:
-        raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv,pyramidkv")
     # The full cache is always computed (it is the reference for fidelity), so it is always reported.
     shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
     built = [make_method(spec, shared=shared) for spec in (REFERENCE, *settings.methods)]
@@ -163,6 +165,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "allocation_sha256": file_sha256(allocation),
         "device": device,
         "dtype": dtype,
+        "protocol": settings.protocol,
         **runtime_info(device),
         "ripplekv_version": __version__,
     }
@@ -334,6 +337,7 @@ def evaluate_sample(
     variants: Sequence[tuple[str, int]] | None = None,
     with_full: bool = True,
     progress=None,
+    protocol: str = "with-question",
 ) -> list[dict]:
     """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
 
@@ -341,6 +345,11 @@ def evaluate_sample(
     the missing ones); `with_full=False` leaves out the full row (already written; it is still decoded,
     as the fidelity reference). `progress(kind, units)` is called after the prefill ("prefill", prompt
     tokens) and after each decode ("decode", variants x max new tokens), for an ETA from work done.
+
+    `protocol`: "with-question" compresses the whole prompt (SnapKV's and KVCache-Factory's protocol);
+    "context-only" prefills and compresses the context alone (its observation window is the end of the
+    context; budgets count the context) and then reads the question through each compressed cache, as a
+    cache reused across questions would (kvpress's default). Both come from one prefill.
     """
     report = progress or (lambda kind, units: None)
     from ripplekv.data import build_prompt_ids
@@ -348,11 +357,17 @@ def evaluate_sample(
     from ripplekv.metrics import score_sample
 
     ids = build_prompt_ids(task, record, tokenizer, max_length)
-    state = prefill(model, ids, capture_window=capture_window, reserve=task.max_new_tokens)
+    question: list[int] = []
+    if protocol == "context-only":
+        from ripplekv.data.prompts import question_start
+
+        cut = question_start(task, record, tokenizer, max_length)
+        ids, question = ids[:cut], list(ids[cut:])
+    state = prefill(model, ids, capture_window=capture_window, reserve=len(question) + task.max_new_tokens)
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
     stops = stop_ids(task, tokenizer, model)
-    reference = full_reference(model, state, task.max_new_tokens, stops)
+    reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
     report("decode", task.max_new_tokens)
 
     wanted = None if variants is None else set(variants)
@@ -362,15 +377,17 @@ def evaluate_sample(
     built = [method.compress(state, budget) for _, budget, method in variants]
     tokens: list[list[int]] = []
     for batch in _chunks(built, batch_size):
-        tokens.extend(greedy_decode(model, state, batch, task.max_new_tokens, stops))
+        tokens.extend(greedy_decode(model, state, batch, task.max_new_tokens, stops, prefix=question))
         report("decode", len(batch) * task.max_new_tokens)
-    quality = measure_fidelity(model, state, built, reference, batch_size)
+    quality = measure_fidelity(model, state, built, reference, batch_size, prefix=question)
 
     base = {
         "id": sid,
         "task": task.name,
         "category": task.category,
-        "prompt_tokens": n,
+        "prompt_tokens": n + len(question),
+        "compressed_tokens": n,
+        "protocol": protocol,
         "length": record.get("length"),
         "answers": list(record["answers"]),
     }
@@ -604,7 +621,8 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
                     rows = evaluate_sample(model, tokenizer, job.task, job.record, plan.methods, config["budgets"],
                                            sid=job.sid, max_length=settings.max_length,
                                            batch_size=settings.batch_size, capture_window=settings.capture_window,
-                                           variants=job.variants, with_full=job.with_full, progress=advance)
+                                           variants=job.variants, with_full=job.with_full, progress=advance,
+                                           protocol=settings.protocol)
                     if job.old_prompt_tokens is not None and rows and rows[0]["prompt_tokens"] != job.old_prompt_tokens:
                         raise UserError(f"sample {job.task.name}/{job.sid} now has {rows[0]['prompt_tokens']} prompt "
                                         f"tokens, not {job.old_prompt_tokens} as in {out}; use a new --out directory")

@@ -95,11 +95,13 @@ def task_scores(frame: pd.DataFrame) -> pd.DataFrame:
     """scores.csv: one row per task, method and budget (score = round(100*mean, 2); kl, agreement means)."""
     tasks, _, methods = _orders(frame)
     grouped = frame.groupby(["task", "category", "method", "budget"], dropna=False, sort=False)
+    extra = {"protocol": ("protocol", lambda p: ",".join(sorted(set(p.dropna()))))} if "protocol" in frame else {}
     table = grouped.agg(
         n=("score", "size"),
         score=("score", lambda s: aggregate(list(s))),
         kl=("kl", "mean"),
         agreement=("agreement", "mean"),
+        **extra,
     ).reset_index()
     return _sort(table, methods, tasks)
 
@@ -114,6 +116,8 @@ def leaderboard(scores: pd.DataFrame) -> pd.DataFrame:
             values = group.loc[group["category"] == category, "score"]
             row[category] = round(values.mean(), 2) if len(values) else math.nan
         row.update(kl=group["kl"].mean(), agreement=group["agreement"].mean(), tasks=len(group))
+        if "protocol" in group:
+            row["protocol"] = ",".join(sorted(set(group["protocol"].dropna())))
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].astype("Int64")
