@@ -423,7 +423,8 @@ def _interval(low, high, digits: str = ".2f") -> str:
 
 def leaderboard_view(board: pd.DataFrame) -> pd.DataFrame:
     """The leaderboard for reading: intervals as `[low, high]` next to their value, no test columns."""
-    view = board.drop(columns=["delta_vs_uniform", "delta_ci_low", "delta_ci_high", "p_vs_uniform"])
+    view = board.drop(columns=["delta_vs_uniform", "delta_ci_low", "delta_ci_high", "p_vs_uniform", "kl_delta_vs_uniform",
+                               "kl_delta_ci_low", "kl_delta_ci_high", "p_kl_vs_uniform"])
     view.insert(view.columns.get_loc("avg_ci_low"), "95% CI", [_interval(a, b) for a, b in zip(board["avg_ci_low"], board["avg_ci_high"])])
     view.insert(view.columns.get_loc("kl_ci_low"), "kl 95% CI", [_interval(a, b, ".3g") for a, b in zip(board["kl_ci_low"], board["kl_ci_high"])])
     return view.drop(columns=["avg_ci_low", "avg_ci_high", "kl_ci_low", "kl_ci_high"])
