@@ -51,6 +51,7 @@ def main() -> None:
         start = time.perf_counter()
         batched = preference_prompt(model, prompt, candidates, settings)
         batched_time += time.perf_counter() - start
+        print(f"{prompt.sample_id}: batched {batched_time:.1f}s (cumulative); now the naive way", flush=True)
         start = time.perf_counter()
         naive = preferences_one_trial_at_a_time(model, prompt, candidates, settings.budget, settings.probe_tokens)
         naive_time += time.perf_counter() - start
