@@ -239,6 +239,64 @@ def allocate(
     _say_written(console, written)
 
 
+@app.command("route")
+def route_command(
+    out: str = typer.Option(..., help="Directory for ROUTE.csv, preferences.csv, placements.csv, route.json and plots."),
+    model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
+    methods: str = typer.Option("snapkv,streamingllm,h2o,tova,knorm", "--methods",
+                                help="Candidate methods (only their scorers are used), comma-separated specs."),
+    budget: int = typer.Option(128, help="Budget B a layer is compressed to (entries per KV head)."),
+    calib_samples: int = typer.Option(8, "--calib-samples", help="Calibration prompts for the preferences."),
+    placements: int = typer.Option(100, help="Random placements (same method counts) to rank the route among; 0 skips."),
+    placement_samples: int = typer.Option(4, "--placement-samples",
+                                          help="Further calibration prompts (held out from the preferences) that score placements."),
+    max_share: list[str] = typer.Option([], "--max-share", help="Cap a method's share of layers: snapkv=0.5 (or 0.5 for all); repeatable."),
+    probe_tokens: int = typer.Option(16, "--probe-tokens", help="Final prompt tokens used as probes (as in profile)."),
+    with_answer: bool = typer.Option(False, "--with-answer", help="Also teacher-force the reference answer as probes."),
+    target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Length of the full cache's answer placements are scored on."),
+    batch_size: int = typer.Option(32, "--batch-size", help="(layer, method) trials or placements run together."),
+    seed: int = typer.Option(0, help="Seed of the random placements."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+) -> None:
+    """Route a method to each layer by per-(layer, method) KL, and rank the route among random placements."""
+    from rich.console import Console
+
+    from ripplekv.evaluate import parse_names
+    from ripplekv.models import load_model, resolve_device_dtype, runtime_info
+    from ripplekv.profile import calibration_hash, calibration_prompts
+    from ripplekv.route import RouteSettings, candidate_methods, parse_caps, run_route, write_route
+
+    settings = RouteSettings(parse_names(methods), budget, probe_tokens, batch_size, tuple(max_share), placements,
+                             max_new_tokens, seed)
+    settings.check()
+    labels = [m.label for m in candidate_methods(settings.methods)]
+    parse_caps(settings.max_share, labels, model_shape(model)[0])  # bad caps fail before the model loads
+    if calib_samples < 1 or placement_samples < 0:
+        raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
+    console = Console(stderr=True)
+    device, dtype = resolve_device_dtype(device, dtype)
+    loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
+    held_out = placement_samples if placements else 0
+    prompts = calibration_prompts(tokenizer, calib_samples + held_out, probe_tokens, target_tokens, with_answer=with_answer)
+    chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
+    if held_out and not scored:
+        raise UserError(f"the calibration split has only {len(prompts)} prompts; lower --calib-samples to leave some for placements")
+    progress, advance = _progress_bar("routing", len(chosen) + len(scored))
+    with progress:
+        result = run_route(loaded, chosen, scored, settings, progress=advance)
+    meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
+            "target_tokens": target_tokens, "device": device, "dtype": dtype, **runtime_info(device)}
+    meta = write_route(result, settings, Path(out), meta)
+    counts = ", ".join(f"{label} x{count}" for label, count in meta["method_counts"].items())
+    rank = meta["placement_rank"]
+    console.print(f"route over {len(result.route)} layers: {counts}; wrote {out}/ROUTE.csv")
+    if rank is not None:
+        console.print(f"placement study: route ranks {rank} of {meta['placements_scored'] + 1} "
+                      f"(teacher-forced KL on {len(scored)} held-out calibration prompts, B={budget})")
+
+
 # --- commands: eval, report ---
 
 

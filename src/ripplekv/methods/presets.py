@@ -39,6 +39,7 @@ preset("streamingllm", "uniform", "recency", "StreamingLLM: 4 attention sinks + 
 preset("random", "uniform", "random", "the window + random prefix entries (a floor for sanity)")
 preset("adakv", "adakv", "snapkv", "AdaKV: a layer's heads compete for its budget by SnapKV scores")
 preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--route), uniform budgets")
+preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
 
 
 def method_names() -> list[str]:

@@ -1,0 +1,340 @@
+"""Layer-wise method routing: which eviction method suits each layer, measured offline.
+
+Preferences: for every calibration sample the context is prefilled once; then for every layer l and
+candidate method m, layer l alone is compressed to budget B with m's scorer (every other layer full) and
+KL(full || variant) is measured at the probe tokens, as `ripplekv profile` does. A trial differs from the
+clean run only in layer l, so it is a key bias (-inf on the entries m evicts) that joins the batch at
+layer l: all L x M trials of a sample run batched from one prefill (`profile.ProbeRunner`).
+
+Route: per layer the method with the lowest mean KL; with `--max-share` caps (method m in at most
+floor(share x L) layers) the assignment that minimizes the total KL under the caps (an exact assignment
+over method slots).
+
+Placement study: random assignments with the same method counts as the route (permutations of it),
+scored by teacher-forced KL along the full cache's greedy answer at budget B, every placement batched
+from one prefill per prompt. The route's rank among them asks whether the profile put each method in the
+right layers, not only picked a good mix. Placements are scored on calibration samples held out from
+the preferences, so the rank is not measured on the data the route was chosen on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ripplekv import entries
+from ripplekv.budgets import check_budget, uniform_budgets
+from ripplekv.errors import UserError
+from ripplekv.prefill import prefill
+
+DEFAULT_CANDIDATES = ("snapkv", "streamingllm", "h2o", "tova", "knorm")
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    """Everything that determines a route and its placement study (written to route.json)."""
+
+    methods: tuple[str, ...] = DEFAULT_CANDIDATES
+    budget: int = 128
+    probe_tokens: int = 16
+    batch_size: int = 32
+    max_share: tuple[str, ...] = ()
+    placements: int = 100
+    max_new_tokens: int = 32
+    seed: int = 0
+
+    def check(self) -> None:
+        check_budget(self.budget)
+        if self.probe_tokens < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise UserError("--probe-tokens, --batch-size and --max-new-tokens must be positive integers")
+        if self.placements < 0:
+            raise UserError(f"--placements must be 0 or more, got {self.placements}")
+
+
+def candidate_methods(specs) -> list:
+    """The candidate methods, resolved through the registry; only their scorers are used."""
+    from ripplekv.methods import PRESETS, make_method, parse_spec
+
+    if len(specs) < 1:
+        raise UserError("--methods is empty; name at least one candidate, e.g. --methods snapkv,streamingllm")
+    built = []
+    for spec in specs:
+        if parse_spec(spec)[0] not in PRESETS:
+            raise UserError(f"candidate method {spec!r} is not registered in this version; "
+                            "pass --methods with methods from `ripplekv methods`")
+        method = make_method(spec)
+        if method.is_full or method.scorer.name == "router":
+            raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
+        built.append(method)
+    labels = [m.label for m in built]
+    if len(set(labels)) < len(labels):
+        raise UserError(f"--methods names a candidate twice ({', '.join(labels)})")
+    return built
+
+
+def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
+    """The one prefill every routing step uses, capturing enough window queries for every candidate."""
+    window = max([64, probe_tokens, *(getattr(m.scorer, "window", 0) for m in candidates)])
+    return prefill(model, ids, capture_window=window, reserve=reserve)
+
+
+def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:
+    """Bool mask [H_kv, n]: the entries `method`'s scorer keeps in `layer` at the uniform budget B."""
+    count = uniform_budgets(state.num_layers, budget, state.length)[layer]
+    if count >= state.length:
+        return torch.ones(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device)
+    counts = torch.full((state.num_kv_heads,), count, dtype=torch.long, device=state.device)
+    return method.scorer.keep(state, layer, counts)
+
+
+@torch.inference_mode()
+def preference_prompt(model, prompt, candidates, settings: RouteSettings) -> np.ndarray:
+    """KL [L, M] for one calibration sample: layer l alone compressed with method m, all from one prefill."""
+    from ripplekv.cache import VariantOverride
+    from ripplekv.profile import ProbeRunner
+
+    state = route_prefill(model, prompt.context, candidates, settings.probe_tokens, len(prompt.probe))
+    runner = ProbeRunner(model, state, prompt.probe)
+    layers, changes = [], []
+    for layer in range(state.num_layers):
+        for index, method in enumerate(candidates):
+            keep = layer_keep(state, method, layer, settings.budget)
+            bias = torch.zeros(keep.shape, device=state.device).masked_fill(~keep, float("-inf"))
+            layers.append(layer)
+            changes.append(VariantOverride(index, key_bias=bias))
+    kl = runner.perturbed_kl(changes, settings.batch_size, layers)
+    return kl.reshape(state.num_layers, len(candidates))
+
+
+def parse_caps(items, labels: list[str], num_layers: int) -> dict[str, int]:
+    """`--max-share` items (`m=0.5`, or a bare `0.5` for every candidate) -> most layers per method."""
+    shares: dict[str, float] = {}
+    for item in [part.strip() for text in items for part in str(text).split(",") if part.strip()]:
+        name, sep, value = item.rpartition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            share = float("nan")
+        if not 0 < share <= 1:
+            raise UserError(f"--max-share {item!r}: the share must be a number in (0, 1], e.g. snapkv=0.5")
+        if not sep:
+            shares.update({label: share for label in labels})
+        elif name in labels:
+            shares[name] = share
+        else:
+            raise UserError(f"--max-share {item!r}: {name!r} is not a candidate ({', '.join(labels)})")
+    caps = {label: int(np.floor(shares.get(label, 1.0) * num_layers + 1e-9)) for label in labels}
+    if sum(caps.values()) < num_layers:
+        raise UserError(f"--max-share caps allow only {sum(caps.values())} of {num_layers} layers; raise the shares")
+    return caps
+
+
+def choose_route(preferences: np.ndarray, labels: list[str], caps: dict[str, int] | None = None) -> list[str]:
+    """Per layer the lowest-KL method; under caps, the assignment with the lowest total KL."""
+    from scipy.optimize import linear_sum_assignment
+
+    num_layers = preferences.shape[0]
+    caps = caps or {label: num_layers for label in labels}
+    slots = [index for index, label in enumerate(labels) for _ in range(min(caps[label], num_layers))]
+    rows, cols = linear_sum_assignment(preferences[:, slots])
+    route = [""] * num_layers
+    for row, col in zip(rows, cols):
+        route[row] = labels[slots[col]]
+    return route
+
+
+def random_placements(route: list[str], count: int, seed: int) -> list[list[str]]:
+    """`count` random reorderings of the route: the same method counts in random layers."""
+    rng = np.random.default_rng(seed)
+    return [[route[i] for i in rng.permutation(len(route))] for _ in range(count)]
+
+
+@torch.inference_mode()
+def placement_prompt(model, prompt, candidates, assignments: list[list[str]], settings: RouteSettings, stop_ids):
+    """Fidelity of each assignment (a method label per layer) on one prompt, from one prefill."""
+    from ripplekv.decode import full_reference, measure_fidelity
+
+    state = route_prefill(model, prompt.context + prompt.probe, candidates, settings.probe_tokens, settings.max_new_tokens)
+    reference = full_reference(model, state, settings.max_new_tokens, stop_ids)
+    by_label = {method.label: method for method in candidates}
+    built: dict[tuple[int, str], entries.LayerEntries] = {}
+
+    def layer_entries(layer: int, label: str) -> entries.LayerEntries:
+        if (layer, label) not in built:
+            keep = layer_keep(state, by_label[label], layer, settings.budget)
+            full = bool(keep.all())
+            built[(layer, label)] = state.full_entries(layer) if full else entries.gather(state.keys[layer], state.values[layer], keep)
+        return built[(layer, label)]
+
+    variants = [[layer_entries(layer, label) for layer, label in enumerate(assignment)] for assignment in assignments]
+    return measure_fidelity(model, state, variants, reference, settings.batch_size)
+
+
+def stop_tokens(model) -> list[int]:
+    stop = model.generation_config.eos_token_id
+    return stop if isinstance(stop, list) else [stop] if stop is not None else []
+
+
+@dataclass
+class RouteResult:
+    """Preferences, the chosen route and the placement study."""
+
+    labels: list[str]
+    sample_ids: list[str]
+    preferences: np.ndarray  # [samples, L, M]
+    route: list[str]
+    caps: dict[str, int]
+    placement_ids: list[str]
+    assignments: list[list[str]]  # the route first, then the random placements
+    placement_kl: np.ndarray  # [placement samples, assignments]
+    placement_agreement: np.ndarray
+
+    def rank(self) -> int | None:
+        """1 + the number of random placements with lower mean KL than the route (1 = best)."""
+        if self.placement_kl.size == 0 or len(self.assignments) < 2:
+            return None
+        mean = self.placement_kl.mean(0)
+        return 1 + int((mean[1:] < mean[0]).sum())
+
+
+def run_route(model, preference_prompts, placement_prompts, settings: RouteSettings, progress=None) -> RouteResult:
+    """Preferences on `preference_prompts`, the route, then the placement study on `placement_prompts`."""
+    settings.check()
+    candidates = candidate_methods(settings.methods)
+    labels = [m.label for m in candidates]
+    per_sample = []
+    for prompt in preference_prompts:
+        per_sample.append(preference_prompt(model, prompt, candidates, settings))
+        if progress is not None:
+            progress(prompt)
+    preferences = np.stack(per_sample)
+    caps = parse_caps(settings.max_share, labels, preferences.shape[1])
+    route = choose_route(preferences.mean(0), labels, caps)
+    assignments = [route, *random_placements(route, settings.placements, settings.seed)] if settings.placements else []
+    kl, agreement = [], []
+    stop = stop_tokens(model)
+    for prompt in placement_prompts if assignments else []:
+        scores = placement_prompt(model, prompt, candidates, assignments, settings, stop)
+        kl.append([s.kl for s in scores])
+        agreement.append([s.agreement for s in scores])
+        if progress is not None:
+            progress(prompt)
+    return RouteResult(
+        labels, [p.sample_id for p in preference_prompts], preferences, route, caps,
+        [p.sample_id for p in placement_prompts] if assignments else [], assignments,
+        np.asarray(kl, dtype=float).reshape(len(kl), len(assignments)),
+        np.asarray(agreement, dtype=float).reshape(len(agreement), len(assignments)),
+    )
+
+
+def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: dict) -> dict:
+    """ROUTE.csv, preferences.csv (+ per sample), placements.csv, route.json and the plots in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    mean = result.preferences.mean(0)
+    layers = np.arange(mean.shape[0])
+    matrix = pd.DataFrame(mean, columns=result.labels).assign(layer=layers)[["layer", *result.labels]]
+    matrix.to_csv(out / "preferences.csv", index=False, float_format="%.8g")
+    samples, num_layers, methods = result.preferences.shape
+    pd.DataFrame({
+        "sample_id": np.repeat(result.sample_ids, num_layers * methods),
+        "layer": np.tile(np.repeat(layers, methods), samples),
+        "method": np.tile(result.labels, samples * num_layers),
+        "kl": result.preferences.reshape(-1),
+    }).to_csv(out / "preferences_per_sample.csv", index=False, float_format="%.8g")
+    route = pd.DataFrame({"layer": layers, "method": result.route})
+    for index, label in enumerate(result.labels):
+        route[f"kl_{label}"] = mean[:, index]
+    route.to_csv(out / "ROUTE.csv", index=False, float_format="%.8g")
+    rank = result.rank()
+    if result.assignments:
+        placements = pd.DataFrame({
+            "placement": np.arange(len(result.assignments)),
+            "is_route": [True] + [False] * (len(result.assignments) - 1),
+            "kl": result.placement_kl.mean(0),
+            "agreement": result.placement_agreement.mean(0),
+            "methods": [";".join(a) for a in result.assignments],
+        })
+        placements.to_csv(out / "placements.csv", index=False, float_format="%.8g")
+        plot_placements(placements, rank, out / "placements.png")
+    counts = {label: result.route.count(label) for label in result.labels}
+    meta = {
+        **meta,
+        **asdict(settings),
+        "candidates": result.labels,
+        "caps": result.caps,
+        "route": result.route,
+        "method_counts": counts,
+        "calibration_ids": result.sample_ids,
+        "placement_ids": result.placement_ids,
+        "placement_rank": rank,
+        "placements_scored": max(len(result.assignments) - 1, 0),
+    }
+    (out / "route.json").write_text(json.dumps(meta, indent=2) + "\n")
+    plot_preferences(mean, result.labels, result.route, out / "preferences.png")
+    plot_route(mean, result.labels, result.route, out / "ROUTE.png")
+    return meta
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_preferences(mean: np.ndarray, labels, route, path: Path) -> None:
+    """Heat map of log10 KL per (layer, method); the route's choice is circled."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(labels), 1.4 + 0.22 * mean.shape[0]))
+    image = ax.imshow(np.log10(np.maximum(mean, 1e-12)), aspect="auto", cmap="viridis")
+    chosen = [labels.index(m) for m in route]
+    ax.scatter(chosen, np.arange(len(route)), s=40, facecolors="none", edgecolors="red")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("layer")
+    ax.set_title("log10 KL, one layer compressed (circled: the route)", fontsize=9)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_route(mean: np.ndarray, labels, route, path: Path) -> None:
+    """Per-layer KL of every candidate, with the method the route takes in each layer marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    layers = np.arange(mean.shape[0])
+    for index, label in enumerate(labels):
+        ax.plot(layers, np.maximum(mean[:, index], 1e-12), marker=".", lw=1, label=label)
+    chosen = mean[layers, [labels.index(m) for m in route]]
+    ax.scatter(layers, np.maximum(chosen, 1e-12), s=60, facecolors="none", edgecolors="black", label="route")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("KL(full || one layer compressed)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_placements(placements: pd.DataFrame, rank, path: Path) -> None:
+    """Histogram of the random placements' KL with the profile-guided route marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    others = placements[~placements["is_route"]]["kl"]
+    ax.hist(others, bins=min(30, max(5, len(others) // 3)), color="tab:grey", alpha=0.8, label="random placements")
+    route_kl = float(placements[placements["is_route"]]["kl"].iloc[0])
+    ax.axvline(route_kl, color="red", lw=2, label=f"route (rank {rank} of {len(placements)})")
+    ax.set_xlabel("teacher-forced KL(full || placement)")
+    ax.set_ylabel("placements")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
