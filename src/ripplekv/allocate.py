@@ -1,9 +1,14 @@
 """From a sensitivity profile to per-layer budget multipliers.
 
-s_hat = (s - min) / (max - min); m = exp(ln(R) * s_hat), so the most sensitive layer gets R times the
-least sensitive one; then m / mean(m), so the average is 1 and the total budget is unchanged. R = 1 is
-uniform. With several ratios, the calibration split picks the one whose compressed cache stays closest
-to the full cache (teacher-forced KL along the full cache's own answers).
+Two maps (`ripplekv allocate --map`):
+- `exponential` (RippleKV, the default): s_hat = (s - min) / (max - min); m = exp(ln(R) * s_hat), so the
+  most sensitive layer gets R times the least sensitive one; then m / mean(m), so the average is 1 and
+  the total budget is unchanged. R = 1 is uniform. With several ratios, the calibration split picks the
+  one whose compressed cache stays closest to the full cache (teacher-forced KL along the full cache's
+  own answers).
+- `proportional` (DepthKV): m = s / mean(s), budgets proportional to sensitivity (a layer whose
+  sensitivity is 0 keeps only its scorer's floor); no ratio.
+The map is recorded in the allocation CSV's `map` column.
 """
 
 from __future__ import annotations
@@ -49,11 +54,25 @@ def multipliers(sensitivity, ratio: float) -> np.ndarray:
     return raw / raw.mean()
 
 
-def write_allocation(path: Path, sensitivity, mult) -> None:
+MAPS = ("exponential", "proportional")
+
+
+def check_map(name: str) -> str:
+    if name not in MAPS:
+        raise UserError(f"--map must be one of {', '.join(MAPS)}, got {name!r}")
+    return name
+
+
+def proportional_multipliers(sensitivity) -> np.ndarray:
+    """DepthKV's map: multipliers proportional to sensitivity, mean 1 (uniform when all are 0)."""
+    s = np.asarray(sensitivity, dtype=float)
+    return s / s.mean() if s.sum() > 0 else np.ones_like(s)
+
+
+def write_allocation(path: Path, sensitivity, mult, mapping: str = "exponential") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame({"layer": np.arange(len(mult)), "sensitivity": sensitivity, "multiplier": mult}).to_csv(
-        path, index=False, float_format="%.10g"
-    )
+    table = pd.DataFrame({"layer": np.arange(len(mult)), "sensitivity": sensitivity, "multiplier": mult, "map": mapping})
+    table.to_csv(path, index=False, float_format="%.10g")
 
 
 @torch.inference_mode()
@@ -87,8 +106,10 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     )
 
 
-def plot_allocation(path: Path, sensitivity, mult, ratio: float, num_layers: int, budget=128, prompt_len=3500) -> None:
-    """Multipliers, and the per-layer budgets they give at B=128 for a 3.5k prompt beside PyramidKV's."""
+def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int, budget=128, prompt_len=3500) -> None:
+    """Multipliers, and the per-layer budgets they give at B=128 for a 3.5k prompt beside PyramidKV's.
+
+    `mapping` names the map in the title (e.g. "ratio 4" or "proportional")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,8 +125,8 @@ def plot_allocation(path: Path, sensitivity, mult, ratio: float, num_layers: int
     left.axhline(1.0, color="grey", lw=0.8, ls="--")
     left.set_xlabel("layer")
     left.set_ylabel("budget multiplier")
-    left.set_title(f"RippleKV multipliers (ratio {ratio:g})", fontsize=9)
-    right.plot(layers, ripple, marker="o", ms=3, label=f"ripplekv (sum {sum(ripple)})")
+    left.set_title(f"budget multipliers ({mapping})", fontsize=9)
+    right.plot(layers, ripple, marker="o", ms=3, label=f"this allocation (sum {sum(ripple)})")
     right.plot(layers, pyramid, marker="s", ms=3, label=f"pyramidkv (sum {sum(pyramid)})")
     right.axhline(budget, color="grey", lw=0.8, ls="--", label=f"uniform {budget} (sum {budget * num_layers})")
     right.set_xlabel("layer")

@@ -56,7 +56,7 @@ def budgets(
     methods: str = typer.Option("snapkv,streamingllm,pyramidkv", help=METHODS_HELP),
     budget: int = typer.Option(128, help="Average prompt entries kept per layer per KV head."),
     prompt_len: int = typer.Option(3500, "--prompt-len", help="Prompt length n in tokens."),
-    allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv."),
+    allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv or depthkv."),
     model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
     output_format: str = typer.Option("table", "--format", help="table or csv."),
     window: int | None = typer.Option(None, help=WINDOW_HELP),
@@ -79,12 +79,14 @@ def budgets(
     if not specs:
         raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv,pyramidkv")
     chosen = [make_method(spec, shared=shared) for spec in specs]
+    num_layers, kv_heads = model_shape(model)
+    # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
+    # says why it cannot (CAKE: layers depend on the prompt's attention).
+    rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
     for method in chosen:
         if method.allocator.needs_prompt:
-            raise UserError(f"{method.label} splits budgets by the prompt's scores; its per-layer totals are uniform, "
-                            "and its per-head counts are recorded per sample by `ripplekv eval`")
-    num_layers, kv_heads = model_shape(model)
-    rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
+            print(f"note: {method.label} splits each layer's budget across its KV heads by the prompt's scores; "
+                  "per-head counts are recorded per sample by `ripplekv eval`", file=sys.stderr)
     if output_format == "csv":
         print("method,layer,budget")
         for name, counts in rows.items():
@@ -170,8 +172,13 @@ def profile(
 @app.command()
 def allocate(
     sensitivity: str = typer.Argument(..., help="sensitivity.csv from `ripplekv profile`."),
-    out: str = typer.Option(..., help="Allocation CSV to write (layer,sensitivity,multiplier)."),
-    ratio: list[float] = typer.Option([4.0], help="Max/min budget multiplier; repeat to let calibration choose."),
+    out: str = typer.Option(..., help="Allocation CSV to write (layer,sensitivity,multiplier,map)."),
+    ratio: list[float] | None = typer.Option(
+        None, help="Max/min budget multiplier (exponential map; default 4); repeat to let calibration choose."
+    ),
+    mapping: str = typer.Option(
+        "exponential", "--map", help="exponential (RippleKV: ratio-bounded) or proportional (DepthKV: budgets proportional to sensitivity)."
+    ),
     model: str | None = typer.Option(None, help="Model the profile belongs to; default: bundled SmolLM2."),
     budget: int = typer.Option(128, help="Budget at which calibration compares ratios."),
     calib_samples: int = typer.Option(7, "--calib-samples", help="Calibration prompts for choosing among ratios."),
@@ -184,15 +191,34 @@ def allocate(
 
     from rich.console import Console
 
-    from ripplekv.allocate import check_ratio, multipliers, plot_allocation, ratio_sweep, read_sensitivity, write_allocation
+    from ripplekv.allocate import (
+        check_map,
+        check_ratio,
+        multipliers,
+        plot_allocation,
+        proportional_multipliers,
+        ratio_sweep,
+        read_sensitivity,
+        write_allocation,
+    )
     from ripplekv.budgets import check_budget
 
-    ratios = sorted({check_ratio(r) for r in ratio})
+    check_map(mapping)
+    if mapping == "proportional" and ratio:
+        raise UserError("--ratio applies to --map exponential only; --map proportional takes no ratio")
+    ratios = sorted({check_ratio(r) for r in (ratio or [4.0])})
     check_budget(budget)
     console = Console(stderr=True)
     num_layers, _ = model_shape(model)
     values = read_sensitivity(sensitivity, num_layers)
     out_path = Path(out)
+    if mapping == "proportional":
+        mult = proportional_multipliers(values)
+        write_allocation(out_path, values, mult, mapping)
+        plot_allocation(out_path.with_suffix(".png"), values, mult, mapping, num_layers)
+        console.print(f"wrote {out_path} (proportional; multipliers {mult.min():.3f}..{mult.max():.3f}) "
+                      f"and {out_path.with_suffix('.png')}")
+        return
     chosen = ratios[0]
     if len(ratios) > 1:
         from ripplekv.models import load_model
@@ -215,8 +241,8 @@ def allocate(
         console.print(sweep.to_string(index=False))
         console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {sweep_path}")
     mult = multipliers(values, chosen)
-    write_allocation(out_path, values, mult)
-    plot_allocation(out_path.with_suffix(".png"), values, mult, chosen, num_layers)
+    write_allocation(out_path, values, mult, mapping)
+    plot_allocation(out_path.with_suffix(".png"), values, mult, f"exponential, ratio {chosen:g}", num_layers)
     console.print(f"wrote {out_path} (ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}) and {out_path.with_suffix('.png')}")
 
 
@@ -236,7 +262,7 @@ def eval_command(
     ),
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks of the suite (default: all)."),
     limit: int | None = typer.Option(None, "--limit", help="At most N samples per task."),
-    allocation: str | None = typer.Option(None, "--allocation", help="Allocation CSV from `ripplekv allocate` (for ripplekv)."),
+    allocation: str | None = typer.Option(None, "--allocation", help="Allocation CSV from `ripplekv allocate` (for ripplekv, depthkv)."),
     model: str | None = typer.Option(None, "--model", help="Hub id, model directory or .gguf; default: bundled SmolLM2-135M."),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Offline suite: prompt length to build, in tokens."),
