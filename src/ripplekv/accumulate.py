@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 24  # score elements per chunk (64 MB of float32): bounds memory at any length
+# Score elements per chunk (16 MB of float32): bounds memory at any length and keeps a chunk's scores
+# small enough to be reused from cache by the softmax, the column sums and the value product.
+CHUNK_ELEMENTS = 1 << 22
 
 
 def chunk_rows(query_heads: int, length: int) -> int:
@@ -43,8 +45,9 @@ def attention_with_column_sums(query, key, value, scaling: float, attention_mask
         # Queries start..stop-1 see keys 0..stop-1 at most; later keys are skipped, not masked.
         scores = torch.matmul(grouped[:, :, start:stop].reshape(kv_heads, group * rows, dim), k[:, :stop].transpose(-1, -2))
         scores = scores.float().mul_(scaling).view(kv_heads, group, rows, stop)
-        hidden = torch.arange(stop, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
-        scores.masked_fill_(hidden, float("-inf"))
+        # Only the chunk's diagonal block holds keys after a query.
+        ahead = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+        scores[..., start:stop].masked_fill_(ahead, float("-inf"))
         if attention_mask is not None:
             extra = attention_mask[0, :, start:stop, :stop]
             scores = scores.masked_fill(~extra, float("-inf")) if extra.dtype == torch.bool else scores + extra.float()
