@@ -1,9 +1,12 @@
 """Engine costs on one long prompt: prefill time and peak RSS, and building every method's selection.
 
 Selections for 5 methods x 4 budgets are built from one prefill; their cost is reported as a share of
-the prefill time measured in the same run. The last line is `selection/prefill X.XX%  peak_rss Y.YY GB`.
+the prefill time measured in the same run (`selection/prefill X.XX%  peak_rss Y.YY GB`). H2O's
+accumulated attention is timed against the plain prefill on the same prompt, alternating the two
+`--reps` times after a warm-up and taking each one's fastest run (robust to other load on the machine):
+`h2o prefill overhead X` with X = (accumulating - plain) / plain.
 
-    .venv/bin/python scripts/bench_engine.py [--tokens 3500] [--allocation ALLOC.csv] [--model M]
+    .venv/bin/python scripts/bench_engine.py [--tokens 3500] [--reps 3] [--allocation ALLOC.csv] [--model M]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=3500)
     parser.add_argument("--allocation", default=None, help="RippleKV allocation CSV; default: a linear ramp 2..0.5")
+    parser.add_argument("--reps", type=int, default=3, help="alternating plain/accumulating prefills for the H2O overhead")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
@@ -62,6 +66,23 @@ def main() -> None:
     print(f"prefill {prefill_time:.2f}s; 5 methods x 4 budgets built (entries) in {select_time:.3f}s; totals match L*H*B")
     print(f"peak RSS after loading {rss_loaded:.2f} GB, after prefill {rss_prefill:.2f} GB")
     print(f"selection/prefill {100 * select_time / prefill_time:.2f}%  peak_rss {rss_prefill:.2f} GB")
+    del state
+    plain, accumulating = h2o_overhead(model, ids, args.reps)
+    print(f"prefill {args.tokens} tokens: plain {plain:.2f}s, accumulating attention (H2O) {accumulating:.2f}s "
+          f"(fastest of {args.reps} each, alternating)")
+    print(f"h2o prefill overhead {(accumulating - plain) / plain:.3f}")
+
+
+def h2o_overhead(model, ids, reps: int) -> tuple[float, float]:
+    """Fastest plain and fastest accumulating prefill of the same prompt, run alternately."""
+    prefill(model, ids[:256], accumulate=True)  # warm-up of the accumulating path
+    times = {False: [], True: []}
+    for rep in range(max(1, reps)):
+        for accumulate in ((False, True) if rep % 2 == 0 else (True, False)):
+            start = time.perf_counter()
+            prefill(model, ids, accumulate=accumulate)
+            times[accumulate].append(time.perf_counter() - start)
+    return min(times[False]), min(times[True])
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def test_allocation_csv_round_trips_into_the_method(tmp_path):
     m = multipliers(values, 4.0)
     write_allocation(tmp_path / "alloc.csv", values, m)
     table = pd.read_csv(tmp_path / "alloc.csv")
-    assert list(table.columns) == ["layer", "sensitivity", "multiplier"]
+    assert list(table.columns) == ["layer", "sensitivity", "multiplier", "map"]
+    assert (table["map"] == "exponential").all()
     method = make_method("ripplekv", allocation=str(tmp_path / "alloc.csv"))
     assert np.allclose(method.allocator.multipliers, m)
 

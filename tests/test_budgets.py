@@ -16,10 +16,11 @@ from tests.conftest import every_method
 
 
 def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int = 4, dim: int = 8, seed: int = 0):
-    """A prefill state with random K/V and window queries, enough for every method's selection."""
+    """A prefill state with random K/V, window queries and accumulated attention, enough for every method."""
     gen = torch.Generator().manual_seed(seed)
     window = min(64, length)
     return PrefillState(
+        accumulated=[torch.rand(kv_heads, length, generator=gen) for _ in range(num_layers)],
         input_ids=torch.zeros(length, dtype=torch.long),
         keys=[torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)],
         values=[torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)],

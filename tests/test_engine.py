@@ -83,7 +83,7 @@ def test_compressed_decode_matches_stock_model_on_the_kept_entries(tiny_model):
 
 def test_batched_variants_decode_as_one_at_a_time(tiny_model, tmp_path):
     ids = prompt(200)
-    state = prefill(tiny_model, ids, capture_window=64)
+    state = prefill(tiny_model, ids, capture_window=64, accumulate=True)  # every method, H2O's included
     masks = [
         method.compress(state, budget)
         for method in every_method(state.num_layers, tmp_path).values()

@@ -158,8 +158,9 @@ def test_ripplekv_needs_an_allocation_and_a_matching_layer_count(tmp_path):
     [
         ("layer,weight\n0,1\n", "lacks column"),
         ("layer,multiplier\n0,1\n0,2\n", "exactly once"),
-        ("layer,multiplier\n0,1\n1,0\n", "non-positive"),
-        ("layer,multiplier\n0,1\n1,abc\n", "non-positive"),
+        ("layer,multiplier\n0,1\n1,-1\n", "negative or non-numeric"),
+        ("layer,multiplier\n0,0\n1,0\n", "one > 0"),
+        ("layer,multiplier\n0,1\n1,abc\n", "negative or non-numeric"),
     ],
 )
 def test_malformed_allocation_is_one_clear_error(tmp_path, text, message):

@@ -43,7 +43,7 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
                  "--budget", 32, "--calib-samples", 2, "--target-tokens", 300, "--out", alloc)
     assert result.returncode == 0, result.stderr
     table = pd.read_csv(alloc)
-    assert list(table.columns) == ["layer", "sensitivity", "multiplier"]
+    assert list(table.columns) == ["layer", "sensitivity", "multiplier", "map"] and (table["map"] == "exponential").all()
     assert table["multiplier"].mean() == pytest.approx(1.0)
     sweep = pd.read_csv(tmp_path / "alloc.sweep.csv")
     assert sorted(sweep["ratio"]) == [1.0, 4.0] and sweep["chosen"].sum() == 1

@@ -1,9 +1,14 @@
 """From a sensitivity profile to per-layer budget multipliers.
 
-s_hat = (s - min) / (max - min); m = exp(ln(R) * s_hat), so the most sensitive layer gets R times the
-least sensitive one; then m / mean(m), so the average is 1 and the total budget is unchanged. R = 1 is
-uniform. With several ratios, the calibration split picks the one whose compressed cache stays closest
-to the full cache (teacher-forced KL along the full cache's own answers).
+Two maps (`ripplekv allocate --map`):
+- `exponential` (RippleKV, the default): s_hat = (s - min) / (max - min); m = exp(ln(R) * s_hat), so the
+  most sensitive layer gets R times the least sensitive one; then m / mean(m), so the average is 1 and
+  the total budget is unchanged. R = 1 is uniform. With several ratios, the calibration split picks the
+  one whose compressed cache stays closest to the full cache (teacher-forced KL along the full cache's
+  own answers).
+- `proportional` (DepthKV): m = s / mean(s), budgets proportional to sensitivity (a layer whose
+  sensitivity is 0 keeps only its scorer's floor); no ratio.
+The map is recorded in the allocation CSV's `map` column.
 """
 
 from __future__ import annotations
@@ -50,9 +55,24 @@ def multipliers(sensitivity, ratio: float) -> np.ndarray:
     return raw / raw.mean()
 
 
-def write_allocation(path: Path, sensitivity, mult) -> None:
-    frame = pd.DataFrame({"layer": np.arange(len(mult)), "sensitivity": sensitivity, "multiplier": mult})
-    write_csv(path, frame, float_format="%.10g")
+MAPS = ("exponential", "proportional")
+
+
+def check_map(name: str) -> str:
+    if name not in MAPS:
+        raise UserError(f"--map must be one of {', '.join(MAPS)}, got {name!r}")
+    return name
+
+
+def proportional_multipliers(sensitivity) -> np.ndarray:
+    """DepthKV's map: multipliers proportional to sensitivity, mean 1 (uniform when all are 0)."""
+    s = np.asarray(sensitivity, dtype=float)
+    return s / s.mean() if s.sum() > 0 else np.ones_like(s)
+
+
+def write_allocation(path: Path, sensitivity, mult, mapping: str = "exponential") -> None:
+    table = pd.DataFrame({"layer": np.arange(len(mult)), "sensitivity": sensitivity, "multiplier": mult, "map": mapping})
+    write_csv(path, table, float_format="%.10g")
 
 
 @torch.inference_mode()
@@ -95,8 +115,10 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     )
 
 
-def plot_allocation(path: Path, sensitivity, mult, ratio: float, num_layers: int, budget=128, prompt_len=3500) -> None:
-    """Multipliers, and the per-layer budgets they give at B=128 for a 3.5k prompt beside PyramidKV's."""
+def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int, budget=128, prompt_len=3500) -> None:
+    """Multipliers, and the per-layer budgets they give at B=128 for a 3.5k prompt beside PyramidKV's.
+
+    `mapping` names the map in the title (e.g. "ratio 4" or "proportional")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,8 +134,8 @@ def plot_allocation(path: Path, sensitivity, mult, ratio: float, num_layers: int
     left.axhline(1.0, color="grey", lw=0.8, ls="--")
     left.set_xlabel("layer")
     left.set_ylabel("budget multiplier")
-    left.set_title(f"RippleKV multipliers (ratio {ratio:g})", fontsize=9)
-    right.plot(layers, ripple, marker="o", ms=3, label=f"ripplekv (sum {sum(ripple)})")
+    left.set_title(f"budget multipliers ({mapping})", fontsize=9)
+    right.plot(layers, ripple, marker="o", ms=3, label=f"this allocation (sum {sum(ripple)})")
     right.plot(layers, pyramid, marker="s", ms=3, label=f"pyramidkv (sum {sum(pyramid)})")
     right.axhline(budget, color="grey", lw=0.8, ls="--", label=f"uniform {budget} (sum {budget * num_layers})")
     right.set_xlabel("layer")
@@ -137,9 +159,10 @@ def output_paths(out: Path) -> dict[str, Path]:
 
 
 def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, budget: int, calib_samples: int,
-                 target_tokens: int, console, bar=None, device: str = "auto", dtype: str = "auto") -> list[Path]:
+                 target_tokens: int, console, bar=None, device: str = "auto", dtype: str = "auto",
+                 mapping: str = "exponential") -> list[Path]:
     """Check everything, sweep the ratios on calibration prompts (resumable), write the allocation;
-    returns the files written."""
+    returns the files written. `mapping` "proportional" (DepthKV) takes no ratio and no sweep."""
     from contextlib import nullcontext
 
     from ripplekv.models import load_config, load_model, resolve_model
@@ -152,6 +175,12 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         check_output(path, inputs=inputs)
     num_layers = load_config(model_spec).num_hidden_layers
     values = read_sensitivity(sensitivity, num_layers)
+    if check_map(mapping) == "proportional":
+        mult = proportional_multipliers(values)
+        write_allocation(paths["csv"], values, mult, mapping)
+        plot_allocation(paths["png"], values, mult, mapping, num_layers)
+        console.print(f"proportional map; multipliers {mult.min():.3f}..{mult.max():.3f}")
+        return [paths["csv"], paths["png"]]
     chosen = ratios[0]
     if len(ratios) > 1:
         from ripplekv.profile import calibration_hash, calibration_prompts
@@ -172,8 +201,8 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         console.print(sweep.to_string(index=False))
         console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {paths['sweep']}")
     mult = multipliers(values, chosen)
-    write_allocation(paths["csv"], values, mult)
-    plot_allocation(paths["png"], values, mult, chosen, num_layers)
+    write_allocation(paths["csv"], values, mult, mapping)
+    plot_allocation(paths["png"], values, mult, f"exponential, ratio {chosen:g}", num_layers)
     paths["log"].unlink(missing_ok=True)
     console.print(f"ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}")
     return [paths["csv"], paths["png"]] + ([paths["sweep"], paths["choice"]] if len(ratios) > 1 else [])

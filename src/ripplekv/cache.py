@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ripplekv import entries
+from ripplekv.accumulate import attention_with_column_sums
 from ripplekv.entries import LayerEntries
 
 ATTENTION_NAME = "ripplekv"
@@ -222,7 +223,9 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
 def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The registered attention: compressed attention when a CompressedCache is active, else sdpa.
 
-    During prefill it also records the observation-window queries (post-RoPE) that SnapKV scoring needs.
+    During prefill it also records the observation-window queries (post-RoPE) that SnapKV scoring needs,
+    and, when the prefill asks (`capture["accumulated"]`, for H2O), each key's attention summed over all
+    prompt queries, computed in the same pass (`ripplekv.accumulate`).
     """
     cache = kwargs.pop("ripplekv_cache", None)
     capture = kwargs.pop("ripplekv_capture", None)
@@ -231,6 +234,10 @@ def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, 
         return compressed_attention(query, layer, key, value, scaling or module.scaling), None
     if capture is not None:
         capture[module.layer_idx] = query[0, :, -capture["window"] :, :].detach().clone()
+        if "accumulated" in capture:
+            output, columns = attention_with_column_sums(query, key, value, scaling or module.scaling, attention_mask)
+            capture["accumulated"][module.layer_idx] = columns
+            return output, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

@@ -93,7 +93,7 @@ def budgets(
     methods: str = typer.Option("snapkv,streamingllm,pyramidkv", help=METHODS_HELP),
     budget: int = typer.Option(128, help="Average prompt entries kept per layer per KV head."),
     prompt_len: int = typer.Option(3500, "--prompt-len", help="Prompt length n in tokens."),
-    allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv."),
+    allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv or depthkv."),
     model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
     output_format: str = typer.Option("table", "--format", help="table or csv."),
     window: int | None = typer.Option(None, help=WINDOW_HELP),
@@ -114,12 +114,14 @@ def budgets(
     shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     specs = parse_names(methods, "--methods")
     chosen = [make_method(spec, shared=shared) for spec in specs]
+    num_layers, kv_heads = model_shape(model)
+    # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
+    # says why it cannot (CAKE: layers depend on the prompt's attention).
+    rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
     for method in chosen:
         if method.allocator.needs_prompt:
-            raise UserError(f"{method.label} splits budgets by the prompt's scores; its per-layer totals are uniform, "
-                            "and its per-head counts are recorded per sample by `ripplekv eval`")
-    num_layers, kv_heads = model_shape(model)
-    rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
+            print(f"note: {method.label} splits each layer's budget across its KV heads by the prompt's scores; "
+                  "per-head counts are recorded per sample by `ripplekv eval`", file=sys.stderr)
     if output_format == "csv":
         print("method,layer,budget")
         for name, counts in rows.items():
@@ -209,7 +211,12 @@ def allocate(
         None, help=f"sensitivity.csv from `ripplekv profile`; default: {DEFAULT_PROFILE}/sensitivity.csv."),
     out: str | None = typer.Option(
         None, help=f"Allocation CSV to write (layer,sensitivity,multiplier); default: {DEFAULT_ALLOCATION}."),
-    ratio: list[float] = typer.Option([4.0], help="Max/min budget multiplier; repeat to let calibration choose."),
+    ratio: list[float] | None = typer.Option(
+        None, help="Max/min budget multiplier (exponential map; default 4); repeat to let calibration choose."
+    ),
+    mapping: str = typer.Option(
+        "exponential", "--map", help="exponential (RippleKV: ratio-bounded) or proportional (DepthKV: budgets proportional to sensitivity)."
+    ),
     model: str | None = typer.Option(None, help="Model the profile belongs to; default: bundled SmolLM2."),
     budget: int = typer.Option(128, help="Budget at which calibration compares ratios."),
     calib_samples: int = typer.Option(7, "--calib-samples", help="Calibration prompts for choosing among ratios."),
@@ -220,9 +227,12 @@ def allocate(
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
     from rich.console import Console
 
-    from ripplekv.allocate import run_allocate
+    from ripplekv.allocate import check_map, run_allocate
     from ripplekv.budgets import check_budget
 
+    check_map(mapping)
+    if mapping == "proportional" and ratio:
+        raise UserError("--ratio applies to --map exponential only; --map proportional takes no ratio")
     check_budget(budget)
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
@@ -234,8 +244,9 @@ def allocate(
             raise UserError(f"no profile at {sensitivity}: run `ripplekv profile` first, or pass a sensitivity.csv")
     _say_out(console, "allocate", out_path, out is not None)
     console.print(f"allocate: read {sensitivity}", soft_wrap=True)
-    written = run_allocate(sensitivity, out_path, ratio, model, budget, calib_samples, target_tokens, console,
-                           bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype)
+    written = run_allocate(sensitivity, out_path, ratio or [4.0], model, budget, calib_samples, target_tokens, console,
+                           bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype,
+                           mapping=mapping)
     _say_written(console, written)
 
 
@@ -320,7 +331,7 @@ def eval_command(
              "minutes; a rerun with a higher --limit adds samples), all on LongBench."),
     allocation: str | None = typer.Option(
         None, "--allocation",
-        help=f"Allocation CSV for ripplekv; default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
+        help=f"Allocation CSV for ripplekv (and depthkv, routed-ripplekv); default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
     model: str | None = typer.Option(None, "--model", help="Hub id, model directory or .gguf; default: bundled SmolLM2-135M."),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Offline suite: prompt length to build, in tokens."),

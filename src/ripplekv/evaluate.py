@@ -363,7 +363,9 @@ def evaluate_sample(
 
         cut = question_start(task, record, tokenizer, max_length)
         ids, question = ids[:cut], list(ids[cut:])
-    state = prefill(model, ids, capture_window=capture_window, reserve=len(question) + task.max_new_tokens)
+    accumulate = any(method.needs_accumulated_attention for method in methods.values())
+    state = prefill(model, ids, capture_window=capture_window, reserve=len(question) + task.max_new_tokens,
+                    accumulate=accumulate)
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
     stops = stop_ids(task, tokenizer, model)
@@ -422,11 +424,11 @@ def evaluate_sample(
     return rows
 
 
-def prefill(model, ids, capture_window: int = 64, reserve: int = 0):
+def prefill(model, ids, capture_window: int = 64, reserve: int = 0, accumulate: bool = False):
     """The engine's prefill (a module-level name so tests can prove a resumed run never calls it)."""
     from ripplekv.prefill import prefill as engine_prefill
 
-    return engine_prefill(model, ids, capture_window=capture_window, reserve=reserve)
+    return engine_prefill(model, ids, capture_window=capture_window, reserve=reserve, accumulate=accumulate)
 
 
 # --------------------------------------------------------------------------- the run

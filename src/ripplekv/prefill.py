@@ -2,7 +2,8 @@
 
 Compressing after a full-attention prefill is what SnapKV, PyramidKV and StreamingLLM do, so one prefill
 serves every method and budget: per layer the full K/V (post-RoPE keys, as the model stores them) and the
-observation-window queries. Full attention maps are never materialized (tens of GB at 8k tokens).
+observation-window queries; on request (`accumulate=True`, for H2O) also the attention every prompt query
+gave each key. Full attention maps are never materialized (tens of GB at 8k tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class PrefillState:
     scaling: float
     scores: dict = field(default_factory=dict)  # method scores shared across methods and budgets
     model: object = field(default=None, repr=False)  # for methods that need the model's RoPE (via adapter)
+    # per layer [H_kv, n] float32: attention summed over all prompt queries, averaged over a KV head's
+    # query heads (only when prefilled with accumulate=True)
+    accumulated: list[torch.Tensor] | None = None
     _full: dict = field(default_factory=dict, repr=False)
 
     def full_entries(self, layer: int) -> entries.LayerEntries:
@@ -60,15 +64,21 @@ class PrefillState:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0) -> PrefillState:
+def prefill(
+    model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0, accumulate: bool = False
+) -> PrefillState:
     """Run the prompt once with full attention; keep K/V, window queries and the last logits.
 
     `reserve`: tokens that will follow the prompt (the answer), checked against the model's window.
+    `accumulate`: also sum each key's attention over all prompt queries (`PrefillState.accumulated`);
+    only methods that need it (H2O) should ask, since it replaces the fused attention kernel.
     """
     kvcache.install(model)
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
     adapter.check_length(model.config, len(ids) + reserve)
     capture: dict = {"window": min(capture_window, len(ids))}
+    if accumulate:
+        capture["accumulated"] = {}
     out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_capture=capture)
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
@@ -82,4 +92,5 @@ def prefill(model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, rese
         last_logits=out.logits[0, -1].float(),
         scaling=adapter.attention_scaling(model),
         model=model,
+        accumulated=[capture["accumulated"][i] for i in range(num_layers)] if accumulate else None,
     )

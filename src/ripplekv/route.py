@@ -80,7 +80,8 @@ def candidate_methods(specs) -> list:
 def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
     """The one prefill every routing step uses, capturing enough window queries for every candidate."""
     window = max([64, probe_tokens, *(getattr(m.scorer, "window", 0) for m in candidates)])
-    return prefill(model, ids, capture_window=window, reserve=reserve)
+    accumulate = any(m.needs_accumulated_attention for m in candidates)
+    return prefill(model, ids, capture_window=window, reserve=reserve, accumulate=accumulate)
 
 
 def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:

@@ -5,7 +5,7 @@
   last layer 1/beta times the average, linearly in between. Unlike the common implementation (integer
   steps that keep ~4.6% more than uniform at B=128), our integer budgets sum exactly to L*B.
 - `file`: multipliers from an allocation CSV (`layer,multiplier`, written by `ripplekv allocate`):
-  RippleKV's and DepthKV's budgets.
+  RippleKV's (exponential map) and DepthKV's (proportional map) budgets.
 """
 
 from __future__ import annotations
@@ -70,15 +70,17 @@ def read_layer_column(path: str | Path, column: str, kind: str, remedy: str) -> 
 
 
 def read_allocation(path: str | Path) -> tuple[float, ...]:
-    """Multipliers by layer from an allocation CSV; every multiplier must be positive."""
+    """Multipliers by layer from an allocation CSV: none negative, at least one positive (a layer at 0
+    keeps only its scorer's floor, as DepthKV's proportional map gives a layer with no sensitivity)."""
+    bad = f"allocation file {path} has negative or non-numeric multipliers; all must be >= 0 and one > 0"
     try:
         values = read_layer_column(path, "multiplier", "allocation", "run `ripplekv profile` then `ripplekv allocate`")
     except UserError as err:
         if "non-numeric" in str(err):
-            raise UserError(f"allocation file {path} has non-positive or non-numeric multipliers; all must be > 0") from None
+            raise UserError(bad) from None
         raise
-    if not all(v > 0 for v in values):
-        raise UserError(f"allocation file {path} has non-positive or non-numeric multipliers; all must be > 0")
+    if not all(v >= 0 for v in values) or not any(v > 0 for v in values):
+        raise UserError(bad)
     return tuple(values)
 
 
@@ -94,8 +96,9 @@ class FromAllocation(Allocator):
         if self.multipliers is None:
             if self.allocation is None:
                 raise UserError(
-                    "this method needs an allocation: run `ripplekv profile` and `ripplekv allocate`, "
-                    "then pass --allocation ALLOC.csv (or use `make reproduce`)"
+                    "this method needs an allocation: run `ripplekv profile` and `ripplekv allocate` (for depthkv: "
+                    "`profile --signal evict`, `allocate --map proportional`), then pass --allocation ALLOC.csv "
+                    "(or use `make reproduce`)"
                 )
             object.__setattr__(self, "multipliers", read_allocation(self.allocation))
 

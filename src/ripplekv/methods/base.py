@@ -61,6 +61,7 @@ class Scorer:
     """Which entries a head keeps."""
 
     name = "scorer"
+    needs_accumulated_attention = False  # True: the prefill must sum every query's attention (H2O)
 
     def floor(self) -> int:
         """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
@@ -122,6 +123,11 @@ class Method:
         if self.scorer is not None:
             described["scorer"] = {"name": self.scorer.name, **options_of(self.scorer)}
         return described
+
+    @property
+    def needs_accumulated_attention(self) -> bool:
+        """Whether the prefill must accumulate attention for this method (`prefill(accumulate=True)`)."""
+        return self.scorer is not None and bool(self.scorer.needs_accumulated_attention)
 
     def floor(self) -> int:
         return self.scorer.floor() if self.scorer is not None else 1

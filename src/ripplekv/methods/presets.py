@@ -38,6 +38,11 @@ preset("ripplekv", "file", "snapkv", "RippleKV: budgets from a sensitivity alloc
 preset("streamingllm", "uniform", "recency", "StreamingLLM: 4 attention sinks + the most recent tokens")
 preset("random", "uniform", "random", "the window + random prefix entries (a floor for sanity)")
 preset("adakv", "adakv", "snapkv", "AdaKV: a layer's heads compete for its budget by SnapKV scores")
+preset("h2o", "uniform", "h2o", "H2O: heavy hitters (attention summed over all prompt queries) + the recent window")
+preset("tova", "uniform", "tova", "TOVA: the last prompt token's attention (mean over a KV head's query heads)")
+preset("knorm", "uniform", "knorm", "KNorm: the smallest key norms + the recent window")
+preset("cake", "cake", "snapkv", "CAKE: layer budgets from window attention's entropy and variance, SnapKV scores")
+preset("depthkv", "file", "h2o", "DepthKV: budgets proportional to eviction sensitivity (--allocation), H2O scores")
 preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--route), uniform budgets")
 preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
 

@@ -63,6 +63,10 @@ class Router(Scorer):
             raise UserError(f"route {self.route} has {len(self.scorers)} layers but the model has {state.num_layers}")
         return self.scorers[layer]
 
+    @property
+    def needs_accumulated_attention(self) -> bool:
+        return any(s.needs_accumulated_attention for s in self.scorers)
+
     def floor(self) -> int:
         return max(s.floor() for s in self.scorers)
 

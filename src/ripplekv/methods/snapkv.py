@@ -28,13 +28,10 @@ from ripplekv.prefill import PrefillState
 POOLINGS = ("max", "avg", "none")
 
 
-def window_scores(state: PrefillState, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
-    """Pooled attention mass [H_kv, n - window] that the last `window` queries give each prefix entry."""
-    key = ("snapkv", layer, window, kernel, pooling)
-    if key in state.scores:
-        return state.scores[key]
+def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:
+    """Attention [H_kv, group, window, n] (float32) of the last `window` prompt queries over all keys."""
     if window > state.window_queries[layer].shape[1]:
-        raise UserError(f"SnapKV window {window} exceeds the captured window; prefill with capture_window >= {window}")
+        raise UserError(f"{who} window {window} exceeds the captured window; prefill with capture_window >= {window}")
     queries = state.window_queries[layer][:, -window:].float()  # [H_q, w, d]
     keys = state.keys[layer].float()  # [H_kv, n, d]
     kv_heads, length = keys.shape[0], keys.shape[1]
@@ -44,7 +41,16 @@ def window_scores(state: PrefillState, layer: int, window: int, kernel: int, poo
     positions = torch.arange(length, device=keys.device)
     visible = positions[None, :] <= (length - window + torch.arange(window, device=keys.device))[:, None]
     logits = logits.masked_fill(~visible.repeat(group, 1), float("-inf"))
-    mass = torch.softmax(logits, dim=-1).view(kv_heads, group, window, length).sum(2).mean(1)
+    return torch.softmax(logits, dim=-1).view(kv_heads, group, window, length)
+
+
+def window_scores(state: PrefillState, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
+    """Pooled attention mass [H_kv, n - window] that the last `window` queries give each prefix entry."""
+    key = ("snapkv", layer, window, kernel, pooling)
+    if key in state.scores:
+        return state.scores[key]
+    mass = window_attention(state, layer, window).sum(2).mean(1)
+    length = mass.shape[1]
     prefix = mass[:, : length - window]
     if pooling == "max" and kernel > 1:
         prefix = F.max_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]

@@ -1,0 +1,49 @@
+"""TOVA scoring: keep the entries the last prompt token attends to most.
+
+Our reading of TOVA (Oren et al., 2024), applied once after prefill: an entry's score is the attention
+of the last prompt query (a softmax over all prompt keys). With grouped KV heads a KV head's score is
+the mean over the query heads that share it (`heads=kv`, the default); TOVA itself averages over every
+head of the layer, so all heads keep the same entries (`tova:heads=layer`). TOVA has no recent window;
+we always keep the last token itself (`window=1`), whose query made the scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ripplekv.errors import UserError
+from ripplekv.methods.base import check_positive, register_scorer
+from ripplekv.methods.snapkv import WindowScorer
+
+HEADS = ("kv", "layer")
+
+
+def last_query_attention(state, layer: int) -> torch.Tensor:
+    """Attention [H_kv, group, n] (float32) of the last prompt query over every prompt key."""
+    key = ("tova", layer)
+    if key not in state.scores:
+        query = state.window_queries[layer][:, -1].float()  # [H_q, d]
+        keys = state.keys[layer].float()  # [H_kv, n, d]
+        kv_heads = keys.shape[0]
+        grouped = query.view(kv_heads, -1, query.shape[-1])
+        state.scores[key] = torch.softmax(torch.matmul(grouped, keys.transpose(-1, -2)) * state.scaling, dim=-1)
+    return state.scores[key]
+
+
+@register_scorer("tova")
+@dataclass(frozen=True)
+class TOVAScorer(WindowScorer):
+    window: int = 1
+    heads: str = "kv"
+
+    def __post_init__(self):
+        if self.heads not in HEADS:
+            raise UserError(f"option heads must be one of {', '.join(HEADS)}, got {self.heads!r}")
+        check_positive(window=self.window)
+
+    def scores(self, state, layer):
+        attention = last_query_attention(state, layer)
+        per_head = attention.mean(1) if self.heads == "kv" else attention.mean((0, 1)).expand(attention.shape[0], -1)
+        return per_head[:, : state.length - min(self.window, state.length)]
