@@ -35,6 +35,19 @@ METHODS_HELP = "Comma-separated method specs, e.g. snapkv,pyramidkv:beta=10,ripp
 ROUTE_HELP = "Route CSV (layer,method) for the routed method."
 DEVICE_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N."
 DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."
+WORKERS_HELP = "Ray workers, each loading the model once (one GPU each on CUDA, else a share of the cores)."
+RAY_ADDRESS_HELP = "Join a running Ray cluster (`ray start --head`) instead of starting a local one."
+
+
+def worker_settings(workers: int, ray_address: str | None):
+    """--workers / --ray-address, checked (Ray itself is imported only when they ask for it)."""
+    from ripplekv.distributed import Workers, import_ray
+
+    chosen = Workers(count=workers, address=ray_address or None)
+    chosen.check()
+    if chosen.uses_ray:
+        import_ray(local=chosen.address is None)  # a missing Ray is said before any work starts
+    return chosen
 
 
 def snap_options(window: int | None, kernel: int | None, pooling: str | None) -> dict:
@@ -111,10 +124,13 @@ def _progress_bar(description: str, total: int):
     """A rich progress bar with ETA; returns (progress, advance callback)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from ripplekv.progress import Throughput
+
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        Throughput(),
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
@@ -138,25 +154,32 @@ def profile(
     batch_size: int = typer.Option(32, "--batch-size", help="Perturbed layers run together in one batch."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Measure each layer's sensitivity: perturb its value cache, KL at the output."""
     from rich.console import Console
 
     from ripplekv.budgets import check_budget
-    from ripplekv.models import load_model, resolve_device_dtype, runtime_info
-    from ripplekv.profile import ProfileSettings, calibration_prompts, run_profile, write_profile
+    from ripplekv.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
+    from ripplekv.profile import ProfileSettings, calibration_prompts, run_profile, write_profile, worker_runner
 
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
     settings.check()
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
+    scale = worker_settings(workers, ray_address)
     console = Console(stderr=True)
     device, dtype = resolve_device_dtype(device, dtype)
-    loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
+    if scale.uses_ray:  # the workers load the model; this process only needs the tokenizer
+        loaded, tokenizer, source = None, load_tokenizer(model), resolve_model(model)
+        runner = worker_runner(model, device, dtype, settings, scale)
+    else:
+        (loaded, tokenizer, source), runner = load_model(model, device=device, dtype=dtype), None
     prompts = calibration_prompts(tokenizer, calib_samples, probe_tokens, target_tokens, with_answer=with_answer)
     progress, advance = _progress_bar("profiling", len(prompts))
     with progress:
-        result = run_profile(loaded, prompts, settings, source.label, progress=advance)
+        result = run_profile(loaded, prompts, settings, source.label, progress=advance, runner=runner)
     result.extra.update({"device": device, "dtype": dtype, **runtime_info(device)})
     meta = write_profile(result, prompts, Path(out))
     rho = meta["split_half_spearman"]
@@ -248,6 +271,8 @@ def eval_command(
     route: str | None = typer.Option(None, "--route", help=ROUTE_HELP),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
@@ -273,7 +298,7 @@ def eval_command(
         device=device,
         dtype=dtype,
     )
-    tables = evaluate.run_eval(settings, out)
+    tables = evaluate.run_eval(settings, out, workers=worker_settings(workers, ray_address))
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out}"))
 
 

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -384,8 +384,44 @@ def check_model_fits(plan: Plan) -> None:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
 
 
-def run_eval(settings: EvalSettings, out: str | Path, console=None) -> dict:
-    """Run (or resume) an evaluation into `out`, then render its report; returns the report's tables."""
+def sample_rows(settings: EvalSettings, methods: dict, loaded: tuple, item: tuple) -> list[dict]:
+    """One unit of work: a sample with all its (method, budget) variants, on `loaded` = (model, tokenizer)."""
+    model, tokenizer = loaded
+    task, sid, record = item
+    return evaluate_sample(model, tokenizer, task, record, methods, settings.budgets, sid=sid,
+                           max_length=settings.max_length, batch_size=settings.batch_size,
+                           capture_window=settings.capture_window)
+
+
+def run_samples(plan: Plan, todo: list, tokenizer, workers, console):
+    """Yield `(item, rows)` for every sample of `todo`: in this process, or on Ray workers in finishing order."""
+    from functools import partial
+
+    from ripplekv import distributed
+    from ripplekv.models import load_model
+
+    s = plan.settings
+    work = partial(sample_rows, s, plan.methods)
+    if workers is None or not workers.uses_ray:
+        model, _, _ = load_model(s.model, device=s.device, dtype=s.dtype)
+        for item in todo:
+            yield item, work((model, tokenizer), item)
+        return
+    device, dtype = plan.config["device"], plan.config["dtype"]
+    setup = partial(distributed.load_model_on_worker, s.model, device, dtype)
+
+    def retry(item, reason):
+        console.print(f"[yellow]a worker died on {item[0].name}/{item[1]} ({reason}); running it again[/yellow]")
+
+    yield from distributed.run_units(todo, setup, work, workers, device=device, on_retry=retry,
+                                     label=lambda item: f"sample {item[0].name}/{item[1]}")
+
+
+def run_eval(settings: EvalSettings, out: str | Path, console=None, workers=None) -> dict:
+    """Run (or resume) an evaluation into `out`, then render its report; returns the report's tables.
+
+    `workers` (a `distributed.Workers`) spreads the samples over Ray workers; this process still writes alone.
+    """
     from rich.console import Console
 
     from ripplekv.models import load_tokenizer
@@ -403,17 +439,17 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None) -> dict:
     old = check_run_dir(out, config)
     out.mkdir(parents=True, exist_ok=True)
     with exclusive_run(out):
-        return _run_locked(settings, out, plan, config, old, work, tokenizer, console)
+        return _run_locked(settings, out, plan, config, old, work, tokenizer, console, workers)
 
 
-def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console) -> dict:
+def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console, workers=None) -> dict:
     """The part of `run_eval` that writes: only one process at a time per run directory."""
     from rich.markup import escape
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
     from ripplekv import report
-    from ripplekv.models import load_model
+    from ripplekv.progress import Throughput
 
     if old is None:
         write_json_atomic(out / CONFIG, config)
@@ -423,23 +459,18 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     if todo:
         console.print(f"[bold]eval[/bold] {len(work)} samples ({len(done)} already done), "
                       f"{len(variant_keys(config))} variants each -> {out}")
-        model, _, _ = load_model(settings.model, device=settings.device, dtype=settings.dtype)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), Throughput(),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         finished = len(done)
         try:
             with Progress(*columns, console=console, transient=False) as progress, \
-                    (out / PREDICTIONS).open("a", encoding="utf-8") as fh:
+                    (out / PREDICTIONS).open("a", encoding="utf-8") as fh, \
+                    closing(run_samples(plan, todo, tokenizer, workers, console)) as results:
                 bar = progress.add_task("samples", total=len(work), completed=len(done))
-                for task, sid, record in todo:
-                    progress.update(bar, description=f"{task.name} [dim]{escape(sid)}[/dim]")
-                    rows = evaluate_sample(model, tokenizer, task, record, plan.methods, settings.budgets,
-                                           sid=sid, max_length=settings.max_length,
-                                           batch_size=settings.batch_size,
-                                           capture_window=settings.capture_window)
+                for (task, sid, _), rows in results:  # in finishing order when workers run them
                     append_rows(fh, rows)
                     finished += 1
-                    progress.advance(bar)
+                    progress.update(bar, advance=1, description=f"{task.name} [dim]{escape(sid)}[/dim]")
         except KeyboardInterrupt:
             console.print(f"interrupted after {finished} of {len(work)} samples; "
                           "rerun the same command to resume")

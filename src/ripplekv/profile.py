@@ -303,13 +303,41 @@ def calibration_prompts(
     return prompts
 
 
-def run_profile(model, prompts: list[CalibrationPrompt], settings: ProfileSettings, model_label: str, progress=None) -> Profile:
-    """Profile every calibration prompt (one prefill each); `progress(i)` is called after each."""
+def profile_unit(settings: ProfileSettings, loaded, unit: tuple[int, CalibrationPrompt]) -> np.ndarray:
+    """One unit of work: KL per (seed, layer) of calibration prompt number `index` (its noise seeds follow the index)."""
+    index, prompt = unit
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    return profile_prompt(model, prompt, settings, index)
+
+
+def worker_runner(spec: str | None, device: str, dtype: str, settings: ProfileSettings, workers):
+    """A `runner` for `run_profile` that spreads the prompts over Ray workers (each loads the model once)."""
+    from functools import partial
+
+    from ripplekv import distributed
+
+    setup = partial(distributed.load_model_on_worker, spec, device, dtype)
+    work = partial(profile_unit, settings)
+    return lambda units: distributed.run_units(units, setup, work, workers, device=device,
+                                               label=lambda unit: f"calibration sample {unit[1].sample_id}")
+
+
+def run_profile(model, prompts: list[CalibrationPrompt], settings: ProfileSettings, model_label: str, progress=None,
+                runner=None) -> Profile:
+    """Profile every calibration prompt (one prefill each); `progress(i)` is called after each.
+
+    `runner(units)` yields `(unit, result)` in any order (see `worker_runner`); by default units run here on `model`.
+    """
+    from contextlib import closing
+
     settings.check()
-    per_seed = []
-    for index, prompt in enumerate(prompts):
-        per_seed.append(profile_prompt(model, prompt, settings, index))
-        if progress is not None:
-            progress(index)
-    stacked = np.stack(per_seed)  # [samples, seeds, layers]
+    units = list(enumerate(prompts))
+    results = runner(units) if runner is not None else ((unit, profile_unit(settings, model, unit)) for unit in units)
+    per_seed = {}
+    with closing(results):
+        for (index, _), kl in results:
+            per_seed[index] = kl
+            if progress is not None:
+                progress(index)
+    stacked = np.stack([per_seed[index] for index in range(len(prompts))])  # [samples, seeds, layers]
     return Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, model_label)
