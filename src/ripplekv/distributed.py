@@ -201,8 +201,18 @@ def _schedule(ray, actors: list, units: list, on_retry, label) -> Iterator[tuple
 
 
 def load_model_on_worker(spec: str | None, device: str, dtype: str):
-    """(model, tokenizer) in a worker; a GPU worker sees only the GPU Ray gave it, as `cuda`."""
-    from ripplekv.models import load_model
+    """(model, tokenizer) in a worker; a GPU worker sees only the GPU Ray gave it, as `cuda`.
 
+    The first worker on a host dequantizes a GGUF into the shared cache while the others wait for it,
+    instead of all of them writing the same folder at once.
+    """
+    import fcntl
+
+    from ripplekv.models import cache_root, load_config, load_model
+
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with (cache_root() / ".materialize.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        load_config(spec)
     model, tokenizer, _ = load_model(spec, device="cuda" if device.startswith("cuda") else device, dtype=dtype)
     return model, tokenizer

@@ -466,7 +466,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
             with Progress(*columns, console=console, transient=False) as progress, \
                     (out / PREDICTIONS).open("a", encoding="utf-8") as fh, \
                     closing(run_samples(plan, todo, tokenizer, workers, console)) as results:
-                bar = progress.add_task("samples", total=len(work), completed=len(done))
+                bar = progress.add_task("samples", total=len(work), completed=len(done), resumed=len(done))
                 for (task, sid, _), rows in results:  # in finishing order when workers run them
                     append_rows(fh, rows)
                     finished += 1
