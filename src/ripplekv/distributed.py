@@ -107,7 +107,7 @@ def _connect(ray, workers: Workers, gpu: bool) -> bool:
     if workers.address is not None:
         try:
             ray.init(address=workers.address, **quiet)
-        except (ConnectionError, ValueError, RuntimeError) as err:
+        except (OSError, ValueError, RuntimeError) as err:
             raise UserError(f"cannot join the Ray cluster at {workers.address} ({err}); start one there with "
                             "`ray start --head`, or leave out --ray-address for a local one") from None
         return True

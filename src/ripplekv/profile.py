@@ -303,10 +303,9 @@ def calibration_prompts(
     return prompts
 
 
-def profile_unit(settings: ProfileSettings, loaded, unit: tuple[int, CalibrationPrompt]) -> np.ndarray:
+def profile_unit(settings: ProfileSettings, loaded: tuple, unit: tuple[int, CalibrationPrompt]) -> np.ndarray:
     """One unit of work: KL per (seed, layer) of calibration prompt number `index` (its noise seeds follow the index)."""
-    index, prompt = unit
-    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    (model, _), (index, prompt) = loaded, unit
     return profile_prompt(model, prompt, settings, index)
 
 
@@ -332,7 +331,7 @@ def run_profile(model, prompts: list[CalibrationPrompt], settings: ProfileSettin
 
     settings.check()
     units = list(enumerate(prompts))
-    results = runner(units) if runner is not None else ((unit, profile_unit(settings, model, unit)) for unit in units)
+    results = runner(units) if runner is not None else ((unit, profile_unit(settings, (model, None), unit)) for unit in units)
     per_seed = {}
     with closing(results):
         for (index, _), kl in results:
