@@ -142,3 +142,10 @@ def test_without_ray_workers_say_how_to_install_it(eval_args, tmp_path, monkeypa
 def test_zero_workers_is_one_line(eval_args, tmp_path, run_cli):
     code, _, err = run_cli(*eval_args(tmp_path / "run", "--workers", 0))
     assert (code, err.strip()) == (2, "error: --workers must be at least 1, got 0")
+
+
+def test_an_unreachable_cluster_is_one_line_before_any_work(eval_args, tmp_path, run_cli):
+    code, _, err = run_cli(*eval_args(tmp_path / "run", "--ray-address", "127.0.0.1:1"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: no Ray cluster answers at 127.0.0.1:1") and "ray start --head" in err
+    assert not (tmp_path / "run").exists()

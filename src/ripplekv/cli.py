@@ -41,12 +41,14 @@ RAY_ADDRESS_HELP = "Join a running Ray cluster (`ray start --head`) instead of s
 
 def worker_settings(workers: int, ray_address: str | None):
     """--workers / --ray-address, checked (Ray itself is imported only when they ask for it)."""
-    from ripplekv.distributed import Workers, import_ray
+    from ripplekv.distributed import Workers, check_reachable, import_ray
 
     chosen = Workers(count=workers, address=ray_address or None)
     chosen.check()
-    if chosen.uses_ray:
-        import_ray(local=chosen.address is None)  # a missing Ray is said before any work starts
+    if chosen.uses_ray:  # a missing Ray or an unreachable cluster is said before any work starts
+        import_ray(local=chosen.address is None)
+        if chosen.address is not None:
+            check_reachable(chosen.address)
     return chosen
 
 

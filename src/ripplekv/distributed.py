@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +59,18 @@ def import_ray(local: bool):
     except ImportError:
         raise UserError(f"--workers and --ray-address need Ray, which is not installed: {INSTALL_HINT}") from None
     return ray
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A `host:port` cluster address must answer now: Ray itself would wait for minutes before failing."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # `auto`, `ray://...`: left to Ray
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise UserError(f"no Ray cluster answers at {address} ({err.strerror or err}); start one there with "
+                        "`ray start --head`, or leave out --ray-address for a local one") from None
 
 
 class UnitWorker:
