@@ -109,15 +109,21 @@ def test_profile_with_two_workers_equals_one_process(tiny_model_dir, tmp_path, r
         assert (tmp_path / "two" / name).read_text() == (tmp_path / "one" / name).read_text(), name
 
 
-def slow_square(context, unit: int) -> int:
-    time.sleep(0.3 if unit == 0 else 0.01)  # the first unit is the long one
-    return context * unit * unit
+def waits_for_the_rest(folder: Path, unit: int) -> int:
+    """Unit 0 finishes only once every other unit has (or after 120 s): a striped schedule would stall on it."""
+    if unit:
+        (folder / str(unit)).touch()
+    deadline = time.monotonic() + 120
+    while unit == 0 and len(list(folder.iterdir())) < 7 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return unit * unit
 
 
-def test_units_are_pulled_so_a_long_unit_does_not_hold_back_the_rest(ray_cluster):
-    finished = list(distributed.run_units(list(range(8)), lambda: 1, slow_square, distributed.Workers(2, threads=1)))
+def test_units_are_pulled_so_a_long_unit_does_not_hold_back_the_rest(ray_cluster, tmp_path):
+    finished = list(distributed.run_units(list(range(8)), lambda: tmp_path, waits_for_the_rest,
+                                          distributed.Workers(2, threads=1)))
     assert sorted(finished) == [(unit, unit * unit) for unit in range(8)]
-    assert [unit for unit, _ in finished][-1] == 0  # the other worker took every short unit meanwhile
+    assert [unit for unit, _ in finished][-1] == 0  # the other worker took every other unit meanwhile
 
 
 def fails_to_load():
@@ -126,7 +132,7 @@ def fails_to_load():
 
 def test_a_worker_error_ends_the_run_with_its_own_line(ray_cluster):
     with pytest.raises(UserError, match="^model directory /nowhere has no config.json$"):
-        list(distributed.run_units([1, 2], fails_to_load, slow_square, distributed.Workers(2, threads=1)))
+        list(distributed.run_units([1, 2], fails_to_load, waits_for_the_rest, distributed.Workers(2, threads=1)))
 
 
 def test_without_ray_workers_say_how_to_install_it(eval_args, tmp_path, monkeypatch, run_cli):
