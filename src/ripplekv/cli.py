@@ -65,6 +65,21 @@ METHODS_HELP = "Comma-separated method specs, e.g. snapkv,pyramidkv:beta=10,ripp
 ROUTE_HELP = "Route CSV (layer,method) for the routed method."
 DEVICE_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N."
 DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."
+WORKERS_HELP = "Ray workers, each loading the model once (one GPU each on CUDA, else a share of the cores)."
+RAY_ADDRESS_HELP = "Join a running Ray cluster (`ray start --head`) instead of starting a local one."
+
+
+def worker_settings(workers: int, ray_address: str | None):
+    """--workers / --ray-address, checked (Ray itself is imported only when they ask for it)."""
+    from ripplekv.distributed import Workers, check_reachable, import_ray
+
+    chosen = Workers(count=workers, address=ray_address or None)
+    chosen.check()
+    if chosen.uses_ray:  # a missing Ray or an unreachable cluster is said before any work starts
+        import_ray(local=chosen.address is None)
+        if chosen.address is not None:
+            check_reachable(chosen.address)
+    return chosen
 
 
 def snap_options(window: int | None, kernel: int | None, pooling: str | None) -> dict:
@@ -148,10 +163,13 @@ def _progress_bar(description: str, total: int, completed: int = 0):
     """A rich progress bar with ETA; returns (progress, advance callback)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from ripplekv.progress import Throughput
+
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        Throughput(),
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
@@ -177,6 +195,8 @@ def profile(
     batch_size: int = typer.Option(32, "--batch-size", help="Perturbed layers run together in one batch."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Measure each layer's sensitivity: perturb its value cache, KL at the output.
 
@@ -190,12 +210,13 @@ def profile(
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
+    scale = worker_settings(workers, ray_address)
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_PROFILE
     device, dtype = resolve_device_dtype(device, dtype)
     _say_out(console, "profile", out_dir, out is not None)
     count, meta = profile_into(out_dir, model, settings, calib_samples=calib_samples, target_tokens=target_tokens,
-                               with_answer=with_answer, device=device, dtype=dtype,
+                               with_answer=with_answer, device=device, dtype=dtype, workers=scale,
                                bar=lambda total, done: _progress_bar("profiling", total, done))
     rho = meta["split_half_spearman"]
     console.print(
@@ -347,6 +368,8 @@ def eval_command(
              "context, then read the question through the compressed cache (a cache reused across questions)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
@@ -383,7 +406,8 @@ def eval_command(
         dtype=dtype,
         protocol=protocol,
     )
-    tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes)
+    tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
+                               workers=worker_settings(workers, ray_address))
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out_dir}"))
 
 

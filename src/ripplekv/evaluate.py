@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -465,11 +466,49 @@ def check_model_fits(plan: Plan) -> None:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
 
 
-def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Sequence[str] = ()) -> dict:
+def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, job: "Job", progress=None) -> list[dict]:
+    """One unit of work: a sample with all its missing (method, budget) variants, on `loaded` = (model, tokenizer)."""
+    model, tokenizer = loaded
+    return evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, sid=job.sid,
+                           max_length=settings.max_length, batch_size=settings.batch_size,
+                           capture_window=settings.capture_window, variants=job.variants, with_full=job.with_full,
+                           progress=progress, protocol=settings.protocol)
+
+
+def run_samples(plan: Plan, jobs: list, budgets, tokenizer, workers, console, advance):
+    """Yield `(job, rows)` for every job: in this process (progress inside each sample through `advance`),
+    or on Ray workers in finishing order (progress as each sample finishes)."""
+    from functools import partial
+
+    from ripplekv import distributed
+    from ripplekv.models import load_model
+
+    s = plan.settings
+    if workers is None or not workers.uses_ray:
+        model, _, _ = load_model(s.model, device=s.device, dtype=s.dtype)
+        for job in jobs:
+            yield job, sample_rows(s, plan.methods, budgets, (model, tokenizer), job, progress=advance)
+        return
+    device, dtype = plan.config["device"], plan.config["dtype"]
+    setup = partial(distributed.load_model_on_worker, s.model, device, dtype)
+
+    def retry(job, reason):
+        console.print(f"[yellow]a worker died on {job.task.name}/{job.sid} ({reason}); running it again[/yellow]")
+
+    for job, rows in distributed.run_units(jobs, setup, partial(sample_rows, s, plan.methods, budgets), workers,
+                                           device=device, on_retry=retry,
+                                           label=lambda job: f"sample {job.task.name}/{job.sid}"):
+        advance("prefill", job.prompt_tokens)
+        advance("decode", job.decode_units)
+        yield job, rows
+
+
+def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Sequence[str] = (), workers=None) -> dict:
     """Run, resume or grow an evaluation into `out`, then render its report; returns the report's tables.
 
     `notes` (where outputs go, which allocation) are printed once the input is known to be good, so
-    bad input still ends in exactly one line."""
+    bad input still ends in exactly one line. `workers` (a `distributed.Workers`) spreads the samples over
+    Ray workers; this process still writes alone."""
     from rich.console import Console
 
     from ripplekv.models import load_tokenizer
@@ -489,7 +528,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     with exclusive_run(out):
         for note in notes:
             console.print(note, soft_wrap=True, markup=False)
-        return _run_locked(settings, out, plan, config, old, work, tokenizer, console)
+        return _run_locked(settings, out, plan, config, old, work, tokenizer, console, workers)
 
 
 @dataclass
@@ -576,13 +615,13 @@ def _eta_column():
     return EtaColumn()
 
 
-def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console) -> dict:
+def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console, workers=None) -> dict:
     """The part of `run_eval` that writes: only one process at a time per run directory."""
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ripplekv import report
-    from ripplekv.models import load_model
+    from ripplekv.progress import Throughput
 
     have = existing_lines(out)
     jobs = plan_jobs(plan, config, work, have, tokenizer)
@@ -601,10 +640,9 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
             console.print(f"extending {len(again)} finished samples with {sum(len(j.variants) for j in again)} "
                           f"new variants prefills them again ({tokens} tokens) and re-decodes their full-cache "
                           "reference (kept once in the file)", soft_wrap=True)
-        model, _, _ = load_model(settings.model, device=settings.device, dtype=settings.dtype)
         clock = WorkClock(prefill_left, decode_left)
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[samples]}"),
-                   TimeElapsedColumn(), _eta_column())
+                   Throughput("token"), TimeElapsedColumn(), _eta_column())
         finished = 0
         try:
             with Progress(*columns, console=console, transient=False) as progress, \
@@ -617,20 +655,15 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
                     eta = clock.eta()
                     progress.update(bar, advance=units, deadline=None if eta is None else clock.mark + eta)
 
-                for job in jobs:
-                    name = f"{job.task.name} [dim]{escape(job.sid)}[/dim]"
-                    progress.update(bar, description=f"{name} ({job.prompt_tokens} tok, {len(job.variants)} variants)")
-                    rows = evaluate_sample(model, tokenizer, job.task, job.record, plan.methods, config["budgets"],
-                                           sid=job.sid, max_length=settings.max_length,
-                                           batch_size=settings.batch_size, capture_window=settings.capture_window,
-                                           variants=job.variants, with_full=job.with_full, progress=advance,
-                                           protocol=settings.protocol)
-                    if job.old_prompt_tokens is not None and rows and rows[0]["prompt_tokens"] != job.old_prompt_tokens:
-                        raise UserError(f"sample {job.task.name}/{job.sid} now has {rows[0]['prompt_tokens']} prompt "
-                                        f"tokens, not {job.old_prompt_tokens} as in {out}; use a new --out directory")
-                    append_rows(fh, rows)
-                    finished += 1
-                    progress.update(bar, samples=f"{finished}/{len(jobs)} samples")
+                with closing(run_samples(plan, jobs, config["budgets"], tokenizer, workers, console, advance)) as results:
+                    for job, rows in results:  # in finishing order when workers run them
+                        if job.old_prompt_tokens is not None and rows and rows[0]["prompt_tokens"] != job.old_prompt_tokens:
+                            raise UserError(f"sample {job.task.name}/{job.sid} now has {rows[0]['prompt_tokens']} "
+                                            f"prompt tokens, not {job.old_prompt_tokens} as in {out}; use a new --out directory")
+                        append_rows(fh, rows)
+                        finished += 1
+                        progress.update(bar, samples=f"{finished}/{len(jobs)} samples",
+                                        description=f"{job.task.name} [dim]{escape(job.sid)}[/dim] done")
         except KeyboardInterrupt:
             console.print(f"interrupted after {finished} of {len(jobs)} samples; "
                           "rerun the same command to resume")

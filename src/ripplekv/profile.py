@@ -340,6 +340,24 @@ def calibration_prompts(
     return prompts
 
 
+def profile_unit(settings: ProfileSettings, loaded: tuple, unit: tuple[int, CalibrationPrompt]) -> np.ndarray:
+    """One unit of work: KL per (seed, layer) of calibration prompt number `index` (its noise seeds follow the index)."""
+    (model, _), (index, prompt) = loaded, unit
+    return profile_prompt(model, prompt, settings, index)
+
+
+def worker_runner(spec: str | None, device: str, dtype: str, settings: ProfileSettings, workers):
+    """A `runner` for `run_profile` that spreads the prompts over Ray workers (each loads the model once)."""
+    from functools import partial
+
+    from ripplekv import distributed
+
+    setup = partial(distributed.load_model_on_worker, spec, device, dtype)
+    work = partial(profile_unit, settings)
+    return lambda units: distributed.run_units(units, setup, work, workers, device=device,
+                                               label=lambda unit: f"calibration sample {unit[1].sample_id}")
+
+
 def check_profile_dir(out: Path, inputs=()) -> Path:
     """Before any model work: `out` must be a writable directory, new, empty or an earlier profile."""
     check_output(out, kind="dir", inputs=inputs, writes=PROFILE_FILES)
@@ -351,14 +369,17 @@ def check_profile_dir(out: Path, inputs=()) -> Path:
 
 
 def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samples: int, target_tokens: int,
-                 with_answer: bool = False, bar=None, device: str = "auto", dtype: str = "auto") -> tuple[int, dict]:
+                 with_answer: bool = False, bar=None, device: str = "auto", dtype: str = "auto",
+                 workers=None) -> tuple[int, dict]:
     """Run (or resume) a profile into `out` and write its outputs; returns (samples, profile.json's data).
 
     Every finished sample's KL matrix is appended to `samples.jsonl` and fsynced, so a killed run loses
     at most the sample in flight; a rerun with the same settings and calibration data computes only the
     rest, and any other settings are refused. `bar(total, done)` gives (context manager, advance).
+    `workers` (a `distributed.Workers` using Ray) spreads the samples over workers that load the model once;
+    results arrive in any order and each sample's noise seeds follow its index, so the profile is the same.
     """
-    from contextlib import nullcontext
+    from contextlib import closing, nullcontext
 
     from ripplekv.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
 
@@ -375,11 +396,15 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
         log = UnitLog(out / SAMPLES_LOG, header, remedy="use a new --out directory")
         todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
         if todo:
-            model, _, _ = load_model(model_spec, device=device, dtype=dtype)
+            if workers is not None and workers.uses_ray:
+                results = worker_runner(model_spec, device, dtype, settings, workers)(todo)
+            else:
+                model, _, _ = load_model(model_spec, device=device, dtype=dtype)
+                results = ((unit, profile_unit(settings, (model, None), unit)) for unit in todo)
             context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
-            with context:
-                for index, prompt in todo:
-                    log.append(prompt.sample_id, profile_prompt(model, prompt, settings, index).tolist())
+            with context, closing(results):
+                for (index, prompt), kl in results:
+                    log.append(prompt.sample_id, kl.tolist())
                     if advance is not None:
                         advance(index)
         stacked = np.array([log.done[p.sample_id] for p in prompts], dtype=np.float64)
