@@ -1,6 +1,6 @@
 """Compression methods: allocators and scorers (one small file each) and the presets built from them."""
 
-from ripplekv.methods import adakv, allocators, random_keep, router, snapkv, streamingllm  # noqa: F401  (registration)
+from ripplekv.methods import adakv, allocators, gracekv, random_keep, router, snapkv, streamingllm  # noqa: F401  (registration)
 from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
 from ripplekv.methods.presets import PRESETS, make_method, method_names, parse_spec
 
