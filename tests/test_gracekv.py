@@ -13,7 +13,7 @@ from ripplekv import adapter
 from ripplekv.decode import greedy_decode, teacher_forced_logprobs
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.gracekv import greedy_order, summarize
+from ripplekv.methods.gracekv import distortion, greedy_order, summarize, unrotate
 from ripplekv.prefill import prefill
 from tests.conftest import tiny_llama
 from tests.test_budgets import fake_state
@@ -48,7 +48,8 @@ def test_prototype_of_identical_tokens_attends_exactly_as_the_tokens():
     key, value = torch.randn(dim), torch.randn(dim)
     keys = key.expand(1, m, dim).clone()
     values = value.expand(1, m, dim).clone()
-    nodes = summarize(model, keys, values, torch.full((1, m), position), torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
+    at = torch.full((1, m), position)
+    nodes = summarize(model, keys, unrotate(model, keys, at), values, at, torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
     assert torch.allclose(nodes.keys[0, 0], key, atol=1e-5) and torch.allclose(nodes.values[0, 0], value, atol=1e-6)
     assert nodes.log_weights[0, 0].item() == pytest.approx(math.log(m), abs=1e-6)
     assert nodes.positions[0, 0].item() == position
@@ -67,13 +68,15 @@ def test_prototype_weight_counts_scattered_keys_less():
     # The same un-rotated key at m positions: coherence 1, so m_eff = m; its mean position is 13.5 -> 14.
     same = torch.randn(dim).expand(1, m, dim)
     cos, sin = adapter.rope_at(model, positions, same)
-    aligned = summarize(model, adapter.apply_rope(same, cos, sin), torch.randn(1, m, dim), positions,
+    rotated = adapter.apply_rope(same, cos, sin)
+    aligned = summarize(model, rotated, unrotate(model, rotated, positions), torch.randn(1, m, dim), positions,
                         torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
     assert aligned.log_weights[0, 0].item() == pytest.approx(math.log(m), abs=1e-4)
     cos14, sin14 = adapter.rope_at(model, torch.tensor([14]), same)
     assert torch.allclose(aligned.keys[0, 0], adapter.apply_rope(same[0, :1], cos14, sin14)[0], atol=1e-5)
-    scattered = summarize(model, torch.randn(1, m, dim), torch.randn(1, m, dim), positions, torch.rand(1, m),
-                          torch.ones(m, dtype=torch.bool), m, 0.1)
+    random_keys = torch.randn(1, m, dim)
+    scattered = summarize(model, random_keys, unrotate(model, random_keys, positions), torch.randn(1, m, dim),
+                          positions, torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
     assert 0 <= scattered.log_weights[0, 0].item() < math.log(m) - 0.5
 
 
@@ -196,3 +199,32 @@ def test_bad_options_and_swapped_components_are_one_line_errors():
         make_method("gracekv:scorer=snapkv").budgets(state, 40)
     with pytest.raises(UserError, match="use the gracekv method"):
         make_method("snapkv:scorer=gracekv").compress(state, 40)
+
+
+def test_distortion_matches_a_direct_computation():
+    """D through the slot's Gram matrix equals replacing each node's tokens by its prototype, query by query."""
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(5)
+    heads, total, dim, rows, size = 2, 16, 16, 6, 4
+    keys, values = torch.randn(heads, total, dim, generator=gen), torch.randn(heads, total, dim, generator=gen)
+    positions = torch.arange(3, 3 + total).expand(heads, -1)
+    has = torch.ones(total, dtype=torch.bool)
+    has[[5, 13]] = False
+    queries = torch.randn(heads, rows, dim, generator=gen)
+    nodes = summarize(model, keys, unrotate(model, keys, positions), values, positions,
+                      torch.rand(heads, total, generator=gen), has, size, 0.1)
+    logits = (queries @ keys.transpose(-1, -2) * 0.25).masked_fill(~has, float("-inf"))
+    shift = logits.amax(-1, keepdim=True)
+    ours = distortion(nodes, queries, shift, 0.25, torch.exp(logits - shift), values * has[:, None], size)
+    for h in range(heads):
+        for s in range(total // size):
+            members = [j for j in range(s * size, (s + 1) * size) if has[j]]
+            errors = []
+            for q in range(rows):
+                a = torch.exp(logits[h, q, members] - shift[h, q, 0])
+                mass, total_value = a.sum(), a @ values[h, members]
+                proto = torch.exp(queries[h, q] @ nodes.keys[h, s] * 0.25 - shift[h, q, 0] + nodes.log_weights[h, s])
+                errors.append(0.5 * ((proto - mass).abs() / mass
+                                     + (proto * nodes.values[h, s] - total_value).norm() / total_value.norm()))
+            expected = torch.stack(errors).mean() if len(members) > 1 else torch.tensor(0.0)
+            assert ours[h, s].item() == pytest.approx(expected.item(), rel=2e-3, abs=1e-5)

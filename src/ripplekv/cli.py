@@ -81,8 +81,7 @@ def budgets(
     chosen = [make_method(spec, shared=shared) for spec in specs]
     for method in chosen:
         if method.allocator.needs_prompt:
-            raise UserError(f"{method.label} splits budgets by the prompt's scores; its per-layer totals are uniform, "
-                            "and its per-head counts are recorded per sample by `ripplekv eval`")
+            raise UserError(f"{method.label} splits budgets by the prompt's scores; {method.allocator.prompt_note}")
     num_layers, kv_heads = model_shape(model)
     rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
     if output_format == "csv":

@@ -77,6 +77,8 @@ class GraceKVAllocator(Allocator):
     """The global greedy: per-(layer, head) counts are what the prototype trees win for this prompt."""
 
     needs_prompt = True
+    prompt_note = ("its per-layer and per-head counts are what its prototype trees win on each prompt, "
+                   "recorded per sample by `ripplekv eval`")
 
     def allocate(self, state, budget, scorer):
         return build(state, budget, _grace(scorer)).counts
@@ -156,7 +158,13 @@ class Nodes:
     relevance: torch.Tensor  # [H, S] R summed over the node
 
 
-def summarize(model, keys, values, positions, relevance, has, size: int, beta: float) -> Nodes:
+def unrotate(model, keys, positions):
+    """Keys as they were before RoPE (position 0): the inverse rotation at each key's own position."""
+    cos, sin = adapter.rope_at(model, positions, keys)
+    return adapter.invert_rope(keys, cos, sin)
+
+
+def summarize(model, keys, unrotated, values, positions, relevance, has, size: int, beta: float) -> Nodes:
     """Prototypes of consecutive groups of `size` padded entries ([H, P, d] tensors; `has` [P] marks real ones)."""
     heads, total, dim = keys.shape
     groups = total // size
@@ -165,8 +173,7 @@ def summarize(model, keys, values, positions, relevance, has, size: int, beta: f
     def seg(x):
         return x.reshape(heads, groups, size, *x.shape[2:]).sum(2)
 
-    cos, sin = adapter.rope_at(model, positions, keys)
-    unrotated = adapter.invert_rope(keys, cos, sin) * real[:, None]
+    unrotated = unrotated * real[:, None]
     count = real.reshape(groups, size).sum(-1)
     many = count > 1
     safe = count.clamp(min=1)
@@ -202,18 +209,24 @@ def distortion(nodes: Nodes, queries, shift, scaling, attn, values, size: int) -
     `attn` [H, Q, P] are the queries' [H, Q, d] exp-logits over the padded tokens (0 on padding), each
     query's logits less its `shift` [H, Q, 1]; the prototypes' logits are shifted alike.
     """
-    heads, rows, total = attn.shape[0], attn.shape[1], attn.shape[2]
+    heads, rows, total = attn.shape
     groups = total // size
-    blocks = attn.reshape(heads, rows, groups, size)
-    true_mass = blocks.sum(-1)  # [H, Q, S]
-    true_sum = torch.matmul(blocks.permute(0, 2, 1, 3), values.reshape(heads, groups, size, -1))  # [H, S, Q, d]
-    proto_logits = torch.matmul(queries, nodes.keys.transpose(-1, -2)) * scaling - shift
-    proto_mass = torch.exp(proto_logits + nodes.log_weights[:, None, :])  # [H, Q, S]
+    blocks = attn.reshape(heads, rows, groups, size).transpose(1, 2)  # [H, S, Q, z]
+    grouped_values = values.reshape(heads, groups, size, -1)  # [H, S, z, d]
+    true_mass = blocks.sum(-1)  # [H, S, Q]
+    proto_logits = torch.matmul(nodes.keys, queries.transpose(-1, -2)) * scaling - shift.transpose(1, 2)
+    proto_mass = torch.exp(proto_logits + nodes.log_weights[..., None])  # [H, S, Q]
     mass_error = (proto_mass - true_mass).abs() / true_mass.clamp(min=TINY)
-    proto_sum = proto_mass.transpose(1, 2)[..., None] * nodes.values[:, :, None, :]
-    sum_error = (proto_sum - true_sum).norm(dim=-1) / true_sum.norm(dim=-1).clamp(min=TINY)  # [H, S, Q]
+    # |m v - T|^2 = m^2 |v|^2 - 2 m v.T + |T|^2 with T = sum_j a_j v_j, through the slot's Gram matrix
+    # (never materializing T per query and node: [H, S, Q, d] would be tens of MB per level).
+    gram = torch.matmul(grouped_values, grouped_values.transpose(-1, -2))  # [H, S, z, z]
+    true_norm2 = (torch.matmul(blocks, gram) * blocks).sum(-1).clamp(min=0)
+    along = torch.matmul(grouped_values, nodes.values[..., None])  # [H, S, z, 1]: v_j . prototype value
+    cross = torch.matmul(blocks, along)[..., 0]  # [H, S, Q]
+    error2 = proto_mass**2 * (nodes.values**2).sum(-1, keepdim=True) - 2 * proto_mass * cross + true_norm2
+    sum_error = error2.clamp(min=0).sqrt() / true_norm2.sqrt().clamp(min=TINY)
     # Capped so an underflowed true attention (and so R ~ 0) never makes E = R x D a NaN.
-    error = 0.5 * (mass_error.clamp(max=LARGE).mean(1) + sum_error.clamp(max=LARGE).mean(-1))
+    error = 0.5 * (mass_error.clamp(max=LARGE) + sum_error.clamp(max=LARGE)).mean(-1)
     return torch.where(nodes.count[None] > 1, error, torch.zeros_like(error))
 
 
@@ -223,6 +236,7 @@ def distortion(nodes: Nodes, queries, shift, scaling, attn, values, size: int) -
 @dataclass
 class LayerTrees:
     padded_keys: torch.Tensor  # [H, P, d] the remaining tokens in the padded layout
+    unrotated: torch.Tensor  # [H, P, d] their keys before RoPE
     padded_values: torch.Tensor
     positions: torch.Tensor  # [H, P] long
     relevance: torch.Tensor  # [H, P]
@@ -242,8 +256,9 @@ def layer_trees(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScor
     index = rest[:, token.to(rest.device)]  # [H, P]
     positions = index + plan.sinks
     rows = torch.arange(heads, device=keys.device)[:, None]
-    return LayerTrees(keys[rows, positions], values[rows, positions], positions, relevance[rows, index],
-                      torch.sort(singles, dim=-1).values + plan.sinks)
+    padded_keys = keys[rows, positions]
+    return LayerTrees(padded_keys, unrotate(state.model, padded_keys, positions), values[rows, positions], positions,
+                      relevance[rows, index], torch.sort(singles, dim=-1).values + plan.sinks)
 
 
 def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScorer) -> list[torch.Tensor]:
@@ -261,7 +276,7 @@ def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScor
     costs, counts = [], []  # E = R x D per node, for the inner levels (tokens have E = 0)
     for level in range(plan.depth):
         size = plan.slot >> level
-        nodes = summarize(state.model, trees.padded_keys, trees.padded_values, trees.positions, trees.relevance,
+        nodes = summarize(state.model, trees.padded_keys, trees.unrotated, trees.padded_values, trees.positions, trees.relevance,
                           has, size, opts.beta)
         error = distortion(nodes, queries, top, state.scaling, attn, trees.padded_values, size)
         costs.append(nodes.relevance * error)
@@ -381,7 +396,7 @@ def layer_entries(state, layer: int, plan: Layout, opts: GraceKVScorer, chosen: 
     present = chosen[0]  # roots added
     for level in range(plan.depth + 1):
         split = chosen[level + 1] if level < plan.depth else torch.zeros_like(present)
-        nodes = summarize(state.model, trees.padded_keys, trees.padded_values, trees.positions, trees.relevance,
+        nodes = summarize(state.model, trees.padded_keys, trees.unrotated, trees.padded_values, trees.positions, trees.relevance,
                           has, plan.slot >> level, opts.beta)
         parts_k.append(nodes.keys)
         parts_v.append(nodes.values)
