@@ -241,6 +241,12 @@ class LayerTrees:
     positions: torch.Tensor  # [H, P] long
     relevance: torch.Tensor  # [H, P]
     singles: torch.Tensor  # [H, f] positions of the exact top-R tokens
+    has: torch.Tensor  # [P] bool: a padded position holds a token
+
+    def nodes(self, model, size: int, beta: float) -> Nodes:
+        """The prototypes of the tree level whose nodes span `size` padded positions."""
+        return summarize(model, self.padded_keys, self.unrotated, self.padded_values, self.positions, self.relevance,
+                         self.has, size, beta)
 
 
 def layer_trees(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScorer) -> LayerTrees:
@@ -258,14 +264,13 @@ def layer_trees(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScor
     rows = torch.arange(heads, device=keys.device)[:, None]
     padded_keys = keys[rows, positions]
     return LayerTrees(padded_keys, unrotate(state.model, padded_keys, positions), values[rows, positions], positions,
-                      relevance[rows, index], torch.sort(singles, dim=-1).values + plan.sinks)
+                      relevance[rows, index], torch.sort(singles, dim=-1).values + plan.sinks, has.to(keys.device))
 
 
 def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScorer) -> list[torch.Tensor]:
     """Action priorities of one layer: [add roots [H, slots], split level 0 [H, slots], split level k [H, slots 2^k]...]."""
     trees = layer_trees(state, layer, plan, opts)
-    has, _ = plan.padded()
-    has = has.to(state.device)
+    has = trees.has
     heads = state.num_kv_heads
     queries = state.window_queries[layer][:, -plan.window :].float()
     queries = queries.reshape(heads, -1, queries.shape[-1])  # [H, g*w, d]: the query heads of a KV head
@@ -273,21 +278,21 @@ def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScor
     logits = logits.masked_fill(~has, float("-inf"))
     top = logits.amax(-1, keepdim=True)  # per-query shift: relative errors do not depend on it
     attn = torch.exp(logits - top)
-    costs, counts = [], []  # E = R x D per node, for the inner levels (tokens have E = 0)
+    costs, counts, relevance = [], [], []  # E = R x D per node, for the inner levels (tokens have E = 0)
     for level in range(plan.depth):
         size = plan.slot >> level
-        nodes = summarize(state.model, trees.padded_keys, trees.unrotated, trees.padded_values, trees.positions, trees.relevance,
-                          has, size, opts.beta)
+        nodes = trees.nodes(state.model, size, opts.beta)
         error = distortion(nodes, queries, top, state.scaling, attn, trees.padded_values, size)
         costs.append(nodes.relevance * error)
         counts.append(nodes.count)
+        relevance.append(nodes.relevance)
     costs.append(torch.zeros(heads, plan.slots * plan.slot, device=state.device))
     splits = [
         (costs[level] - costs[level + 1].reshape(heads, -1, 2).sum(-1)).masked_fill(counts[level][None] < 2, float("-inf"))
         for level in range(plan.depth)
     ]
-    root_relevance = trees.relevance.reshape(heads, plan.slots, -1).sum(-1)
-    return [root_relevance - costs[0], *splits]  # add gain: R x D_drop (= 1) - E(root)
+    roots = relevance[0] if relevance else trees.relevance * trees.has  # slot = 1: every root is one token
+    return [roots - costs[0], *splits]  # add gain: R x D_drop (= 1) - E(root)
 
 
 # --------------------------------------------------------------------------- the global greedy
@@ -380,8 +385,6 @@ def _build(state: PrefillState, budget: int, opts: GraceKVScorer) -> Build:
 def layer_entries(state, layer: int, plan: Layout, opts: GraceKVScorer, chosen: list[torch.Tensor]) -> entries.LayerEntries:
     """Sinks, singletons, the tree nodes that are present and not split, and the window, in position order."""
     trees = layer_trees(state, layer, plan, opts)
-    has, _ = plan.padded()
-    has = has.to(state.device)
     keys, values = state.keys[layer], state.values[layer]
     heads, n = keys.shape[0], keys.shape[1]
     exact = torch.cat([
@@ -396,8 +399,7 @@ def layer_entries(state, layer: int, plan: Layout, opts: GraceKVScorer, chosen: 
     present = chosen[0]  # roots added
     for level in range(plan.depth + 1):
         split = chosen[level + 1] if level < plan.depth else torch.zeros_like(present)
-        nodes = summarize(state.model, trees.padded_keys, trees.unrotated, trees.padded_values, trees.positions, trees.relevance,
-                          has, plan.slot >> level, opts.beta)
+        nodes = trees.nodes(state.model, plan.slot >> level, opts.beta)
         parts_k.append(nodes.keys)
         parts_v.append(nodes.values)
         parts_w.append(nodes.log_weights)
