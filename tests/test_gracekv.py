@@ -13,7 +13,7 @@ from ripplekv import adapter
 from ripplekv.decode import greedy_decode, teacher_forced_logprobs
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.gracekv import distortion, greedy_order, summarize, unrotate
+from ripplekv.methods.gracekv import RopeTable, distortion, greedy_order, summarize, unrotate
 from ripplekv.prefill import prefill
 from tests.conftest import tiny_llama
 from tests.test_budgets import fake_state
@@ -49,7 +49,8 @@ def test_prototype_of_identical_tokens_attends_exactly_as_the_tokens():
     keys = key.expand(1, m, dim).clone()
     values = value.expand(1, m, dim).clone()
     at = torch.full((1, m), position)
-    nodes = summarize(model, keys, unrotate(model, keys, at), values, at, torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
+    rope = RopeTable(model, 64, keys)
+    nodes = summarize(rope, keys, unrotate(rope, keys, at), values, at, torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
     assert torch.allclose(nodes.keys[0, 0], key, atol=1e-5) and torch.allclose(nodes.values[0, 0], value, atol=1e-6)
     assert nodes.log_weights[0, 0].item() == pytest.approx(math.log(m), abs=1e-6)
     assert nodes.positions[0, 0].item() == position
@@ -69,13 +70,14 @@ def test_prototype_weight_counts_scattered_keys_less():
     same = torch.randn(dim).expand(1, m, dim)
     cos, sin = adapter.rope_at(model, positions, same)
     rotated = adapter.apply_rope(same, cos, sin)
-    aligned = summarize(model, rotated, unrotate(model, rotated, positions), torch.randn(1, m, dim), positions,
+    rope = RopeTable(model, 64, rotated)
+    aligned = summarize(rope, rotated, unrotate(rope, rotated, positions), torch.randn(1, m, dim), positions,
                         torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
     assert aligned.log_weights[0, 0].item() == pytest.approx(math.log(m), abs=1e-4)
     cos14, sin14 = adapter.rope_at(model, torch.tensor([14]), same)
     assert torch.allclose(aligned.keys[0, 0], adapter.apply_rope(same[0, :1], cos14, sin14)[0], atol=1e-5)
     random_keys = torch.randn(1, m, dim)
-    scattered = summarize(model, random_keys, unrotate(model, random_keys, positions), torch.randn(1, m, dim),
+    scattered = summarize(rope, random_keys, unrotate(rope, random_keys, positions), torch.randn(1, m, dim),
                           positions, torch.rand(1, m), torch.ones(m, dtype=torch.bool), m, 0.1)
     assert 0 <= scattered.log_weights[0, 0].item() < math.log(m) - 0.5
 
@@ -211,11 +213,13 @@ def test_distortion_matches_a_direct_computation():
     has = torch.ones(total, dtype=torch.bool)
     has[[5, 13]] = False
     queries = torch.randn(heads, rows, dim, generator=gen)
-    nodes = summarize(model, keys, unrotate(model, keys, positions), values, positions,
+    rope = RopeTable(model, 64, keys)
+    nodes = summarize(rope, keys, unrotate(rope, keys, positions), values, positions,
                       torch.rand(heads, total, generator=gen), has, size, 0.1)
     logits = (queries @ keys.transpose(-1, -2) * 0.25).masked_fill(~has, float("-inf"))
     shift = logits.amax(-1, keepdim=True)
-    ours = distortion(nodes, queries, shift, 0.25, torch.exp(logits - shift), values * has[:, None], size)
+    ours = distortion(nodes, queries, shift.transpose(1, 2), 0.25, torch.exp(logits - shift).transpose(1, 2),
+                      values * has[:, None], size)
     for h in range(heads):
         for s in range(total // size):
             members = [j for j in range(s * size, (s + 1) * size) if has[j]]
@@ -228,3 +232,19 @@ def test_distortion_matches_a_direct_computation():
                                      + (proto * nodes.values[h, s] - total_value).norm() / total_value.norm()))
             expected = torch.stack(errors).mean() if len(members) > 1 else torch.tensor(0.0)
             assert ours[h, s].item() == pytest.approx(expected.item(), rel=2e-3, abs=1e-5)
+
+
+def test_eval_runs_gracekv_and_records_its_prompt_dependent_counts(tiny_model_dir, tmp_path, run_cli):
+    import json
+
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", "niah",
+                           "--limit", "1", "--target-tokens", "300", "--methods", "full,gracekv",
+                           "--budget", "48", "--out", str(out))
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    (grace,) = [r for r in rows if r["method"] == "gracekv"]
+    assert grace["kept_entries"] == 4 * 2 * 48
+    counts = np.array(grace["head_budgets"])
+    assert counts.shape == (4, 2) and counts.sum() == 4 * 2 * 48 and len(np.unique(counts)) > 1
+    assert 0.0 <= grace["kl"] and 0.0 <= grace["agreement"] <= 1.0

@@ -158,75 +158,110 @@ class Nodes:
     relevance: torch.Tensor  # [H, S] R summed over the node
 
 
-def unrotate(model, keys, positions):
+class RopeTable:
+    """The model's RoPE (cos, sin) at every prompt position, computed once and looked up by index."""
+
+    def __init__(self, model, length: int, like: torch.Tensor):
+        self.cos, self.sin = adapter.rope_at(model, torch.arange(max(length, 1), device=like.device), like)
+
+    def at(self, positions: torch.Tensor):
+        return self.cos[positions], self.sin[positions]
+
+
+def unrotate(rope: RopeTable, keys, positions):
     """Keys as they were before RoPE (position 0): the inverse rotation at each key's own position."""
-    cos, sin = adapter.rope_at(model, positions, keys)
-    return adapter.invert_rope(keys, cos, sin)
+    return adapter.invert_rope(keys, *rope.at(positions))
 
 
-def summarize(model, keys, unrotated, values, positions, relevance, has, size: int, beta: float) -> Nodes:
-    """Prototypes of consecutive groups of `size` padded entries ([H, P, d] tensors; `has` [P] marks real ones)."""
-    heads, total, dim = keys.shape
-    groups = total // size
-    real = has.to(keys.dtype)
+@dataclass
+class Sums:
+    """Per-node sums over the real tokens of one tree level: a parent's sums are its two children's."""
 
-    def seg(x):
-        return x.reshape(heads, groups, size, *x.shape[2:]).sum(2)
+    count: torch.Tensor  # [S]
+    keys: torch.Tensor  # [H, S, d]
+    unrotated: torch.Tensor  # [H, S, d] keys before RoPE
+    norms: torch.Tensor  # [H, S] of the un-rotated keys
+    positions: torch.Tensor  # [H, S]
+    relevance: torch.Tensor  # [H, S]
+    values: torch.Tensor  # [H, S, d]
+    weighted_values: torch.Tensor  # [H, S, d] relevance x value
 
-    unrotated = unrotated * real[:, None]
-    count = real.reshape(groups, size).sum(-1)
+    @classmethod
+    def of_tokens(cls, keys, unrotated, values, positions, relevance, has) -> "Sums":
+        real = has.to(keys.dtype)
+        rel = relevance * real
+        return cls(real, keys * real[:, None], unrotated * real[:, None], unrotated.norm(dim=-1) * real,
+                   positions.to(keys.dtype) * real, rel, values * real[:, None], rel[..., None] * values)
+
+    def group(self, size: int) -> "Sums":
+        """Sums over consecutive groups of `size` nodes (2: the level above)."""
+        heads = self.keys.shape[0]
+
+        def seg(x):
+            return x.reshape(*x.shape[:-2], -1, size, x.shape[-1]).sum(-2) if x.dim() == 3 else \
+                x.reshape(*x.shape[:-1], -1, size).sum(-1)
+
+        return Sums(self.count.reshape(-1, size).sum(-1), *(seg(getattr(self, name)) for name in (
+            "keys", "unrotated", "norms", "positions", "relevance", "values", "weighted_values")))
+
+
+def prototypes(rope: RopeTable, sums: Sums, beta: float) -> Nodes:
+    """Each node's prototype (a node of one token is that token, exactly)."""
+    count = sums.count
     many = count > 1
+    if not bool(many.any()):
+        zeros = torch.zeros_like(sums.relevance)
+        return Nodes(count, sums.keys, sums.values, zeros, sums.positions.round().long(), sums.relevance)
     safe = count.clamp(min=1)
-    mean_key = seg(unrotated) / safe[:, None]
-    spread = seg(unrotated.norm(dim=-1)) / safe
-    coherence = mean_key.norm(dim=-1) / spread.clamp(min=TINY)
+    mean_key = sums.unrotated / safe[:, None]
+    coherence = mean_key.norm(dim=-1) / (sums.norms / safe).clamp(min=TINY)
     m_eff = torch.minimum(torch.maximum(count * coherence**2, torch.ones_like(coherence)), count.expand_as(coherence))
-    mean_position = torch.round(seg(positions.to(keys.dtype) * real) / safe).long()
-    cos, sin = adapter.rope_at(model, mean_position, keys)
-    proto_keys = adapter.apply_rope(mean_key, cos, sin)
-    rel = relevance * real
-    node_rel = seg(rel)
-    shift = beta * node_rel / safe  # weights R + beta, beta = beta x mean R over the node
-    weight = node_rel + shift * count
-    value_sum = seg(values * real[:, None])
-    weighted = (seg(rel[..., None] * values) + shift[..., None] * value_sum) / weight.clamp(min=TINY)[..., None]
-    plain = value_sum / safe[:, None]
-    proto_values = torch.where((weight > 0)[..., None], weighted, plain)
+    mean_position = torch.round(sums.positions / safe).long()
+    proto_keys = adapter.apply_rope(mean_key, *rope.at(mean_position))
+    shift = beta * sums.relevance / safe  # weights R + beta, beta = beta x mean R over the node
+    weight = sums.relevance + shift * count
+    weighted = (sums.weighted_values + shift[..., None] * sums.values) / weight.clamp(min=TINY)[..., None]
+    proto_values = torch.where((weight > 0)[..., None], weighted, sums.values / safe[:, None])
     exact = (~many)[None, :, None]
     return Nodes(
         count=count,
-        keys=torch.where(exact, seg(keys * real[:, None]), proto_keys),
-        values=torch.where(exact, value_sum, proto_values),
+        keys=torch.where(exact, sums.keys, proto_keys),
+        values=torch.where(exact, sums.values, proto_values),
         log_weights=torch.where(many[None], torch.log(m_eff.clamp(min=1)), torch.zeros_like(m_eff)),
-        positions=torch.where(many[None], mean_position, seg(positions * has.long())),
-        relevance=node_rel,
+        positions=mean_position,
+        relevance=sums.relevance,
     )
+
+
+def summarize(rope, keys, unrotated, values, positions, relevance, has, size: int, beta: float) -> Nodes:
+    """Prototypes of consecutive groups of `size` padded entries ([H, P, d] tensors; `has` [P] marks real ones)."""
+    return prototypes(rope, Sums.of_tokens(keys, unrotated, values, positions, relevance, has).group(size), beta)
 
 
 def distortion(nodes: Nodes, queries, shift, scaling, attn, values, size: int) -> torch.Tensor:
     """D [H, S]: mean over window queries of the relative mass and value-sum errors of each prototype.
 
-    `attn` [H, Q, P] are the queries' [H, Q, d] exp-logits over the padded tokens (0 on padding), each
-    query's logits less its `shift` [H, Q, 1]; the prototypes' logits are shifted alike.
+    `attn` [H, P, Q] are the queries' ([H, Q, d]) exp-logits at the padded tokens (0 on padding), each
+    query's logits less its `shift` [H, 1, Q]; the prototypes' logits are shifted alike.
     """
-    heads, rows, total = attn.shape
+    heads, total, rows = attn.shape
     groups = total // size
-    blocks = attn.reshape(heads, rows, groups, size).transpose(1, 2)  # [H, S, Q, z]
+    blocks = attn.reshape(heads, groups, size, rows)  # [H, S, z, Q]
     grouped_values = values.reshape(heads, groups, size, -1)  # [H, S, z, d]
-    true_mass = blocks.sum(-1)  # [H, S, Q]
-    proto_logits = torch.matmul(nodes.keys, queries.transpose(-1, -2)) * scaling - shift.transpose(1, 2)
-    proto_mass = torch.exp(proto_logits + nodes.log_weights[..., None])  # [H, S, Q]
-    mass_error = (proto_mass - true_mass).abs() / true_mass.clamp(min=TINY)
+    true_mass = blocks.sum(2)  # [H, S, Q]
+    proto_mass = torch.matmul(nodes.keys, queries.transpose(-1, -2)).mul_(scaling).sub_(shift)
+    proto_mass = proto_mass.add_(nodes.log_weights[..., None]).exp_()  # [H, S, Q]
+    error = (proto_mass - true_mass).abs_().div_(true_mass.clamp_(min=TINY)).clamp_(max=LARGE)
     # |m v - T|^2 = m^2 |v|^2 - 2 m v.T + |T|^2 with T = sum_j a_j v_j, through the slot's Gram matrix
     # (never materializing T per query and node: [H, S, Q, d] would be tens of MB per level).
     gram = torch.matmul(grouped_values, grouped_values.transpose(-1, -2))  # [H, S, z, z]
-    true_norm2 = (torch.matmul(blocks, gram) * blocks).sum(-1).clamp(min=0)
+    true_norm2 = torch.matmul(gram, blocks).mul_(blocks).sum(2).clamp_(min=0)
     along = torch.matmul(grouped_values, nodes.values[..., None])  # [H, S, z, 1]: v_j . prototype value
-    cross = torch.matmul(blocks, along)[..., 0]  # [H, S, Q]
-    error2 = proto_mass**2 * (nodes.values**2).sum(-1, keepdim=True) - 2 * proto_mass * cross + true_norm2
-    sum_error = error2.clamp(min=0).sqrt() / true_norm2.sqrt().clamp(min=TINY)
+    cross = torch.matmul(along.transpose(-1, -2), blocks)[:, :, 0]  # [H, S, Q]
+    error2 = proto_mass.square().mul_((nodes.values**2).sum(-1, keepdim=True)).sub_(cross.mul_(proto_mass).mul_(2))
+    sum_error = error2.add_(true_norm2).clamp_(min=0).sqrt_().div_(true_norm2.sqrt_().clamp_(min=TINY))
     # Capped so an underflowed true attention (and so R ~ 0) never makes E = R x D a NaN.
-    error = 0.5 * (mass_error.clamp(max=LARGE) + sum_error.clamp(max=LARGE)).mean(-1)
+    error = error.add_(sum_error.clamp_(max=LARGE)).mean(-1).mul_(0.5)
     return torch.where(nodes.count[None] > 1, error, torch.zeros_like(error))
 
 
@@ -243,13 +278,16 @@ class LayerTrees:
     singles: torch.Tensor  # [H, f] positions of the exact top-R tokens
     has: torch.Tensor  # [P] bool: a padded position holds a token
 
-    def nodes(self, model, size: int, beta: float) -> Nodes:
-        """The prototypes of the tree level whose nodes span `size` padded positions."""
-        return summarize(model, self.padded_keys, self.unrotated, self.padded_values, self.positions, self.relevance,
-                         self.has, size, beta)
+    def levels(self, rope: RopeTable, beta: float, depth: int, tokens: bool = True) -> list[Nodes]:
+        """Prototypes of every tree level, root level first (`depth` levels, + the tokens' level if `tokens`)."""
+        sums = [Sums.of_tokens(self.padded_keys, self.unrotated, self.padded_values, self.positions, self.relevance,
+                               self.has)]
+        for _ in range(depth):
+            sums.append(sums[-1].group(2))
+        return [prototypes(rope, level, beta) for level in reversed(sums[0 if tokens else 1 :])]
 
 
-def layer_trees(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScorer) -> LayerTrees:
+def layer_trees(state: PrefillState, layer: int, plan: Layout, rope: RopeTable) -> LayerTrees:
     """Singletons out, the rest of the compressible tokens of every head in the padded layout."""
     keys, values = state.keys[layer].float(), state.values[layer].float()
     relevance = window_scores(state, layer, plan.window, 1, "none")[:, plan.sinks :]  # [H, n_c]
@@ -263,26 +301,24 @@ def layer_trees(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScor
     positions = index + plan.sinks
     rows = torch.arange(heads, device=keys.device)[:, None]
     padded_keys = keys[rows, positions]
-    return LayerTrees(padded_keys, unrotate(state.model, padded_keys, positions), values[rows, positions], positions,
+    return LayerTrees(padded_keys, unrotate(rope, padded_keys, positions), values[rows, positions], positions,
                       relevance[rows, index], torch.sort(singles, dim=-1).values + plan.sinks, has.to(keys.device))
 
 
-def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScorer) -> list[torch.Tensor]:
+def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScorer, rope: RopeTable) -> list[torch.Tensor]:
     """Action priorities of one layer: [add roots [H, slots], split level 0 [H, slots], split level k [H, slots 2^k]...]."""
-    trees = layer_trees(state, layer, plan, opts)
+    trees = layer_trees(state, layer, plan, rope)
     has = trees.has
     heads = state.num_kv_heads
     queries = state.window_queries[layer][:, -plan.window :].float()
     queries = queries.reshape(heads, -1, queries.shape[-1])  # [H, g*w, d]: the query heads of a KV head
-    logits = torch.matmul(queries, trees.padded_keys.transpose(-1, -2)) * state.scaling
-    logits = logits.masked_fill(~has, float("-inf"))
-    top = logits.amax(-1, keepdim=True)  # per-query shift: relative errors do not depend on it
+    logits = torch.matmul(trees.padded_keys, queries.transpose(-1, -2)) * state.scaling  # [H, P, Q]
+    logits = logits.masked_fill(~has[:, None], float("-inf"))
+    top = logits.amax(1, keepdim=True)  # per-query shift: relative errors do not depend on it
     attn = torch.exp(logits - top)
     costs, counts, relevance = [], [], []  # E = R x D per node, for the inner levels (tokens have E = 0)
-    for level in range(plan.depth):
-        size = plan.slot >> level
-        nodes = trees.nodes(state.model, size, opts.beta)
-        error = distortion(nodes, queries, top, state.scaling, attn, trees.padded_values, size)
+    for level, nodes in enumerate(trees.levels(rope, opts.beta, plan.depth, tokens=False)):
+        error = distortion(nodes, queries, top, state.scaling, attn, trees.padded_values, plan.slot >> level)
         costs.append(nodes.relevance * error)
         counts.append(nodes.count)
         relevance.append(nodes.relevance)
@@ -369,7 +405,8 @@ def _build(state: PrefillState, budget: int, opts: GraceKVScorer) -> Build:
         return Build(np.full((layers, heads), budget, dtype=np.int64), built)
     if state.model is None:
         raise UserError("gracekv needs the model's RoPE: build its entries from a prefill of the model")
-    gains = [layer_gains(state, layer, plan, opts) for layer in range(layers)]
+    rope = RopeTable(state.model, n, state.keys[0].float())
+    gains = [layer_gains(state, layer, plan, opts, rope) for layer in range(layers)]
     levels = [torch.stack([g[a] for g in gains]).reshape(layers * heads * plan.slots, -1) for a in range(len(gains[0]))]
     order = greedy_order(levels)[: plan.actions]
     sizes = [level.numel() for level in levels]
@@ -378,13 +415,14 @@ def _build(state: PrefillState, budget: int, opts: GraceKVScorer) -> Build:
     chosen = [part.reshape(layers, heads, -1) for part in torch.split(picked, sizes)]  # [L, H, slots x 2^k]
     wins = sum(part.sum(-1) for part in chosen)
     counts = (wins + plan.window + plan.sinks + plan.singles).cpu().numpy().astype(np.int64)
-    built = [layer_entries(state, layer, plan, opts, [part[layer] for part in chosen]) for layer in range(layers)]
+    built = [layer_entries(state, layer, plan, opts, rope, [part[layer] for part in chosen]) for layer in range(layers)]
     return Build(counts, built)
 
 
-def layer_entries(state, layer: int, plan: Layout, opts: GraceKVScorer, chosen: list[torch.Tensor]) -> entries.LayerEntries:
+def layer_entries(state, layer: int, plan: Layout, opts: GraceKVScorer, rope: RopeTable,
+                  chosen: list[torch.Tensor]) -> entries.LayerEntries:
     """Sinks, singletons, the tree nodes that are present and not split, and the window, in position order."""
-    trees = layer_trees(state, layer, plan, opts)
+    trees = layer_trees(state, layer, plan, rope)
     keys, values = state.keys[layer], state.values[layer]
     heads, n = keys.shape[0], keys.shape[1]
     exact = torch.cat([
@@ -397,9 +435,8 @@ def layer_entries(state, layer: int, plan: Layout, opts: GraceKVScorer, chosen: 
     parts_w, parts_p = [torch.zeros(exact.shape, device=keys.device)], [exact]
     parts_keep = [torch.ones(exact.shape, dtype=torch.bool, device=keys.device)]
     present = chosen[0]  # roots added
-    for level in range(plan.depth + 1):
+    for level, nodes in enumerate(trees.levels(rope, opts.beta, plan.depth)):
         split = chosen[level + 1] if level < plan.depth else torch.zeros_like(present)
-        nodes = trees.nodes(state.model, plan.slot >> level, opts.beta)
         parts_k.append(nodes.keys)
         parts_v.append(nodes.values)
         parts_w.append(nodes.log_weights)
