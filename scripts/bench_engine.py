@@ -26,6 +26,23 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is KiB on Linux
 
 
+def gracekv_build_ratio(model, ids, budgets=(64, 128, 256, 512)) -> str:
+    """GraceKV's construction time per budget over the prefill time of the same prompt (timed side by side)."""
+    method = make_method("gracekv")
+    warm = prefill(model, ids[:512])
+    method.compress(warm, 64)  # warm-up
+    start = time.perf_counter()
+    state = prefill(model, ids)
+    prefill_time = time.perf_counter() - start
+    ratios = []
+    for budget in budgets:
+        start = time.perf_counter()
+        method.compress(state, budget)
+        ratios.append((time.perf_counter() - start) / prefill_time)
+    per_budget = ", ".join(f"B={b} {r:.3f}" for b, r in zip(budgets, ratios))
+    return f"gracekv build/prefill {max(ratios):.3f} (max over budgets; {per_budget}; prefill {prefill_time:.2f}s)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -67,6 +84,7 @@ def main() -> None:
     print(f"peak RSS after loading {rss_loaded:.2f} GB, after prefill {rss_prefill:.2f} GB")
     print(f"selection/prefill {100 * select_time / prefill_time:.2f}%  peak_rss {rss_prefill:.2f} GB")
     del state
+    print(gracekv_build_ratio(model, ids))
     plain, accumulating = h2o_overhead(model, ids, args.reps)
     print(f"prefill {args.tokens} tokens: plain {plain:.2f}s, accumulating attention (H2O) {accumulating:.2f}s "
           f"(fastest of {args.reps} each, alternating)")

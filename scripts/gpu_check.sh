@@ -21,8 +21,8 @@ last() { tail -n 1 | tr -s ' ' | cut -c1-160; }
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" 2>>"$log")
 tests=$(timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_device_dtype.py -k "cuda or bfloat16 or rope" 2>&1 | tee -a "$log" | last)
 memory=$(timeout 120 $PY scripts/bench_memory.py --device cuda --layers 4 --tokens 8000 2>&1 | tee -a "$log" | last)
-engine=$(timeout 90 $PY scripts/bench_engine.py --device cuda 2>&1 | tee -a "$log" | last)
+engine=$(timeout 150 $PY scripts/bench_engine.py --device cuda 2>&1 | tee -a "$log" | grep -E "selection/prefill|gracekv build|h2o prefill overhead|Error" | tr '\n' ';' | cut -c1-300)
 evals=$(timeout 120 $PY scripts/bench_eval.py --device cuda --target-tokens 2500 2>&1 | tee -a "$log" | last)
-case "$engine" in selection/prefill*) ;; *) engine="n/a ($engine)";; esac
+case "$engine" in selection/prefill*) ;; *) engine="n/a ($engine)";; esac  # all three engine lines, joined
 case "$evals" in speedup*) ;; *) evals="n/a ($evals)";; esac
 echo "gpu_check: $gpu | torch $($PY -c 'import torch; print(torch.__version__)') | tests: $tests | $memory | engine: $engine | eval: $evals"

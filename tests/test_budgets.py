@@ -12,7 +12,13 @@ from ripplekv.budgets import integer_budgets
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.prefill import PrefillState
-from tests.conftest import every_method
+from tests.conftest import every_method, tiny_llama
+
+
+def rope_model(query_heads: int, kv_heads: int, dim: int):
+    """A one-layer tiny Llama whose RoPE matches the fake K/V (GraceKV un-rotates keys with the model's RoPE)."""
+    return tiny_llama(num_hidden_layers=1, hidden_size=query_heads * dim, num_attention_heads=query_heads,
+                      num_key_value_heads=kv_heads, head_dim=dim, intermediate_size=16)
 
 
 def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int = 4, dim: int = 8, seed: int = 0):
@@ -27,6 +33,7 @@ def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int
         window_queries=[torch.randn(query_heads, window, dim, generator=gen) for _ in range(num_layers)],
         last_logits=torch.zeros(10),
         scaling=dim**-0.5,
+        model=rope_model(query_heads, kv_heads, dim),
     )
 
 

@@ -4,6 +4,7 @@ from ripplekv.methods import (  # noqa: F401  (registration)
     adakv,
     allocators,
     cake,
+    gracekv,
     h2o,
     knorm,
     random_keep,

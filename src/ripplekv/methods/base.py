@@ -82,6 +82,7 @@ class Allocator:
 
     name = "allocator"
     needs_prompt = False  # True when budgets depend on the prompt's scores (not only its length)
+    prompt_note = "its per-layer totals are uniform, and its per-head counts are recorded per sample by `ripplekv eval`"
 
     def layer_weights(self, num_layers: int, budget: int, floor: int) -> list[float]:
         """Real-valued per-layer weights; only proportions matter."""

@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, fields
 
 from ripplekv.errors import UserError
 from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.gracekv import GraceKV
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,14 @@ class Preset:
     allocator: str
     scorer: str | None
     about: str
+    kind: type = Method  # a Method subclass for methods that build their own entries (merging)
 
 
 PRESETS: dict[str, Preset] = {}
 
 
-def preset(name: str, allocator: str, scorer: str | None, about: str) -> None:
-    PRESETS[name] = Preset(name, allocator, scorer, about)
+def preset(name: str, allocator: str, scorer: str | None, about: str, kind: type = Method) -> None:
+    PRESETS[name] = Preset(name, allocator, scorer, about, kind)
 
 
 preset("full", "uniform", None, "every entry of every layer (the reference)")
@@ -45,6 +47,8 @@ preset("cake", "cake", "snapkv", "CAKE: layer budgets from window attention's en
 preset("depthkv", "file", "h2o", "DepthKV: budgets proportional to eviction sensitivity (--allocation), H2O scores")
 preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--route), uniform budgets")
 preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
+preset("gracekv", "gracekv", "gracekv", "GraceKV (our reading): prototype trees of every layer, head and slot "
+       "compete for one global budget", GraceKV)
 
 
 def method_names() -> list[str]:
@@ -124,7 +128,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
         allocator, scorer = allocator_cls(**allocator_options), scorer_cls(**scorer_options)
     except UserError as err:
         raise UserError(f"method {label!r}: {err}") from None
-    return Method(label, name, allocator, scorer)
+    return chosen.kind(label, name, allocator, scorer)
 
 
 def shared_option_users(specs, shared: dict) -> dict[str, bool]:
