@@ -82,11 +82,11 @@ def test_a_worker_killed_mid_run_loses_and_repeats_nothing(one_process, eval_arg
     victim = json.loads((one_process / "config.json").read_text())["samples"][TASKS[1]][0]
     original = evaluate.sample_rows
 
-    def dies_once(settings, methods, loaded, item):  # pickled by value into the workers
-        if item[1] == victim and not marker.exists():
+    def dies_once(settings, methods, budgets, loaded, job, progress=None):  # pickled by value into the workers
+        if job.sid == victim and not marker.exists():
             marker.write_text(str(os.getpid()))
             os._exit(1)
-        return original(settings, methods, loaded, item)
+        return original(settings, methods, budgets, loaded, job, progress)
 
     monkeypatch.setattr(evaluate, "sample_rows", dies_once)
     code, _, err = run_cli(*eval_args(tmp_path / "run", "--workers", 2))

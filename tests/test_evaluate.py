@@ -78,7 +78,7 @@ def test_eval_writes_every_output_with_its_columns(base_run):
     assert {(r["method"], r["budget"]) for r in records} == evaluate.variant_keys(
         {"methods": list(METHODS), "budgets": list(BUDGETS)})
     assert list(pd.read_csv(base_run / "scores.csv").columns) == [
-        "task", "category", "method", "budget", "n", "score", "kl", "agreement"]
+        "task", "category", "method", "budget", "n", "score", "kl", "agreement", "protocol"]
     board = pd.read_csv(base_run / "leaderboard.csv")
     assert {"method", "budget", "rank", "avg", "kl", "agreement", "Synthetic", "Single-Doc QA"} <= set(board.columns)
     assert len(board) == VARIANTS
@@ -320,7 +320,7 @@ def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
     code, _, err = run_cli("score", str(base_run / "predictions.jsonl"), "--out", str(tmp_path / "s.csv"))
     assert code == 0, err
     scored = pd.read_csv(tmp_path / "s.csv")
-    assert list(scored.columns) == ["dataset", "method", "budget", "n", "score"]
+    assert list(scored.columns) == ["dataset", "method", "budget", "n", "score", "metric"]
     ours = pd.read_csv(base_run / "scores.csv").rename(columns={"task": "dataset"})
     merged = scored.merge(ours, on=["dataset", "method", "budget"], suffixes=("", "_eval"), how="outer")
     assert len(merged) == len(scored) == len(TASKS) * VARIANTS
@@ -336,7 +336,7 @@ def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, alloc
     model, tokenizer, _ = load_model(str(tiny_model_dir))
     task = get_tasks("offline", ["niah"])[0]
     record = load_samples(task, tokenizer, limit=1, target_tokens=300)[0]
-    methods = {name: make_method(name, allocation=str(allocation)) for name in ("full", "snapkv", "ripplekv")}
+    methods = {name: make_method(name, shared={"allocation": str(allocation)}) for name in ("full", "snapkv", "ripplekv")}
     seen = []
     rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, (32, 64), sid="s", batch_size=2,
                                     variants=[("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)], with_full=False,

@@ -113,7 +113,7 @@ def test_the_pipeline_runs_without_out_or_allocation_flags(tiny_model_dir, tmp_p
 
 def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
     from ripplekv.cli import default_allocation
-    from ripplekv.methods.ripplekv import read_allocation
+    from ripplekv.methods.allocators import read_allocation
     from ripplekv.models import load_config
 
     monkeypatch.chdir(tmp_path)  # no runs/allocate here

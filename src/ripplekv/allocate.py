@@ -160,7 +160,7 @@ def output_paths(out: Path) -> dict[str, Path]:
 
 def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, budget: int, calib_samples: int,
                  target_tokens: int, console, bar=None, device: str = "auto", dtype: str = "auto",
-                 mapping: str = "exponential") -> list[Path]:
+                 mapping: str = "exponential", announce=None) -> list[Path]:
     """Check everything, sweep the ratios on calibration prompts (resumable), write the allocation;
     returns the files written. `mapping` "proportional" (DepthKV) takes no ratio and no sweep."""
     from contextlib import nullcontext
@@ -175,7 +175,10 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         check_output(path, inputs=inputs)
     num_layers = load_config(model_spec).num_hidden_layers
     values = read_sensitivity(sensitivity, num_layers)
-    if check_map(mapping) == "proportional":
+    check_map(mapping)
+    if announce is not None:  # every input checked: bad input stays one line
+        announce()
+    if mapping == "proportional":
         mult = proportional_multipliers(values)
         write_allocation(paths["csv"], values, mult, mapping)
         plot_allocation(paths["png"], values, mult, mapping, num_layers)

@@ -214,10 +214,10 @@ def profile(
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_PROFILE
     device, dtype = resolve_device_dtype(device, dtype)
-    _say_out(console, "profile", out_dir, out is not None)
     count, meta = profile_into(out_dir, model, settings, calib_samples=calib_samples, target_tokens=target_tokens,
                                with_answer=with_answer, device=device, dtype=dtype, workers=scale,
-                               bar=lambda total, done: _progress_bar("profiling", total, done))
+                               bar=lambda total, done: _progress_bar("profiling", total, done),
+                               announce=lambda: _say_out(console, "profile", out_dir, out is not None))
     rho = meta["split_half_spearman"]
     console.print(
         f"profiled {count} samples x {meta['num_layers']} layers; split-half Spearman rho = "
@@ -263,11 +263,14 @@ def allocate(
         sensitivity = str(DEFAULT_PROFILE / "sensitivity.csv")
         if not Path(sensitivity).is_file():
             raise UserError(f"no profile at {sensitivity}: run `ripplekv profile` first, or pass a sensitivity.csv")
-    _say_out(console, "allocate", out_path, out is not None)
-    console.print(f"allocate: read {sensitivity}", soft_wrap=True)
+
+    def announce() -> None:
+        _say_out(console, "allocate", out_path, out is not None)
+        console.print(f"allocate: read {sensitivity}", soft_wrap=True)
+
     written = run_allocate(sensitivity, out_path, ratio or [4.0], model, budget, calib_samples, target_tokens, console,
                            bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype,
-                           mapping=mapping)
+                           mapping=mapping, announce=announce)
     _say_written(console, written)
 
 

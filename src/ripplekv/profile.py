@@ -370,7 +370,7 @@ def check_profile_dir(out: Path, inputs=()) -> Path:
 
 def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samples: int, target_tokens: int,
                  with_answer: bool = False, bar=None, device: str = "auto", dtype: str = "auto",
-                 workers=None) -> tuple[int, dict]:
+                 workers=None, announce=None) -> tuple[int, dict]:
     """Run (or resume) a profile into `out` and write its outputs; returns (samples, profile.json's data).
 
     Every finished sample's KL matrix is appended to `samples.jsonl` and fsynced, so a killed run loses
@@ -378,6 +378,7 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     rest, and any other settings are refused. `bar(total, done)` gives (context manager, advance).
     `workers` (a `distributed.Workers` using Ray) spreads the samples over workers that load the model once;
     results arrive in any order and each sample's noise seeds follow its index, so the profile is the same.
+    `announce()` is called once every input has been checked (so bad input stays one line).
     """
     from contextlib import closing, nullcontext
 
@@ -390,6 +391,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     tokenizer = load_tokenizer(model_spec)
     prompts = calibration_prompts(tokenizer, calib_samples, settings.probe_tokens, target_tokens,
                                   with_answer=with_answer)
+    if announce is not None:
+        announce()
     header = {"model": source.label, "model_location": source.location, **asdict(settings),
               "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
     with exclusive(out, "profile"):
