@@ -57,5 +57,8 @@ class AdaKV(Allocator):
                 continue
             reserved = min(scorer.floor(), count)
             floor = reserved + math.floor(self.alpha * (count - reserved))
+            if floor >= count:  # nothing left to compete for: every head keeps the even share
+                matrix[layer] = count
+                continue
             matrix[layer] = split_by_scores(scorer.scores(state, layer), heads * count, floor, reserved)
         return matrix
