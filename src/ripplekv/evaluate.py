@@ -553,7 +553,7 @@ def plan_jobs(plan: Plan, config: dict, work, have: dict, tokenizer) -> list[Job
     """What is missing from the run directory for this command's samples and variants."""
     from ripplekv.data import build_prompt_ids
 
-    wanted = [(m, b) for m in config["methods"] if m != REFERENCE for b in config["budgets"]]
+    wanted = sorted(variant_keys(config) - {(REFERENCE, None)})
     jobs = []
     for task, sid, record in work:
         entry = have.get((task.name, sid), {"variants": set(), "prompt_tokens": None})

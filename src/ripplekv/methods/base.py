@@ -27,22 +27,22 @@ SCORERS: dict[str, Callable[..., "Scorer"]] = {}
 ALLOCATORS: dict[str, Callable[..., "Allocator"]] = {}
 
 
-def register_scorer(name: str):
-    def wrap(cls):
-        cls.name = name
-        SCORERS[name] = cls
-        return cls
+def _registrar(registry: dict):
+    """A class decorator factory: `@register(name)` names the class and files it in `registry`."""
 
-    return wrap
+    def register(name: str):
+        def wrap(cls):
+            cls.name = name
+            registry[name] = cls
+            return cls
+
+        return wrap
+
+    return register
 
 
-def register_allocator(name: str):
-    def wrap(cls):
-        cls.name = name
-        ALLOCATORS[name] = cls
-        return cls
-
-    return wrap
+register_scorer = _registrar(SCORERS)
+register_allocator = _registrar(ALLOCATORS)
 
 
 def options_of(component) -> dict:
