@@ -36,7 +36,7 @@ def assert_keeps_window_and_top(masks, scores_by_layer, window: int, budget: int
 def test_accumulated_attention_is_the_column_sums_of_the_eager_attention_map(tiny_model, monkeypatch, rows_per_chunk):
     ids = torch.randint(0, 101, (50,), generator=torch.Generator().manual_seed(1))
     heads, kv_heads = tiny_model.config.num_attention_heads, tiny_model.config.num_key_value_heads
-    monkeypatch.setattr(accumulate, "CHUNK_ELEMENTS", heads * 50 * rows_per_chunk)  # several chunks, or one
+    monkeypatch.setattr(accumulate, "QUERY_ROWS", rows_per_chunk)  # several chunks, or one
     plain = prefill(tiny_model, ids)
     state = prefill(tiny_model, ids, accumulate=True)
     assert plain.accumulated is None
@@ -51,6 +51,24 @@ def test_accumulated_attention_is_the_column_sums_of_the_eager_attention_map(tin
         assert torch.allclose(state.keys[layer], plain.keys[layer], atol=1e-5)
     assert torch.allclose(state.last_logits, plain.last_logits, atol=1e-4)
     assert torch.allclose(sum(a.sum(-1) for a in state.accumulated) / len(maps), torch.full((kv_heads,), 50.0))
+
+
+@pytest.mark.parametrize("mask_heads", [1, 4])
+@pytest.mark.parametrize("additive", [False, True])
+def test_accumulated_attention_applies_an_extra_mask_per_query_head(monkeypatch, mask_heads, additive):
+    monkeypatch.setattr(accumulate, "QUERY_ROWS", 5)
+    gen = torch.Generator().manual_seed(2)
+    n, dim = 23, 8
+    query, key, value = (torch.randn(1, h, n, dim, generator=gen) for h in (4, 2, 2))
+    visible = torch.rand(1, mask_heads, n, n, generator=gen) > 0.3
+    visible |= torch.eye(n, dtype=torch.bool)  # every query sees itself
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")) if additive else visible
+    output, columns = accumulate.attention_with_column_sums(query, key, value, 0.5, mask)
+    allowed = visible & torch.ones(n, n, dtype=torch.bool).tril()
+    scores = (query @ key.repeat_interleave(2, 1).transpose(-1, -2) * 0.5).masked_fill(~allowed, float("-inf"))
+    weights = scores.softmax(-1)
+    assert torch.allclose(output, (weights @ value.repeat_interleave(2, 1)).transpose(1, 2), atol=1e-5)
+    assert torch.allclose(columns, weights[0].sum(1).view(2, 2, n).mean(1), atol=1e-5)
 
 
 def test_h2o_keeps_the_window_and_the_heaviest_hitters():
@@ -214,3 +232,4 @@ def test_eval_runs_every_baseline_with_exact_totals(run_cli, tiny_model_dir, tmp
     for r in rows:
         if r["method"] != "full":
             assert r["kept_entries"] == 4 * 2 * 48 and sum(r["layer_budgets"]) == 4 * 48
+
