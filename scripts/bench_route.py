@@ -5,8 +5,8 @@ process; they must agree (max relative difference is printed). The last line is 
 
     .venv/bin/python scripts/bench_route.py [--samples 1] [--target-tokens 1500] [--methods a,b,...] [--model M]
 
-The default candidates are five registered specs (the routing defaults h2o, tova and knorm may not be
-registered in every version); every trial costs the naive way one prefill whatever its scorer.
+The default candidates are `ripplekv route`'s defaults (snapkv, streamingllm, h2o, tova, knorm); every
+trial costs the naive way one prefill whatever its scorer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ripplekv.route import RouteSettings, candidate_methods, preference_prompt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.naive_route import preferences_one_trial_at_a_time  # noqa: E402  (the reference lives with the tests)
 
-METHODS = "snapkv,streamingllm,random,snapkv:pooling=avg,streamingllm:sinks=0"
+METHODS = "snapkv,streamingllm,h2o,tova,knorm"  # the routing defaults
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline: profile -> allocate -> eval -> report, from one config file (configs/*.env).
+# The whole pipeline: profile -> allocate [-> DepthKV profile and allocation] [-> route] -> eval -> report, from one config file (configs/*.env).
 # It builds into a staging directory (runs/.staging/NAME) and replaces OUT only when every stage
 # succeeded, so an interrupted run never leaves OUT (the committed results/) half-written. The earlier
 # OUT is then moved aside to runs/previous-*, never deleted. An interrupted run resumes from its
@@ -48,10 +48,33 @@ run_stage allocate "$OUT/allocation.csv" \
   "$RKV" allocate "$OUT/profile/sensitivity.csv" "${model_args[@]}" "${ratio_args[@]}" \
   --budget "$SWEEP_BUDGET" --calib-samples "$SWEEP_SAMPLES" --target-tokens "$TARGET_TOKENS" --out "$OUT/allocation.csv"
 
+# DepthKV (optional, EVICT_CALIB_SAMPLES): eviction sensitivity, budgets proportional to it. A `depthkv` in
+# METHODS is then evaluated with this allocation (its label names the file, depthkv.csv).
+methods=$METHODS
+if [ -n "${EVICT_CALIB_SAMPLES:-}" ]; then
+  run_stage profile-evict "$OUT/profile-evict/sensitivity.csv" \
+    "$RKV" profile "${model_args[@]}" --signal evict --evict-budget "$SWEEP_BUDGET" --calib-samples "$EVICT_CALIB_SAMPLES" \
+    --probe-tokens "$PROBE_TOKENS" --target-tokens "$TARGET_TOKENS" --out "$OUT/profile-evict"
+  run_stage allocate-depthkv "$OUT/depthkv.csv" \
+    "$RKV" allocate "$OUT/profile-evict/sensitivity.csv" "${model_args[@]}" --map proportional --out "$OUT/depthkv.csv"
+  methods=$(printf ',%s,' "$METHODS" | sed "s|,depthkv,|,depthkv:allocation=$OUT/depthkv.csv,|; s|^,||; s|,\$||")
+fi
+
+# Routing (optional, ROUTE_CALIB_SAMPLES): a method per layer, and the placement study; `routed` and
+# `routed-ripplekv` in METHODS use this route.
+route_args=()
+if [ -n "${ROUTE_CALIB_SAMPLES:-}" ]; then
+  run_stage route "$OUT/route/ROUTE.csv" \
+    "$RKV" route "${model_args[@]}" --budget "$ROUTE_BUDGET" --calib-samples "$ROUTE_CALIB_SAMPLES" \
+    --placements "$PLACEMENTS" --placement-samples "$PLACEMENT_SAMPLES" --probe-tokens "$PROBE_TOKENS" \
+    --target-tokens "$TARGET_TOKENS" --out "$OUT/route"
+  route_args=(--route "$OUT/route/ROUTE.csv")
+fi
+
 budget_args=()
 for b in $BUDGETS; do budget_args+=(--budget "$b"); done
-eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$METHODS" --limit "$LIMIT"
-  --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" --out "$OUT/eval")
+eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$methods" --limit "$LIMIT"
+  --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" "${route_args[@]}" --out "$OUT/eval")
 echo "== eval (resumes where it stopped): ${eval_cmd[*]}"
 "${eval_cmd[@]}"
 eval_record=$(printf '%q ' "${eval_cmd[@]}")

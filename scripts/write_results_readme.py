@@ -18,6 +18,51 @@ def shell_line(recorded: str) -> str:
     return shlex.join(shlex.split(recorded))
 
 
+def depthkv_lines(out: Path) -> list[str]:
+    """The DepthKV section: its eviction profile and proportional allocation (when the run made them)."""
+    path = out / "profile-evict" / "profile.json"
+    if not path.is_file():
+        return []
+    profile = json.loads(path.read_text())
+    return [
+        "",
+        "## DepthKV profile and allocation",
+        "",
+        f"- Signal `{profile['signal']}` (each layer alone evicted to B={profile.get('evict_budget', '?')} by SnapKV), "
+        f"{len(profile['calibration_ids'])} calibration samples, {profile['probe_tokens']} probe tokens; budgets "
+        "proportional to the sensitivity (`allocate --map proportional`), H2O scores inside layers.",
+        "",
+        "![eviction sensitivity](profile-evict/sensitivity.png)",
+        "![DepthKV allocation](depthkv.png)",
+    ]
+
+
+def route_lines(out: Path) -> list[str]:
+    """The routing section: the route's method counts and its rank among random placements."""
+    path = out / "route" / "route.json"
+    if not path.is_file():
+        return []
+    route = json.loads(path.read_text())
+    counts = ", ".join(f"{label} {count}" for label, count in route["method_counts"].items())
+    rank = route.get("placement_rank")
+    scored = route.get("placements_scored", 0)
+    placement = (f"Among {scored} random placements with the same method counts, scored by teacher-forced KL on "
+                 f"{len(route['placement_ids'])} other calibration prompts at B={route['budget']}, the profile-guided "
+                 f"route ranks **{rank} of {scored + 1}** (1 = lowest KL)." if rank is not None else "No placement study was run.")
+    return [
+        "",
+        "## Layer-wise routing",
+        "",
+        f"- Route (per layer, the candidate with the lowest KL when only that layer is compressed to B={route['budget']}; "
+        f"{len(route['calibration_ids'])} calibration prompts): {counts}.",
+        f"- {placement}",
+        "",
+        "![preferences](route/preferences.png)",
+        "![route](route/ROUTE.png)",
+        *(["![placements](route/placements.png)"] if (out / "route" / "placements.png").is_file() else []),
+    ]
+
+
 def main(out: Path, config: str, final: str | None = None) -> None:
     profile = json.loads((out / "profile" / "profile.json").read_text())
     choice_path = out / "allocation.choice.json"
@@ -29,7 +74,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         for line in summary.splitlines()
         if not line.startswith("# ") and not line.startswith("![")
     )
-    stages = ("profile", "allocate", "eval")
+    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "route", "eval")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")
@@ -63,10 +108,8 @@ def main(out: Path, config: str, final: str | None = None) -> None:
             "",
             sweep.to_markdown(index=False, floatfmt=".4g"),
         ]
+    lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out)]
     lines += [
-        "",
-        "![sensitivity](profile/sensitivity.png)",
-        "![allocation](allocation.png)",
         "",
         "## Exact commands",
         "",
@@ -76,7 +119,8 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         "",
         "Files: `eval/predictions.jsonl` (every answer), `eval/scores.csv`, `eval/leaderboard.csv`,",
         "`eval/leaderboard_wide.csv`, `eval/ranks.csv`, `eval/lengths.csv`, `profile/sensitivity.csv`, `allocation.csv`,",
-        "`eval/config.json`.",
+        "`eval/config.json`" + ("; `profile-evict/` and `depthkv.csv` (DepthKV)" if (out / "depthkv.csv").is_file() else "")
+        + ("; `route/` (ROUTE.csv, preferences.csv, placements.csv, route.json)" if (out / "route" / "route.json").is_file() else "") + ".",
         "",
     ]
     (out / "README.md").write_text("\n".join(lines))

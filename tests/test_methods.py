@@ -99,6 +99,15 @@ def test_specs_set_options_swap_components_and_label_canonically():
     assert make_method("snapkv", shared={"window": 8}).scorer.window == 8
 
 
+def test_a_file_option_is_labelled_by_its_file_name(tmp_path):
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "depth.csv"
+    path.write_text("layer,multiplier\n0,2\n1,0.5\n")
+    method = make_method(f"depthkv:allocation={path}")
+    assert method.label == "depthkv:allocation=depth.csv"
+    assert method.describe()["allocator"]["allocation"] == str(path)  # the config keeps the whole path
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [

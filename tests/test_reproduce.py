@@ -24,10 +24,16 @@ out = Path(args[args.index("--out") + 1])
 if stage == "profile":
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.csv").write_text("layer,kl_mean\n0,1\n")
-    (out / "profile.json").write_text(json.dumps({"model": "m", "signal": "noise", "eta": 0.3, "seeds": 1,
-        "probe_tokens": 16, "calibration_ids": ["a"], "split_half_spearman": None}))
+    signal = args[args.index("--signal") + 1] if "--signal" in args else "noise"
+    (out / "profile.json").write_text(json.dumps({"model": "m", "signal": signal, "eta": 0.3, "seeds": 1,
+        "probe_tokens": 16, "calibration_ids": ["a"], "split_half_spearman": None, "evict_budget": 128}))
 elif stage == "allocate":
     out.write_text("layer,multiplier\n0,1\n")
+elif stage == "route":
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ROUTE.csv").write_text("layer,method\n0,snapkv\n")
+    (out / "route.json").write_text(json.dumps({"budget": 128, "method_counts": {"snapkv": 1, "h2o": 0},
+        "calibration_ids": ["a", "b"], "placement_ids": ["c"], "placement_rank": 2, "placements_scored": 3}))
 else:
     out.mkdir(parents=True, exist_ok=True)
     (out / "predictions.jsonl").write_text("{}\n")
@@ -48,6 +54,13 @@ BUDGETS="64 128"
 METHODS=full,snapkv,ripplekv
 LIMIT=1
 TARGET_TOKENS=2000
+"""
+OPTIONAL_STAGES = """EVICT_CALIB_SAMPLES=2
+ROUTE_CALIB_SAMPLES=2
+ROUTE_BUDGET=128
+PLACEMENTS=3
+PLACEMENT_SAMPLES=1
+METHODS=full,snapkv,ripplekv,depthkv,routed
 """
 
 
@@ -72,6 +85,27 @@ def reproduce(project: Path, fail_at: str | None = None) -> subprocess.Completed
     env = {**os.environ, "FAIL_AT": fail_at or ""}
     return subprocess.run(["bash", "scripts/reproduce.sh", "configs/reproduce.env"], cwd=project, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
+    config = project / "configs" / "reproduce.env"
+    config.write_text(CONFIG + OPTIONAL_STAGES)
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    results = project / "results"
+    assert (results / "profile-evict" / "sensitivity.csv").is_file() and (results / "depthkv.csv").is_file()
+    readme = (results / "README.md").read_text()
+    assert "--methods full,snapkv,ripplekv,depthkv:allocation=results/depthkv.csv,routed" in readme
+    assert "--route results/route/ROUTE.csv" in readme and "--signal evict" in readme and "--map proportional" in readme
+    assert "## DepthKV profile and allocation" in readme
+    assert "route ranks **2 of 4**" in readme and "snapkv 1, h2o 0" in readme
+    # Without the optional settings the stages are skipped and eval gets neither flag.
+    config.write_text(CONFIG)
+    shutil.rmtree(results)
+    again = reproduce(project)
+    assert again.returncode == 0, again.stderr
+    readme = (results / "README.md").read_text()
+    assert "--route" not in readme and "depthkv" not in readme.lower() and "## Layer-wise routing" not in readme
 
 
 def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_replaces_them(project):

@@ -133,11 +133,15 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError(f"--max-length must be at least 2 tokens, got {settings.max_length}")
     # The full cache is always computed (it is the reference for fidelity), so it is always reported.
     shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
-    built = [make_method(spec, shared=shared) for spec in (REFERENCE, *settings.methods)]
+    built = [make_method(spec, shared=shared) for spec in dict.fromkeys((REFERENCE, *settings.methods))]
     for key, used in shared_option_users(settings.methods, shared).items():
         if not used:
             raise UserError(f"--{key} applies to none of the chosen methods ({', '.join(settings.methods)})")
     methods = {method.label: method for method in built}
+    if len(methods) < len(built):
+        repeated = sorted({m.label for m in built if sum(other.label == m.label for other in built) > 1})
+        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (file options are labelled "
+                        "by file name); give their files different names")
     names = tuple(methods)
     tasks = get_tasks(settings.suite, list(settings.tasks) or None)
     source = resolve_model(settings.model)

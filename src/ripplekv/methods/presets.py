@@ -3,13 +3,16 @@
 A spec is a preset name with optional options: `snapkv`, `snapkv:window=16:kernel=5`,
 `ripplekv:scorer=random`, `pyramidkv:beta=10`. `allocator=` and `scorer=` swap a component; every other
 option sets a field of the allocator or the scorer. An option neither has is a one-line error (never
-silently dropped). The spec, with its options sorted, is the method's label in every output.
+silently dropped). The spec, with its options sorted, is the method's label in every output; a file
+option (`depthkv:allocation=runs/x/depthkv.csv`) shows only its file name there, so a label does not
+change when a run's folder moves (the full path is in the config's method_specs).
 """
 
 from __future__ import annotations
 
 import typing
 from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 
 from ripplekv.errors import UserError
 from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
@@ -26,6 +29,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {}
+# Options naming a file: labels show the file name only.
+FILE_OPTIONS = ("allocation", "route")
 
 
 def preset(name: str, allocator: str, scorer: str | None, about: str, kind: type = Method) -> None:
@@ -107,7 +112,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     if name not in PRESETS:
         raise UserError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
     chosen = PRESETS[name]
-    label = name + "".join(f":{key}={given[key]}" for key in sorted(given))
+    label = name + "".join(f":{key}={Path(given[key]).name if key in FILE_OPTIONS else given[key]}" for key in sorted(given))
     if chosen.scorer is None:
         if given or options:
             raise UserError(f"method {name!r} takes no options (got {', '.join(sorted({**given, **options}))})")
