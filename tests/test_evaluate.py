@@ -200,6 +200,39 @@ def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path
     assert (out / "predictions.jsonl").read_bytes() == before
 
 
+def test_a_moved_allocation_with_the_same_multipliers_still_grows_the_run(base_run, eval_args, tmp_path, allocation, run_cli):
+    """make reproduce builds in a staging folder and moves it: the run must still grow from the moved files."""
+    out = copy_run(base_run, tmp_path / "run")
+    before = lines(out)
+    moved = tmp_path / "moved" / "alloc.csv"
+    moved.parent.mkdir()
+    shutil.copy(allocation, moved)
+    args = eval_args(out)
+    args[args.index("--allocation") + 1] = str(moved)
+    code, _, err = run_cli(*args)
+    assert code == 0, err
+    assert lines(out) == before
+    assert json.loads((out / "config.json").read_text())["allocation"] == str(moved.resolve())
+
+
+def test_classification_lines_carry_their_classes_so_score_can_rescore_them(tiny_model_dir, tmp_path, run_cli):
+    data = tmp_path / "longbench"
+    data.mkdir()
+    record = {"input": "What is the capital of France?", "context": "Type: LOC\nQuestion: Where is Rome?",
+              "answers": ["LOC"], "all_classes": ["LOC", "HUM", "NUM"], "length": 9}
+    (data / "trec.jsonl").write_text(json.dumps(record) + "\n")
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "longbench", "--data-dir", str(data),
+                           "--tasks", "trec", "--methods", "snapkv", "--budget", "8", "--out", str(out))
+    assert code == 0, err
+    assert {tuple(row["all_classes"]) for row in rows(out)} == {("LOC", "HUM", "NUM")}
+    code, _, err = run_cli("score", str(out / "predictions.jsonl"), "--out", str(tmp_path / "s.csv"))
+    assert code == 0, err
+    scored = pd.read_csv(tmp_path / "s.csv").sort_values("method").reset_index(drop=True)
+    ours = pd.read_csv(out / "scores.csv").sort_values("method").reset_index(drop=True)
+    assert list(scored["method"]) == list(ours["method"]) and (scored["score"] - ours["score"]).abs().max() < 0.01
+
+
 def test_a_second_eval_into_a_busy_run_directory_is_refused(base_run, eval_args, tmp_path, run_cli):
     """Two evals appending to one directory would duplicate lines: the second one stops with one line."""
     import fcntl

@@ -228,6 +228,19 @@ def test_routed_and_routed_ripplekv_read_the_route(routed, tiny_model_dir, tmp_p
     assert routed_budgets == [64] * 4 and sum(ripple_budgets) == 4 * 64 and ripple_budgets[0] > ripple_budgets[3]
 
 
+def test_eval_config_records_the_route_file_and_its_hash(routed, tiny_model_dir):
+    import hashlib
+
+    from ripplekv import evaluate
+
+    route = routed[0][0] / "ROUTE.csv"
+    settings = evaluate.EvalSettings(budgets=(64,), methods=("snapkv", "routed"), route=str(route), model=str(tiny_model_dir))
+    config = evaluate.plan_eval(settings).config
+    assert config["route"] == str(route.resolve())
+    assert config["route_sha256"] == hashlib.sha256(route.read_bytes()).hexdigest()
+    assert evaluate.plan_eval(evaluate.EvalSettings(budgets=(64,), methods=("snapkv",), model=str(tiny_model_dir))).config["route"] is None
+
+
 def test_route_cli_errors_are_one_line(tiny_model_dir, tmp_path):
     for args, message in [
         (["--methods", "snapkv,nosuch"], "candidate method 'nosuch' is not registered"),

@@ -34,9 +34,10 @@ DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
 # config.json keys a run may grow in: a rerun adds the missing lines and the union is recorded.
 GROWABLE = ("budgets", "methods", "method_specs", "tasks", "limit", "samples")
 # config.json keys that do not change results, so a rerun may differ in them (the allocation's hash
-# is compared only when both runs use ripplekv; method specs are compared method by method).
-NOT_COMPARED = ("ripplekv_version", "model", "allocation", "allocation_sha256", "route", "versions", "device_name",
-                *GROWABLE)
+# is compared only when both runs use ripplekv; method specs, which hold the files' contents, are compared
+# method by method).
+NOT_COMPARED = ("ripplekv_version", "model", "allocation", "allocation_sha256", "route", "route_sha256", "versions",
+                "device_name", *GROWABLE)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     source = resolve_model(settings.model)
     device, dtype = resolve_device_dtype(settings.device, settings.dtype)
     allocation = settings.allocation if any("allocation" in m.describe().get("allocator", {}) for m in built) else None
+    route = settings.route if any("route" in m.describe().get("scorer", {}) for m in built) else None
     check_model_files(settings.model)
     config = {
         "command": "eval",
@@ -168,6 +170,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "method_options": dict(sorted(settings.method_options.items())),
         "allocation": str(Path(allocation).resolve()) if allocation else None,
         "allocation_sha256": file_sha256(allocation),
+        "route": str(Path(route).resolve()) if route else None,
+        "route_sha256": file_sha256(route),
         "device": device,
         "dtype": dtype,
         "protocol": settings.protocol,
@@ -177,11 +181,22 @@ def plan_eval(settings: EvalSettings) -> Plan:
     return Plan(settings=settings, tasks=tasks, methods=methods, config=config)
 
 
+def _without_file_paths(spec: dict) -> dict:
+    """A method spec without where its files were: their contents (multipliers, the route's methods) are
+    recorded beside the paths and decide the output, so a run whose allocation moved (make reproduce's
+    staging folder -> results/) can still be grown with the moved file."""
+    from ripplekv.methods.presets import FILE_OPTIONS
+
+    return {part: ({k: v for k, v in options.items() if k not in FILE_OPTIONS} if isinstance(options, dict) else options)
+            for part, options in spec.items()}
+
+
 def _differing(old: dict, new: dict, keys) -> list[str]:
     differing = [key for key in keys if key not in NOT_COMPARED and old.get(key) != new.get(key)]
     # A method both runs name must be the same method: its resolved options (multipliers, route, ...) too.
     old_specs, new_specs = old.get("method_specs", {}), new.get("method_specs", {})
-    changed = [label for label in set(old_specs) & set(new_specs) if old_specs[label] != new_specs[label]]
+    changed = [label for label in set(old_specs) & set(new_specs)
+               if _without_file_paths(old_specs[label]) != _without_file_paths(new_specs[label])]
     if changed:
         differing.append(f"options of {', '.join(sorted(changed))}")
     both_ripplekv = "ripplekv" in old.get("methods", ()) and "ripplekv" in new.get("methods", ())
@@ -398,6 +413,8 @@ def evaluate_sample(
         "length": record.get("length"),
         "answers": list(record["answers"]),
     }
+    if record.get("all_classes"):  # classification tasks: `ripplekv score` needs the class names to rescore
+        base["all_classes"] = list(record["all_classes"])
 
     def row(name, budget, out_tokens, entry_counts, kl, agreement):
         prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
