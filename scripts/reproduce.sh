@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole pipeline: profile -> allocate [-> DepthKV profile and allocation] [-> route] -> eval -> report, from one config file (configs/*.env).
+# The whole pipeline: profile -> allocate [-> DepthKV profile and allocation] [-> route] -> eval -> report,
+# from one config file (configs/*.env).
 # It builds into a staging directory (runs/.staging/NAME) and replaces OUT only when every stage
 # succeeded, so an interrupted run never leaves OUT (the committed results/) half-written. The earlier
 # OUT is then moved aside to runs/previous-*, never deleted. An interrupted run resumes from its
