@@ -198,7 +198,13 @@ def per_head(counts: torch.Tensor, build: Callable[[slice, int], torch.Tensor]) 
     return torch.cat([build(slice(h, h + 1), count) for h, count in enumerate(values)])
 
 
-def check_positive(**values: int) -> None:
+def check_integers(values: dict, minimum: int = 1, why: str = "") -> None:
+    """Each option must be an integer >= minimum (a bool is not an integer here); one line names the first that is not."""
+    kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
     for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"option {key} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise UserError(f"option {key} must be {kind}{f' ({why})' if why else ''}, got {value!r}")
+
+
+def check_positive(**values: int) -> None:
+    check_integers(values)

@@ -25,7 +25,7 @@ import torch
 
 from ripplekv.budgets import check_budget, integer_budgets
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
+from ripplekv.methods.base import Allocator, check_integers, register_allocator
 from ripplekv.methods.snapkv import window_attention
 
 
@@ -56,8 +56,7 @@ class CAKE(Allocator):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise UserError(f"option {name} must be a positive number, got {value!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 2:
-            raise UserError(f"option window must be an integer >= 2 (CAKE measures variance over it), got {self.window!r}")
+        check_integers({"window": self.window}, minimum=2, why="CAKE measures variance over it")
 
     def preferences(self, state) -> list[float]:
         """P_l for every layer of one prefilled prompt."""

@@ -31,7 +31,8 @@ import torch
 from ripplekv import adapter, entries
 from ripplekv.budgets import check_budget
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, Method, Scorer, check_positive, register_allocator, register_scorer
+from ripplekv.methods.base import (Allocator, Method, Scorer, check_integers, check_positive, register_allocator,
+                                   register_scorer)
 from ripplekv.methods.snapkv import window_scores
 from ripplekv.prefill import PrefillState
 
@@ -52,8 +53,7 @@ class GraceKVScorer(Scorer):
 
     def __post_init__(self):
         check_positive(window=self.window, slot=self.slot)
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise UserError(f"option sinks must be a non-negative integer, got {self.sinks!r}")
+        check_integers({"sinks": self.sinks}, minimum=0)
         if self.slot & (self.slot - 1):
             raise UserError(f"option slot must be a power of two (a binary tree per slot), got {self.slot}")
         if not 0 <= self.singletons <= 1:

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.errors import UserError
-from ripplekv.methods.base import Scorer, per_head, recent_mask, register_scorer
+from ripplekv.methods.base import Scorer, check_integers, per_head, recent_mask, register_scorer
 
 
 @register_scorer("recency")
@@ -16,8 +15,7 @@ class SinksAndRecent(Scorer):
     sinks: int = 4
 
     def __post_init__(self):
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise UserError(f"option sinks must be a non-negative integer, got {self.sinks!r}")
+        check_integers({"sinks": self.sinks}, minimum=0)
 
     def scores(self, state, layer):
         """Later tokens score higher (sinks are kept first by `keep`); the last token is the floor."""
