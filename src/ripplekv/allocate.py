@@ -84,14 +84,13 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     scored together in one batch. With a `UnitLog`, prompts already in it are skipped and each finished
     prompt's rows are logged, so an interrupted sweep resumes.
     """
-    from ripplekv.decode import full_reference, measure_fidelity
+    from ripplekv.decode import full_reference, measure_fidelity, stop_tokens
     from ripplekv.methods import make_method
     from ripplekv.prefill import prefill
 
     rows = []
     methods = [make_method("ripplekv", multipliers=tuple(multipliers(sensitivity, r))) for r in ratios]
-    stop = model.generation_config.eos_token_id
-    stop = stop if isinstance(stop, list) else [stop] if stop is not None else []
+    stop = stop_tokens(model)
     for index, prompt in enumerate(prompts):
         if log is not None and prompt.sample_id in log.done:
             rows.extend(log.done[prompt.sample_id])

@@ -88,13 +88,6 @@ def snap_options(window: int | None, kernel: int | None, pooling: str | None) ->
     return {key: value for key, value in given.items() if value is not None}
 
 
-def split_list(text: str, option: str) -> list[str]:
-    """`a,b, c` -> ['a', 'b', 'c'] (empty items dropped); an empty list is a UserError naming `option`."""
-    from ripplekv.evaluate import parse_names
-
-    return list(parse_names(text, option))
-
-
 def model_shape(model: str | None) -> tuple[int, int]:
     """(layers, KV heads) of a model from its config alone, without loading weights."""
     from ripplekv.models import load_config

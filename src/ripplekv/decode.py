@@ -19,6 +19,12 @@ from ripplekv.prefill import PrefillState
 Variants = list[list[LayerEntries]] | None  # per variant, entries per layer; None = the full cache
 
 
+def stop_tokens(model) -> list[int]:
+    """The model's end-of-answer token ids (its generation config may give one id, several or none)."""
+    stop = model.generation_config.eos_token_id
+    return stop if isinstance(stop, list) else [stop] if stop is not None else []
+
+
 def forward_tokens(model, cache: CompressedCache, tokens: torch.Tensor, start: int, logits_to_keep: int = 0):
     """Feed `tokens` [V, P] at positions start..start+P-1; returns float32 logits [V, P or 1, vocab]."""
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)

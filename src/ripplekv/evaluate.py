@@ -262,8 +262,6 @@ def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
     return old
 
 
-write_json_atomic = write_json
-
 # --------------------------------------------------------------------------- resuming
 
 
@@ -303,11 +301,6 @@ def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
         entry = have.setdefault((row["task"], row["id"]), {"variants": set(), "prompt_tokens": row.get("prompt_tokens")})
         entry["variants"].add((row["method"], row["budget"]))
     return have
-
-
-def exclusive_run(out: Path):
-    """Hold `out/.lock` for the whole run: two evals appending to one directory would duplicate lines."""
-    return exclusive(out, "eval")
 
 
 def append_rows(fh, rows: list[dict]) -> None:
@@ -546,7 +539,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
         config["samples"].setdefault(task.name, []).append(sid)
     old = check_run_dir(out, config)
     out.mkdir(parents=True, exist_ok=True)
-    with exclusive_run(out):
+    with exclusive(out, "eval"):  # two evals appending to one directory would duplicate lines
         for note in notes:
             console.print(note, soft_wrap=True, markup=False)
         return _run_locked(settings, out, plan, config, old, work, tokenizer, console, workers)
@@ -646,7 +639,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
 
     have = existing_lines(out)
     jobs = plan_jobs(plan, config, work, have, tokenizer)
-    write_json_atomic(out / CONFIG, merge_config(old, config))
+    write_json(out / CONFIG, merge_config(old, config))
     written = []
     if jobs:
         again = [job for job in jobs if not job.with_full]

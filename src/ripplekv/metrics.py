@@ -517,7 +517,7 @@ def load_predictions(path: Path) -> list[dict]:
                                             and all(isinstance(c, str) for c in all_classes)):
             raise UserError(f"{where}: 'all_classes' must be a list of strings or null")
         length = rec.get("length")
-        if _base_name(dataset) != dataset:
+        if is_longbench_e(dataset):
             if isinstance(length, bool) or not isinstance(length, (int, float)) or not math.isfinite(length):
                 raise UserError(f"{where}: LongBench-E dataset {dataset} needs a numeric 'length'")
         records.append(
@@ -573,7 +573,7 @@ def score_predictions(records: list[dict], rouge: str = "official"):
         metric = metric_label(dataset, rouge)
         dataset_rows.append({"dataset": dataset, **variant, "n": len(items), "score": aggregate([v for v, _ in items]),
                              "metric": metric})
-        if _base_name(dataset) != dataset:
+        if is_longbench_e(dataset):
             buckets: dict[str, list[float]] = {name: [] for name in LENGTH_BUCKETS}
             for value, length in items:
                 buckets[length_bucket(length)].append(value)

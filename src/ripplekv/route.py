@@ -29,7 +29,9 @@ import torch
 
 from ripplekv import entries
 from ripplekv.budgets import check_budget, uniform_budgets
+from ripplekv.decode import stop_tokens
 from ripplekv.errors import UserError
+from ripplekv.report import _pyplot as report_pyplot
 from ripplekv.prefill import prefill
 
 DEFAULT_CANDIDATES = ("snapkv", "streamingllm", "h2o", "tova", "knorm")
@@ -176,11 +178,6 @@ def placement_prompt(model, prompt, candidates, assignments: list[list[str]], se
     return measure_fidelity(model, state, variants, reference, settings.batch_size)
 
 
-def stop_tokens(model) -> list[int]:
-    stop = model.generation_config.eos_token_id
-    return stop if isinstance(stop, list) else [stop] if stop is not None else []
-
-
 @dataclass
 class RouteResult:
     """Preferences, the chosen route and the placement study."""
@@ -281,18 +278,9 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
     return meta
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_preferences(mean: np.ndarray, labels, route, path: Path) -> None:
     """Heat map of log10 KL per (layer, method); the route's choice is circled."""
-    plt = _pyplot()
+    plt = report_pyplot()
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(labels), 1.4 + 0.22 * mean.shape[0]))
     image = ax.imshow(np.log10(np.maximum(mean, 1e-12)), aspect="auto", cmap="viridis")
     chosen = [labels.index(m) for m in route]
@@ -308,7 +296,7 @@ def plot_preferences(mean: np.ndarray, labels, route, path: Path) -> None:
 
 def plot_route(mean: np.ndarray, labels, route, path: Path) -> None:
     """Per-layer KL of every candidate, with the method the route takes in each layer marked."""
-    plt = _pyplot()
+    plt = report_pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.6))
     layers = np.arange(mean.shape[0])
     for index, label in enumerate(labels):
@@ -327,7 +315,7 @@ def plot_route(mean: np.ndarray, labels, route, path: Path) -> None:
 
 def plot_placements(placements: pd.DataFrame, rank, path: Path) -> None:
     """Histogram of the random placements' KL with the profile-guided route marked."""
-    plt = _pyplot()
+    plt = report_pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     others = placements[~placements["is_route"]]["kl"]
     ax.hist(others, bins=min(30, max(5, len(others) // 3)), color="tab:grey", alpha=0.8, label="random placements")

@@ -15,7 +15,7 @@ import torch
 
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_positive, register_scorer
-from ripplekv.methods.snapkv import WindowScorer
+from ripplekv.methods.snapkv import WindowScorer, window_attention
 
 HEADS = ("kv", "layer")
 
@@ -24,11 +24,7 @@ def last_query_attention(state, layer: int) -> torch.Tensor:
     """Attention [H_kv, group, n] (float32) of the last prompt query over every prompt key."""
     key = ("tova", layer)
     if key not in state.scores:
-        query = state.window_queries[layer][:, -1].float()  # [H_q, d]
-        keys = state.keys[layer].float()  # [H_kv, n, d]
-        kv_heads = keys.shape[0]
-        grouped = query.view(kv_heads, -1, query.shape[-1])
-        state.scores[key] = torch.softmax(torch.matmul(grouped, keys.transpose(-1, -2)) * state.scaling, dim=-1)
+        state.scores[key] = window_attention(state, layer, 1, who="TOVA")[:, :, 0]  # the last query sees every key
     return state.scores[key]
 
 
