@@ -18,8 +18,8 @@ import time
 import torch
 
 from ripplekv.methods import make_method
-from ripplekv.models import load_model
-from ripplekv.prefill import prefill
+from ripplekv.engine.models import load_model
+from ripplekv.engine.prefill import prefill
 
 
 def peak_rss_gb() -> float:

@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from ripplekv import evaluate
-from ripplekv.data import build_prompt_ids, get_tasks, load_samples
-from ripplekv.decode import greedy_decode
+from ripplekv.pipeline import evaluate
+from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+from ripplekv.engine.decode import greedy_decode
 from ripplekv.methods import make_method
-from ripplekv.models import load_model
-from ripplekv.prefill import prefill
+from ripplekv.engine.models import load_model
+from ripplekv.engine.prefill import prefill
 
 
 def peak_rss_mib() -> float:

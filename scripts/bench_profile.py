@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ripplekv.models import load_model
-from ripplekv.profile import ProfileSettings, calibration_prompts, profile_prompt
+from ripplekv.engine.models import load_model
+from ripplekv.pipeline.profile import ProfileSettings, calibration_prompts, profile_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.naive_profile import profile_prompt_one_layer_at_a_time  # noqa: E402  (the reference lives with the tests)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ripplekv.models import load_model
-from ripplekv.profile import calibration_prompts
-from ripplekv.route import RouteSettings, candidate_methods, preference_prompt
+from ripplekv.engine.models import load_model
+from ripplekv.pipeline.profile import calibration_prompts
+from ripplekv.pipeline.route import RouteSettings, candidate_methods, preference_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.naive_route import preferences_one_trial_at_a_time  # noqa: E402  (the reference lives with the tests)

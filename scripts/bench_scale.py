@@ -17,8 +17,8 @@ import os
 import time
 from functools import partial
 
-from ripplekv import distributed, evaluate
-from ripplekv.models import load_tokenizer
+from ripplekv.pipeline import distributed, evaluate
+from ripplekv.engine.models import load_tokenizer
 
 
 def timed_run(plan, samples: list, setup, workers: int) -> tuple[float, list[str]]:

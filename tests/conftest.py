@@ -37,7 +37,7 @@ def tiny_model(request):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The real bundled SmolLM2 tokenizer (its model is dequantized and cached on first use)."""
-    from ripplekv.models import load_tokenizer
+    from ripplekv.engine.models import load_tokenizer
 
     return load_tokenizer()
 
@@ -56,7 +56,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """Run the real `ripplekv` entry point in-process: run_cli(*args) -> (exit code, stdout, stderr)."""
-    from ripplekv import cli
+    from ripplekv.cli import app as cli
 
     def run(*args: str) -> tuple[int, str, str]:
         monkeypatch.setattr(sys, "argv", ["ripplekv", *map(str, args)])

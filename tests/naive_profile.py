@@ -1,6 +1,6 @@
 """The naive one-layer-at-a-time profiler peers use: a fresh prefill per perturbed layer, stock attention.
 
-It is the reference the batched profile (`ripplekv.profile`) is tested and benchmarked against, so it
+It is the reference the batched profile (`ripplekv.pipeline.profile`) is tested and benchmarked against, so it
 lives with the tests, not in the package.
 """
 
@@ -10,11 +10,11 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ripplekv import entries
-from ripplekv.cache import build_cache
-from ripplekv.decode import forward_tokens
-from ripplekv.prefill import prefill
-from ripplekv.profile import CalibrationPrompt, ProfileSettings, kl_per_variant, layer_overrides
+from ripplekv.engine import entries
+from ripplekv.engine.cache import build_cache
+from ripplekv.engine.decode import forward_tokens
+from ripplekv.engine.prefill import prefill
+from ripplekv.pipeline.profile import CalibrationPrompt, ProfileSettings, kl_per_variant, layer_overrides
 
 
 @torch.inference_mode()
@@ -22,7 +22,7 @@ def profile_prompt_one_layer_at_a_time(model, prompt: CalibrationPrompt, setting
     """The naive way peers do it: a fresh prefill per perturbed layer, stock attention and cache.
 
     """
-    from ripplekv import cache as kvcache  # noqa: F401
+    from ripplekv.engine import cache as kvcache  # noqa: F401
 
     kvcache.install(model)
     context = torch.tensor(prompt.context, dtype=torch.long)[None]

@@ -1,6 +1,6 @@
 """Routing preferences the naive way: a fresh prefill per (layer, method) trial.
 
-The reference the batched preferences (`ripplekv.route.preference_prompt`) are tested and benchmarked
+The reference the batched preferences (`ripplekv.pipeline.route.preference_prompt`) are tested and benchmarked
 against, so it lives with the tests, not in the package.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ripplekv import entries
-from ripplekv.cache import build_cache
-from ripplekv.decode import forward_tokens
-from ripplekv.profile import kl_per_variant
-from ripplekv.route import layer_keep, route_prefill
+from ripplekv.engine import entries
+from ripplekv.engine.cache import build_cache
+from ripplekv.engine.decode import forward_tokens
+from ripplekv.pipeline.profile import kl_per_variant
+from ripplekv.pipeline.route import layer_keep, route_prefill
 
 
 @torch.inference_mode()

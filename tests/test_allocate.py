@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripplekv.allocate import multipliers, read_sensitivity, write_allocation
+from ripplekv.pipeline.allocate import multipliers, read_sensitivity, write_allocation
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 

@@ -7,11 +7,12 @@ import pandas as pd
 import pytest
 import torch
 
-from ripplekv import accumulate, evaluate
-from ripplekv.budgets import integer_budgets
+from ripplekv.engine import accumulate
+from ripplekv.pipeline import evaluate
+from ripplekv.methods.budgets import integer_budgets
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.prefill import prefill
+from ripplekv.engine.prefill import prefill
 from tests.test_budgets import fake_state
 
 

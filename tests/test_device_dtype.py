@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
-from ripplekv import adapter
-from ripplekv.cache import build_cache
-from ripplekv.decode import full_reference, greedy_decode, measure_fidelity
+from ripplekv.engine import adapter
+from ripplekv.engine.cache import build_cache
+from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.models import resolve_device_dtype
-from ripplekv.prefill import prefill
-from ripplekv.profile import ProfileSettings, profile_prompt, split_prompt
+from ripplekv.engine.models import resolve_device_dtype
+from ripplekv.engine.prefill import prefill
+from ripplekv.pipeline.profile import ProfileSettings, profile_prompt, split_prompt
 from tests.conftest import tiny_llama
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -150,7 +150,7 @@ def test_cache_crops_decoded_tokens_but_never_prompt_entries():
     state = prefill(model, prompt(80), capture_window=16)
     cache = build_cache(state, [make_method("snapkv:window=8").compress(state, 20)] * 2)
     greedy_decode(model, state, None, 1)  # no-op warm path
-    from ripplekv.decode import forward_tokens
+    from ripplekv.engine.decode import forward_tokens
 
     forward_tokens(model, cache, torch.tensor([[1, 2, 3], [4, 5, 6]]), state.length)
     layer = cache.layers[0]

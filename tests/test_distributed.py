@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ripplekv import distributed, evaluate
+from ripplekv.pipeline import distributed, evaluate
 from ripplekv.errors import UserError
 
 pytest.importorskip("ray")
@@ -42,7 +42,7 @@ def eval_args(tiny_model_dir):
 
 
 def run_main(argv: list[str]) -> int:
-    from ripplekv import cli
+    from ripplekv.cli import app as cli
 
     old = sys.argv
     sys.argv = ["ripplekv", *argv]

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from ripplekv import entries
-from ripplekv.cache import CompressedLayer, build_cache, compressed_attention
-from ripplekv.decode import fidelity, greedy_decode, teacher_forced_logprobs
+from ripplekv.engine import entries
+from ripplekv.engine.cache import CompressedLayer, build_cache, compressed_attention
+from ripplekv.engine.decode import fidelity, greedy_decode, teacher_forced_logprobs
 from ripplekv.methods import Method, make_method
 from tests.conftest import every_method
-from ripplekv.prefill import prefill
+from ripplekv.engine.prefill import prefill
 
 
 def prompt(length=120, vocab=101, seed=1):

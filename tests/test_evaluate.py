@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from ripplekv import cli, evaluate
+from ripplekv.cli import app as cli
+from ripplekv.pipeline import evaluate
 
 BUDGETS = (32, 64)
 METHODS = ("full", "snapkv", "streamingllm", "pyramidkv", "ripplekv", "random")
@@ -98,7 +99,7 @@ def test_full_cache_is_the_models_own_greedy_answer(base_run, tiny_model_dir):
     """The reference row must be what the stock model generates on the same prompt (not just labelled so)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ripplekv.data import build_prompt_ids, get_tasks, load_samples
+    from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -164,7 +165,7 @@ def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_pa
         raise AssertionError("a finished run must not prefill or load the model again")
 
     monkeypatch.setattr(evaluate, "prefill", fail)
-    monkeypatch.setattr("ripplekv.models.load_model", fail)
+    monkeypatch.setattr("ripplekv.engine.models.load_model", fail)
     code, _, _ = run_cli(*eval_args(out))
     assert code == 0
     assert lines(out) == lines(base_run)
@@ -261,8 +262,8 @@ def test_bad_input_is_one_line_before_any_model_work(change, message, eval_args,
     def fail(*args, **kwargs):
         raise AssertionError("bad input must fail before loading anything")
 
-    monkeypatch.setattr("ripplekv.models.load_model", fail)
-    monkeypatch.setattr("ripplekv.models.load_tokenizer", fail)
+    monkeypatch.setattr("ripplekv.engine.models.load_model", fail)
+    monkeypatch.setattr("ripplekv.engine.models.load_tokenizer", fail)
     args = eval_args(tmp_path / "run")
     flag, value = change
     if flag in ("--methods", "--tasks", "--suite", "--batch-size"):
@@ -276,7 +277,7 @@ def test_bad_input_is_one_line_before_any_model_work(change, message, eval_args,
 
 
 def test_ripplekv_without_allocation_says_how_to_make_one(tiny_model_dir, tmp_path, monkeypatch, run_cli):
-    monkeypatch.setattr("ripplekv.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr("ripplekv.engine.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
     code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--budget", "64",
                            "--out", str(tmp_path / "run"))
     assert code == 2 and len(err.strip().splitlines()) == 1
@@ -286,7 +287,7 @@ def test_ripplekv_without_allocation_says_how_to_make_one(tiny_model_dir, tmp_pa
 def test_an_allocation_for_another_model_fails_before_loading(eval_args, tmp_path, monkeypatch, run_cli):
     wrong = tmp_path / "alloc30.csv"
     wrong.write_text("layer,multiplier\n" + "".join(f"{i},1.0\n" for i in range(30)))
-    monkeypatch.setattr("ripplekv.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr("ripplekv.engine.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
     args = eval_args(tmp_path / "run")
     args[args.index("--allocation") + 1] = str(wrong)
     code, _, err = run_cli(*args)
@@ -362,9 +363,9 @@ def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
 
 def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, allocation):
     """The ETA's work units: prompt tokens at prefill, then (1 + variants) x max new tokens of decoding."""
-    from ripplekv.data import get_tasks, load_samples
+    from ripplekv.tasks import get_tasks, load_samples
     from ripplekv.methods import make_method
-    from ripplekv.models import load_model
+    from ripplekv.engine.models import load_model
 
     model, tokenizer, _ = load_model(str(tiny_model_dir))
     task = get_tasks("offline", ["niah"])[0]

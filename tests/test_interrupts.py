@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ripplekv import allocate, profile
+from ripplekv.pipeline import allocate, profile
 from ripplekv.errors import UserError
-from ripplekv.safeio import UnitLog
+from ripplekv.runs.safeio import UnitLog
 
 TASKS, LIMIT = ("niah", "squad"), 2
 VARIANTS = 1 + 2 * 2  # full + (snapkv, streamingllm) x 2 budgets
@@ -40,7 +40,7 @@ def complete_samples(out: Path) -> int:
 
 def kill_after(args: list[str], out: Path, samples: int, sig: int) -> subprocess.CompletedProcess:
     """Start `ripplekv` in its own process group; once `samples` samples are on disk, send `sig` to the group."""
-    proc = subprocess.Popen([sys.executable, "-m", "ripplekv.cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "ripplekv.cli.app", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:

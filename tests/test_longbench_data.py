@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ripplekv.data import default_suite, get_tasks, load_samples
-from ripplekv.data import longbench
-from ripplekv.data.tasks import task_rows
+from ripplekv.tasks import default_suite, get_tasks, load_samples
+from ripplekv.tasks import longbench
+from ripplekv.tasks.registry import task_rows
 from ripplekv.errors import UserError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
@@ -122,7 +122,7 @@ def test_no_data_and_hub_offline_gives_one_clear_error(tmp_path):
            "RIPPLEKV_CACHE": str(tmp_path / "cache")}
     env.pop("RIPPLEKV_LONGBENCH_DIR", None)
     code = (
-        "from ripplekv.data import get_tasks, load_samples\n"
+        "from ripplekv.tasks import get_tasks, load_samples\n"
         "from ripplekv.errors import UserError\n"
         "try:\n"
         "    load_samples(get_tasks('longbench', ['qasper'])[0], None)\n"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ripplekv import entries
+from ripplekv.engine import entries
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
 from ripplekv.methods.snapkv import window_scores

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ripplekv import metrics
+from ripplekv.metrics import scoring as metrics
 
 CHINESE = st.text(alphabet=st.sampled_from(list("的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年。，、！？ .")), max_size=120)
 TEXT = st.one_of(st.just(""), st.text(max_size=120), CHINESE, st.text(alphabet=" .\n\t", max_size=20))

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripplekv import metrics as M
+from ripplekv.metrics import scoring as M
 from ripplekv.errors import UserError
 
 # Outputs of the official LongBench scorer on public cases, committed so a fresh clone checks parity.

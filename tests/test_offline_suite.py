@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from ripplekv.data import get_tasks, load_samples
-from ripplekv.data import offline
-from ripplekv.data.prompts import prompt_length
+from ripplekv.tasks import get_tasks, load_samples
+from ripplekv.tasks import offline
+from ripplekv.tasks.prompts import prompt_length
 from ripplekv.errors import UserError
 
 TARGET = 3500

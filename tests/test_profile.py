@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.profile import (
+from ripplekv.pipeline.profile import (
     Profile,
     ProfileSettings,
     noise_delta,

@@ -7,7 +7,7 @@ import sys
 import pandas as pd
 import pytest
 
-RKV = [sys.executable, "-m", "ripplekv.cli"]
+RKV = [sys.executable, "-m", "ripplekv.cli.app"]
 
 
 def run(*args):
@@ -112,9 +112,9 @@ def test_the_pipeline_runs_without_out_or_allocation_flags(tiny_model_dir, tmp_p
 
 
 def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
-    from ripplekv.cli import default_allocation
+    from ripplekv.cli.app import default_allocation
     from ripplekv.methods.allocators import read_allocation
-    from ripplekv.models import load_config
+    from ripplekv.engine.models import load_config
 
     monkeypatch.chdir(tmp_path)  # no runs/allocate here
     path, note = default_allocation(None)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ripplekv.data import Task, build_prompt_ids, get_tasks, list_suites
-from ripplekv.data.prompts import official_max_new_tokens, official_prompts, prompt_length
+from ripplekv.tasks import Task, build_prompt_ids, get_tasks, list_suites
+from ripplekv.tasks.prompts import official_max_new_tokens, official_prompts, prompt_length
 from ripplekv.errors import UserError
 
 NO_CHAT = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}

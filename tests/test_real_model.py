@@ -2,10 +2,10 @@
 
 import pytest
 
-from ripplekv.decode import greedy_decode
+from ripplekv.engine.decode import greedy_decode
 from ripplekv.methods import make_method
-from ripplekv.models import load_model
-from ripplekv.prefill import prefill
+from ripplekv.engine.models import load_model
+from ripplekv.engine.prefill import prefill
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from ripplekv import report
+from ripplekv.analysis import report
 
 # task -> category; two categories so category averages differ from the overall average.
 TASKS = {"niah": "Synthetic", "passage_count": "Synthetic", "squad": "Single-Doc QA"}
@@ -110,7 +110,7 @@ def test_missing_or_empty_predictions_is_one_line_exit_2(content, tmp_path, run_
 
 
 def test_methods_with_identical_layer_budgets_share_one_labelled_line():
-    from ripplekv.report import shared_lines
+    from ripplekv.analysis.report import shared_lines
 
     rows = pd.DataFrame({"method": ["streamingllm", "snapkv", "pyramidkv"],
                          "layer_budgets": [[64, 64], [64, 64], [80, 48]]})

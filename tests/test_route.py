@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import torch
 
-from ripplekv.decode import full_reference, measure_fidelity
+from ripplekv.engine.decode import full_reference, measure_fidelity
 from ripplekv.errors import UserError
 from ripplekv.methods import PRESETS, make_method
-from ripplekv.profile import split_prompt
-from ripplekv.route import (
+from ripplekv.pipeline.profile import split_prompt
+from ripplekv.pipeline.route import (
     DEFAULT_CANDIDATES,
     RouteSettings,
     candidate_methods,
@@ -172,7 +172,7 @@ def test_candidates_are_checked():
         assert [m.label for m in candidate_methods(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)
 
 
-RKV = [sys.executable, "-m", "ripplekv.cli"]
+RKV = [sys.executable, "-m", "ripplekv.cli.app"]
 
 
 def run(*args):
@@ -231,7 +231,7 @@ def test_routed_and_routed_ripplekv_read_the_route(routed, tiny_model_dir, tmp_p
 def test_eval_config_records_the_route_file_and_its_hash(routed, tiny_model_dir):
     import hashlib
 
-    from ripplekv import evaluate
+    from ripplekv.pipeline import evaluate
 
     route = routed[0][0] / "ROUTE.csv"
     settings = evaluate.EvalSettings(budgets=(64,), methods=("snapkv", "routed"), route=str(route), model=str(tiny_model_dir))

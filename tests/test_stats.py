@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ripplekv import stats
+from ripplekv.analysis import stats
 
 
 def long_frame(scores: dict[str, np.ndarray], tasks: int = 1) -> pd.DataFrame:

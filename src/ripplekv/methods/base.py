@@ -3,7 +3,7 @@
 - An **allocator** decides how many entries each (layer, KV head) keeps: an `[L, H_kv]` integer matrix
   that sums exactly to `L * H_kv * B` (or keeps everything when the prompt has n <= B tokens).
 - A **scorer** decides which entries a head keeps, given its count.
-- A **method** composes the two and builds entries (`ripplekv.entries`) from a prefilled prompt. The
+- A **method** composes the two and builds entries (`ripplekv.engine.entries`) from a prefilled prompt. The
   default is to gather the tokens the scorer keeps; a merging method overrides `compress`.
 
 Scorers and allocators are small frozen dataclasses registered by name; their fields are the options a
@@ -18,10 +18,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ripplekv import entries
-from ripplekv.budgets import check_budget, integer_budgets
+from ripplekv.engine import entries
+from ripplekv.methods.budgets import check_budget, integer_budgets
 from ripplekv.errors import UserError
-from ripplekv.prefill import PrefillState
+from ripplekv.engine.prefill import PrefillState, Requirements
 
 SCORERS: dict[str, Callable[..., "Scorer"]] = {}
 ALLOCATORS: dict[str, Callable[..., "Allocator"]] = {}
@@ -67,6 +67,11 @@ class Scorer:
         """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
         return 1
 
+    def requirements(self) -> Requirements:
+        """What the prefill must record for this scorer: its observation window, accumulated attention."""
+        return Requirements(capture_window=int(getattr(self, "window", 0) or 0),
+                            accumulated_attention=bool(self.needs_accumulated_attention))
+
     def scores(self, state: PrefillState, layer: int) -> torch.Tensor:
         """Float32 scores [H_kv, m] of the scored candidates (higher = keep), comparable across heads."""
         raise NotImplementedError
@@ -92,6 +97,10 @@ class Allocator:
         """Entries per KV head in each layer, summing to `num_layers * budget` exactly."""
         check_budget(budget)
         return integer_budgets(self.layer_weights(num_layers, budget, floor), budget, length, floor)
+
+    def requirements(self) -> Requirements:
+        """What the prefill must record for this allocator (prompt-dependent allocators override)."""
+        return Requirements(capture_window=int(getattr(self, "window", 0) or 0))
 
     def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
         """The `[L, H_kv]` budget matrix for one prefilled prompt."""
@@ -129,6 +138,12 @@ class Method:
     def needs_accumulated_attention(self) -> bool:
         """Whether the prefill must accumulate attention for this method (`prefill(accumulate=True)`)."""
         return self.scorer is not None and bool(self.scorer.needs_accumulated_attention)
+
+    def requirements(self) -> Requirements:
+        """The union of what the allocator and the scorer need from the prefill (nothing for the full cache)."""
+        if self.is_full:
+            return Requirements()
+        return self.allocator.requirements().union(self.scorer.requirements())
 
     def floor(self) -> int:
         return self.scorer.floor() if self.scorer is not None else 1

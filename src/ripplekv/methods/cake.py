@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ripplekv.budgets import check_budget, integer_budgets
+from ripplekv.methods.budgets import check_budget, integer_budgets
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Allocator, check_integers, register_allocator
 from ripplekv.methods.snapkv import window_attention

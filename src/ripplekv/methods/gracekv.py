@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ripplekv import adapter, entries
-from ripplekv.budgets import check_budget
+from ripplekv.engine import adapter, entries
+from ripplekv.methods.budgets import check_budget
 from ripplekv.errors import UserError
 from ripplekv.methods.base import (Allocator, Method, Scorer, check_integers, check_positive, register_allocator,
                                    register_scorer)
 from ripplekv.methods.snapkv import window_scores
-from ripplekv.prefill import PrefillState
+from ripplekv.engine.prefill import PrefillState
 
 TINY = 1e-30  # keeps relative errors finite where a node's true attention underflows to zero
 LARGE = 1e6

@@ -5,7 +5,7 @@ LongBench: an entry's score is the attention it received from every prompt query
 causal attention map, each row a softmax over the keys that query sees), no pooling; the last `window`
 tokens are always kept and the top-scored earlier entries fill the rest. With grouped KV heads, a KV
 head's score is the mean over the query heads that share it. The sums come from the one prefill
-(`prefill(accumulate=True)`, chunked over queries, see `ripplekv.accumulate`); `ripplekv eval` asks for
+(`prefill(accumulate=True)`, chunked over queries, see `ripplekv.engine.accumulate`); `ripplekv eval` asks for
 them whenever a chosen method needs them. The H2O paper splits the cache evenly between heavy hitters
 and recent tokens; we keep the window at 32, as for SnapKV, so the two differ only in how they rank
 the prefix (`h2o:window=...` chooses another).

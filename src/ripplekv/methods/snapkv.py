@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
-from ripplekv.prefill import PrefillState
+from ripplekv.engine.prefill import PrefillState
 
 POOLINGS = ("max", "avg", "none")
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ripplekv import stats
+from ripplekv.analysis import stats
 from ripplekv.errors import UserError
-from ripplekv.metrics import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
-from ripplekv.runfiles import PREDICTIONS, REFERENCE, read_lines
-from ripplekv.safeio import save_figure, write_csv, write_text
+from ripplekv.metrics.scoring import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
+from ripplekv.runs.files import PREDICTIONS, REFERENCE, read_lines
+from ripplekv.runs.safeio import save_figure, write_csv, write_text
 
 FLOAT_FORMAT = "%.6g"
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]

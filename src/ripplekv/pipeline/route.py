@@ -27,12 +27,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ripplekv import entries
-from ripplekv.budgets import check_budget, uniform_budgets
-from ripplekv.decode import stop_tokens
+from ripplekv.engine import entries
+from ripplekv.methods.budgets import check_budget, uniform_budgets
+from ripplekv.engine.decode import stop_tokens
 from ripplekv.errors import UserError
-from ripplekv.report import _pyplot as report_pyplot
-from ripplekv.prefill import prefill
+from ripplekv.analysis.report import _pyplot as report_pyplot
+from ripplekv.engine.prefill import prefill
 
 DEFAULT_CANDIDATES = ("snapkv", "streamingllm", "h2o", "tova", "knorm")
 
@@ -98,8 +98,8 @@ def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:
 @torch.inference_mode()
 def preference_prompt(model, prompt, candidates, settings: RouteSettings) -> np.ndarray:
     """KL [L, M] for one calibration sample: layer l alone compressed with method m, all from one prefill."""
-    from ripplekv.cache import VariantOverride
-    from ripplekv.profile import ProbeRunner
+    from ripplekv.engine.cache import VariantOverride
+    from ripplekv.pipeline.profile import ProbeRunner
 
     state = route_prefill(model, prompt.context, candidates, settings.probe_tokens, len(prompt.probe))
     runner = ProbeRunner(model, state, prompt.probe)
@@ -160,7 +160,7 @@ def random_placements(route: list[str], count: int, seed: int) -> list[list[str]
 @torch.inference_mode()
 def placement_prompt(model, prompt, candidates, assignments: list[list[str]], settings: RouteSettings, stop_ids):
     """Fidelity of each assignment (a method label per layer) on one prompt, from one prefill."""
-    from ripplekv.decode import full_reference, measure_fidelity
+    from ripplekv.engine.decode import full_reference, measure_fidelity
 
     state = route_prefill(model, prompt.context + prompt.probe, candidates, settings.probe_tokens, settings.max_new_tokens)
     reference = full_reference(model, state, settings.max_new_tokens, stop_ids)

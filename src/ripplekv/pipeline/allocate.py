@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.safeio import UnitLog, check_output, save_figure, write_csv, write_json
+from ripplekv.runs.safeio import UnitLog, check_output, save_figure, write_csv, write_json
 
 
 def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
@@ -84,9 +84,9 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     scored together in one batch. With a `UnitLog`, prompts already in it are skipped and each finished
     prompt's rows are logged, so an interrupted sweep resumes.
     """
-    from ripplekv.decode import full_reference, measure_fidelity, stop_tokens
+    from ripplekv.engine.decode import full_reference, measure_fidelity, stop_tokens
     from ripplekv.methods import make_method
-    from ripplekv.prefill import prefill
+    from ripplekv.engine.prefill import prefill
 
     rows = []
     methods = [make_method("ripplekv", multipliers=tuple(multipliers(sensitivity, r))) for r in ratios]
@@ -164,7 +164,7 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
     returns the files written. `mapping` "proportional" (DepthKV) takes no ratio and no sweep."""
     from contextlib import nullcontext
 
-    from ripplekv.models import load_config, load_model, resolve_model
+    from ripplekv.engine.models import load_config, load_model, resolve_model
 
     ratios = sorted({check_ratio(r) for r in ratios})
     source = resolve_model(model_spec)
@@ -185,7 +185,7 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         return [paths["csv"], paths["png"]]
     chosen = ratios[0]
     if len(ratios) > 1:
-        from ripplekv.profile import calibration_hash, calibration_prompts
+        from ripplekv.pipeline.profile import calibration_hash, calibration_prompts
 
         model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
         prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)

@@ -71,7 +71,7 @@ RAY_ADDRESS_HELP = "Join a running Ray cluster (`ray start --head`) instead of s
 
 def worker_settings(workers: int, ray_address: str | None):
     """--workers / --ray-address, checked (Ray itself is imported only when they ask for it)."""
-    from ripplekv.distributed import Workers, check_reachable, import_ray
+    from ripplekv.pipeline.distributed import Workers, check_reachable, import_ray
 
     chosen = Workers(count=workers, address=ray_address or None)
     chosen.check()
@@ -90,7 +90,7 @@ def snap_options(window: int | None, kernel: int | None, pooling: str | None) ->
 
 def model_shape(model: str | None) -> tuple[int, int]:
     """(layers, KV heads) of a model from its config alone, without loading weights."""
-    from ripplekv.models import load_config
+    from ripplekv.engine.models import load_config
 
     config = load_config(model)
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", config.num_attention_heads)
@@ -110,8 +110,8 @@ def budgets(
     route: str | None = typer.Option(None, help=ROUTE_HELP),
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
-    from ripplekv.budgets import check_budget
-    from ripplekv.evaluate import parse_names
+    from ripplekv.methods.budgets import check_budget
+    from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.methods import make_method
 
     check_budget(budget)
@@ -156,7 +156,7 @@ def _progress_bar(description: str, total: int, completed: int = 0):
     """A rich progress bar with ETA; returns (progress, advance callback)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from ripplekv.progress import Throughput
+    from ripplekv.cli.progress import Throughput
 
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -196,9 +196,9 @@ def profile(
     Rerunning the same command resumes an interrupted profile (finished samples are kept)."""
     from rich.console import Console
 
-    from ripplekv.budgets import check_budget
-    from ripplekv.models import resolve_device_dtype
-    from ripplekv.profile import ProfileSettings, profile_into
+    from ripplekv.methods.budgets import check_budget
+    from ripplekv.engine.models import resolve_device_dtype
+    from ripplekv.pipeline.profile import ProfileSettings, profile_into
 
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
     if calib_samples < 1:
@@ -241,8 +241,8 @@ def allocate(
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
     from rich.console import Console
 
-    from ripplekv.allocate import check_map, run_allocate
-    from ripplekv.budgets import check_budget
+    from ripplekv.pipeline.allocate import check_map, run_allocate
+    from ripplekv.methods.budgets import check_budget
 
     check_map(mapping)
     if mapping == "proportional" and ratio:
@@ -291,10 +291,10 @@ def route_command(
     """Route a method to each layer by per-(layer, method) KL, and rank the route among random placements."""
     from rich.console import Console
 
-    from ripplekv.evaluate import parse_names
-    from ripplekv.models import load_model, resolve_device_dtype, runtime_info
-    from ripplekv.profile import calibration_hash, calibration_prompts
-    from ripplekv.route import RouteSettings, candidate_methods, parse_caps, run_route, write_route
+    from ripplekv.pipeline.evaluate import parse_names
+    from ripplekv.engine.models import load_model, resolve_device_dtype, runtime_info
+    from ripplekv.pipeline.profile import calibration_hash, calibration_prompts
+    from ripplekv.pipeline.route import RouteSettings, candidate_methods, parse_caps, run_route, write_route
 
     settings = RouteSettings(parse_names(methods), budget, probe_tokens, batch_size, tuple(max_share), placements,
                              max_new_tokens, seed)
@@ -370,8 +370,9 @@ def eval_command(
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
 
-    from ripplekv import evaluate, report
-    from ripplekv.data.tasks import default_suite
+    from ripplekv.pipeline import evaluate
+    from ripplekv.analysis import report
+    from ripplekv.tasks.registry import default_suite
 
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_EVAL
@@ -411,12 +412,12 @@ def default_allocation(model: str | None) -> tuple[str | None, str | None]:
     """(allocation, what to tell the user) when a method with file budgets (ripplekv) runs without --allocation: the last
     `ripplekv allocate`, else the one shipped for the bundled model, else none (ripplekv then says
     how to make one)."""
-    from ripplekv.models import DEFAULT_MODEL
+    from ripplekv.engine.models import DEFAULT_MODEL
 
     if DEFAULT_ALLOCATION.is_file():
         return str(DEFAULT_ALLOCATION), f"ripplekv: using the last allocation, {DEFAULT_ALLOCATION}"
     if model in (None, "", DEFAULT_MODEL):
-        shipped = Path(__file__).parent / "data" / "allocations" / f"{DEFAULT_MODEL}.csv"
+        shipped = Path(__file__).parent.parent / "data" / "allocations" / f"{DEFAULT_MODEL}.csv"
         return str(shipped), (f"ripplekv: no {DEFAULT_ALLOCATION} yet; using the allocation shipped for "
                               f"{DEFAULT_MODEL} (made by `make reproduce`)")
     return None, None
@@ -435,7 +436,7 @@ def report_command(
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
     from rich.console import Console
 
-    from ripplekv import report
+    from ripplekv.analysis import report
 
     tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
@@ -460,8 +461,8 @@ def score(
     from rich.console import Console
     from rich.table import Table
 
-    from ripplekv.metrics import check_rouge, load_predictions, score_predictions
-    from ripplekv.safeio import check_output, write_csv
+    from ripplekv.metrics.scoring import check_rouge, load_predictions, score_predictions
+    from ripplekv.runs.safeio import check_output, write_csv
 
     rouge = check_rouge(rouge)
     check_output(out, inputs=[pred_file])
@@ -507,11 +508,11 @@ def inspect_command(
     import numpy as np
     from rich.console import Console
 
-    from ripplekv.budgets import check_budget
-    from ripplekv.kept import answer_positions, kept_arrays, plot_kept
+    from ripplekv.methods.budgets import check_budget
+    from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
     from ripplekv.methods import make_method
-    from ripplekv.models import load_model, load_tokenizer
-    from ripplekv.prefill import prefill
+    from ripplekv.engine.models import load_model, load_tokenizer
+    from ripplekv.engine.prefill import prefill
 
     check_budget(budget)
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
@@ -527,8 +528,8 @@ def inspect_command(
         ids = tokenizer(path.read_text(encoding="utf-8", errors="replace")).input_ids
         question, answers, label = len(ids), [], path.name
     else:
-        from ripplekv.data import build_prompt_ids, get_tasks, load_samples
-        from ripplekv.data.prompts import question_start
+        from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+        from ripplekv.tasks.prompts import question_start
 
         (chosen_task,) = get_tasks(suite, [task])
         records = load_samples(chosen_task, tokenizer, limit=index + 1, data_dir=data_dir, target_tokens=target_tokens)
@@ -603,7 +604,7 @@ def tasks_command(
     from rich.console import Console
     from rich.table import Table
 
-    from ripplekv.data.tasks import task_rows
+    from ripplekv.tasks.registry import task_rows
 
     rows = task_rows(suite, data_dir)
     table = Table(title="ripplekv tasks", box=box.SIMPLE_HEAD)
@@ -617,7 +618,7 @@ def tasks_command(
         console = Console(width=120)
     console.print(table)
     if suite in (None, "longbench", "longbench-e"):
-        from ripplekv.data.longbench import where_data_is
+        from ripplekv.tasks.longbench import where_data_is
 
         console.print(where_data_is(data_dir), soft_wrap=True, markup=False)
 

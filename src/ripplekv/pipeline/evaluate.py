@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ripplekv.budgets import check_budget
+from ripplekv.methods.budgets import check_budget
 from ripplekv.errors import UserError
-from ripplekv.runfiles import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
-from ripplekv.safeio import check_output, exclusive, other_files, write_json
+from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
+from ripplekv.runs.safeio import check_output, exclusive, other_files, write_json
 
 PROTOCOLS = ("with-question", "context-only")
 DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
@@ -111,10 +111,10 @@ class Plan:
 def plan_eval(settings: EvalSettings) -> Plan:
     """Validate the user's input and build the config; raises UserError before any model is loaded."""
     from ripplekv import __version__
-    from ripplekv.data import get_tasks
+    from ripplekv.tasks import get_tasks
     from ripplekv.methods import make_method
     from ripplekv.methods.presets import shared_option_users
-    from ripplekv.models import check_model_files, resolve_device_dtype, resolve_model, runtime_info
+    from ripplekv.engine.models import check_model_files, resolve_device_dtype, resolve_model, runtime_info
 
     for budget in settings.budgets:
         check_budget(budget)
@@ -365,14 +365,14 @@ def evaluate_sample(
     cache reused across questions would (kvpress's default). Both come from one prefill.
     """
     report = progress or (lambda kind, units: None)
-    from ripplekv.data import build_prompt_ids
-    from ripplekv.decode import full_reference, greedy_decode, measure_fidelity
-    from ripplekv.metrics import score_sample
+    from ripplekv.tasks import build_prompt_ids
+    from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
+    from ripplekv.metrics.scoring import score_sample
 
     ids = build_prompt_ids(task, record, tokenizer, max_length)
     question: list[int] = []
     if protocol == "context-only":
-        from ripplekv.data.prompts import question_start
+        from ripplekv.tasks.prompts import question_start
 
         cut = question_start(task, record, tokenizer, max_length)
         ids, question = ids[:cut], list(ids[cut:])
@@ -441,7 +441,7 @@ def evaluate_sample(
 
 def prefill(model, ids, capture_window: int = 64, reserve: int = 0, accumulate: bool = False):
     """The engine's prefill (a module-level name so tests can prove a resumed run never calls it)."""
-    from ripplekv.prefill import prefill as engine_prefill
+    from ripplekv.engine.prefill import prefill as engine_prefill
 
     return engine_prefill(model, ids, capture_window=capture_window, reserve=reserve, accumulate=accumulate)
 
@@ -451,7 +451,7 @@ def prefill(model, ids, capture_window: int = 64, reserve: int = 0, accumulate: 
 
 def load_all_samples(plan: Plan, tokenizer) -> list[tuple[object, str, dict]]:
     """(task, sample id, record) in run order: tasks in order, samples in file order."""
-    from ripplekv.data import load_samples
+    from ripplekv.tasks import load_samples
 
     s = plan.settings
     work = []
@@ -472,7 +472,7 @@ def load_all_samples(plan: Plan, tokenizer) -> list[tuple[object, str, dict]]:
 
 def check_model_fits(plan: Plan) -> None:
     """Per-layer budgets need the model's layer count (an allocation may not match): fail before loading weights."""
-    from ripplekv.models import load_config
+    from ripplekv.engine.models import load_config
 
     layers = load_config(plan.settings.model).num_hidden_layers
     for method in plan.methods.values():
@@ -494,8 +494,8 @@ def run_samples(plan: Plan, jobs: list, budgets, tokenizer, workers, console, ad
     or on Ray workers in finishing order (progress as each sample finishes)."""
     from functools import partial
 
-    from ripplekv import distributed
-    from ripplekv.models import load_model
+    from ripplekv.pipeline import distributed
+    from ripplekv.engine.models import load_model
 
     s = plan.settings
     if workers is None or not workers.uses_ray:
@@ -525,7 +525,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     Ray workers; this process still writes alone."""
     from rich.console import Console
 
-    from ripplekv.models import load_tokenizer
+    from ripplekv.engine.models import load_tokenizer
 
     console = console or Console(stderr=True)
     out = Path(out)
@@ -565,7 +565,7 @@ class Job:
 
 def plan_jobs(plan: Plan, config: dict, work, have: dict, tokenizer) -> list[Job]:
     """What is missing from the run directory for this command's samples and variants."""
-    from ripplekv.data import build_prompt_ids
+    from ripplekv.tasks import build_prompt_ids
 
     wanted = sorted(variant_keys(config) - {(REFERENCE, None)})
     jobs = []
@@ -634,8 +634,8 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ripplekv import report
-    from ripplekv.progress import Throughput
+    from ripplekv.analysis import report
+    from ripplekv.cli.progress import Throughput
 
     have = existing_lines(out)
     jobs = plan_jobs(plan, config, work, have, tokenizer)

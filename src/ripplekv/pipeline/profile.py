@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from ripplekv import adapter
-from ripplekv.cache import CompressedCache, CompressedLayer, VariantOverride
+from ripplekv.engine import adapter
+from ripplekv.engine.cache import CompressedCache, CompressedLayer, VariantOverride
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.prefill import prefill
-from ripplekv.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
+from ripplekv.engine.prefill import prefill
+from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 
 SIGNALS = ("noise", "evict")
 DEFAULT_ETA = 0.3
@@ -317,7 +317,7 @@ def calibration_prompts(
 
     The calibration split is disjoint from the evaluation samples, so profiling never sees them.
     """
-    from ripplekv.data import build_prompt_ids, get_tasks, load_samples
+    from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 
     if count < 1:
         raise UserError(f"--calib-samples must be at least 1, got {count}")
@@ -350,7 +350,7 @@ def worker_runner(spec: str | None, device: str, dtype: str, settings: ProfileSe
     """A `runner` for `run_profile` that spreads the prompts over Ray workers (each loads the model once)."""
     from functools import partial
 
-    from ripplekv import distributed
+    from ripplekv.pipeline import distributed
 
     setup = partial(distributed.load_model_on_worker, spec, device, dtype)
     work = partial(profile_unit, settings)
@@ -382,7 +382,7 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     """
     from contextlib import closing, nullcontext
 
-    from ripplekv.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
+    from ripplekv.engine.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
 
     settings.check()
     device, dtype = resolve_device_dtype(device, dtype)

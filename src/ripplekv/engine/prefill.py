@@ -12,11 +12,36 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ripplekv import adapter
-from ripplekv import cache as kvcache
-from ripplekv import entries
+from ripplekv.engine import adapter
+from ripplekv.engine import cache as kvcache
+from ripplekv.engine import entries
 
 DEFAULT_CAPTURE_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a method needs the one prefill to record. A run prefills once for the union of its methods'.
+
+    Methods declare these (`Method.requirements()`); engine and pipeline code never ask for a method by name.
+    """
+
+    capture_window: int = 0  # the last w prompt tokens' queries (observation windows)
+    accumulated_attention: bool = False  # every prompt query's attention summed per key (H2O)
+
+    def union(self, other: "Requirements") -> "Requirements":
+        return Requirements(
+            capture_window=max(self.capture_window, other.capture_window),
+            accumulated_attention=self.accumulated_attention or other.accumulated_attention,
+        )
+
+    @staticmethod
+    def of_all(items) -> "Requirements":
+        """The union of the requirements of `items` (anything with a `requirements()` method)."""
+        total = Requirements()
+        for item in items:
+            total = total.union(item.requirements())
+        return total
 
 
 @dataclass

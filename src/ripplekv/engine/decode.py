@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.cache import CompressedCache, build_cache
-from ripplekv.entries import LayerEntries
-from ripplekv.prefill import PrefillState
+from ripplekv.engine.cache import CompressedCache, build_cache
+from ripplekv.engine.entries import LayerEntries
+from ripplekv.engine.prefill import PrefillState
 
 Variants = list[list[LayerEntries]] | None  # per variant, entries per layer; None = the full cache
 

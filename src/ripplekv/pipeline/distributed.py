@@ -221,7 +221,7 @@ def load_model_on_worker(spec: str | None, device: str, dtype: str):
     """
     import fcntl
 
-    from ripplekv.models import cache_root, load_config, load_model
+    from ripplekv.engine.models import cache_root, load_config, load_model
 
     cache_root().mkdir(parents=True, exist_ok=True)
     with (cache_root() / ".materialize.lock").open("w") as lock:

@@ -1,6 +1,6 @@
 """A KV cache whose layers (and heads) keep different numbers of prompt entries, for several variants at once.
 
-It is built from entries (`ripplekv.entries`): each layer holds the prompt entries of every variant padded
+It is built from entries (`ripplekv.engine.entries`): each layer holds the prompt entries of every variant padded
 to the layer's longest, with an additive key bias (the entries' log-weights: 0 for a token, log m for a
 prototype, -inf on padding), followed by the tokens decoded so far (the same count for every variant).
 Attention over it is our own function, registered in transformers' AttentionInterface under the name
@@ -21,9 +21,9 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ripplekv import entries
-from ripplekv.accumulate import attention_with_column_sums
-from ripplekv.entries import LayerEntries
+from ripplekv.engine import entries
+from ripplekv.engine.accumulate import attention_with_column_sums
+from ripplekv.engine.entries import LayerEntries
 
 ATTENTION_NAME = "ripplekv"
 
@@ -225,7 +225,7 @@ def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, 
 
     During prefill it also records the observation-window queries (post-RoPE) that SnapKV scoring needs,
     and, when the prefill asks (`capture["accumulated"]`, for H2O), each key's attention summed over all
-    prompt queries, computed in the same pass (`ripplekv.accumulate`).
+    prompt queries, computed in the same pass (`ripplekv.engine.accumulate`).
     """
     cache = kwargs.pop("ripplekv_cache", None)
     capture = kwargs.pop("ripplekv_capture", None)

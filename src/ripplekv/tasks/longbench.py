@@ -40,7 +40,7 @@ OFFICIAL_SIZES.update({"qasper_e": 224, "multifieldqa_en_e": 150, "multi_news_e"
 
 def default_dir() -> Path:
     """Where ripplekv looks when no folder is named: <ripplekv cache>/longbench."""
-    from ripplekv.models import cache_root
+    from ripplekv.engine.models import cache_root
 
     return cache_root() / "longbench"
 
@@ -161,7 +161,7 @@ def _hub_worth_trying() -> bool:
     """False when the hub surely can't answer (not offline, and no connection to it): without this,
     `datasets` spends ~25 s retrying a host it cannot resolve. In offline mode (HF_HUB_OFFLINE=1)
     `datasets` answers from its cache at once, so let it try."""
-    from ripplekv.models import hub_offline, hub_reachable
+    from ripplekv.engine.models import hub_offline, hub_reachable
 
     return hub_offline() or hub_reachable()
 

@@ -1,0 +1,1 @@
+"""From predictions to conclusions: paired statistics, leaderboards, plots, what a method kept."""

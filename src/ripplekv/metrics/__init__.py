@@ -1,0 +1,1 @@
+"""Task metrics (LongBench's official scorer, with parity)."""

@@ -1,0 +1,1 @@
+"""The commands' work as plain functions (no Typer): eval, profile, allocate, route, inspect."""

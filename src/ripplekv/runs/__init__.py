@@ -1,0 +1,1 @@
+"""Run directories: their files, config, resume logs and atomic writes."""
