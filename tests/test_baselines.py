@@ -11,6 +11,7 @@ from ripplekv.engine import accumulate
 from ripplekv.pipeline import evaluate
 from ripplekv.methods.budgets import integer_budgets
 from ripplekv.errors import UserError
+from ripplekv.engine.prefill import Requirements
 from ripplekv.methods import make_method
 from ripplekv.engine.prefill import prefill
 from tests.test_budgets import fake_state
@@ -92,7 +93,7 @@ def test_methods_say_whether_the_prefill_must_accumulate(tmp_path):
     route.write_text("layer,method\n0,snapkv\n1,h2o\n2,tova\n3,knorm\n")
     for methods, expected in ((["snapkv", "tova"], False), (["snapkv", "h2o"], True), (["depthkv"], True), (["routed"], True)):
         built = {m: make_method(m, shared={"allocation": str(alloc), "route": str(route)}) for m in ["full", *methods]}
-        assert any(m.needs_accumulated_attention for m in built.values()) == expected
+        assert Requirements.of_all(built.values()).accumulated_attention == expected
 
 
 # --------------------------------------------------------------------------- TOVA
@@ -215,7 +216,7 @@ def test_eval_runs_every_baseline_with_exact_totals(run_cli, tiny_model_dir, tmp
     real = evaluate.prefill
 
     def recording(*args, **kwargs):
-        flags.append(kwargs.get("accumulate"))
+        flags.append(kwargs["needs"].accumulated_attention)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(evaluate, "prefill", recording)

@@ -95,7 +95,7 @@ def test_every_method_keeps_exactly_the_matched_total(num_layers, kv_heads, leng
     expected = length if method.is_full else min(budget, length)
     assert int(kept.sum()) == num_layers * kv_heads * expected
     assert int(kept.max()) <= length
-    if not method.allocator.needs_prompt:
+    if not method.prompt_dependent:
         assert [row[0] for row in counts.tolist()] == method.layer_budgets(num_layers, budget, length)
 
 

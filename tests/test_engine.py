@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from ripplekv.engine import entries
 from ripplekv.engine.cache import CompressedLayer, build_cache, compressed_attention
 from ripplekv.engine.decode import fidelity, greedy_decode, teacher_forced_logprobs
-from ripplekv.methods import Method, make_method
+from ripplekv.methods import AllocatorScorer, make_method
 from tests.conftest import every_method
 from ripplekv.engine.prefill import prefill
 
@@ -182,7 +182,7 @@ def test_other_supported_families_match_their_own_output(family):
     assert greedy_decode(model, state, masks, 10) == [greedy_decode(model, state, [m], 10)[0] for m in masks]
 
 
-class MergeIdentical(Method):
+class MergeIdentical(AllocatorScorer):
     """Test-only merging method: per layer, tokens [start, start+m) are made identical (copies of `start`);
     with `merge` they are stored as ONE prototype entry of log-weight log m instead of m entries."""
 

@@ -197,10 +197,14 @@ def test_bad_options_and_swapped_components_are_one_line_errors():
     ):
         with pytest.raises(UserError, match=message):
             make_method(spec)
-    with pytest.raises(UserError, match="its own scorer"):
-        make_method("gracekv:scorer=snapkv").budgets(state, 40)
-    with pytest.raises(UserError, match="use the gracekv method"):
-        make_method("snapkv:scorer=gracekv").compress(state, 40)
+    # GraceKV is not an allocator x scorer: swapping a component in or out is refused when the spec is read.
+    with pytest.raises(UserError, match="takes no scorer="):
+        make_method("gracekv:scorer=snapkv")
+    with pytest.raises(UserError, match="unknown scorer 'gracekv'"):
+        make_method("snapkv:scorer=gracekv")
+    with pytest.raises(UserError, match="unknown allocator 'gracekv'"):
+        make_method("snapkv:allocator=gracekv")
+    assert make_method("gracekv:window=16").budgets(state, 40).sum() == 2 * 40  # one layer, two KV heads
 
 
 def test_distortion_matches_a_direct_computation():

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from ripplekv.analysis import stats
+from ripplekv.defaults import UNIFORM_BASELINES
 from ripplekv.errors import UserError
 from ripplekv.metrics.scoring import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
 from ripplekv.runs.files import PREDICTIONS, REFERENCE, read_lines
@@ -32,7 +33,7 @@ from ripplekv.runs.safeio import save_figure, write_csv, write_text
 FLOAT_FORMAT = "%.6g"
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
 KL_FLOOR = 1e-8  # kl of a variant that keeps everything can be 0; a log axis needs a floor
-BASELINES = ("uniform", "snapkv")  # the uniform-allocation baseline of a budget, first one present
+BASELINES = UNIFORM_BASELINES  # the uniform-allocation baseline of a budget, first one present
 TERCILES = ("short", "medium", "long")
 
 

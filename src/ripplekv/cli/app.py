@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from ripplekv.defaults import DEFAULT_EVAL_METHODS
 from ripplekv.errors import UserError
 
 app = typer.Typer(
@@ -127,7 +128,7 @@ def budgets(
     # says why it cannot (CAKE: layers depend on the prompt's attention).
     rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
     for method in chosen:
-        if method.allocator.needs_prompt:
+        if method.prompt_dependent:
             print(f"note: {method.label} splits each layer's budget across its KV heads by the prompt's scores; "
                   "per-head counts are recorded per sample by `ripplekv eval`", file=sys.stderr)
     if output_format == "csv":
@@ -336,7 +337,7 @@ def eval_command(
     ),
     out: str | None = typer.Option(
         None, "--out", help=f"Run directory (default: {DEFAULT_EVAL}); a rerun resumes it and adds what is new."),
-    methods: str = typer.Option(",".join(("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")),
+    methods: str = typer.Option(",".join(DEFAULT_EVAL_METHODS),
                                 "--methods", help=METHODS_HELP + " full is always included."),
     suite: str | None = typer.Option(
         None, "--suite", help="offline (bundled), longbench or longbench-e; default: longbench when its files are on disk, else offline."
@@ -378,9 +379,9 @@ def eval_command(
     out_dir = Path(out) if out else DEFAULT_EVAL
     names = evaluate.parse_names(methods, "--methods")
     notes = [f"eval: writing to {out_dir}" + ("" if out else " (the default; choose with --out)")]
-    from ripplekv.methods.presets import shared_option_users
+    from ripplekv.methods.presets import options_taken
 
-    if allocation is None and shared_option_users(names, {"allocation": "?"})["allocation"]:
+    if allocation is None and "allocation" in options_taken(names):
         allocation, note = default_allocation(model)
         notes += [note] if note else []
     suite = suite or default_suite(data_dir)
@@ -397,7 +398,6 @@ def eval_command(
         max_length=max_length,
         batch_size=batch_size,
         method_options=snap_options(window, kernel, pooling),
-        capture_window=max(64, window or 0),
         route=route,
         device=device,
         dtype=dtype,
@@ -512,7 +512,7 @@ def inspect_command(
     from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
     from ripplekv.methods import make_method
     from ripplekv.engine.models import load_model, load_tokenizer
-    from ripplekv.engine.prefill import prefill
+    from ripplekv.engine.prefill import Requirements, prefill_for
 
     check_budget(budget)
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
@@ -540,7 +540,7 @@ def inspect_command(
         question = question_start(chosen_task, record, tokenizer, max_length)
         answers, label = list(record["answers"]), f"{chosen_task.name} #{index}"
     loaded, _, source = load_model(model, device=device, dtype=dtype)
-    state = prefill(loaded, ids)
+    state = prefill_for(loaded, ids, Requirements.of_all([chosen]))
     built = chosen.compress(state, budget)
     arrays = kept_arrays(built)
     needles = answer_positions(ids, tokenizer, answers, question)
@@ -569,7 +569,7 @@ def methods_command() -> None:
     from rich.table import Table
 
     from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
-    from ripplekv.methods.presets import defaults_of
+    from ripplekv.methods.presets import component_names, defaults_of
 
     def options(component) -> str:
         return ", ".join(f"{k}={v}" for k, v in defaults_of(component).items()) or "-"
@@ -578,11 +578,12 @@ def methods_command() -> None:
     for column in ("method", "allocator", "scorer", "options (defaults)", "what it is"):
         table.add_column(column, overflow="fold")
     for name, chosen in sorted(PRESETS.items()):
-        if chosen.scorer is None:
+        if chosen.is_full:
             table.add_row(name, "-", "-", "-", chosen.about)
             continue
-        opts = "; ".join(o for o in (options(ALLOCATORS[chosen.allocator]), options(SCORERS[chosen.scorer])) if o != "-")
-        table.add_row(name, chosen.allocator, chosen.scorer, opts or "-", chosen.about)
+        parts = [chosen.own.Options] if chosen.own else [ALLOCATORS[chosen.allocator], SCORERS[chosen.scorer]]
+        opts = "; ".join(o for o in map(options, parts) if o != "-")
+        table.add_row(name, *component_names(chosen), opts or "-", chosen.about)
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)

@@ -119,3 +119,15 @@ def prefill(
         model=model,
         accumulated=[capture["accumulated"][i] for i in range(num_layers)] if accumulate else None,
     )
+
+
+def captured_window(needs: Requirements) -> int:
+    """The window a run's prefill captures: what its methods need, at least `DEFAULT_CAPTURE_WINDOW` (as
+    before methods declared it; queries beyond a method's window are never read, so results do not change)."""
+    return max(DEFAULT_CAPTURE_WINDOW, needs.capture_window)
+
+
+def prefill_for(model, input_ids, needs: Requirements, reserve: int = 0) -> PrefillState:
+    """The one prefill of a prompt, recording what the run's methods need (`Requirements.of_all(methods)`)."""
+    return prefill(model, input_ids, capture_window=captured_window(needs), reserve=reserve,
+                   accumulate=needs.accumulated_attention)

@@ -13,7 +13,7 @@ from ripplekv.methods import (  # noqa: F401  (registration)
     streamingllm,
     tova,
 )
-from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
 from ripplekv.methods.presets import PRESETS, make_method, method_names, parse_spec
 
-__all__ = ["ALLOCATORS", "PRESETS", "SCORERS", "Method", "make_method", "method_names", "parse_spec"]
+__all__ = ["ALLOCATORS", "PRESETS", "SCORERS", "AllocatorScorer", "Method", "make_method", "method_names", "parse_spec"]

@@ -1,10 +1,11 @@
-"""A compression method is an allocator x a scorer.
+"""A compression method turns a prefilled prompt into entries at a budget (the `Method` protocol).
 
+Most methods are an allocator x a scorer (`AllocatorScorer`):
 - An **allocator** decides how many entries each (layer, KV head) keeps: an `[L, H_kv]` integer matrix
   that sums exactly to `L * H_kv * B` (or keeps everything when the prompt has n <= B tokens).
 - A **scorer** decides which entries a head keeps, given its count.
-- A **method** composes the two and builds entries (`ripplekv.engine.entries`) from a prefilled prompt. The
-  default is to gather the tokens the scorer keeps; a merging method overrides `compress`.
+- The method gathers the tokens the scorer keeps (a subclass may merge them instead, see `compress`).
+A method that is not built from the two (GraceKV's prototype trees) implements the protocol itself.
 
 Scorers and allocators are small frozen dataclasses registered by name; their fields are the options a
 method spec can set (see `methods.presets`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -61,16 +63,15 @@ class Scorer:
     """Which entries a head keeps."""
 
     name = "scorer"
-    needs_accumulated_attention = False  # True: the prefill must sum every query's attention (H2O)
+    routable = True  # False: cannot be one layer's scorer in a route (the router itself)
 
     def floor(self) -> int:
         """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
         return 1
 
     def requirements(self) -> Requirements:
-        """What the prefill must record for this scorer: its observation window, accumulated attention."""
-        return Requirements(capture_window=int(getattr(self, "window", 0) or 0),
-                            accumulated_attention=bool(self.needs_accumulated_attention))
+        """What the prefill must record for this scorer (nothing by default; window scorers override)."""
+        return Requirements()
 
     def scores(self, state: PrefillState, layer: int) -> torch.Tensor:
         """Float32 scores [H_kv, m] of the scored candidates (higher = keep), comparable across heads."""
@@ -99,8 +100,8 @@ class Allocator:
         return integer_budgets(self.layer_weights(num_layers, budget, floor), budget, length, floor)
 
     def requirements(self) -> Requirements:
-        """What the prefill must record for this allocator (prompt-dependent allocators override)."""
-        return Requirements(capture_window=int(getattr(self, "window", 0) or 0))
+        """What the prefill must record for this allocator (nothing by default; CAKE's window overrides)."""
+        return Requirements()
 
     def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
         """The `[L, H_kv]` budget matrix for one prefilled prompt."""
@@ -108,8 +109,39 @@ class Allocator:
         return np.repeat(np.asarray(per_layer, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
 
 
+class Method(Protocol):
+    """What engine and pipeline ask of a method: what the prefill must record, and entries at a budget.
+
+    `budgets` and `compress` are called on the same prefill; `layer_budgets` answers without a prompt
+    (a UserError when the method's budgets depend on it: `prompt_dependent`). `describe` is everything
+    that determines the output (written to config.json).
+    """
+
+    label: str
+    preset: str
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def is_full(self) -> bool: ...
+
+    @property
+    def prompt_dependent(self) -> bool: ...
+
+    def describe(self) -> dict: ...
+
+    def requirements(self) -> Requirements: ...
+
+    def layer_budgets(self, num_layers: int, budget: int, length: int) -> list[int]: ...
+
+    def budgets(self, state: PrefillState, budget: int) -> np.ndarray: ...
+
+    def compress(self, state: PrefillState, budget: int) -> list[entries.LayerEntries]: ...
+
+
 @dataclass(frozen=True)
-class Method:
+class AllocatorScorer:
     """A named, fully resolved method: allocator x scorer (`scorer` None keeps everything: the full cache)."""
 
     label: str
@@ -125,6 +157,11 @@ class Method:
     def is_full(self) -> bool:
         return self.scorer is None
 
+    @property
+    def prompt_dependent(self) -> bool:
+        """Whether budgets depend on the prompt's scores (not only its length)."""
+        return bool(self.allocator.needs_prompt)
+
     def describe(self) -> dict:
         """Everything that determines this method's output (written to config.json)."""
         if self.is_full:
@@ -133,11 +170,6 @@ class Method:
         if self.scorer is not None:
             described["scorer"] = {"name": self.scorer.name, **options_of(self.scorer)}
         return described
-
-    @property
-    def needs_accumulated_attention(self) -> bool:
-        """Whether the prefill must accumulate attention for this method (`prefill(accumulate=True)`)."""
-        return self.scorer is not None and bool(self.scorer.needs_accumulated_attention)
 
     def requirements(self) -> Requirements:
         """The union of what the allocator and the scorer need from the prefill (nothing for the full cache)."""

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Allocator, check_integers, register_allocator
+from ripplekv.methods.budgets import check_budget, integer_budgets
 from ripplekv.methods.snapkv import window_attention
 
 
@@ -57,6 +58,9 @@ class CAKE(Allocator):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise UserError(f"option {name} must be a positive number, got {value!r}")
         check_integers({"window": self.window}, minimum=2, why="CAKE measures variance over it")
+
+    def requirements(self) -> Requirements:
+        return Requirements(capture_window=self.window)  # entropy and variance of the window's attention
 
     def preferences(self, state) -> list[float]:
         """P_l for every layer of one prefilled prompt."""

@@ -29,21 +29,19 @@ import numpy as np
 import torch
 
 from ripplekv.engine import adapter, entries
-from ripplekv.methods.budgets import check_budget
+from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import (Allocator, Method, Scorer, check_integers, check_positive, register_allocator,
-                                   register_scorer)
+from ripplekv.methods.base import check_integers, check_positive, options_of
+from ripplekv.methods.budgets import check_budget
 from ripplekv.methods.snapkv import window_scores
-from ripplekv.engine.prefill import PrefillState
 
 TINY = 1e-30  # keeps relative errors finite where a node's true attention underflows to zero
 LARGE = 1e6
 
 
-@register_scorer("gracekv")
 @dataclass(frozen=True)
-class GraceKVScorer(Scorer):
-    """GraceKV's options; its scores are the relevance R (window attention, un-pooled)."""
+class GraceKVOptions:
+    """GraceKV's options (the fields a spec such as `gracekv:slot=32` sets)."""
 
     window: int = 32
     sinks: int = 4
@@ -61,43 +59,42 @@ class GraceKVScorer(Scorer):
         if not self.beta >= 0:
             raise UserError(f"option beta must be >= 0, got {self.beta!r}")
 
-    def floor(self) -> int:
-        return self.window
 
-    def scores(self, state, layer):
-        return window_scores(state, layer, min(self.window, state.length), 1, "none")
-
-    def keep(self, state, layer, counts):
-        raise UserError("the gracekv scorer builds prototypes, not a token mask: use the gracekv method")
-
-
-@register_allocator("gracekv")
 @dataclass(frozen=True)
-class GraceKVAllocator(Allocator):
-    """The global greedy: per-(layer, head) counts are what the prototype trees win for this prompt."""
+class GraceKV:
+    """The GraceKV method (a `Method`): budgets and entries come from one global greedy over prototype trees,
+    so it is not an allocator x scorer; `budgets` and `compress` share one build per (prompt, budget)."""
 
-    needs_prompt = True
+    label: str
+    preset: str
+    options: GraceKVOptions
+
+    Options = GraceKVOptions  # what a spec's options build (methods.presets)
+    is_full = False
+    prompt_dependent = True
     prompt_note = ("its per-layer and per-head counts are what its prototype trees win on each prompt, "
                    "recorded per sample by `ripplekv eval`")
 
-    def layer_budgets(self, num_layers, budget, length, floor):
+    @property
+    def name(self) -> str:
+        return self.label
+
+    def describe(self) -> dict:
+        """In the allocator/scorer layout of every method's config entry, so runs written before still resume."""
+        return {"preset": self.preset, "allocator": {"name": "gracekv"},
+                "scorer": {"name": "gracekv", **options_of(self.options)}}
+
+    def requirements(self) -> Requirements:
+        return Requirements(capture_window=self.options.window)  # relevance and distortion use the window's queries
+
+    def layer_budgets(self, num_layers, budget, length):
         raise UserError(f"gracekv splits budgets by the prompt's scores; {self.prompt_note}")
 
-    def allocate(self, state, budget, scorer):
-        return build(state, budget, _grace(scorer)).counts
-
-
-class GraceKV(Method):
-    """Builds prototype entries; `budgets` and `compress` share one build per (prompt, budget)."""
+    def budgets(self, state, budget):
+        return build(state, budget, self.options).counts
 
     def compress(self, state, budget):
-        return build(state, budget, _grace(self.scorer)).entries
-
-
-def _grace(scorer) -> GraceKVScorer:
-    if not isinstance(scorer, GraceKVScorer):
-        raise UserError(f"gracekv needs its own scorer (got {scorer.name!r}); drop scorer= from the spec")
-    return scorer
+        return build(state, budget, self.options).entries
 
 
 # --------------------------------------------------------------------------- layout
@@ -133,7 +130,7 @@ class Layout:
         return cum[1:] > cum[:-1], cum[:-1].clamp(max=max(self.remaining - 1, 0))
 
 
-def layout(length: int, budget: int, opts: GraceKVScorer, num_units: int) -> Layout | None:
+def layout(length: int, budget: int, opts: GraceKVOptions, num_units: int) -> Layout | None:
     """The split of a budget B < n into exact tokens and tree actions; None when B < sinks + window."""
     window = min(opts.window, length)
     sinks = min(opts.sinks, length - window)
@@ -308,7 +305,7 @@ def layer_trees(state: PrefillState, layer: int, plan: Layout, rope: RopeTable) 
                       relevance[rows, index], torch.sort(singles, dim=-1).values + plan.sinks, has.to(keys.device))
 
 
-def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVScorer, rope: RopeTable) -> list[torch.Tensor]:
+def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVOptions, rope: RopeTable) -> list[torch.Tensor]:
     """Action priorities of one layer: [add roots [H, slots], split level 0 [H, slots], split level k [H, slots 2^k]...]."""
     trees = layer_trees(state, layer, plan, rope)
     has = trees.has
@@ -385,7 +382,7 @@ class Build:
     entries: list[entries.LayerEntries]
 
 
-def build(state: PrefillState, budget: int, opts: GraceKVScorer) -> Build:
+def build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
     """GraceKV's entries for one prompt and budget, computed once and kept in `state.scores`."""
     check_budget(budget)
     key = ("gracekv", opts, budget)
@@ -394,7 +391,7 @@ def build(state: PrefillState, budget: int, opts: GraceKVScorer) -> Build:
     return state.scores[key]
 
 
-def _build(state: PrefillState, budget: int, opts: GraceKVScorer) -> Build:
+def _build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
     layers, heads, n = state.num_layers, state.num_kv_heads, state.length
     if n <= budget:
         return Build(np.full((layers, heads), n, dtype=np.int64), [state.full_entries(l) for l in range(layers)])
@@ -422,7 +419,7 @@ def _build(state: PrefillState, budget: int, opts: GraceKVScorer) -> Build:
     return Build(counts, built)
 
 
-def layer_entries(state, layer: int, plan: Layout, opts: GraceKVScorer, rope: RopeTable,
+def layer_entries(state, layer: int, plan: Layout, opts: GraceKVOptions, rope: RopeTable,
                   chosen: list[torch.Tensor]) -> entries.LayerEntries:
     """Sinks, singletons, the tree nodes that are present and not split, and the window, in position order."""
     trees = layer_trees(state, layer, plan, rope)

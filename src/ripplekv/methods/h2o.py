@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_positive, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
@@ -23,10 +24,11 @@ from ripplekv.methods.snapkv import WindowScorer
 @register_scorer("h2o")
 @dataclass(frozen=True)
 class H2OScorer(WindowScorer):
-    needs_accumulated_attention = True
-
     def __post_init__(self):
         check_positive(window=self.window)
+
+    def requirements(self) -> Requirements:
+        return Requirements(accumulated_attention=True)  # column sums over every prompt query, no window queries
 
     def scores(self, state, layer):
         if state.accumulated is None:

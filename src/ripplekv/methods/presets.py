@@ -14,18 +14,27 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
+from ripplekv import defaults
 from ripplekv.errors import UserError
-from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
 from ripplekv.methods.gracekv import GraceKV
 
 
 @dataclass(frozen=True)
 class Preset:
+    """A named method: an allocator x a scorer (`scorer` None: the full cache), or a method class of its own
+    (`own`, built from its `Options`) when it is not made of the two."""
+
     name: str
-    allocator: str
+    allocator: str | None
     scorer: str | None
     about: str
-    kind: type = Method  # a Method subclass for methods that build their own entries (merging)
+    kind: type = AllocatorScorer  # an AllocatorScorer subclass for methods that merge what they keep
+    own: type | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.own is None and self.scorer is None
 
 
 PRESETS: dict[str, Preset] = {}
@@ -33,8 +42,9 @@ PRESETS: dict[str, Preset] = {}
 FILE_OPTIONS = ("allocation", "route")
 
 
-def preset(name: str, allocator: str, scorer: str | None, about: str, kind: type = Method) -> None:
-    PRESETS[name] = Preset(name, allocator, scorer, about, kind)
+def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
+           own: type | None = None) -> None:
+    PRESETS[name] = Preset(name, allocator, scorer, about, kind, own)
 
 
 preset("full", "uniform", None, "every entry of every layer (the reference)")
@@ -52,8 +62,13 @@ preset("cake", "cake", "snapkv", "CAKE: layer budgets from window attention's en
 preset("depthkv", "file", "h2o", "DepthKV: budgets proportional to eviction sensitivity (--allocation), H2O scores")
 preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--route), uniform budgets")
 preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
-preset("gracekv", "gracekv", "gracekv", "GraceKV (our reading): prototype trees of every layer, head and slot "
-       "compete for one global budget", GraceKV)
+preset("gracekv", None, None, "GraceKV (our reading): prototype trees of every layer, head and slot "
+       "compete for one global budget", own=GraceKV)
+
+# The commands' default choices (ripplekv.defaults) must name presets.
+for _chosen in (*defaults.DEFAULT_EVAL_METHODS, *defaults.DEFAULT_ROUTE_CANDIDATES, *defaults.UNIFORM_BASELINES,
+                defaults.ALLOCATION_METHOD, defaults.ALLOCATION_PLOT_BESIDE, defaults.EVICTION_METHOD):
+    assert _chosen in PRESETS, f"ripplekv.defaults names {_chosen!r}, which is not a preset"
 
 
 def method_names() -> list[str]:
@@ -105,6 +120,21 @@ def _component(kind: str, registry: dict, name: str, spec: str):
     return registry[name]
 
 
+def components(chosen: Preset, given: dict, spec: str) -> dict[str, type]:
+    """The classes a spec's options go to: {"allocator": ..., "scorer": ...}, or {"options": ...} for a method
+    of its own (which takes no allocator= or scorer=), or {} for the full cache. Pops allocator= and scorer=."""
+    if chosen.own is not None:
+        swapped = sorted({"allocator", "scorer"} & set(given))
+        if swapped:
+            raise UserError(f"method {chosen.name!r} is not an allocator x scorer: it takes no {'/'.join(swapped)}= "
+                            "(drop it from the spec)")
+        return {"options": chosen.own.Options}
+    if chosen.is_full:
+        return {}
+    return {"allocator": _component("allocator", ALLOCATORS, given.pop("allocator", chosen.allocator), spec),
+            "scorer": _component("scorer", SCORERS, given.pop("scorer", chosen.scorer), spec)}
+
+
 def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     """Build a method from a spec. `options` must each apply (like the spec's own); `shared` options (the
     command line's --window, --allocation, ...) apply to the methods that take them and are ignored by the rest."""
@@ -113,43 +143,57 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
         raise UserError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
     chosen = PRESETS[name]
     label = name + "".join(f":{key}={Path(given[key]).name if key in FILE_OPTIONS else given[key]}" for key in sorted(given))
-    if chosen.scorer is None:
+    if chosen.is_full:
         if given or options:
             raise UserError(f"method {name!r} takes no options (got {', '.join(sorted({**given, **options}))})")
-        return Method(label, name, ALLOCATORS["uniform"](), None)
-    allocator_cls = _component("allocator", ALLOCATORS, given.pop("allocator", chosen.allocator), spec)
-    scorer_cls = _component("scorer", SCORERS, given.pop("scorer", chosen.scorer), spec)
-    allocator_keys, scorer_keys = _option_names(allocator_cls), _option_names(scorer_cls)
+        return chosen.kind(label, name, ALLOCATORS["uniform"](), None)
+    classes = components(chosen, given, spec)
+    keys = {part: _option_names(cls) for part, cls in classes.items()}
+    takes = set().union(*keys.values())
     strict = {**options, **given}
-    unknown = sorted(set(strict) - allocator_keys - scorer_keys)
+    unknown = sorted(set(strict) - takes)
     if unknown:
-        takes = ", ".join(sorted(allocator_keys | scorer_keys)) or "nothing"
-        raise UserError(f"method {label!r}: unknown option(s) {', '.join(unknown)}; it takes: {takes}")
+        raise UserError(f"method {label!r}: unknown option(s) {', '.join(unknown)}; it takes: {', '.join(sorted(takes)) or 'nothing'}")
     merged = {k: v for k, v in (shared or {}).items() if v is not None}
     merged.update(strict)
-    allocator_options = {k: _convert(allocator_cls, k, v, spec) for k, v in merged.items() if k in allocator_keys}
-    scorer_options = {k: _convert(scorer_cls, k, v, spec) for k, v in merged.items() if k in scorer_keys}
     try:
-        allocator, scorer = allocator_cls(**allocator_options), scorer_cls(**scorer_options)
+        built = {part: cls(**{k: _convert(cls, k, v, spec) for k, v in merged.items() if k in keys[part]})
+                 for part, cls in classes.items()}
     except UserError as err:
         raise UserError(f"method {label!r}: {err}") from None
-    return chosen.kind(label, name, allocator, scorer)
+    if chosen.own is not None:
+        return chosen.own(label, name, built["options"])
+    return chosen.kind(label, name, built["allocator"], built["scorer"])
+
+
+def options_taken(specs) -> set[str]:
+    """Every option some of these methods take (as their components declare them); unknown names add none."""
+    taken: set[str] = set()
+    for spec in specs:
+        name, given = parse_spec(spec)
+        chosen = PRESETS.get(name)
+        if chosen is None:
+            continue
+        try:
+            classes = components(chosen, dict(given), spec)
+        except UserError:
+            continue
+        for cls in classes.values():
+            taken |= _option_names(cls)
+    return taken
 
 
 def shared_option_users(specs, shared: dict) -> dict[str, bool]:
     """For each shared option that is set: does any of these methods take it? (An unused flag is a mistake.)"""
-    used = {key: False for key, value in shared.items() if value is not None}
-    for spec in specs:
-        name, given = parse_spec(spec)
-        chosen = PRESETS.get(name)
-        if chosen is None or chosen.scorer is None:
-            continue
-        allocator = ALLOCATORS.get(given.get("allocator", chosen.allocator))
-        scorer = SCORERS.get(given.get("scorer", chosen.scorer))
-        names = (_option_names(allocator) if allocator else set()) | (_option_names(scorer) if scorer else set())
-        for key in used:
-            used[key] = used[key] or key in names
-    return used
+    taken = options_taken(specs)
+    return {key: key in taken for key, value in shared.items() if value is not None}
+
+
+def component_names(chosen: Preset) -> tuple[str, str]:
+    """(allocator, scorer) of a preset as `ripplekv methods` shows them."""
+    if chosen.own is not None:
+        return "(own)", "(own)"
+    return chosen.allocator or "-", chosen.scorer or "-"
 
 
 def defaults_of(component: type) -> dict:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Scorer, register_scorer
+from ripplekv.methods.base import AllocatorScorer, Scorer, register_scorer
 
 
 def read_route(path: str | Path) -> list[str]:
@@ -52,7 +53,7 @@ class Router(Scorer):
         scorers = []
         for spec in specs:
             method = make_method(spec)
-            if method.scorer is None or isinstance(method.scorer, Router):
+            if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
                 raise UserError(f"route file {self.route}: {spec!r} cannot be routed to (it needs a scorer)")
             scorers.append(method.scorer)
         object.__setattr__(self, "scorers", tuple(scorers))
@@ -63,9 +64,10 @@ class Router(Scorer):
             raise UserError(f"route {self.route} has {len(self.scorers)} layers but the model has {state.num_layers}")
         return self.scorers[layer]
 
-    @property
-    def needs_accumulated_attention(self) -> bool:
-        return any(s.needs_accumulated_attention for s in self.scorers)
+    routable = False  # a route names scorers; a router cannot be one of them
+
+    def requirements(self) -> Requirements:
+        return Requirements.of_all(self.scorers)
 
     def floor(self) -> int:
         return max(s.floor() for s in self.scorers)

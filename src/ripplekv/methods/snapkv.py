@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
-from ripplekv.engine.prefill import PrefillState
+from ripplekv.engine.prefill import PrefillState, Requirements
 
 POOLINGS = ("max", "avg", "none")
 
@@ -95,6 +95,9 @@ class SnapKVScorer(WindowScorer):
         if self.pooling not in POOLINGS:
             raise UserError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(POOLINGS)}")
         check_positive(window=self.window, kernel=self.kernel)
+
+    def requirements(self) -> Requirements:
+        return Requirements(capture_window=self.window)  # the observation window's queries
 
     def scores(self, state, layer):
         return window_scores(state, layer, min(self.window, state.length), self.kernel, self.pooling)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_positive, register_scorer
 from ripplekv.methods.snapkv import WindowScorer, window_attention
@@ -38,6 +39,9 @@ class TOVAScorer(WindowScorer):
         if self.heads not in HEADS:
             raise UserError(f"option heads must be one of {', '.join(HEADS)}, got {self.heads!r}")
         check_positive(window=self.window)
+
+    def requirements(self) -> Requirements:
+        return Requirements(capture_window=1)  # the last prompt token's query, whatever window is kept
 
     def scores(self, state, layer):
         attention = last_query_attention(state, layer)

@@ -84,19 +84,21 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     scored together in one batch. With a `UnitLog`, prompts already in it are skipped and each finished
     prompt's rows are logged, so an interrupted sweep resumes.
     """
+    from ripplekv.defaults import ALLOCATION_METHOD
     from ripplekv.engine.decode import full_reference, measure_fidelity, stop_tokens
+    from ripplekv.engine.prefill import Requirements, prefill_for
     from ripplekv.methods import make_method
-    from ripplekv.engine.prefill import prefill
 
     rows = []
-    methods = [make_method("ripplekv", multipliers=tuple(multipliers(sensitivity, r))) for r in ratios]
+    methods = [make_method(ALLOCATION_METHOD, multipliers=tuple(multipliers(sensitivity, r))) for r in ratios]
+    needs = Requirements.of_all(methods)
     stop = stop_tokens(model)
     for index, prompt in enumerate(prompts):
         if log is not None and prompt.sample_id in log.done:
             rows.extend(log.done[prompt.sample_id])
             continue
         first = len(rows)
-        state = prefill(model, prompt.context + prompt.probe, reserve=max_new_tokens)
+        state = prefill_for(model, prompt.context + prompt.probe, needs, reserve=max_new_tokens)
         reference = full_reference(model, state, max_new_tokens, stop)
         scores = measure_fidelity(model, state, [m.compress(state, budget) for m in methods], reference, len(methods))
         for ratio, score in zip(ratios, scores):
@@ -123,10 +125,11 @@ def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ripplekv.defaults import ALLOCATION_METHOD, ALLOCATION_PLOT_BESIDE
     from ripplekv.methods import make_method
 
-    ripple = make_method("ripplekv", multipliers=tuple(mult)).layer_budgets(num_layers, budget, prompt_len)
-    pyramid = make_method("pyramidkv").layer_budgets(num_layers, budget, prompt_len)
+    ripple = make_method(ALLOCATION_METHOD, multipliers=tuple(mult)).layer_budgets(num_layers, budget, prompt_len)
+    pyramid = make_method(ALLOCATION_PLOT_BESIDE).layer_budgets(num_layers, budget, prompt_len)
     layers = np.arange(num_layers)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.bar(layers, mult, color="tab:blue")
@@ -135,7 +138,7 @@ def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int
     left.set_ylabel("budget multiplier")
     left.set_title(f"budget multipliers ({mapping})", fontsize=9)
     right.plot(layers, ripple, marker="o", ms=3, label=f"this allocation (sum {sum(ripple)})")
-    right.plot(layers, pyramid, marker="s", ms=3, label=f"pyramidkv (sum {sum(pyramid)})")
+    right.plot(layers, pyramid, marker="s", ms=3, label=f"{ALLOCATION_PLOT_BESIDE} (sum {sum(pyramid)})")
     right.axhline(budget, color="grey", lw=0.8, ls="--", label=f"uniform {budget} (sum {budget * num_layers})")
     right.set_xlabel("layer")
     right.set_ylabel("entries per KV head")

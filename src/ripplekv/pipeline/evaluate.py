@@ -24,20 +24,23 @@ from pathlib import Path
 
 import numpy as np
 
-from ripplekv.methods.budgets import check_budget
+from ripplekv.defaults import DEFAULT_EVAL_METHODS
+from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.errors import UserError
+from ripplekv.methods.budgets import check_budget
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import check_output, exclusive, other_files, write_json
 
 PROTOCOLS = ("with-question", "context-only")
-DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
+DEFAULT_METHODS = DEFAULT_EVAL_METHODS
 # config.json keys a run may grow in: a rerun adds the missing lines and the union is recorded.
 GROWABLE = ("budgets", "methods", "method_specs", "tasks", "limit", "samples")
 # config.json keys that do not change results, so a rerun may differ in them (the allocation's hash
-# is compared only when both runs use ripplekv; method specs, which hold the files' contents, are compared
-# method by method).
+# is compared only when both runs have a method that reads --allocation; method specs, which hold the
+# files' contents, are compared method by method; the capture window follows the methods, and queries
+# captured beyond a method's window are never read).
 NOT_COMPARED = ("ripplekv_version", "model", "allocation", "allocation_sha256", "route", "route_sha256", "versions",
-                "device_name", *GROWABLE)
+                "device_name", "capture_window", *GROWABLE)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,6 @@ class EvalSettings:
     max_length: int = 7500
     batch_size: int = 16
     seed: int = 0
-    capture_window: int = 64
     method_options: dict = field(default_factory=dict)
     route: str | None = None
     device: str = "auto"
@@ -166,7 +168,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "max_length": settings.max_length,
         "batch_size": settings.batch_size,
         "seed": settings.seed,
-        "capture_window": settings.capture_window,
+        "capture_window": captured_window(Requirements.of_all(built)),
         "method_options": dict(sorted(settings.method_options.items())),
         "allocation": str(Path(allocation).resolve()) if allocation else None,
         "allocation_sha256": file_sha256(allocation),
@@ -199,10 +201,20 @@ def _differing(old: dict, new: dict, keys) -> list[str]:
                if _without_file_paths(old_specs[label]) != _without_file_paths(new_specs[label])]
     if changed:
         differing.append(f"options of {', '.join(sorted(changed))}")
-    both_ripplekv = "ripplekv" in old.get("methods", ()) and "ripplekv" in new.get("methods", ())
-    if both_ripplekv and "allocation_sha256" in keys and old.get("allocation_sha256") != new.get("allocation_sha256"):
+    both_read_it = allocation_readers(old) & allocation_readers(new)
+    if both_read_it and "allocation_sha256" in keys and old.get("allocation_sha256") != new.get("allocation_sha256"):
         differing.append("allocation_sha256")
     return differing
+
+
+def allocation_readers(config: dict) -> set[str]:
+    """The methods of a run that read its --allocation: their allocator takes an allocation that their own
+    spec does not name (as the method specs in config.json record them)."""
+    from ripplekv.methods import parse_spec
+
+    specs = config.get("method_specs", {})
+    return {label for label in config.get("methods", ())
+            if "allocation" in specs.get(label, {}).get("allocator", {}) and "allocation" not in parse_spec(label)[1]}
 
 
 def merge_config(old: dict | None, new: dict) -> dict:
@@ -220,7 +232,7 @@ def merge_config(old: dict | None, new: dict) -> dict:
     for task, ids in new.get("samples", {}).items():
         samples[task] = list(dict.fromkeys([*samples.get(task, []), *ids]))
     merged["samples"] = samples
-    if "ripplekv" not in new["methods"]:  # the allocation that made the old ripplekv lines
+    if not allocation_readers(new):  # the allocation that made the old lines of the methods that read it
         merged["allocation"], merged["allocation_sha256"] = old.get("allocation"), old.get("allocation_sha256")
     return merged
 
@@ -346,7 +358,7 @@ def evaluate_sample(
     sid: str,
     max_length: int = 7500,
     batch_size: int = 16,
-    capture_window: int = 64,
+    needs: Requirements | None = None,
     variants: Sequence[tuple[str, int]] | None = None,
     with_full: bool = True,
     progress=None,
@@ -358,6 +370,8 @@ def evaluate_sample(
     the missing ones); `with_full=False` leaves out the full row (already written; it is still decoded,
     as the fidelity reference). `progress(kind, units)` is called after the prefill ("prefill", prompt
     tokens) and after each decode ("decode", variants x max new tokens), for an ETA from work done.
+
+    `needs`: what the prefill records; by default the union of what `methods` declare.
 
     `protocol`: "with-question" compresses the whole prompt (SnapKV's and KVCache-Factory's protocol);
     "context-only" prefills and compresses the context alone (its observation window is the end of the
@@ -376,9 +390,8 @@ def evaluate_sample(
 
         cut = question_start(task, record, tokenizer, max_length)
         ids, question = ids[:cut], list(ids[cut:])
-    accumulate = any(method.needs_accumulated_attention for method in methods.values())
-    state = prefill(model, ids, capture_window=capture_window, reserve=len(question) + task.max_new_tokens,
-                    accumulate=accumulate)
+    needs = Requirements.of_all(methods.values()) if needs is None else needs
+    state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens)
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
     stops = stop_ids(task, tokenizer, model)
@@ -439,11 +452,11 @@ def evaluate_sample(
     return rows
 
 
-def prefill(model, ids, capture_window: int = 64, reserve: int = 0, accumulate: bool = False):
+def prefill(model, ids, needs: Requirements, reserve: int = 0):
     """The engine's prefill (a module-level name so tests can prove a resumed run never calls it)."""
-    from ripplekv.engine.prefill import prefill as engine_prefill
+    from ripplekv.engine.prefill import prefill_for
 
-    return engine_prefill(model, ids, capture_window=capture_window, reserve=reserve, accumulate=accumulate)
+    return prefill_for(model, ids, needs, reserve=reserve)
 
 
 # --------------------------------------------------------------------------- the run
@@ -476,7 +489,7 @@ def check_model_fits(plan: Plan) -> None:
 
     layers = load_config(plan.settings.model).num_hidden_layers
     for method in plan.methods.values():
-        if not method.allocator.needs_prompt:
+        if not method.prompt_dependent:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
 
 
@@ -485,7 +498,7 @@ def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, j
     model, tokenizer = loaded
     return evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, sid=job.sid,
                            max_length=settings.max_length, batch_size=settings.batch_size,
-                           capture_window=settings.capture_window, variants=job.variants, with_full=job.with_full,
+                           variants=job.variants, with_full=job.with_full,
                            progress=progress, protocol=settings.protocol)
 
 

@@ -21,11 +21,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+
+from ripplekv.defaults import EVICTION_METHOD
 from ripplekv.engine import adapter
 from ripplekv.engine.cache import CompressedCache, CompressedLayer, VariantOverride
+from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.engine.prefill import prefill
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 
 SIGNALS = ("noise", "evict")
@@ -89,11 +91,22 @@ def _generator(seed: int, sample_index: int, layer: int) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * seed + 10_007 * sample_index + layer)
 
 
+def eviction_method():
+    """The method `--signal evict` evicts each layer with (ripplekv.defaults)."""
+    return make_method(EVICTION_METHOD)
+
+
+def profile_requirements(settings: ProfileSettings) -> Requirements:
+    """What a profile's prefill records: the eviction method's needs when it evicts (and the probe's length)."""
+    needs = Requirements(capture_window=settings.probe_tokens)
+    return needs.union(eviction_method().requirements()) if settings.signal == "evict" else needs
+
+
 def layer_overrides(state, settings: ProfileSettings, seed: int, sample_index: int) -> list[VariantOverride]:
     """One override per layer: layer l's perturbation, to be applied in variant l."""
     overrides = []
     if settings.signal == "evict":
-        keep = make_method("snapkv").select(state, settings.evict_budget)
+        keep = eviction_method().select(state, settings.evict_budget)
     for layer in range(state.num_layers):
         if settings.signal == "noise":
             delta = noise_delta(state.values[layer], settings.eta, _generator(seed, sample_index, layer))
@@ -112,7 +125,7 @@ def kl_per_variant(clean: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor
 @torch.inference_mode()
 def profile_prompt(model, prompt: CalibrationPrompt, settings: ProfileSettings, sample_index: int) -> np.ndarray:
     """KL per (seed, layer) for one sample, from a single prefill of its context."""
-    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens), reserve=len(prompt.probe))
+    state = prefill_for(model, prompt.context, profile_requirements(settings), reserve=len(prompt.probe))
     return profile_state(model, state, prompt.probe, settings, sample_index)
 
 

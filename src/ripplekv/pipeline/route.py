@@ -27,14 +27,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ripplekv.engine import entries
-from ripplekv.methods.budgets import check_budget, uniform_budgets
-from ripplekv.engine.decode import stop_tokens
-from ripplekv.errors import UserError
 from ripplekv.analysis.report import _pyplot as report_pyplot
-from ripplekv.engine.prefill import prefill
+from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES
+from ripplekv.engine import entries
+from ripplekv.engine.decode import stop_tokens
+from ripplekv.engine.prefill import Requirements, prefill_for
+from ripplekv.errors import UserError
+from ripplekv.methods.budgets import check_budget, uniform_budgets
 
-DEFAULT_CANDIDATES = ("snapkv", "streamingllm", "h2o", "tova", "knorm")
+DEFAULT_CANDIDATES = DEFAULT_ROUTE_CANDIDATES
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class RouteSettings:
 
 def candidate_methods(specs) -> list:
     """The candidate methods, resolved through the registry; only their scorers are used."""
-    from ripplekv.methods import PRESETS, make_method, parse_spec
+    from ripplekv.methods import PRESETS, AllocatorScorer, make_method, parse_spec
 
     if len(specs) < 1:
         raise UserError("--methods is empty; name at least one candidate, e.g. --methods snapkv,streamingllm")
@@ -70,7 +71,7 @@ def candidate_methods(specs) -> list:
             raise UserError(f"candidate method {spec!r} is not registered in this version; "
                             "pass --methods with methods from `ripplekv methods`")
         method = make_method(spec)
-        if method.is_full or method.scorer.name == "router":
+        if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
             raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
         built.append(method)
     labels = [m.label for m in built]
@@ -80,10 +81,9 @@ def candidate_methods(specs) -> list:
 
 
 def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
-    """The one prefill every routing step uses, capturing enough window queries for every candidate."""
-    window = max([64, probe_tokens, *(getattr(m.scorer, "window", 0) for m in candidates)])
-    accumulate = any(m.needs_accumulated_attention for m in candidates)
-    return prefill(model, ids, capture_window=window, reserve=reserve, accumulate=accumulate)
+    """The one prefill every routing step uses, recording what every candidate needs."""
+    needs = Requirements.of_all(candidates).union(Requirements(capture_window=probe_tokens))
+    return prefill_for(model, ids, needs, reserve=reserve)
 
 
 def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""The layout's rules: no method named in engine, pipeline or analysis code; what methods declare they need."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from ripplekv.engine.prefill import Requirements
+from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS, make_method
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "ripplekv"
+# The project's own name, where it means the project (not the ripplekv method).
+PROJECT_NAME_USES = {("engine/cache.py", "ATTENTION_NAME ="), ("engine/models.py", '".cache"')}
+
+
+def named_methods(package: str) -> list[str]:
+    """`file:line: name` for every string literal in `package` that is exactly a preset, scorer or allocator name."""
+    names = set(PRESETS) | set(SCORERS) | set(ALLOCATORS)
+    found = []
+    for path in sorted((SRC / package).rglob("*.py")):
+        relative = path.relative_to(SRC).as_posix()
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                line = lines[node.lineno - 1]
+                if any(relative == where and marker in line for where, marker in PROJECT_NAME_USES):
+                    continue
+                found.append(f"{relative}:{node.lineno}: {node.value!r}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["engine", "pipeline", "analysis"])
+def test_no_method_is_named_in_engine_pipeline_or_analysis(package):
+    """Methods declare what they need (requirements, prompt_dependent, routable); code outside methods/
+    never asks for one by name. The commands' default choices live in ripplekv.defaults."""
+    assert named_methods(package) == []
+
+
+def test_the_name_check_can_fail(tmp_path, monkeypatch):
+    bad = tmp_path / "pipeline"
+    bad.mkdir()
+    (bad / "x.py").write_text('def f(m):\n    return m.scorer.name == "router" or "ripplekv" in m.label\n')
+    monkeypatch.setattr("tests.test_structure.SRC", tmp_path)
+    assert named_methods("pipeline") == ["pipeline/x.py:2: 'router'", "pipeline/x.py:2: 'ripplekv'"]
+
+
+def test_requirements_follow_the_methods(tmp_path):
+    route = tmp_path / "route.csv"
+    route.write_text("layer,method\n0,snapkv:window=96\n1,h2o\n")
+    cases = {
+        "full": Requirements(),
+        "snapkv": Requirements(capture_window=32),
+        "snapkv:window=128": Requirements(capture_window=128),
+        "tova": Requirements(capture_window=1),
+        "h2o": Requirements(accumulated_attention=True),
+        "knorm": Requirements(),
+        "streamingllm": Requirements(),
+        "cake:window=48": Requirements(capture_window=48),  # its allocator's window; its SnapKV scorer's is 32
+        "gracekv:window=80": Requirements(capture_window=80),
+        f"routed:route={route}": Requirements(capture_window=96, accumulated_attention=True),
+    }
+    for spec, expected in cases.items():
+        assert make_method(spec).requirements() == expected, spec
+    union = Requirements.of_all(make_method(spec) for spec in ("snapkv:window=128", "h2o", "tova"))
+    assert union == Requirements(capture_window=128, accumulated_attention=True)
