@@ -65,3 +65,22 @@ def test_requirements_follow_the_methods(tmp_path):
         assert make_method(spec).requirements() == expected, spec
     union = Requirements.of_all(make_method(spec) for spec in ("snapkv:window=128", "h2o", "tova"))
     assert union == Requirements(capture_window=128, accumulated_attention=True)
+
+
+def test_every_task_of_every_suite_resolves_to_one_metric_and_one_generation_length():
+    """The registry is the one task -> metric table: a name shared by two suites (offline hotpotqa and
+    LongBench's) must score and generate alike, since a prediction file names only the dataset."""
+    from ripplekv.metrics.scoring import METRICS, metric_for
+    from ripplekv.tasks.registry import all_tasks, list_suites, task_named
+
+    by_name: dict[str, set] = {}
+    for task in all_tasks():
+        assert task.metric in METRICS, task.name
+        assert isinstance(task.max_new_tokens, int) and task.max_new_tokens > 0, task.name
+        assert (task.builder is not None) == (task.suite == "offline"), task.name
+        by_name.setdefault(task.name, set()).add((task.metric, task.max_new_tokens, task.first_line))
+    assert {task.suite for task in all_tasks()} == set(list_suites())
+    shared = {name: rules for name, rules in by_name.items() if len(rules) > 1}
+    assert shared == {}
+    for name, ((metric, max_new, _),) in by_name.items():
+        assert metric_for(name) == metric and task_named(name).max_new_tokens == max_new

@@ -314,94 +314,44 @@ _GOOGLE_ROUGE = {"rouge": google_rouge_score, "rouge_zh": google_rouge_zh_score}
 # Metrics that score the whole answer list at once instead of the best single answer.
 _WHOLE_LIST_METRICS = {"string_match"}
 
-_LONGBENCH = {
-    "narrativeqa": "qa_f1",
-    "qasper": "qa_f1",
-    "multifieldqa_en": "qa_f1",
-    "multifieldqa_zh": "qa_f1_zh",
-    "hotpotqa": "qa_f1",
-    "2wikimqa": "qa_f1",
-    "musique": "qa_f1",
-    "dureader": "rouge_zh",
-    "gov_report": "rouge",
-    "qmsum": "rouge",
-    "multi_news": "rouge",
-    "vcsum": "rouge_zh",
-    "trec": "classification",
-    "triviaqa": "qa_f1",
-    "samsum": "rouge",
-    "lsht": "classification",
-    "passage_retrieval_en": "retrieval",
-    "passage_count": "count",
-    "passage_retrieval_zh": "retrieval_zh",
-    "lcc": "code_sim",
-    "repobench-p": "code_sim",
-}
-
-# The 13 datasets that LongBench-E ships (`<name>_e`); scored like their LongBench originals.
-LONGBENCH_E = (
-    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
-    "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
-)
-
-# Our bundled offline tasks.
-_OFFLINE = {
-    "hotpotqa": "qa_f1",
-    "squad": "qa_f1",
-    "passage_retrieval": "retrieval",
-    "passage_count": "count",
-    "niah": "string_match",
-    "niah_multikey": "string_match",
-    "code_completion": "code_sim",
-}
-
-DATASET_METRIC: dict[str, str] = {
-    **_LONGBENCH,
-    **{f"{name}_e": _LONGBENCH[name] for name in LONGBENCH_E},
-    **_OFFLINE,
-}
-
-# The official scorer keeps only the first line of the prediction for these (few-shot datasets
-# whose models tend to keep generating further examples).
-_FIRST_LINE_DATASETS = {"trec", "triviaqa", "samsum", "lsht"}
-
 LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
 
 
-def metric_for(dataset: str) -> str:
-    """The metric name for a dataset or task; unknown names are a user error listing known ones."""
+def task_of(dataset):
+    """The registry's task for a task or a dataset name (a UserError listing the known names)."""
+    from ripplekv.tasks.registry import Task, task_named
+
+    return dataset if isinstance(dataset, Task) else task_named(dataset)
+
+
+def metric_for(dataset) -> str:
+    """The metric name for a task or a dataset name (the task registry's `metric`)."""
+    return task_of(dataset).metric
+
+
+def is_longbench_e(dataset) -> bool:
+    """A LongBench-E dataset (`<name>_e`), whose samples fall into the 0-4k / 4-8k / 8k+ buckets (an unknown
+    name is not one)."""
     try:
-        return DATASET_METRIC[dataset]
-    except KeyError:
-        raise UserError(
-            f"unknown dataset {dataset!r}; known: {', '.join(sorted(DATASET_METRIC))}"
-        ) from None
-
-
-def _base_name(dataset: str) -> str:
-    """LongBench-E name -> LongBench name (`trec_e` -> `trec`); other names unchanged."""
-    if dataset.endswith("_e") and dataset[:-2] in LONGBENCH_E:
-        return dataset[:-2]
-    return dataset
-
-
-def is_longbench_e(dataset: str) -> bool:
-    """A LongBench-E dataset (`<name>_e`), whose samples fall into the 0-4k / 4-8k / 8k+ buckets."""
-    return _base_name(dataset) != dataset
+        return task_of(dataset).suite == "longbench-e"
+    except UserError:
+        return False
 
 
 def score_sample(
-    dataset: str,
+    dataset,
     prediction: str,
     answers: Sequence[str],
     all_classes: Sequence[str] | None = None,
     rouge: str = "official",
 ) -> float:
-    """One sample's score in [0, 1]: the best metric value over the gold answers (0 with none),
-    after the official first-line cut for trec, triviaqa, samsum and lsht. `rouge` picks the ROUGE-L
-    implementation for the ROUGE datasets (`official` or `rouge-score`)."""
-    metric = metric_for(dataset)
-    if _base_name(dataset) in _FIRST_LINE_DATASETS:
+    """One sample's score in [0, 1]: the best metric value over the gold answers (0 with none), after the
+    official first-line cut where the task asks for it (trec, triviaqa, samsum, lsht). `dataset` is a task
+    or a dataset name. `rouge` picks the ROUGE-L implementation for the ROUGE datasets (`official` or
+    `rouge-score`)."""
+    task = task_of(dataset)
+    metric = task.metric
+    if task.first_line:
         prediction = prediction.lstrip("\n").split("\n")[0]
     fn = METRICS[metric]
     if check_rouge(rouge) == "rouge-score" and metric in _GOOGLE_ROUGE:

@@ -424,7 +424,7 @@ def evaluate_sample(
 
     def row(name, budget, out_tokens, entry_counts, kl, agreement):
         prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
-        score = score_sample(task.name, prediction, record["answers"], record.get("all_classes"))
+        score = score_sample(task, prediction, record["answers"], record.get("all_classes"))
         per_layer = entry_counts.sum(1)
         fields = {
             **base,

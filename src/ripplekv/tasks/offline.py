@@ -579,7 +579,8 @@ def _code_completion(b: _Builder, n: int) -> list[dict]:
     return samples
 
 
-_BUILDERS = {
+# The builders the task registry names (tasks.registry.OFFLINE_TASKS).
+BUILDERS = {
     "hotpotqa": _hotpotqa,
     "squad": _squad,
     "passage_retrieval": _passage_retrieval,
@@ -593,8 +594,8 @@ _BUILDERS = {
 def build_samples(task, tokenizer, *, split: str = "eval", limit: int | None = None,
                   target_tokens: int = 3500, seed: int = 0) -> list[dict]:
     """The first `limit` (default: DEFAULT_SIZES[split]) samples of an offline task's split."""
-    if task.name not in _BUILDERS:
-        raise UserError(f"unknown offline task {task.name!r}; known: {', '.join(_BUILDERS)}")
+    if task.builder is None:
+        raise UserError(f"{task.name!r} is not an offline task (it has no builder)")
     if not MIN_TARGET_TOKENS <= target_tokens <= MAX_TARGET_TOKENS:
         raise UserError(f"target length must be at least {MIN_TARGET_TOKENS} and at most {MAX_TARGET_TOKENS} tokens, "
                         f"got {target_tokens}")
@@ -603,4 +604,4 @@ def build_samples(task, tokenizer, *, split: str = "eval", limit: int | None = N
         raise UserError(f"the offline suite builds at most {MAX_SAMPLES} samples per task; "
                         f"ask for {MAX_SAMPLES} or fewer, got {n}")
     builder = _Builder(task, tokenizer, split, target_tokens, seed)
-    return _BUILDERS[task.name](builder, n)
+    return task.builder(builder, n)

@@ -1,4 +1,7 @@
-"""The task registry: every task of every suite, with its prompt, metric and generation settings.
+"""The task registry: every task of every suite, with its prompt, metric, generation settings and builder.
+
+This is the one task -> metric table: scoring reads `task.metric` (a prediction file's dataset name is
+resolved to its task by `task_named`).
 
 Three suites: the bundled `offline` suite (built from real texts shipped with the install, no
 download), `longbench` (the 21 LongBench v1 datasets) and `longbench-e` (the 13 LongBench-E sets,
@@ -7,10 +10,12 @@ named `<dataset>_e`). LongBench tasks take the official prompt, generation lengt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
 
-from ripplekv.tasks import prompts
 from ripplekv.errors import UserError
+from ripplekv.tasks import prompts
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,10 @@ class Task:
     max_new_tokens: int
     prompt_template: str
     chat_template: bool
-    stop_at_newline: bool
+    stop_at_newline: bool  # generation stops at a newline (LongBench's samsum)
+    first_line: bool = False  # scoring keeps the prediction's first line (the official scorer's few-shot rule)
+    # offline tasks: builds `n` samples from an `offline._Builder`; LongBench tasks are read from files
+    builder: Callable | None = field(default=None, compare=False, repr=False)
 
     @property
     def dataset(self) -> str:
@@ -56,22 +64,25 @@ LONGBENCH_DATASETS = {
     "lcc": ("Code", "code_sim"),
     "repobench-p": ("Code", "code_sim"),
 }
+# The official scorer keeps only the first line of the prediction for these (few-shot datasets whose
+# models tend to keep generating further examples).
+FIRST_LINE_DATASETS = ("trec", "triviaqa", "samsum", "lsht")
 LONGBENCH_E_DATASETS = (
     "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news",
     "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
 )
 
-# name: (category, metric, max_new_tokens). niah tasks count as "Synthetic", where LongBench puts its
-# own synthetic retrieval tasks. Generation lengths: LongBench's for the borrowed formats; 32 for
-# answers of a few tokens.
+# name: (category, metric, max_new_tokens, builder in `tasks.offline`). niah tasks count as "Synthetic",
+# where LongBench puts its own synthetic retrieval tasks. Generation lengths: LongBench's for the
+# borrowed formats; 32 for answers of a few tokens.
 OFFLINE_TASKS = {
-    "hotpotqa": ("Multi-Doc QA", "qa_f1", 32),
-    "squad": ("Single-Doc QA", "qa_f1", 32),
-    "passage_retrieval": ("Synthetic", "retrieval", 32),
-    "passage_count": ("Synthetic", "count", 32),
-    "niah": ("Synthetic", "string_match", 32),
-    "niah_multikey": ("Synthetic", "string_match", 32),
-    "code_completion": ("Code", "code_sim", 64),
+    "hotpotqa": ("Multi-Doc QA", "qa_f1", 32, "hotpotqa"),
+    "squad": ("Single-Doc QA", "qa_f1", 32, "squad"),
+    "passage_retrieval": ("Synthetic", "retrieval", 32, "passage_retrieval"),
+    "passage_count": ("Synthetic", "count", 32, "passage_count"),
+    "niah": ("Synthetic", "string_match", 32, "niah"),
+    "niah_multikey": ("Synthetic", "string_match", 32, "niah_multikey"),
+    "code_completion": ("Code", "code_sim", 64, "code_completion"),
 }
 
 SUITES = ("offline", "longbench", "longbench-e")
@@ -88,11 +99,14 @@ def _longbench_task(dataset: str, suite: str) -> Task:
         prompt_template=prompts.official_prompts()[dataset],
         chat_template=dataset not in prompts.NO_CHAT_DATASETS,
         stop_at_newline=dataset in prompts.STOP_AT_NEWLINE_DATASETS,
+        first_line=dataset in FIRST_LINE_DATASETS,
     )
 
 
 def _offline_task(name: str) -> Task:
-    category, metric, max_new = OFFLINE_TASKS[name]
+    from ripplekv.tasks import offline  # the builders (a large module, imported when a task is made)
+
+    category, metric, max_new, builder = OFFLINE_TASKS[name]
     return Task(
         name=name,
         suite="offline",
@@ -102,6 +116,7 @@ def _offline_task(name: str) -> Task:
         prompt_template=prompts.offline_prompt(name),
         chat_template=name != "code_completion",  # lcc-style, like LongBench's lcc
         stop_at_newline=False,
+        builder=offline.BUILDERS[builder],
     )
 
 
@@ -113,6 +128,22 @@ def _suite_tasks(suite: str) -> list[Task]:
     if suite == "longbench-e":
         return [_longbench_task(name, suite) for name in LONGBENCH_E_DATASETS]
     raise UserError(f"unknown suite {suite!r}; known suites: {', '.join(SUITES)}")
+
+
+def all_tasks() -> list[Task]:
+    """Every task of every suite, suites in `SUITES` order."""
+    return [task for suite in SUITES for task in _suite_tasks(suite)]
+
+
+@lru_cache(maxsize=None)
+def task_named(name: str) -> Task:
+    """The task a bare name means (a prediction file's `dataset`): a LongBench or LongBench-E dataset, or an
+    offline task. Same-named tasks of two suites score alike (a test checks it), so the first one serves."""
+    for task in all_tasks():
+        if task.name == name:
+            return task
+    known = sorted({task.name for task in all_tasks()})
+    raise UserError(f"unknown dataset {name!r}; known: {', '.join(known)}")
 
 
 def list_suites() -> list[str]:
