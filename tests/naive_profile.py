@@ -12,9 +12,9 @@ from transformers import DynamicCache
 
 from ripplekv.engine import entries
 from ripplekv.engine.cache import build_cache
-from ripplekv.engine.decode import forward_tokens
+from ripplekv.engine.decode import forward_tokens, kl_per_variant
 from ripplekv.engine.prefill import prefill
-from ripplekv.pipeline.profile import CalibrationPrompt, ProfileSettings, kl_per_variant, layer_overrides
+from ripplekv.pipeline.profile import CalibrationPrompt, ProfileSettings, layer_overrides
 
 
 @torch.inference_mode()

@@ -11,8 +11,7 @@ import torch
 
 from ripplekv.engine import entries
 from ripplekv.engine.cache import build_cache
-from ripplekv.engine.decode import forward_tokens
-from ripplekv.pipeline.profile import kl_per_variant
+from ripplekv.engine.decode import forward_tokens, kl_per_variant
 from ripplekv.pipeline.route import layer_keep, route_prefill
 
 

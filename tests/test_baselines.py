@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from ripplekv.engine import accumulate
-from ripplekv.pipeline import evaluate
-from ripplekv.methods.budgets import integer_budgets
+from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
-from ripplekv.engine.prefill import Requirements
 from ripplekv.methods import make_method
-from ripplekv.engine.prefill import prefill
+from ripplekv.methods.budgets import integer_budgets
+from ripplekv.pipeline import evaluate
 from tests.test_budgets import fake_state
 
 

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripplekv.methods.budgets import integer_budgets
+from ripplekv.engine.prefill import PrefillState
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.engine.prefill import PrefillState
+from ripplekv.methods.budgets import integer_budgets
 from tests.conftest import every_method, tiny_llama
 
 

@@ -11,9 +11,9 @@ from transformers import DynamicCache
 from ripplekv.engine import entries
 from ripplekv.engine.cache import CompressedLayer, build_cache, compressed_attention
 from ripplekv.engine.decode import fidelity, greedy_decode, teacher_forced_logprobs
+from ripplekv.engine.prefill import prefill
 from ripplekv.methods import AllocatorScorer, make_method
 from tests.conftest import every_method
-from ripplekv.engine.prefill import prefill
 
 
 def prompt(length=120, vocab=101, seed=1):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ripplekv.cli import app as cli
+from ripplekv.engine.decode import stop_tokens
 from ripplekv.pipeline import evaluate
 
 BUDGETS = (32, 64)
@@ -109,7 +110,7 @@ def test_full_cache_is_the_models_own_greedy_answer(base_run, tiny_model_dir):
         record = load_samples(task, tokenizer, limit=1, target_tokens=300)[0]
         ids = torch.tensor([build_prompt_ids(task, record, tokenizer, 7500)])
         out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=False,
-                             eos_token_id=evaluate.stop_ids(task, tokenizer, model), pad_token_id=0)
+                             eos_token_id=stop_tokens(model, tokenizer, task.stop_at_newline), pad_token_id=0)
         assert full[task.name]["prediction"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     others = [r for r in rows(base_run) if r["method"] != "full"]
     assert all(r["kl"] >= 0.0 and 0.0 <= r["agreement"] <= 1.0 for r in others)
@@ -363,9 +364,9 @@ def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
 
 def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, allocation):
     """The ETA's work units: prompt tokens at prefill, then (1 + variants) x max new tokens of decoding."""
-    from ripplekv.tasks import get_tasks, load_samples
-    from ripplekv.methods import make_method
     from ripplekv.engine.models import load_model
+    from ripplekv.methods import make_method
+    from ripplekv.tasks import get_tasks, load_samples
 
     model, tokenizer, _ = load_model(str(tiny_model_dir))
     task = get_tasks("offline", ["niah"])[0]

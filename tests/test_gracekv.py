@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from ripplekv.engine import adapter
 from ripplekv.engine.decode import greedy_decode, teacher_forced_logprobs
+from ripplekv.engine.prefill import prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.methods.gracekv import RopeTable, distortion, greedy_order, summarize, unrotate
-from ripplekv.engine.prefill import prefill
 from tests.conftest import tiny_llama
 from tests.test_budgets import fake_state
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripplekv.metrics import scoring as M
 from ripplekv.errors import UserError
+from ripplekv.metrics import scoring as M
 
 # Outputs of the official LongBench scorer on public cases, committed so a fresh clone checks parity.
 CASES_PATH = Path(__file__).parent / "data" / "longbench_metric_cases.jsonl"

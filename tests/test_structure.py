@@ -84,3 +84,108 @@ def test_every_task_of_every_suite_resolves_to_one_metric_and_one_generation_len
     assert shared == {}
     for name, ((metric, max_new, _),) in by_name.items():
         assert metric_for(name) == metric and task_named(name).max_new_tokens == max_new
+
+
+# --------------------------------------------------------------------------- the import rule
+
+# What each package may import (besides itself, errors and the torch-free defaults): cli -> pipeline ->
+# libraries; methods -> engine; nothing imports pipeline or cli.
+LIBRARIES = {"engine", "methods", "tasks", "metrics", "runs", "analysis"}
+MAY_IMPORT = {
+    "cli": {"pipeline", *LIBRARIES, "ripplekv"},
+    "pipeline": {*LIBRARIES, "ripplekv"},
+    "analysis": {"metrics", "runs", "engine"},
+    "methods": {"engine", "ripplekv"},
+    "metrics": {"tasks"},
+    "tasks": {"engine"},
+    "runs": set(),
+    "engine": set(),
+}
+EVERYWHERE = {"errors", "defaults"}
+
+
+def module_imports(src: Path) -> dict[str, set[str]]:
+    """Module -> the ripplekv modules it imports (anywhere in the file, lazy imports included)."""
+    files = {path: ".".join(path.relative_to(src.parent).with_suffix("").parts).removesuffix(".__init__")
+             for path in src.rglob("*.py")}
+    names = set(files.values())
+    graph: dict[str, set[str]] = {}
+    for path, module in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+            else:
+                continue
+            for target in targets:
+                while target and target not in names:
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    found.add(target)
+        graph[module] = found
+    return graph
+
+
+def rule_violations(src: Path) -> list[str]:
+    graph = module_imports(src)
+
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else parts[0]
+
+    bad = []
+    for module, targets in sorted(graph.items()):
+        own = package(module)
+        if own not in MAY_IMPORT:
+            continue
+        for target in sorted(targets):
+            other = package(target)
+            if other != own and other not in EVERYWHERE and other not in MAY_IMPORT[own]:
+                bad.append(f"{module} imports {target}")
+    return bad
+
+
+def circles(src: Path) -> list[list[str]]:
+    """Import circles among modules (a module importing its own package's __init__ does not count)."""
+    graph = module_imports(src)
+    graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    found, state = [], {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def test_the_import_rule_holds():
+    assert rule_violations(SRC) == []
+
+
+def test_no_import_circles():
+    assert circles(SRC) == []
+
+
+def test_the_import_checks_can_fail(tmp_path):
+    src = tmp_path / "ripplekv"
+    for package in ("engine", "methods", "pipeline"):
+        (src / package).mkdir(parents=True)
+        (src / package / "__init__.py").write_text("")
+    (src / "__init__.py").write_text("")
+    (src / "engine" / "a.py").write_text("from ripplekv.methods import b\n")
+    (src / "methods" / "b.py").write_text("def f():\n    from ripplekv.engine.a import x\n    import ripplekv.pipeline.c\n")
+    (src / "pipeline" / "c.py").write_text("")
+    assert set(rule_violations(src)) == {"ripplekv.engine.a imports ripplekv.methods",
+                                         "ripplekv.engine.a imports ripplekv.methods.b",
+                                         "ripplekv.methods.b imports ripplekv.pipeline.c"}
+    assert ["ripplekv.engine.a", "ripplekv.methods.b", "ripplekv.engine.a"] in circles(src)

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from ripplekv.analysis import stats
+from ripplekv.analysis.plots import pyplot
 from ripplekv.defaults import UNIFORM_BASELINES
 from ripplekv.errors import UserError
 from ripplekv.metrics.scoring import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
@@ -288,13 +289,7 @@ def leaderboard_wide(scores: pd.DataFrame, board: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------- plots
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+_pyplot = pyplot
 
 
 def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:

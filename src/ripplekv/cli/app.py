@@ -157,7 +157,7 @@ def _progress_bar(description: str, total: int, completed: int = 0):
     """A rich progress bar with ETA; returns (progress, advance callback)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from ripplekv.cli.progress import Throughput
+    from ripplekv.pipeline.progress import Throughput
 
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -294,7 +294,7 @@ def route_command(
 
     from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.engine.models import load_model, resolve_device_dtype, runtime_info
-    from ripplekv.pipeline.profile import calibration_hash, calibration_prompts
+    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
     from ripplekv.pipeline.route import RouteSettings, candidate_methods, parse_caps, run_route, write_route
 
     settings = RouteSettings(parse_names(methods), budget, probe_tokens, batch_size, tuple(max_share), placements,

@@ -19,10 +19,27 @@ from ripplekv.engine.prefill import PrefillState
 Variants = list[list[LayerEntries]] | None  # per variant, entries per layer; None = the full cache
 
 
-def stop_tokens(model) -> list[int]:
-    """The model's end-of-answer token ids (its generation config may give one id, several or none)."""
-    stop = model.generation_config.eos_token_id
-    return stop if isinstance(stop, list) else [stop] if stop is not None else []
+def stop_tokens(model, tokenizer=None, stop_at_newline: bool = False) -> list[int]:
+    """End-of-answer token ids: the model's generation config's (one id, several or none), the tokenizer's
+    EOS when one is given, and the newline for tasks that stop at the end of a line (as LongBench's pred.py)."""
+    ids: set[int] = set()
+    sources = [getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+    if tokenizer is not None:
+        sources.insert(0, tokenizer.eos_token_id)
+    for source in sources:
+        if source is not None:
+            ids.update(int(t) for t in (source if isinstance(source, (list, tuple)) else [source]))
+    if stop_at_newline:
+        if tokenizer is None:
+            raise ValueError("stopping at a newline needs the tokenizer")
+        ids.add(int(tokenizer.encode("\n", add_special_tokens=False)[-1]))
+    return sorted(ids)
+
+
+def kl_per_variant(clean: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
+    """KL(clean || perturbed) of log-prob rows [.., P, vocab], averaged over the P positions (clamped at 0
+    against rounding)."""
+    return (clean.exp() * (clean - perturbed)).sum(-1).clamp_min(0.0).mean(-1)
 
 
 def forward_tokens(model, cache: CompressedCache, tokens: torch.Tensor, start: int, logits_to_keep: int = 0):
@@ -117,8 +134,7 @@ def fidelity(reference_logprobs: torch.Tensor, variant_logprobs: torch.Tensor, t
 
     reference_logprobs [T, vocab] (full cache); variant_logprobs [V, T, vocab].
     """
-    ref = reference_logprobs[None]
-    kl = (ref.exp() * (ref - variant_logprobs)).sum(-1).clamp_min(0.0).mean(-1)  # [V]
+    kl = kl_per_variant(reference_logprobs[None], variant_logprobs)  # [V]
     target = torch.tensor(tokens, dtype=torch.long, device=variant_logprobs.device)[None]
     agree = (variant_logprobs.argmax(-1) == target).float().mean(-1)
     return [Fidelity(float(k), float(a)) for k, a in zip(kl.tolist(), agree.tolist())]

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ripplekv.engine import adapter
+from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
-from ripplekv.engine import entries
 
 DEFAULT_CAPTURE_WINDOW = 64
 
@@ -29,14 +28,14 @@ class Requirements:
     capture_window: int = 0  # the last w prompt tokens' queries (observation windows)
     accumulated_attention: bool = False  # every prompt query's attention summed per key (H2O)
 
-    def union(self, other: "Requirements") -> "Requirements":
+    def union(self, other: Requirements) -> Requirements:
         return Requirements(
             capture_window=max(self.capture_window, other.capture_window),
             accumulated_attention=self.accumulated_attention or other.accumulated_attention,
         )
 
     @staticmethod
-    def of_all(items) -> "Requirements":
+    def of_all(items) -> Requirements:
         """The union of the requirements of `items` (anything with a `requirements()` method)."""
         total = Requirements()
         for item in items:

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from ripplekv.engine import entries
-from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.errors import UserError
 from ripplekv.engine.prefill import PrefillState, Requirements
+from ripplekv.errors import UserError
+from ripplekv.methods.budgets import check_budget, integer_budgets
 
-SCORERS: dict[str, Callable[..., "Scorer"]] = {}
-ALLOCATORS: dict[str, Callable[..., "Allocator"]] = {}
+SCORERS: dict[str, Callable[..., Scorer]] = {}
+ALLOCATORS: dict[str, Callable[..., Allocator]] = {}
 
 
 def _registrar(registry: dict):

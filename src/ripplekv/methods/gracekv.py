@@ -187,15 +187,14 @@ class Sums:
     weighted_values: torch.Tensor  # [H, S, d] relevance x value
 
     @classmethod
-    def of_tokens(cls, keys, unrotated, values, positions, relevance, has) -> "Sums":
+    def of_tokens(cls, keys, unrotated, values, positions, relevance, has) -> Sums:
         real = has.to(keys.dtype)
         rel = relevance * real
         return cls(real, keys * real[:, None], unrotated * real[:, None], unrotated.norm(dim=-1) * real,
                    positions.to(keys.dtype) * real, rel, values * real[:, None], rel[..., None] * values)
 
-    def group(self, size: int) -> "Sums":
+    def group(self, size: int) -> Sums:
         """Sums over consecutive groups of `size` nodes (2: the level above)."""
-        heads = self.keys.shape[0]
 
         def seg(x):
             return x.reshape(*x.shape[:-2], -1, size, x.shape[-1]).sum(-2) if x.dim() == 3 else \

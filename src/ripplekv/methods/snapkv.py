@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
-from ripplekv.engine.prefill import PrefillState, Requirements
 
 POOLINGS = ("max", "avg", "none")
 

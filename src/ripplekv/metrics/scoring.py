@@ -25,9 +25,9 @@ import re
 import string
 import warnings
 from collections import Counter
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -188,7 +188,7 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         return [paths["csv"], paths["png"]]
     chosen = ratios[0]
     if len(ratios) > 1:
-        from ripplekv.pipeline.profile import calibration_hash, calibration_prompts
+        from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
 
         model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
         prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)

@@ -325,19 +325,6 @@ def append_rows(fh, rows: list[dict]) -> None:
 # --------------------------------------------------------------------------- one sample
 
 
-def stop_ids(task, tokenizer, model) -> list[int]:
-    """EOS id(s) of tokenizer and generation config, plus the newline for stop-at-newline tasks (as pred.py)."""
-    ids: set[int] = set()
-    generation = getattr(model, "generation_config", None)
-    for source in (tokenizer.eos_token_id, getattr(generation, "eos_token_id", None)):
-        if source is None:
-            continue
-        ids.update(int(t) for t in (source if isinstance(source, (list, tuple)) else [source]))
-    if task.stop_at_newline:
-        ids.add(int(tokenizer.encode("\n", add_special_tokens=False)[-1]))
-    return sorted(ids)
-
-
 def sample_id(record: dict, index: int, task) -> str:
     return str(record.get("_id") or f"{task.name}-{index}")
 
@@ -380,7 +367,7 @@ def evaluate_sample(
     """
     report = progress or (lambda kind, units: None)
     from ripplekv.tasks import build_prompt_ids
-    from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
+    from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity, stop_tokens
     from ripplekv.metrics.scoring import score_sample
 
     ids = build_prompt_ids(task, record, tokenizer, max_length)
@@ -394,7 +381,7 @@ def evaluate_sample(
     state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens)
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
-    stops = stop_ids(task, tokenizer, model)
+    stops = stop_tokens(model, tokenizer, task.stop_at_newline)
     reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
     report("decode", task.max_new_tokens)
 
@@ -648,7 +635,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ripplekv.analysis import report
-    from ripplekv.cli.progress import Throughput
+    from ripplekv.pipeline.progress import Throughput
 
     have = existing_lines(out)
     jobs = plan_jobs(plan, config, work, have, tokenizer)

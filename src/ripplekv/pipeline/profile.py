@@ -12,7 +12,6 @@ Signals: `noise` adds norm-adaptive Gaussian noise to layer l's values, v + eta 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -23,12 +22,13 @@ import pandas as pd
 import torch
 
 from ripplekv.defaults import EVICTION_METHOD
-from ripplekv.engine import adapter
-from ripplekv.engine.cache import CompressedCache, CompressedLayer, VariantOverride
+from ripplekv.engine.cache import VariantOverride
 from ripplekv.engine.prefill import Requirements, prefill_for
+from ripplekv.engine.probe import ProbeRunner
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
+from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
 
 SIGNALS = ("noise", "evict")
 DEFAULT_ETA = 0.3
@@ -59,22 +59,6 @@ class ProfileSettings:
             raise UserError("--seeds, --probe-tokens and --batch-size must be positive integers")
         if self.seeds > MAX_SEEDS:
             raise UserError(f"--seeds must be at most {MAX_SEEDS} (noise draws per sample), got {self.seeds}")
-
-
-@dataclass
-class CalibrationPrompt:
-    """One calibration sample: its id, the context to compress, and the probe tokens after it."""
-
-    sample_id: str
-    context: list[int]
-    probe: list[int]
-
-
-def split_prompt(sample_id: str, prompt_ids: list[int], probe_tokens: int, answer_ids=None) -> CalibrationPrompt:
-    """Context = all but the last `probe_tokens` prompt tokens; probe = those tokens (+ the answer)."""
-    if len(prompt_ids) <= probe_tokens + 1:
-        raise UserError(f"calibration sample {sample_id} has {len(prompt_ids)} tokens, too short for {probe_tokens} probe tokens")
-    return CalibrationPrompt(sample_id, list(prompt_ids[:-probe_tokens]), list(prompt_ids[-probe_tokens:]) + list(answer_ids or []))
 
 
 def noise_delta(values: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
@@ -117,96 +101,11 @@ def layer_overrides(state, settings: ProfileSettings, seed: int, sample_index: i
     return overrides
 
 
-def kl_per_variant(clean: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
-    """KL(clean || perturbed) of log-prob rows [.., P, vocab], averaged over probe positions."""
-    return (clean.exp() * (clean - perturbed)).sum(-1).clamp_min(0.0).mean(-1)
-
-
 @torch.inference_mode()
 def profile_prompt(model, prompt: CalibrationPrompt, settings: ProfileSettings, sample_index: int) -> np.ndarray:
     """KL per (seed, layer) for one sample, from a single prefill of its context."""
     state = prefill_for(model, prompt.context, profile_requirements(settings), reserve=len(prompt.probe))
     return profile_state(model, state, prompt.probe, settings, sample_index)
-
-
-class ProbeRunner:
-    """Runs the probe tokens over one prefilled context for many single-layer changes.
-
-    A variant changed in layer l equals the clean run below layer l, so it joins the batch only at
-    layer l, starting from the clean hidden state there: the batch grows with depth and about half of
-    the layer passes are saved. Several variants may join at one layer (routing's (layer, method)
-    trials): their key biases (-inf evicts) become that layer's per-variant prompt bias, so no K/V is
-    copied. Everything runs through the model's own decoder layers.
-    """
-
-    def __init__(self, model, state, probe_ids: list[int]):
-        self.model, self.state = model, state
-        self.probe = torch.tensor(probe_ids, dtype=torch.long, device=state.device)[None]
-        self.positions = torch.arange(state.length, state.length + self.probe.shape[1], device=state.device)[None]
-        self.layers = [
-            CompressedLayer(state.keys[i][None], state.values[i][None], None, state.length)
-            for i in range(state.num_layers)
-        ]
-        self.clean_inputs: list[torch.Tensor] = []
-        self.clean = self._run([], [])[0]
-
-    def _prepare(self, joins: list[int], changes: list[VariantOverride]) -> None:
-        """Set each layer's changes for rows that join there (rows are ordered by the layer they join at)."""
-        for layer in self.layers:
-            layer.keys = layer.values = layer.override = layer.prompt_bias = None
-        for index, layer in enumerate(self.layers):
-            rows = [row for row, join in enumerate(joins) if join == index]
-            biased = [row for row in rows if changes[row].key_bias is not None]
-            shifted = [row for row in rows if changes[row].value_delta is not None]
-            if len(shifted) > 1:
-                raise ValueError("at most one value perturbation per layer and pass")
-            if shifted:
-                layer.override = VariantOverride(shifted[0], value_delta=changes[shifted[0]].value_delta)
-            if biased:
-                bias = torch.zeros(rows[-1] + 1, *changes[biased[0]].key_bias.shape, device=self.state.device)
-                for row in biased:
-                    bias[row] = changes[row].key_bias
-                layer.prompt_bias = bias
-
-    def _run(self, joins: list[int], changes: list[VariantOverride]) -> torch.Tensor:
-        """Log-probs [rows, P, vocab]: row r is the clean run changed by changes[r] in layer joins[r]
-        (`joins` nondecreasing). With no rows: the clean run, recording each layer's clean input."""
-        record = not joins
-        cache = CompressedCache(self.layers, max(1, len(joins)))
-        self._prepare(joins, changes)
-        counts = np.bincount(np.asarray(joins, dtype=np.int64), minlength=len(self.layers))
-        hidden = adapter.embed(self.model, self.probe) if record else None
-        rotary = adapter.rotary(self.model, hidden if record else self.clean_inputs[0], self.positions)
-        for index, decoder in enumerate(adapter.decoder_layers(self.model)):
-            if record:
-                self.clean_inputs.append(hidden)
-            elif counts[index]:
-                joining = self.clean_inputs[index].repeat(int(counts[index]), 1, 1)
-                hidden = joining if hidden is None else torch.cat([hidden, joining])
-            if hidden is None:
-                continue
-            hidden = decoder(
-                hidden,
-                attention_mask=None,
-                position_ids=self.positions,
-                cache=cache,
-                use_cache=True,
-                position_embeddings=rotary,
-                ripplekv_cache=cache,
-            )
-        return torch.log_softmax(adapter.logits(self.model, hidden), -1)
-
-    def perturbed_kl(self, changes: list[VariantOverride], batch_size: int, layers: list[int] | None = None) -> np.ndarray:
-        """KL(clean || variant) for each change, applied in layer `layers[i]` (default: change i in layer i);
-        `batch_size` variants per pass, grouped by the layer they join at."""
-        layers = list(range(len(changes))) if layers is None else list(layers)
-        order = np.argsort(np.asarray(layers), kind="stable")
-        result = np.zeros(len(changes))
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            logprobs = self._run([layers[i] for i in chunk], [changes[i] for i in chunk])
-            result[chunk] = kl_per_variant(self.clean[None], logprobs).cpu().numpy()
-        return result
 
 
 @torch.inference_mode()
@@ -252,15 +151,6 @@ class Profile:
         first, second = self.per_sample[0::2].mean(0), self.per_sample[1::2].mean(0)
         rho = spearmanr(first, second).statistic
         return None if np.isnan(rho) else float(rho)
-
-
-def calibration_hash(prompts: list[CalibrationPrompt]) -> str:
-    """A short fingerprint of the exact calibration tokens, so a profile can be matched to its data."""
-    digest = hashlib.sha256()
-    for p in prompts:
-        digest.update(p.sample_id.encode())
-        digest.update(np.asarray(p.context + p.probe, dtype=np.int64).tobytes())
-    return digest.hexdigest()[:16]
 
 
 def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path) -> dict:
@@ -314,43 +204,6 @@ def plot_profile(summary: pd.DataFrame, meta: dict, path: Path, per_sample: np.n
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)
-
-
-def calibration_prompts(
-    tokenizer,
-    count: int,
-    probe_tokens: int,
-    target_tokens: int = 3500,
-    max_length: int = 7500,
-    with_answer: bool = False,
-    tasks: list[str] | None = None,
-    seed: int = 0,
-) -> list[CalibrationPrompt]:
-    """`count` prompts from the offline suite's calibration split, round-robin over its tasks.
-
-    The calibration split is disjoint from the evaluation samples, so profiling never sees them.
-    """
-    from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
-
-    if count < 1:
-        raise UserError(f"--calib-samples must be at least 1, got {count}")
-    chosen = get_tasks("offline", tasks)
-    per_task = -(-count // len(chosen))
-    pools = [
-        (task, load_samples(task, tokenizer, split="calibration", limit=per_task, target_tokens=target_tokens, seed=seed))
-        for task in chosen
-    ]
-    if not any(records for _, records in pools):
-        raise UserError("the calibration split is empty; build the offline suite or pass more --calib-samples")
-    prompts: list[CalibrationPrompt] = []
-    for index in range(per_task):
-        for task, records in pools:
-            if index < len(records) and len(prompts) < count:
-                record = records[index]
-                ids = build_prompt_ids(task, record, tokenizer, max_length)
-                answer = tokenizer(record["answers"][0], add_special_tokens=False).input_ids if with_answer else None
-                prompts.append(split_prompt(record["_id"], ids, probe_tokens, answer))
-    return prompts
 
 
 def profile_unit(settings: ProfileSettings, loaded: tuple, unit: tuple[int, CalibrationPrompt]) -> np.ndarray:

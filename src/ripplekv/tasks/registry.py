@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 from ripplekv.errors import UserError
 from ripplekv.tasks import prompts
@@ -135,7 +135,7 @@ def all_tasks() -> list[Task]:
     return [task for suite in SUITES for task in _suite_tasks(suite)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def task_named(name: str) -> Task:
     """The task a bare name means (a prediction file's `dataset`): a LongBench or LongBench-E dataset, or an
     offline task. Same-named tasks of two suites score alike (a test checks it), so the first one serves."""

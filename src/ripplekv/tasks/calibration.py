@@ -1,0 +1,75 @@
+"""Calibration prompts: samples of the offline suite's calibration split, cut into a context and probe tokens.
+
+`profile`, `allocate` and `route` calibrate on them; the split is disjoint from the evaluation samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ripplekv.errors import UserError
+
+
+@dataclass
+class CalibrationPrompt:
+    """One calibration sample: its id, the context to compress, and the probe tokens after it."""
+
+    sample_id: str
+    context: list[int]
+    probe: list[int]
+
+
+def split_prompt(sample_id: str, prompt_ids: list[int], probe_tokens: int, answer_ids=None) -> CalibrationPrompt:
+    """Context = all but the last `probe_tokens` prompt tokens; probe = those tokens (+ the answer)."""
+    if len(prompt_ids) <= probe_tokens + 1:
+        raise UserError(f"calibration sample {sample_id} has {len(prompt_ids)} tokens, too short for {probe_tokens} probe tokens")
+    return CalibrationPrompt(sample_id, list(prompt_ids[:-probe_tokens]), list(prompt_ids[-probe_tokens:]) + list(answer_ids or []))
+
+
+def calibration_hash(prompts: list[CalibrationPrompt]) -> str:
+    """A short fingerprint of the exact calibration tokens, so a profile can be matched to its data."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(p.sample_id.encode())
+        digest.update(np.asarray(p.context + p.probe, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def calibration_prompts(
+    tokenizer,
+    count: int,
+    probe_tokens: int,
+    target_tokens: int = 3500,
+    max_length: int = 7500,
+    with_answer: bool = False,
+    tasks: list[str] | None = None,
+    seed: int = 0,
+) -> list[CalibrationPrompt]:
+    """`count` prompts from the offline suite's calibration split, round-robin over its tasks.
+
+    The calibration split is disjoint from the evaluation samples, so profiling never sees them.
+    """
+    from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+
+    if count < 1:
+        raise UserError(f"--calib-samples must be at least 1, got {count}")
+    chosen = get_tasks("offline", tasks)
+    per_task = -(-count // len(chosen))
+    pools = [
+        (task, load_samples(task, tokenizer, split="calibration", limit=per_task, target_tokens=target_tokens, seed=seed))
+        for task in chosen
+    ]
+    if not any(records for _, records in pools):
+        raise UserError("the calibration split is empty; build the offline suite or pass more --calib-samples")
+    prompts: list[CalibrationPrompt] = []
+    for index in range(per_task):
+        for task, records in pools:
+            if index < len(records) and len(prompts) < count:
+                record = records[index]
+                ids = build_prompt_ids(task, record, tokenizer, max_length)
+                answer = tokenizer(record["answers"][0], add_special_tokens=False).input_ids if with_answer else None
+                prompts.append(split_prompt(record["_id"], ids, probe_tokens, answer))
+    return prompts
