@@ -72,6 +72,9 @@ class Scorer:
         return Requirements(capture_window=int(getattr(self, "window", 0) or 0),
                             accumulated_attention=bool(self.needs_accumulated_attention))
 
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse a model this scorer was not made for (a route lists its layers); most fit any model."""
+
     def scores(self, state: PrefillState, layer: int) -> torch.Tensor:
         """Float32 scores [H_kv, m] of the scored candidates (higher = keep), comparable across heads."""
         raise NotImplementedError
@@ -152,6 +155,7 @@ class Method:
         """Entries per KV head in each layer (prompt-independent allocators only)."""
         if self.is_full:
             return [length] * num_layers
+        self.scorer.check_layers(num_layers)
         return self.allocator.layer_budgets(num_layers, budget, length, self.floor())
 
     def budgets(self, state: PrefillState, budget: int) -> np.ndarray:

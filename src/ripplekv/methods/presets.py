@@ -112,6 +112,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     if name not in PRESETS:
         raise UserError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
     chosen = PRESETS[name]
+    raw = dict(given)
     label = name + "".join(f":{key}={Path(given[key]).name if key in FILE_OPTIONS else given[key]}" for key in sorted(given))
     if chosen.scorer is None:
         if given or options:
@@ -129,11 +130,32 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     merged.update(strict)
     allocator_options = {k: _convert(allocator_cls, k, v, spec) for k, v in merged.items() if k in allocator_keys}
     scorer_options = {k: _convert(scorer_cls, k, v, spec) for k, v in merged.items() if k in scorer_keys}
+    label = canonical_label(name, raw, {**scorer_options, **allocator_options})
     try:
         allocator, scorer = allocator_cls(**allocator_options), scorer_cls(**scorer_options)
     except UserError as err:
         raise UserError(f"method {label!r}: {err}") from None
     return chosen.kind(label, name, allocator, scorer)
+
+
+def _canonical(value) -> str:
+    """One spelling per value: 016 and 16 are 16, 10.0 and 1e1 are 10, 0.50 is 0.5."""
+    if isinstance(value, tuple):
+        return "/".join(_canonical(v) for v in value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
+    return str(value)
+
+
+def canonical_label(name: str, given: dict[str, str], converted: dict) -> str:
+    """The label of a spec from its parsed values, so that two spellings of one method are one label
+    (and so refused as a duplicate); files show their name only, components their name."""
+    def text(key: str) -> str:
+        if key in FILE_OPTIONS:
+            return Path(given[key]).name
+        return _canonical(converted[key]) if key in converted else given[key].strip()
+
+    return name + "".join(f":{key}={text(key)}" for key in sorted(given))
 
 
 def shared_option_users(specs, shared: dict) -> dict[str, bool]:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ripplekv.methods.budgets import check_budget
 from ripplekv.errors import UserError
-from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
+from ripplekv.runs.files import CONFIG, EVAL_FILES, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import check_output, exclusive, other_files, write_json
 
 PROTOCOLS = ("with-question", "context-only")
@@ -226,8 +226,7 @@ def merge_config(old: dict | None, new: dict) -> dict:
 
 
 # Everything `eval` writes into its run directory (plus report.render's files).
-RUN_FILES = (PREDICTIONS, CONFIG, "scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "summary.md",
-             "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png")
+RUN_FILES = EVAL_FILES
 
 
 def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
@@ -237,7 +236,7 @@ def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
     or an earlier `ripplekv eval` run: eval never writes into a folder holding anything else.
     """
     model = config.get("model_location") if str(config.get("model_location") or "").endswith(".gguf") else None
-    check_output(out, kind="dir", inputs=[config.get("allocation"), model], writes=RUN_FILES)
+    check_output(out, kind="dir", inputs=[config.get("allocation"), config.get("route"), model], writes=RUN_FILES, run="eval")
     config_path, predictions = out / CONFIG, out / PREDICTIONS
     if not config_path.is_file():
         if predictions.exists():
