@@ -113,6 +113,7 @@ def budgets(
     from ripplekv.methods.budgets import check_budget
     from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.methods import make_method
+    from ripplekv.methods.presets import check_distinct, degenerate_notes
 
     check_budget(budget)
     if prompt_len <= 0:
@@ -122,10 +123,13 @@ def budgets(
     shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     specs = parse_names(methods, "--methods")
     chosen = [make_method(spec, shared=shared) for spec in specs]
+    check_distinct(chosen)
     num_layers, kv_heads = model_shape(model)
     # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
     # says why it cannot (CAKE: layers depend on the prompt's attention).
     rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
+    for note in degenerate_notes(chosen, [budget]):
+        print(note, file=sys.stderr)
     for method in chosen:
         if method.allocator.needs_prompt:
             print(f"note: {method.label} splits each layer's budget across its KV heads by the prompt's scores; "
@@ -293,8 +297,12 @@ def route_command(
 
     from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.engine.models import resolve_device_dtype
-    from ripplekv.pipeline.route import RouteSettings, candidate_methods, parse_caps
+    from ripplekv.pipeline.route import RouteSettings, candidate_methods, check_route_dir, parse_caps
+    from ripplekv.runs.safeio import exclusive
 
+    listed = [part.strip() for part in methods.split(",") if part.strip()]
+    if len(set(listed)) < len(listed):
+        raise UserError(f"--methods lists a candidate twice ({methods}); name each candidate once")
     settings = RouteSettings(parse_names(methods), budget, probe_tokens, batch_size, tuple(max_share), placements,
                              max_new_tokens, seed)
     settings.check()
@@ -302,9 +310,6 @@ def route_command(
     parse_caps(settings.max_share, labels, model_shape(model)[0])  # bad caps fail before the model loads
     if calib_samples < 1 or placement_samples < 0:
         raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
-    from ripplekv.pipeline.route import check_route_dir
-    from ripplekv.runs.safeio import exclusive
-
     out_dir = check_route_dir(Path(out), model)
     console = Console(stderr=True)
     device, dtype = resolve_device_dtype(device, dtype)

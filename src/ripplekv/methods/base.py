@@ -72,6 +72,10 @@ class Scorer:
         return Requirements(capture_window=int(getattr(self, "window", 0) or 0),
                             accumulated_attention=bool(self.needs_accumulated_attention))
 
+    def degenerate(self, budget: int) -> str | None:
+        """What this scorer turns into at `budget` when an option leaves it no choice (None: it chooses)."""
+        return None
+
     def check_layers(self, num_layers: int) -> None:
         """Refuse a model this scorer was not made for (a route lists its layers); most fit any model."""
 

@@ -158,6 +158,33 @@ def canonical_label(name: str, given: dict[str, str], converted: dict) -> str:
     return name + "".join(f":{key}={text(key)}" for key in sorted(given))
 
 
+def check_distinct(methods, option: str = "--methods") -> None:
+    """Two entries that are one method (one label, or the same resolved options, as `snapkv` and
+    `snapkv:window=32`) are refused: they would be computed twice and ranked as rivals."""
+    import json
+
+    by_label: dict[str, str] = {}
+    by_options: dict[str, str] = {}
+    for method in methods:
+        resolved = json.dumps(method.describe(), sort_keys=True, default=str)
+        same = by_label.get(method.label) or by_options.get(resolved)
+        if same is not None:
+            raise UserError(f"{option} names one method twice ({same} and {method.label}); name each method once")
+        by_label[method.label] = by_options[resolved] = method.label
+
+
+def degenerate_notes(methods, budgets) -> list[str]:
+    """One `note:` line per method whose options leave it no choice at a budget (README, "Method
+    options"): it still runs, and its numbers are those of what it turns into, so the user is told."""
+    notes = []
+    for method in methods:
+        whys = {b: method.scorer.degenerate(b) for b in budgets} if method.scorer is not None else {}
+        hit = [b for b, why in whys.items() if why]
+        if hit:
+            notes.append(f"note: {method.label} at B={','.join(map(str, hit))}: {whys[hit[-1]]}")
+    return notes
+
+
 def shared_option_users(specs, shared: dict) -> dict[str, bool]:
     """For each shared option that is set: does any of these methods take it? (An unused flag is a mistake.)"""
     used = {key: False for key, value in shared.items() if value is not None}

@@ -50,6 +50,11 @@ class Router(Scorer):
         object.__setattr__(self, "scorers", tuple(scorers))
         object.__setattr__(self, "methods", tuple(specs))
 
+    def degenerate(self, budget: int) -> str | None:
+        found = [(spec, s.degenerate(budget)) for spec, s in zip(self.methods, self.scorers)]
+        found = [(spec, why) for spec, why in found if why]
+        return f"its layers routed to {found[0][0]}: {found[0][1]}" if found else None
+
     def check_layers(self, num_layers: int) -> None:
         check_layer_count(len(self.scorers), num_layers, f"route {self.route}", "route with the same model")
 

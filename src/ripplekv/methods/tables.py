@@ -38,7 +38,8 @@ def read_layer_table(path: str | Path, column: str, kind: str, remedy: str) -> l
         raise UserError(f"{kind} file {path} is not a readable CSV ({err})") from None
     numbered = [(number, row) for number, row in enumerate(rows, 1) if any(cell.strip() for cell in row)]
     if not numbered:
-        raise UserError(f"{kind} file {path} is empty; expected a header layer,{column} and one row per layer")
+        raise UserError(f"{kind} file {path} is not a readable CSV (it is empty); expected a header "
+                        f"layer,{column} and one row per layer")
     header = [cell.strip() for cell in numbered[0][1]]
     missing = [name for name in ("layer", column) if name not in header]
     if missing:
@@ -56,7 +57,8 @@ def read_layer_table(path: str | Path, column: str, kind: str, remedy: str) -> l
                             "(a whole number 0, 1, ...)")
         layer = int(layer)
         if layer in seen:
-            raise UserError(f"{kind} file {path} line {number}: layer {layer} is listed twice (also line {seen[layer][0]})")
+            raise UserError(f"{kind} file {path} line {number}: layer {layer} is listed twice (also line "
+                            f"{seen[layer][0]}); each layer must appear exactly once")
         seen[layer] = (number, row[at_value].strip())
     absent = [layer for layer in range(len(seen)) if layer not in seen]
     if absent:
@@ -74,10 +76,11 @@ def read_multipliers(path: str | Path, kind: str, remedy: str) -> list[float]:
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value < 0:
-            raise UserError(f"{kind} file {path} line {number}: multiplier {text!r} is not a finite number >= 0")
+            raise UserError(f"{kind} file {path} line {number}: multiplier {text!r} is not a finite number >= 0 "
+                            "(negative or non-numeric)")
         values.append(value)
     if not any(v > 0 for v in values):
-        raise UserError(f"{kind} file {path} has no positive multiplier; at least one layer must be above 0")
+        raise UserError(f"{kind} file {path} has no positive multiplier; all must be >= 0 and one > 0")
     return values
 
 

@@ -113,7 +113,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     from ripplekv import __version__
     from ripplekv.tasks import get_tasks
     from ripplekv.methods import make_method
-    from ripplekv.methods.presets import shared_option_users
+    from ripplekv.methods.presets import check_distinct, shared_option_users
     from ripplekv.engine.models import check_model_files, resolve_device_dtype, resolve_model, runtime_info
 
     for budget in settings.budgets:
@@ -141,8 +141,9 @@ def plan_eval(settings: EvalSettings) -> Plan:
     methods = {method.label: method for method in built}
     if len(methods) < len(built):
         repeated = sorted({m.label for m in built if sum(other.label == m.label for other in built) > 1})
-        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (file options are labelled "
-                        "by file name); give their files different names")
+        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (one method spelt twice, "
+                        "or file options with the same file name); name each method once, and give files different names")
+    check_distinct(built)
     names = tuple(methods)
     tasks = get_tasks(settings.suite, list(settings.tasks) or None)
     source = resolve_model(settings.model)
@@ -528,7 +529,10 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
 
     console = console or Console(stderr=True)
     out = Path(out)
+    from ripplekv.methods.presets import degenerate_notes
+
     plan = plan_eval(settings)
+    notes = [*notes, *degenerate_notes(plan.methods.values(), settings.budgets)]
     check_run_dir(out, plan.config)
     check_model_fits(plan)
     tokenizer = load_tokenizer(settings.model)

@@ -63,6 +63,7 @@ class RouteSettings:
 def candidate_methods(specs) -> list:
     """The candidate methods, resolved through the registry; only their scorers are used."""
     from ripplekv.methods import PRESETS, make_method, parse_spec
+    from ripplekv.methods.presets import check_distinct
 
     if len(specs) < 1:
         raise UserError("--methods is empty; name at least one candidate, e.g. --methods snapkv,streamingllm")
@@ -75,9 +76,7 @@ def candidate_methods(specs) -> list:
         if method.is_full or method.scorer.name == "router":
             raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
         built.append(method)
-    labels = [m.label for m in built]
-    if len(set(labels)) < len(labels):
-        raise UserError(f"--methods names a candidate twice ({', '.join(labels)})")
+    check_distinct(built)
     return built
 
 
