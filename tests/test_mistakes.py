@@ -75,6 +75,8 @@ def inputs(tmp_path_factory, tiny_model_dir) -> Path:
                                         {"input": "q3", "context": "c", "answers": ["c"], "_id": "x1"}),
         "lb_noans/hotpotqa.jsonl": _jsonl({"input": "q", "context": "c", "answers": []}),
         "empty_answers.jsonl": _jsonl(PRED, {**PRED, "answers": []}),
+        "evalstyle_noans.jsonl": _jsonl({"task": "narrativeqa", "prediction": "Max", "answers": [], "method": "snapkv",
+                                         "budget": 64}),
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +244,7 @@ CASES = [
     ([*EVAL, "--out", "{d}/o", "--methods", "h2o,h2o:window=32"], "names one method twice"),
     # class 4: data records
     ([*LB, "--data-dir", "{d}/lb_dup"], "line 3 repeats the _id 'x1' of line 1"),
-    (["tasks", "--suite", "longbench", "--data-dir", "{d}/lb_dup"], "repeats the _id 'x1'"),
+    (["score", "{d}/evalstyle_noans.jsonl", "--out", "{d}/o.csv"], "line 1: 'answers' is an empty list"),
     ([*LB, "--data-dir", "{d}/lb_noans"], "'answers' must be a non-empty list of strings"),
     (["score", "{d}/empty_answers.jsonl", "--out", "{d}/o.csv"], "line 2: 'answers' is an empty list"),
     # class 5: fail before work (Ray addresses, route candidates)
