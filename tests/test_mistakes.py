@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 PRED = {"dataset": "narrativeqa", "pred": "Max", "answers": ["Max Carl"], "all_classes": None}
+ROUTE = "layer,method\n0,snapkv\n1,snapkv\n2,h2o\n3,snapkv\n"
 SENSITIVITY = "layer,kl_mean,kl_std,kl_median,n_samples\n0,0.1,0,0.1,2\n1,0.4,0,0.4,2\n2,0.2,0,0.2,2\n3,0.3,0,0.3,2\n"
 
 
@@ -48,6 +49,34 @@ def inputs(tmp_path_factory, tiny_model_dir) -> Path:
         "mine/notes.txt": "my own notes\n",
         "oddrun/config.json": json.dumps({"command": "eval"}),
         "oddrun/predictions.jsonl": "[1, 2]\n",
+        # runs of other commands, which no command may write into
+        "profile/per_sample.csv": "sample_id,layer,kl\n",
+        "routerun/route.json": "{}\n",
+        "routerun/ROUTE.csv": ROUTE,
+        "allocdir/config.json": "layer,multiplier\n0,1\n1,1\n2,1\n3,1\n",
+        "promptdir/kept.png": "a prompt, named as inspect names its plot\n",
+        # layer tables (the tiny model has 4 layers)
+        "r_inf.csv": "layer,method\ninf,snapkv\n1,snapkv\n2,snapkv\n3,snapkv\n",
+        "r_empty.csv": "layer,method\n",
+        "r_frac.csv": "layer,method\n0,snapkv\n1.5,snapkv\n2,snapkv\n3,snapkv\n",
+        "r_short.csv": "layer,method\n0,snapkv\n1,snapkv\n2,snapkv\n",
+        "r_dup.csv": "layer,method\n0,snapkv\n1,snapkv\n1,h2o\n2,snapkv\n",
+        "r_unknown.csv": "layer,method\n0,snapkv\n1,nosuch\n2,snapkv\n3,snapkv\n",
+        "r_full.csv": "layer,method\n0,snapkv\n1,full\n2,snapkv\n3,snapkv\n",
+        "a_inf.csv": "layer,multiplier\n0,1\ninf,1\n2,1\n3,1\n",
+        "a_frac.csv": "layer,multiplier\n0,1\n1,1\n1.5,1\n3,1\n",
+        "a_infmult.csv": "layer,multiplier\n0,1\n1,inf\n2,1\n3,1\n",
+        "a_dup.csv": "layer,multiplier\n0,1\n1,1\n1,1\n2,1\n3,1\n",
+        "a_empty.csv": "layer,multiplier\n",
+        "a_zero.csv": "layer,multiplier\n0,0\n1,0\n2,0\n3,0\n",
+        # data records
+        "lb_dup/hotpotqa.jsonl": _jsonl({"input": "q", "context": "c", "answers": ["a"], "_id": "x1"},
+                                        {"input": "q2", "context": "c", "answers": ["b"], "_id": "x2"},
+                                        {"input": "q3", "context": "c", "answers": ["c"], "_id": "x1"}),
+        "lb_noans/hotpotqa.jsonl": _jsonl({"input": "q", "context": "c", "answers": []}),
+        "empty_answers.jsonl": _jsonl(PRED, {**PRED, "answers": []}),
+        "evalstyle_noans.jsonl": _jsonl({"task": "narrativeqa", "prediction": "Max", "answers": [], "method": "snapkv",
+                                         "budget": 64}),
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -71,6 +100,8 @@ LB = ["eval", "--model", "{model}", "--methods", "snapkv", "--suite", "longbench
       "--tasks", "hotpotqa"]
 PROFILE = ["profile", "--model", "{model}", "--calib-samples", "1", "--target-tokens", "300"]
 ALLOCATE = ["allocate", "{d}/sens.csv", "--model", "{model}"]
+BUDGETS = ["budgets", "--model", "{model}", "--methods"]
+INSPECT = ["inspect", "--model", "{model}", "--method", "snapkv", "--budget", "64", "--task", "niah", "--target-tokens", "300"]
 
 # (args, a piece of the one error line)
 CASES = [
@@ -162,6 +193,68 @@ CASES = [
     (["report", "{d}/binrun"], "is not valid JSON"),
     (["tasks", "--suite", "longbench", "--data-dir", "{d}/lb_bin"], "is not UTF-8 text"),
     (["tasks", "--suite", "nope"], "unknown suite"),
+    # issue 23, class 1: an output that is an input, or a file of another command's run folder
+    ([*ALLOCATE, "--out", "{d}/profile/per_sample.csv"], "holds a ripplekv profile"),
+    (["allocate", "{d}/profile/sensitivity.csv", "--model", "{model}", "--out", "{d}/profile/sensitivity.png"],
+     "holds a ripplekv profile"),
+    (["allocate", "{d}/profile/sensitivity.csv", "--model", "{model}", "--out", "{d}/profile/sensitivity.csv"],
+     "would overwrite the input"),
+    ([*ALLOCATE, "--out", "{d}/routerun/ROUTE.csv"], "holds a ripplekv route"),
+    ([*ALLOCATE, "--out", "{d}/evalrun/alloc.csv"], "holds an eval run"),
+    (["score", "{d}/preds.jsonl", "--out", "{d}/evalrun/scores.csv"], "holds an eval run"),
+    (["score", "{d}/preds.jsonl", "--out", "{d}/o.csv", "--samples", "{d}/profile/samples.csv"], "holds a ripplekv profile"),
+    (["score", "{d}/preds.jsonl", "--out", "{d}/routerun/scores.csv"], "holds a ripplekv route"),
+    ([*EVAL, "--out", "{d}/routerun"], "holds a ripplekv route, not an eval run"),
+    ([*EVAL, "--out", "{d}/allocdir", "--methods", "ripplekv", "--allocation", "{d}/allocdir/config.json"],
+     "would overwrite the input"),
+    ([*PROFILE, "--out", "{d}/routerun"], "holds a ripplekv route, not a ripplekv profile"),
+    (["route", "--model", "{model}", "--methods", "snapkv,h2o", "--out", "{d}/profile"], "holds a ripplekv profile"),
+    (["route", "--model", "{model}", "--methods", "snapkv,h2o", "--out", "{d}/evalrun"], "holds an eval run"),
+    (["route", "--model", "{model}", "--methods", "snapkv,h2o", "--out", "{d}/README.md"], "is a file"),
+    (["route", "--model", "{model}", "--methods", "snapkv,h2o", "--out", "{d}/mine"], "holds other files"),
+    (["route", "--model", "{model}", "--methods", "snapkv,h2o", "--out", "/proc/ripplekv"], "cannot be written"),
+    ([*INSPECT, "--out", "{d}/profile"], "holds a ripplekv profile"),
+    ([*INSPECT, "--out", "{d}/routerun"], "holds a ripplekv route"),
+    ([*INSPECT, "--out", "{d}/README.md"], "is a file"),
+    ([*INSPECT, "--out", "/proc/ripplekv"], "cannot be written"),
+    (["inspect", "--model", "{model}", "--method", "snapkv", "--budget", "64", "--prompt-file", "{d}/promptdir/kept.png",
+      "--out", "{d}/promptdir"], "would overwrite the input"),
+    # class 2: layer tables (allocation and route CSVs)
+    ([*BUDGETS, "routed", "--route", "{d}/r_inf.csv"], "line 2: layer 'inf' is not a layer id"),
+    ([*BUDGETS, "routed", "--route", "{d}/r_empty.csv"], "has a header but no rows"),
+    ([*BUDGETS, "routed", "--route", "{d}/r_frac.csv"], "line 3: layer '1.5' is not a layer id"),
+    ([*BUDGETS, "routed", "--route", "{d}/r_short.csv"], "has 3 layers but the model has 4"),
+    ([*BUDGETS, "routed", "--route", "{d}/r_dup.csv"], "line 4: layer 1 is listed twice (also line 3)"),
+    ([*BUDGETS, "routed", "--route", "{d}/r_unknown.csv"], "line 3: unknown method 'nosuch'"),
+    ([*BUDGETS, "routed", "--route", "{d}/r_full.csv"], "line 3: 'full' cannot be routed to"),
+    ([*BUDGETS, "routed", "--route", "{d}/bin.csv"], "not UTF-8 text"),
+    ([*BUDGETS, "ripplekv", "--allocation", "{d}/a_inf.csv"], "line 3: layer 'inf' is not a layer id"),
+    ([*BUDGETS, "ripplekv", "--allocation", "{d}/a_frac.csv"], "line 4: layer '1.5' is not a layer id"),
+    ([*BUDGETS, "ripplekv", "--allocation", "{d}/a_infmult.csv"], "line 3: multiplier 'inf' is not a finite number"),
+    ([*BUDGETS, "ripplekv", "--allocation", "{d}/a_dup.csv"], "layer 1 is listed twice"),
+    ([*BUDGETS, "ripplekv", "--allocation", "{d}/a_empty.csv"], "has a header but no rows"),
+    ([*BUDGETS, "ripplekv", "--allocation", "{d}/a_zero.csv"], "has no positive multiplier"),
+    ([*BUDGETS, "ripplekv", "--allocation", "{d}/two_layers.csv"], "lacks column(s) multiplier"),
+    ([*EVAL, "--out", "{d}/o", "--methods", "routed", "--route", "{d}/r_short.csv"], "has 3 layers but the model has 4"),
+    # class 3: specs are canonical (two spellings of one method are one method)
+    ([*BUDGETS, "snapkv:window=16,snapkv:window=016"], "names one method twice"),
+    ([*BUDGETS, "pyramidkv:beta=10,pyramidkv:beta=1e1"], "names one method twice"),
+    ([*BUDGETS, "snapkv,snapkv:window=32"], "names one method twice (snapkv and snapkv:window=32)"),
+    ([*EVAL, "--out", "{d}/o", "--methods", "snapkv:window=16,snapkv:window=016"], "share the label snapkv:window=16"),
+    ([*EVAL, "--out", "{d}/o", "--methods", "h2o,h2o:window=32"], "names one method twice"),
+    # class 4: data records
+    ([*LB, "--data-dir", "{d}/lb_dup"], "line 3 repeats the _id 'x1' of line 1"),
+    (["score", "{d}/evalstyle_noans.jsonl", "--out", "{d}/o.csv"], "line 1: 'answers' is an empty list"),
+    ([*LB, "--data-dir", "{d}/lb_noans"], "'answers' must be a non-empty list of strings"),
+    (["score", "{d}/empty_answers.jsonl", "--out", "{d}/o.csv"], "line 2: 'answers' is an empty list"),
+    # class 5: fail before work (Ray addresses, route candidates)
+    ([*EVAL, "--out", "{d}/o", "--ray-address", "garbage"], "is not a cluster address"),
+    ([*EVAL, "--out", "{d}/o", "--ray-address", "ray://"], "is not a cluster address"),
+    ([*EVAL, "--out", "{d}/o", "--ray-address", "nosuchhost.invalid:6379"], "no Ray cluster answers"),
+    ([*PROFILE, "--out", "{d}/p", "--ray-address", "host:notaport"], "is not a cluster address"),
+    (["route", "--model", "{model}", "--methods", "snapkv,snapkv", "--out", "{d}/r"], "lists a candidate twice"),
+    (["route", "--model", "{model}", "--methods", "snapkv,h2o,snapkv:window=32", "--out", "{d}/r"], "names one method twice"),
+    (["route", "--model", "{model}", "--methods", "tova,tova:window=01", "--out", "{d}/r"], "names one method twice"),
 ]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.engine.entries import LayerEntries
+from ripplekv.runs.safeio import save_figure
 
 
 def kept_arrays(built: list[LayerEntries]) -> dict[str, np.ndarray]:
@@ -93,5 +94,5 @@ def plot_kept(path: Path, arrays: dict, length: int, question: int, needles: lis
     if question < length or needles:
         ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -28,7 +28,8 @@ from ripplekv.analysis.plots import pyplot
 from ripplekv.defaults import UNIFORM_BASELINES
 from ripplekv.errors import UserError
 from ripplekv.metrics.scoring import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
-from ripplekv.runs.files import PREDICTIONS, REFERENCE, read_lines
+from ripplekv.runs.files import PREDICTIONS, REFERENCE, REPORT_FILES  # noqa: F401  (re-exported)
+from ripplekv.runs.jsonl import read_jsonl, torn_fields
 from ripplekv.runs.safeio import save_figure, write_csv, write_text
 
 FLOAT_FORMAT = "%.6g"
@@ -38,15 +39,24 @@ BASELINES = UNIFORM_BASELINES  # the uniform-allocation baseline of a budget, fi
 TERCILES = ("short", "medium", "long")
 
 
-def load_predictions(run_dir: str | Path) -> pd.DataFrame:
-    """All result lines of a run (a trailing partial line from a kill is ignored)."""
-    path = Path(run_dir) / PREDICTIONS
+def check_run_folder(run_dir: str | Path) -> Path:
+    """`run_dir` as a Path, or one line saying it is not a directory."""
     if not Path(run_dir).is_dir():
         what = "is a file" if Path(run_dir).exists() else "does not exist"
         raise UserError(f"{run_dir} {what}; pass a directory written by `ripplekv eval`")
+    return Path(run_dir)
+
+
+def load_predictions(run_dir: str | Path) -> pd.DataFrame:
+    """All result lines of a run. After a kill mid-write (a torn last line), the sample being written is
+    left out, with a note naming it: every variant is then ranked on the same samples."""
+    path = check_run_folder(run_dir) / PREDICTIONS
     if not path.is_file() and (Path(run_dir) / "profile.json").is_file():
         raise UserError(f"{run_dir} holds a ripplekv profile, not an eval run; pass a directory written by `ripplekv eval`")
-    rows, _ = read_lines(path)
+    lines = read_jsonl(path)
+    rows = lines.objects
+    if lines.torn and lines.torn.strip():
+        rows = without_torn_sample(path, rows, lines.torn)
     if not rows:
         where = "no" if not path.is_file() else "an empty"
         raise UserError(f"{run_dir} has {where} {PREDICTIONS}; run `ripplekv eval --out {run_dir}` first")
@@ -56,6 +66,23 @@ def load_predictions(run_dir: str | Path) -> pd.DataFrame:
         raise UserError(f"{path} lacks field(s) {', '.join(sorted(missing))}; was it written by `ripplekv eval`?")
     frame["budget"] = frame["budget"].astype("Int64")
     return frame
+
+
+def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
+    """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
+    line's sample, as `eval` cuts it when it resumes); says which on stderr."""
+    import sys
+
+    found = torn_fields(torn)
+    last = rows[-1] if rows else {}
+    task, sid = found.get("task", last.get("task") if "id" not in found else None), found.get("id", last.get("id"))
+    variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
+    kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
+    sample = f"{task}/{sid}" if task is not None else str(sid)
+    print(f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
+          f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
+          "with the same options to finish it", file=sys.stderr)
+    return kept
 
 
 def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
@@ -553,8 +580,6 @@ def summary_table(board: pd.DataFrame, title: str = "average score (kl) by metho
 
 # What `render` writes (listed at the end of `ripplekv eval` and `ripplekv report`; lengths.csv only when
 # samples carry a length).
-REPORT_FILES = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "ranks.csv", "lengths.csv",
-                "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "summary.md", "report.json")
 
 
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,

@@ -114,6 +114,7 @@ def budgets(
     from ripplekv.methods.budgets import check_budget
     from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.methods import make_method
+    from ripplekv.methods.presets import check_distinct, degenerate_notes
 
     check_budget(budget)
     if prompt_len <= 0:
@@ -123,10 +124,13 @@ def budgets(
     shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     specs = parse_names(methods, "--methods")
     chosen = [make_method(spec, shared=shared) for spec in specs]
+    check_distinct(chosen)
     num_layers, kv_heads = model_shape(model)
     # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
     # says why it cannot (CAKE: layers depend on the prompt's attention).
     rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
+    for note in degenerate_notes(chosen, [budget]):
+        print(note, file=sys.stderr)
     for method in chosen:
         if method.prompt_dependent:
             print(f"note: {method.label} splits each layer's budget across its KV heads by the prompt's scores; "
@@ -293,10 +297,13 @@ def route_command(
     from rich.console import Console
 
     from ripplekv.pipeline.evaluate import parse_names
-    from ripplekv.engine.models import load_model, resolve_device_dtype, runtime_info
-    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
-    from ripplekv.pipeline.route import RouteSettings, candidate_methods, parse_caps, run_route, write_route
+    from ripplekv.engine.models import resolve_device_dtype
+    from ripplekv.pipeline.route import RouteSettings, candidate_methods, check_route_dir, parse_caps
+    from ripplekv.runs.safeio import exclusive
 
+    listed = [part.strip() for part in methods.split(",") if part.strip()]
+    if len(set(listed)) < len(listed):
+        raise UserError(f"--methods lists a candidate twice ({methods}); name each candidate once")
     settings = RouteSettings(parse_names(methods), budget, probe_tokens, batch_size, tuple(max_share), placements,
                              max_new_tokens, seed)
     settings.check()
@@ -304,8 +311,20 @@ def route_command(
     parse_caps(settings.max_share, labels, model_shape(model)[0])  # bad caps fail before the model loads
     if calib_samples < 1 or placement_samples < 0:
         raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
+    out_dir = check_route_dir(Path(out), model)
     console = Console(stderr=True)
     device, dtype = resolve_device_dtype(device, dtype)
+    with exclusive(out_dir, "route"):
+        _route_locked(out_dir, model, settings, calib_samples, placement_samples, placements, probe_tokens,
+                      target_tokens, with_answer, budget, device, dtype, console)
+
+
+def _route_locked(out, model, settings, calib_samples, placement_samples, placements, probe_tokens, target_tokens,
+                  with_answer, budget, device, dtype, console) -> None:
+    from ripplekv.engine.models import load_model, runtime_info
+    from ripplekv.pipeline.route import run_route, write_route
+    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+
     loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
     held_out = placement_samples if placements else 0
     prompts = calibration_prompts(tokenizer, calib_samples + held_out, probe_tokens, target_tokens, with_answer=with_answer)
@@ -317,7 +336,7 @@ def route_command(
         result = run_route(loaded, chosen, scored, settings, progress=advance)
     meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
             "target_tokens": target_tokens, "device": device, "dtype": dtype, **runtime_info(device)}
-    meta = write_route(result, settings, Path(out), meta)
+    meta = write_route(result, settings, out, meta)
     counts = ", ".join(f"{label} x{count}" for label, count in meta["method_counts"].items())
     rank = meta["placement_rank"]
     console.print(f"route over {len(result.route)} layers: {counts}; wrote {out}/ROUTE.csv")
@@ -438,7 +457,11 @@ def report_command(
 
     from ripplekv.analysis import report
 
-    tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
+    from ripplekv.runs.safeio import exclusive
+
+    report.check_rouge(rouge)
+    with exclusive(report.check_run_folder(run_dir), "report"):  # an eval still writing this run would change it under us
+        tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
     Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
 
 # --- commands: score ---
@@ -503,16 +526,11 @@ def inspect_command(
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Save and draw which entries a method keeps for one prompt (why did it lose the answer?)."""
-    import json
-
-    import numpy as np
-    from rich.console import Console
-
-    from ripplekv.methods.budgets import check_budget
-    from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
+    from ripplekv.engine.models import resolve_model
     from ripplekv.methods import make_method
-    from ripplekv.engine.models import load_model, load_tokenizer
-    from ripplekv.engine.prefill import Requirements, prefill_for
+    from ripplekv.methods.budgets import check_budget
+    from ripplekv.runs.files import INSPECT_FILES
+    from ripplekv.runs.safeio import check_output, exclusive
 
     check_budget(budget)
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
@@ -520,6 +538,27 @@ def inspect_command(
         raise UserError("give either --task T (with --index I) or --prompt-file FILE")
     if index < 0:
         raise UserError(f"--index must be >= 0, got {index}")
+    source = resolve_model(model)
+    folder = check_output(out, kind="dir", writes=INSPECT_FILES, run="inspect",
+                          inputs=[prompt_file, allocation, route, source.location if source.kind == "gguf" else None])
+    with exclusive(folder, "inspect"):
+        _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
+                        model, device, dtype)
+
+
+def _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
+                    model, device, dtype) -> None:
+    import io
+    import json
+
+    import numpy as np
+    from rich.console import Console
+
+    from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
+    from ripplekv.engine.models import load_model, load_tokenizer
+    from ripplekv.engine.prefill import Requirements, prefill_for
+    from ripplekv.runs.safeio import atomic_write
+
     tokenizer = load_tokenizer(model)
     if prompt_file is not None:
         path = Path(prompt_file)
@@ -544,12 +583,12 @@ def inspect_command(
     built = chosen.compress(state, budget)
     arrays = kept_arrays(built)
     needles = answer_positions(ids, tokenizer, answers, question)
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     meta = {"method": chosen.label, "spec": chosen.describe(), "budget": budget, "prompt_tokens": state.length,
             "question_start": question, "answer_positions": needles, "sample": label, "model": source.label}
-    np.savez_compressed(folder / "kept.npz", **arrays, question_start=question, answer_positions=np.asarray(needles, dtype=np.int64),
+    buffer = io.BytesIO()  # np.savez would add .npz to a temporary name: write the bytes ourselves
+    np.savez_compressed(buffer, **arrays, question_start=question, answer_positions=np.asarray(needles, dtype=np.int64),
                         meta=json.dumps(meta))
+    atomic_write(folder / "kept.npz", lambda tmp: tmp.write_bytes(buffer.getvalue()))
     kept_needles = int(sum(int((arrays["spans"][..., 0] <= p)[(arrays["spans"][..., 1] > p)].sum()) for p in needles))
     slots = len(needles) * arrays["counts"].size
     title = (f"{source.label}: {chosen.label} at B={budget} on {label} ({state.length} tokens, "

@@ -196,13 +196,26 @@ def _save_plain(model, folder: Path) -> None:
 
 
 def _materialize_gguf(source: ModelSource) -> Path:
-    """Dequantize a GGUF once into a transformers directory; later loads read the directory."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize a GGUF once into a transformers directory; later loads read the directory.
+
+    Processes on one host (two commands, Ray workers) share the cache: a file lock makes the first one
+    write it while the others wait, then read what it wrote."""
+    from filelock import FileLock
 
     target = _gguf_cache_dir(source.location)
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file() and (target / ".complete").is_file():
+            return target  # another process wrote it while we waited
+        return _dequantize(source, target)
+
+
+def _dequantize(source: ModelSource, target: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     _quiet_transformers()
     print(f"dequantizing {Path(source.location).name} once into {target} (about 20 s)", file=sys.stderr)
     folder, name = os.path.dirname(source.location), os.path.basename(source.location)

@@ -73,6 +73,13 @@ class Scorer:
         """What the prefill must record for this scorer (nothing by default; window scorers override)."""
         return Requirements()
 
+    def degenerate(self, budget: int) -> str | None:
+        """What this scorer turns into at `budget` when an option leaves it no choice (None: it chooses)."""
+        return None
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse a model this scorer was not made for (a route lists its layers); most fit any model."""
+
     def scores(self, state: PrefillState, layer: int) -> torch.Tensor:
         """Float32 scores [H_kv, m] of the scored candidates (higher = keep), comparable across heads."""
         raise NotImplementedError
@@ -133,6 +140,10 @@ class Method(Protocol):
 
     def requirements(self) -> Requirements: ...
 
+    def degenerate(self, budget: int) -> str | None:
+        """Why this method's options leave it no choice at `budget` (None: they do not)."""
+        ...
+
     def layer_budgets(self, num_layers: int, budget: int, length: int) -> list[int]: ...
 
     def budgets(self, state: PrefillState, budget: int) -> np.ndarray: ...
@@ -177,6 +188,9 @@ class AllocatorScorer:
             return Requirements()
         return self.allocator.requirements().union(self.scorer.requirements())
 
+    def degenerate(self, budget: int) -> str | None:
+        return self.scorer.degenerate(budget) if self.scorer is not None else None
+
     def floor(self) -> int:
         return self.scorer.floor() if self.scorer is not None else 1
 
@@ -184,6 +198,7 @@ class AllocatorScorer:
         """Entries per KV head in each layer (prompt-independent allocators only)."""
         if self.is_full:
             return [length] * num_layers
+        self.scorer.check_layers(num_layers)
         return self.allocator.layer_budgets(num_layers, budget, length, self.floor())
 
     def budgets(self, state: PrefillState, budget: int) -> np.ndarray:

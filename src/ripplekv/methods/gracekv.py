@@ -87,6 +87,9 @@ class GraceKV:
     def requirements(self) -> Requirements:
         return Requirements(capture_window=self.options.window)  # relevance and distortion use the window's queries
 
+    def degenerate(self, budget: int) -> str | None:
+        return None  # window and sinks are capped by the budget inside the global greedy
+
     def layer_budgets(self, num_layers, budget, length):
         raise UserError(f"gracekv splits budgets by the prompt's scores; {self.prompt_note}")
 

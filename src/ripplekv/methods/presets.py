@@ -142,6 +142,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     if name not in PRESETS:
         raise UserError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
     chosen = PRESETS[name]
+    raw = dict(given)
     label = name + "".join(f":{key}={Path(given[key]).name if key in FILE_OPTIONS else given[key]}" for key in sorted(given))
     if chosen.is_full:
         if given or options:
@@ -156,9 +157,11 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
         raise UserError(f"method {label!r}: unknown option(s) {', '.join(unknown)}; it takes: {', '.join(sorted(takes)) or 'nothing'}")
     merged = {k: v for k, v in (shared or {}).items() if v is not None}
     merged.update(strict)
-    try:
-        built = {part: cls(**{k: _convert(cls, k, v, spec) for k, v in merged.items() if k in keys[part]})
+    converted = {part: {k: _convert(cls, k, v, spec) for k, v in merged.items() if k in keys[part]}
                  for part, cls in classes.items()}
+    label = canonical_label(name, raw, {k: v for options in converted.values() for k, v in options.items()})
+    try:
+        built = {part: cls(**converted[part]) for part, cls in classes.items()}
     except UserError as err:
         raise UserError(f"method {label!r}: {err}") from None
     if chosen.own is not None:
@@ -181,6 +184,53 @@ def options_taken(specs) -> set[str]:
         for cls in classes.values():
             taken |= _option_names(cls)
     return taken
+
+
+def _canonical(value) -> str:
+    """One spelling per value: 016 and 16 are 16, 10.0 and 1e1 are 10, 0.50 is 0.5."""
+    if isinstance(value, tuple):
+        return "/".join(_canonical(v) for v in value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
+    return str(value)
+
+
+def canonical_label(name: str, given: dict[str, str], converted: dict) -> str:
+    """The label of a spec from its parsed values, so that two spellings of one method are one label
+    (and so refused as a duplicate); files show their name only, components their name."""
+    def text(key: str) -> str:
+        if key in FILE_OPTIONS:
+            return Path(given[key]).name
+        return _canonical(converted[key]) if key in converted else given[key].strip()
+
+    return name + "".join(f":{key}={text(key)}" for key in sorted(given))
+
+
+def check_distinct(methods, option: str = "--methods") -> None:
+    """Two entries that are one method (one label, or the same resolved options, as `snapkv` and
+    `snapkv:window=32`) are refused: they would be computed twice and ranked as rivals."""
+    import json
+
+    by_label: dict[str, str] = {}
+    by_options: dict[str, str] = {}
+    for method in methods:
+        resolved = json.dumps(method.describe(), sort_keys=True, default=str)
+        same = by_label.get(method.label) or by_options.get(resolved)
+        if same is not None:
+            raise UserError(f"{option} names one method twice ({same} and {method.label}); name each method once")
+        by_label[method.label] = by_options[resolved] = method.label
+
+
+def degenerate_notes(methods, budgets) -> list[str]:
+    """One `note:` line per method whose options leave it no choice at a budget (README, "Method
+    options"): it still runs, and its numbers are those of what it turns into, so the user is told."""
+    notes = []
+    for method in methods:
+        whys = {b: method.degenerate(b) for b in budgets}
+        hit = [b for b, why in whys.items() if why]
+        if hit:
+            notes.append(f"note: {method.label} at B={','.join(map(str, hit))}: {whys[hit[-1]]}")
+    return notes
 
 
 def shared_option_users(specs, shared: dict) -> dict[str, bool]:

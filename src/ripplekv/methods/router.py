@@ -11,30 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
-
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import AllocatorScorer, Scorer, register_scorer
+from ripplekv.methods.tables import check_layer_count, read_layer_table
 
 
-def read_route(path: str | Path) -> list[str]:
-    """Method specs by layer from a route CSV (one clear error for a missing or malformed file)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"route file {path} does not exist; write layer,method rows (or run `ripplekv route`)")
-    try:
-        table = pd.read_csv(path, dtype={"method": str})
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise UserError(f"route file {path} is not a readable CSV ({err.__class__.__name__})") from None
-    if not {"layer", "method"} <= set(table.columns):
-        raise UserError(f"route file {path} needs columns layer,method")
-    layers = pd.to_numeric(table["layer"], errors="coerce")
-    if layers.isna().any() or sorted(layers.astype(int).tolist()) != list(range(len(table))):
-        raise UserError(f"route file {path} must list layers 0..{len(table) - 1} exactly once each")
-    if table["method"].isna().any():
-        raise UserError(f"route file {path} has a layer without a method")
-    return [str(m).strip() for m in table["method"].to_numpy()[layers.astype(int).to_numpy().argsort()]]
+def read_route(path: str | Path) -> list[tuple[int, str]]:
+    """(line number, method spec) by layer from a route CSV (`tables.read_layer_table`)."""
+    rows = read_layer_table(path, "method", "route", "write layer,method rows (or run `ripplekv route`)")
+    for number, spec in rows:
+        if not spec:
+            raise UserError(f"route file {path} line {number} has a layer without a method")
+    return rows
 
 
 @register_scorer("router")
@@ -49,19 +38,29 @@ class Router(Scorer):
 
         if self.route is None:
             raise UserError("routed needs a route: pass --route ROUTE.csv (layer,method rows)")
-        specs = read_route(self.route)
-        scorers = []
-        for spec in specs:
-            method = make_method(spec)
+        rows = read_route(self.route)
+        specs, scorers = [spec for _, spec in rows], []
+        for number, spec in rows:
+            try:
+                method = make_method(spec)
+            except UserError as err:
+                raise UserError(f"route file {self.route} line {number}: {err}") from None
             if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
-                raise UserError(f"route file {self.route}: {spec!r} cannot be routed to (it needs a scorer)")
+                raise UserError(f"route file {self.route} line {number}: {spec!r} cannot be routed to (it needs a scorer)")
             scorers.append(method.scorer)
         object.__setattr__(self, "scorers", tuple(scorers))
         object.__setattr__(self, "methods", tuple(specs))
 
+    def degenerate(self, budget: int) -> str | None:
+        found = [(spec, s.degenerate(budget)) for spec, s in zip(self.methods, self.scorers)]
+        found = [(spec, why) for spec, why in found if why]
+        return f"its layers routed to {found[0][0]}: {found[0][1]}" if found else None
+
+    def check_layers(self, num_layers: int) -> None:
+        check_layer_count(len(self.scorers), num_layers, f"route {self.route}", "route with the same model")
+
     def _scorer(self, state, layer) -> Scorer:
-        if len(self.scorers) != state.num_layers:
-            raise UserError(f"route {self.route} has {len(self.scorers)} layers but the model has {state.num_layers}")
+        self.check_layers(state.num_layers)
         return self.scorers[layer]
 
     routable = False  # a route names scorers; a router cannot be one of them

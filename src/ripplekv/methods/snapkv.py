@@ -70,6 +70,12 @@ class WindowScorer(Scorer):
     def floor(self) -> int:
         return self.window
 
+    def degenerate(self, budget: int) -> str | None:
+        if self.window >= budget:
+            return (f"its window ({self.window}) is at least the budget, so every layer keeps only its {budget} "
+                    "most recent entries (recency, no scoring)")
+        return None
+
     def keep(self, state, layer, counts):
         window = min(self.window, state.length)
         scores = None

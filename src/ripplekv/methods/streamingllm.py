@@ -17,6 +17,12 @@ class SinksAndRecent(Scorer):
     def __post_init__(self):
         check_integers({"sinks": self.sinks}, minimum=0)
 
+    def degenerate(self, budget: int) -> str | None:
+        if self.sinks >= budget:
+            return (f"its sinks ({self.sinks}) are at least the budget, so a layer given {budget} entries keeps only "
+                    "its first entries (no recent tokens)")
+        return None
+
     def scores(self, state, layer):
         """Later tokens score higher (sinks are kept first by `keep`); the last token is the floor."""
         order = torch.arange(state.length - 1, dtype=torch.float32, device=state.device)

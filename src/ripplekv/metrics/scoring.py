@@ -460,6 +460,8 @@ def load_predictions(path: Path) -> list[dict]:
         answers = rec.get("answers")
         if not isinstance(answers, list):
             raise UserError(f"{where}: 'answers' missing or not a list")
+        if not answers:
+            raise UserError(f"{where}: 'answers' is an empty list; a prediction needs at least one reference answer")
         if not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in answers):
             raise UserError(f"{where}: 'answers' must hold strings (or numbers), not null, lists or objects")
         all_classes = rec.get("all_classes")

@@ -26,9 +26,9 @@ from ripplekv.runs.safeio import UnitLog, check_output, save_figure, write_csv, 
 
 def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
     """kl_mean by layer from sensitivity.csv, checked against the model's layer count."""
-    from ripplekv.methods.allocators import read_layer_column
+    from ripplekv.methods.tables import read_numbers
 
-    values = np.asarray(read_layer_column(path, "kl_mean", "sensitivity", "run `ripplekv profile --out DIR` first"))
+    values = np.asarray(read_numbers(path, "kl_mean", "sensitivity", "run `ripplekv profile --out DIR` first"))
     if (values < 0).any():
         raise UserError(f"sensitivity file {path} has negative kl_mean values; a KL divergence is never negative")
     if num_layers is not None and len(values) != num_layers:

@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from ripplekv.errors import UserError
 
@@ -61,13 +63,33 @@ def import_ray(local: bool):
     return ray
 
 
+def resolve_address(address: str) -> str:
+    """The `host:port` a --ray-address names: `auto` is the cluster `ray start` left on this host
+    (RAY_ADDRESS, else Ray's current-cluster file); anything but auto, host:port or ray://host:port is refused."""
+    address = address.strip()
+    if address == "auto":
+        found = os.environ.get("RAY_ADDRESS", "").strip()
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if not found and current.is_file():
+            found = current.read_text(encoding="utf-8", errors="replace").strip()
+        if not found or found == "auto":
+            raise UserError("--ray-address auto: no Ray cluster runs on this host; start one with `ray start --head`, "
+                            "or leave out --ray-address for a local one")
+        address = found
+    plain = address.split("://", 1)[1] if address.startswith("ray://") else address
+    host, _, port = plain.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in plain:
+        raise UserError(f"--ray-address {address!r} is not a cluster address; write host:port (e.g. 10.0.0.5:6379), "
+                        "ray://host:port or auto")
+    return plain
+
+
 def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """A `host:port` cluster address must answer now: Ray itself would wait for minutes before failing."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
-        return  # `auto`, `ray://...`: left to Ray
+    """A cluster address must resolve and answer now: Ray itself would wait for minutes before failing."""
+    plain = resolve_address(address)
+    host, _, port = plain.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as err:
         raise UserError(f"no Ray cluster answers at {address} ({err.strerror or err}); start one there with "
                         "`ray start --head`, or leave out --ray-address for a local one") from None
@@ -216,16 +238,10 @@ def _schedule(ray, actors: list, units: list, on_retry, label) -> Iterator[tuple
 def load_model_on_worker(spec: str | None, device: str, dtype: str):
     """(model, tokenizer) in a worker; a GPU worker sees only the GPU Ray gave it, as `cuda`.
 
-    The first worker on a host dequantizes a GGUF into the shared cache while the others wait for it,
-    instead of all of them writing the same folder at once.
+    The first worker on a host dequantizes a GGUF into the shared cache while the others wait for it
+    (`engine.models` locks the cache), instead of all of them writing the same folder at once.
     """
-    import fcntl
+    from ripplekv.engine.models import load_model
 
-    from ripplekv.engine.models import cache_root, load_config, load_model
-
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with (cache_root() / ".materialize.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        load_config(spec)
     model, tokenizer, _ = load_model(spec, device="cuda" if device.startswith("cuda") else device, dtype=dtype)
     return model, tokenizer

@@ -28,7 +28,7 @@ from ripplekv.defaults import DEFAULT_EVAL_METHODS
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget
-from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
+from ripplekv.runs.files import CONFIG, EVAL_FILES, PREDICTIONS, REFERENCE, read_lines  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import check_output, exclusive, other_files, write_json
 
 PROTOCOLS = ("with-question", "context-only")
@@ -115,7 +115,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     from ripplekv import __version__
     from ripplekv.tasks import get_tasks
     from ripplekv.methods import make_method
-    from ripplekv.methods.presets import shared_option_users
+    from ripplekv.methods.presets import check_distinct, shared_option_users
     from ripplekv.engine.models import check_model_files, resolve_device_dtype, resolve_model, runtime_info
 
     for budget in settings.budgets:
@@ -143,8 +143,9 @@ def plan_eval(settings: EvalSettings) -> Plan:
     methods = {method.label: method for method in built}
     if len(methods) < len(built):
         repeated = sorted({m.label for m in built if sum(other.label == m.label for other in built) > 1})
-        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (file options are labelled "
-                        "by file name); give their files different names")
+        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (one method spelt twice, "
+                        "or file options with the same file name); name each method once, and give files different names")
+    check_distinct(built)
     names = tuple(methods)
     tasks = get_tasks(settings.suite, list(settings.tasks) or None)
     source = resolve_model(settings.model)
@@ -238,8 +239,7 @@ def merge_config(old: dict | None, new: dict) -> dict:
 
 
 # Everything `eval` writes into its run directory (plus report.render's files).
-RUN_FILES = (PREDICTIONS, CONFIG, "scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "summary.md",
-             "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png")
+RUN_FILES = EVAL_FILES
 
 
 def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
@@ -249,7 +249,7 @@ def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
     or an earlier `ripplekv eval` run: eval never writes into a folder holding anything else.
     """
     model = config.get("model_location") if str(config.get("model_location") or "").endswith(".gguf") else None
-    check_output(out, kind="dir", inputs=[config.get("allocation"), model], writes=RUN_FILES)
+    check_output(out, kind="dir", inputs=[config.get("allocation"), config.get("route"), model], writes=RUN_FILES, run="eval")
     config_path, predictions = out / CONFIG, out / PREDICTIONS
     if not config_path.is_file():
         if predictions.exists():
@@ -529,7 +529,10 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
 
     console = console or Console(stderr=True)
     out = Path(out)
+    from ripplekv.methods.presets import degenerate_notes
+
     plan = plan_eval(settings)
+    notes = [*notes, *degenerate_notes(plan.methods.values(), settings.budgets)]
     check_run_dir(out, plan.config)
     check_model_fits(plan)
     tokenizer = load_tokenizer(settings.model)

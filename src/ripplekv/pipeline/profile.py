@@ -27,6 +27,7 @@ from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.probe import ProbeRunner
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
 
@@ -34,8 +35,6 @@ SIGNALS = ("noise", "evict")
 DEFAULT_ETA = 0.3
 MAX_ETA = 100.0  # far past saturation: KL stops growing once the noise drowns the values
 MAX_SEEDS = 1000
-SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
-PROFILE_FILES = ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png", SAMPLES_LOG)
 
 
 @dataclass(frozen=True)
@@ -226,7 +225,7 @@ def worker_runner(spec: str | None, device: str, dtype: str, settings: ProfileSe
 
 def check_profile_dir(out: Path, inputs=()) -> Path:
     """Before any model work: `out` must be a writable directory, new, empty or an earlier profile."""
-    check_output(out, kind="dir", inputs=inputs, writes=PROFILE_FILES)
+    check_output(out, kind="dir", inputs=inputs, writes=PROFILE_FILES, run="profile")
     foreign = other_files(out, PROFILE_FILES)
     if foreign and not any((out / name).is_file() for name in ("profile.json", SAMPLES_LOG)):
         what = "an eval run" if "predictions.jsonl" in foreign else "other files (" + ", ".join(foreign[:3]) + ")"

@@ -34,6 +34,8 @@ from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget, uniform_budgets
+from ripplekv.runs.files import ROUTE_FILES
+from ripplekv.runs.safeio import check_output, other_files, save_figure, write_csv, write_text
 
 DEFAULT_CANDIDATES = DEFAULT_ROUTE_CANDIDATES
 
@@ -62,6 +64,7 @@ class RouteSettings:
 def candidate_methods(specs) -> list:
     """The candidate methods, resolved through the registry; only their scorers are used."""
     from ripplekv.methods import PRESETS, AllocatorScorer, make_method, parse_spec
+    from ripplekv.methods.presets import check_distinct
 
     if len(specs) < 1:
         raise UserError("--methods is empty; name at least one candidate, e.g. --methods snapkv,streamingllm")
@@ -74,9 +77,7 @@ def candidate_methods(specs) -> list:
         if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
             raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
         built.append(method)
-    labels = [m.label for m in built]
-    if len(set(labels)) < len(labels):
-        raise UserError(f"--methods names a candidate twice ({', '.join(labels)})")
+    check_distinct(built)
     return built
 
 
@@ -230,24 +231,39 @@ def run_route(model, preference_prompts, placement_prompts, settings: RouteSetti
     )
 
 
+def check_route_dir(out: Path, model: str | None = None) -> Path:
+    """Before any model work: `out` must be a writable directory, new, empty or an earlier route."""
+    from ripplekv.engine.models import resolve_model
+
+    source = resolve_model(model)
+    check_output(out, kind="dir", inputs=[source.location] if source.kind == "gguf" else [], writes=ROUTE_FILES,
+                 run="route")
+    foreign = other_files(out, ROUTE_FILES)
+    if foreign and not (out / "route.json").is_file():
+        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}), not a route; "
+                        "pass a new or empty directory")
+    return out
+
+
 def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: dict) -> dict:
     """ROUTE.csv, preferences.csv (+ per sample), placements.csv, route.json and the plots in `out`."""
     out.mkdir(parents=True, exist_ok=True)
     mean = result.preferences.mean(0)
     layers = np.arange(mean.shape[0])
     matrix = pd.DataFrame(mean, columns=result.labels).assign(layer=layers)[["layer", *result.labels]]
-    matrix.to_csv(out / "preferences.csv", index=False, float_format="%.8g")
+    write_csv(out / "preferences.csv", matrix, float_format="%.8g")
     samples, num_layers, methods = result.preferences.shape
-    pd.DataFrame({
+    per_sample = pd.DataFrame({
         "sample_id": np.repeat(result.sample_ids, num_layers * methods),
         "layer": np.tile(np.repeat(layers, methods), samples),
         "method": np.tile(result.labels, samples * num_layers),
         "kl": result.preferences.reshape(-1),
-    }).to_csv(out / "preferences_per_sample.csv", index=False, float_format="%.8g")
+    })
+    write_csv(out / "preferences_per_sample.csv", per_sample, float_format="%.8g")
     route = pd.DataFrame({"layer": layers, "method": result.route})
     for index, label in enumerate(result.labels):
         route[f"kl_{label}"] = mean[:, index]
-    route.to_csv(out / "ROUTE.csv", index=False, float_format="%.8g")
+    write_csv(out / "ROUTE.csv", route, float_format="%.8g")
     rank = result.rank()
     if result.assignments:
         placements = pd.DataFrame({
@@ -257,7 +273,7 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
             "agreement": result.placement_agreement.mean(0),
             "methods": [";".join(a) for a in result.assignments],
         })
-        placements.to_csv(out / "placements.csv", index=False, float_format="%.8g")
+        write_csv(out / "placements.csv", placements, float_format="%.8g")
         plot_placements(placements, rank, out / "placements.png")
     counts = {label: result.route.count(label) for label in result.labels}
     meta = {
@@ -272,7 +288,7 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
         "placement_rank": rank,
         "placements_scored": max(len(result.assignments) - 1, 0),
     }
-    (out / "route.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_text(out / "route.json", json.dumps(meta, indent=2) + "\n")
     plot_preferences(mean, result.labels, result.route, out / "preferences.png")
     plot_route(mean, result.labels, result.route, out / "ROUTE.png")
     return meta
@@ -290,7 +306,7 @@ def plot_preferences(mean: np.ndarray, labels, route, path: Path) -> None:
     ax.set_title("log10 KL, one layer compressed (circled: the route)", fontsize=9)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -309,7 +325,7 @@ def plot_route(mean: np.ndarray, labels, route, path: Path) -> None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -325,5 +341,5 @@ def plot_placements(placements: pd.DataFrame, rank, path: Path) -> None:
     ax.set_ylabel("placements")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

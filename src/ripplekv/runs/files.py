@@ -1,38 +1,50 @@
-"""The files of an eval run directory that both `eval` (which writes them) and `report` (which reads them) know.
+"""The one list of the files each kind of run folder holds (eval, profile, route, inspect), which
+the commands that write them, `report` and the output checks (`safeio.check_output`) all read.
 
-Kept apart from `evaluate` so that data flows one way: evaluate -> report -> runfiles.
+Kept apart from `pipeline` so that data flows one way: pipeline -> analysis -> runs.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ripplekv.errors import UserError
+from ripplekv.runs.jsonl import read_jsonl
 
 PREDICTIONS = "predictions.jsonl"
 CONFIG = "config.json"
 REFERENCE = "full"
 
 
+# What each kind of run folder holds. A folder is a run of a kind when it holds one of its markers;
+# no command writes into a run folder of another kind (`safeio.check_output`).
+REPORT_FILES = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "ranks.csv", "lengths.csv",
+                "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "summary.md", "report.json")
+EVAL_FILES = (PREDICTIONS, CONFIG, *REPORT_FILES)
+SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
+PROFILE_FILES = ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png", SAMPLES_LOG)
+ROUTE_FILES = ("ROUTE.csv", "preferences.csv", "preferences_per_sample.csv", "placements.csv", "route.json",
+               "preferences.png", "ROUTE.png", "placements.png")
+INSPECT_FILES = ("kept.npz", "kept.png")
+RUNS = {  # kind: (how it is named to the user, marker files, every file it writes)
+    "eval": ("an eval run", (PREDICTIONS,), EVAL_FILES),
+    "profile": ("a ripplekv profile", ("profile.json", SAMPLES_LOG), PROFILE_FILES),
+    "route": ("a ripplekv route", ("route.json", "ROUTE.csv"), ROUTE_FILES),
+    "inspect": ("a ripplekv inspect folder", ("kept.npz",), INSPECT_FILES),
+}
+
+
+def run_kind(folder: Path) -> str | None:
+    """The kind of run `folder` holds, or None (not a folder, or no run's markers)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    for kind, (_, markers, _) in RUNS.items():
+        if any((folder / name).is_file() for name in markers):
+            return kind
+    return None
+
+
 def read_lines(path: Path) -> tuple[list[dict], bool]:
     """Parsed lines of a predictions file and whether a trailing partial line (a kill mid-write) was seen."""
-    if not path.is_file():
-        return [], False
-    data = path.read_bytes()
-    partial = bool(data) and not data.endswith(b"\n")
-    lines = data.split(b"\n")
-    if partial:
-        lines = lines[:-1]
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:  # not JSON, or not UTF-8 text
-            raise UserError(f"{path} line {number} is not valid JSON; use a new --out directory") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path} line {number} is not a JSON object; use a new --out directory")
-        rows.append(row)
-    return rows, partial
+    lines = read_jsonl(path)
+    return lines.objects, bool(lines.torn)

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ripplekv.errors import UserError
+from ripplekv.runs.files import RUNS, run_kind
+from ripplekv.runs.jsonl import read_jsonl
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -31,9 +33,11 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def check_output(path: str | Path, *, kind: str = "file", inputs: Iterable = (), writes: Iterable[str] = (),
-                 option: str = "--out") -> Path:
+                 option: str = "--out", run: str | None = None) -> Path:
     """Fail with one line unless `path` can be written as a `kind` ('file' or 'dir') without touching
-    an input. For a directory, `writes` names the files the command puts in it."""
+    an input or another run's files. For a directory, `writes` names the files the command puts in it
+    and `run` the kind of run folder it makes (`runs.files.RUNS`); a run folder of another kind, and any
+    file inside one, is never written."""
     path = Path(path).expanduser()
     inputs = [Path(p).expanduser() for p in inputs if p is not None]
     targets = [path] if kind == "file" else [path / name for name in writes]
@@ -45,6 +49,7 @@ def check_output(path: str | Path, *, kind: str = "file", inputs: Iterable = (),
         raise UserError(f"{option} {path} is a directory; pass a file path")
     if kind == "dir" and path.exists() and not path.is_dir():
         raise UserError(f"{option} {path} is a file; pass a directory")
+    _check_owner(path, kind, run, option)
     existing = path if kind == "dir" else path.parent
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -57,6 +62,21 @@ def check_output(path: str | Path, *, kind: str = "file", inputs: Iterable = (),
         raise UserError(f"{option} {path} cannot be written ({err.strerror or err} in {existing}); "
                         "pick a writable location") from None
     return path
+
+
+def _check_owner(path: Path, kind: str, run: str | None, option: str) -> None:
+    """A file output inside any run folder, or a folder output that is a run of another kind, belongs
+    to that run: refused, so that no command overwrites (or adds to) another command's record."""
+    if kind == "file":
+        owner = run_kind(path.parent)
+        if owner is not None:
+            raise UserError(f"{option} {path} is inside {path.parent}, which holds {RUNS[owner][0]}; "
+                            "write outside that folder")
+        return
+    owner = run_kind(path)
+    if owner is not None and owner != run:
+        wanted = f", not {RUNS[run][0]}" if run in RUNS else ""
+        raise UserError(f"{option} {path} holds {RUNS[owner][0]}{wanted}; pass a new or empty directory")
 
 
 def other_files(folder: Path, own: Iterable[str]) -> list[str]:
@@ -148,21 +168,11 @@ class UnitLog:
 
     def _read(self) -> tuple[list[dict], bool]:
         """Whole lines of the log and whether anything after them (a kill mid-write) was dropped."""
-        if not self.path.is_file():
-            return [], False
-        data = self.path.read_bytes()
-        lines, partial = [], not data.endswith(b"\n") and bool(data)
-        for raw in data.split(b"\n")[:-1]:  # the last piece is empty or a partial line
-            if not raw.strip():
-                continue
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                raise UserError(f"{self.path} is damaged (a line is not JSON); delete it to start over") from None
-            if not isinstance(line, dict) or (lines and "key" not in line):
-                raise UserError(f"{self.path} was not written by ripplekv; delete it to start over")
-            lines.append(line)
-        return lines, partial
+        read = read_jsonl(self.path, remedy="delete it to start over")
+        lines = read.objects
+        if any("key" not in line for line in lines[1:]):
+            raise UserError(f"{self.path} was not written by ripplekv; delete it to start over")
+        return lines, bool(read.torn)
 
     def append(self, key: str, value) -> None:
         with self.path.open("a", encoding="utf-8") as handle:

@@ -74,7 +74,7 @@ def _find_local(name: str, where: Path) -> tuple[str, Path, str] | None:
 
 def _parse_jsonl(lines, source: str, name: str) -> list[dict]:
     """Parse official jsonl lines; a broken line or a record without answers names file and line."""
-    records = []
+    records, first_line = [], {}
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -86,6 +86,11 @@ def _parse_jsonl(lines, source: str, name: str) -> list[dict]:
         if not isinstance(record, dict):
             raise UserError(f"{source}: line {lineno} is not a JSON object")
         records.append(_normalize(record, name, f"{source}: line {lineno}", f"{name}-{lineno:05d}"))
+        sid = str(records[-1]["_id"])
+        if sid in first_line:  # results are keyed by (task, id): two records would collide on resume
+            raise UserError(f"{source}: line {lineno} repeats the _id {sid!r} of line {first_line[sid]}; "
+                            "every record needs its own _id (replace the file with the official one)")
+        first_line[sid] = lineno
     return records
 
 
