@@ -47,7 +47,7 @@ def profile_prompt_one_layer_at_a_time(model, prompt: CalibrationPrompt, setting
         return torch.log_softmax(forward_tokens(model, cache, probe, start)[0], -1)
 
     clean = probe_logprobs()
-    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
+    state = prefill(model, prompt.context, **settings.prefill_options())  # the evict pruner's needs (H2O: accumulated attention)
     num_layers = state.num_layers
     seeds = settings.seeds if settings.signal == "noise" else 1
     result = np.zeros((seeds, num_layers))
