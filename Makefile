@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 RKV     := .venv/bin/ripplekv
 STAMP   := .venv/.installed
 
-.PHONY: install test reproduce reproduce-quick bench clean
+.PHONY: install test reproduce reproduce-quick bench clean check-references
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ reproduce: install
 
 reproduce-quick: install
 	bash scripts/reproduce.sh configs/quick.env
+
+check-references: install
+	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing).
+	bash scripts/check_references.sh --venv $(or $(REFVENV),/work/refvenv)
 
 clean:
 	rm -rf .venv build *.egg-info src/*.egg-info

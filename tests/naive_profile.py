@@ -13,8 +13,8 @@ from transformers import DynamicCache
 from ripplekv.engine import entries
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import forward_tokens, kl_per_variant
-from ripplekv.engine.prefill import prefill
-from ripplekv.pipeline.profile import CalibrationPrompt, ProfileSettings, layer_overrides
+from ripplekv.engine.prefill import prefill, prefill_for
+from ripplekv.pipeline.profile import CalibrationPrompt, ProfileSettings, layer_overrides, profile_requirements
 
 
 @torch.inference_mode()
@@ -47,7 +47,7 @@ def profile_prompt_one_layer_at_a_time(model, prompt: CalibrationPrompt, setting
         return torch.log_softmax(forward_tokens(model, cache, probe, start)[0], -1)
 
     clean = probe_logprobs()
-    state = prefill(model, prompt.context, capture_window=max(64, settings.probe_tokens))
+    state = prefill_for(model, prompt.context, profile_requirements(settings))  # the evict pruner's needs (H2O: accumulated attention)
     num_layers = state.num_layers
     seeds = settings.seeds if settings.signal == "noise" else 1
     result = np.zeros((seeds, num_layers))

@@ -72,10 +72,29 @@ def test_accumulated_attention_applies_an_extra_mask_per_query_head(monkeypatch,
     assert torch.allclose(columns, weights[0].sum(1).view(2, 2, n).mean(1), atol=1e-5)
 
 
-def test_h2o_keeps_the_window_and_the_heaviest_hitters():
+def test_h2o_fixed_window_option_keeps_the_window_and_the_heaviest_hitters():
     state = fake_state(2, 200, kv_heads=2, query_heads=4, seed=3)
-    masks = make_method("h2o:window=16").select(state, 48)
+    masks = make_method("h2o:recent=0:window=16").select(state, 48)
     assert_keeps_window_and_top(masks, [a[:, :184] for a in state.accumulated], 16, 48)
+
+
+@pytest.mark.parametrize("budget", [48, 49])
+def test_h2o_default_splits_each_head_between_heavy_hitters_and_recent_tokens(budget):
+    state = fake_state(2, 200, kv_heads=2, query_heads=4, seed=3)
+    masks = make_method("h2o").select(state, budget)
+    recent = budget // 2  # the paper's even split; the odd entry goes to the heavy hitters
+    assert_keeps_window_and_top(masks, [a[:, : 200 - recent] for a in state.accumulated], recent, budget)
+
+
+def test_h2o_mean_norm_is_kvpress_observed_attention():
+    """norm=mean: column sums over the number of queries that see each key (n - j), kvpress's ObservedAttention."""
+    state = fake_state(2, 200, kv_heads=2, query_heads=4, seed=3)
+    masks = make_method("h2o:norm=mean:recent=0").select(state, 40)
+    for layer, columns in enumerate(state.accumulated):
+        for head in range(2):
+            mean = [float(columns[head, j]) / (200 - j) for j in range(200)]
+            expected = set(sorted(range(200), key=lambda j: -mean[j])[:40])
+            assert set(masks[layer, head].nonzero().flatten().tolist()) == expected
 
 
 def test_h2o_without_accumulation_is_one_clear_error():
@@ -111,6 +130,7 @@ def naive_last_query_attention(state, layer):
 
 def test_tova_ranks_by_the_last_querys_attention_per_kv_head_and_per_layer():
     state = fake_state(2, 150, kv_heads=2, query_heads=6, seed=5)
+    assert make_method("tova").scorer.heads == "layer"  # the paper's rule is the default
     for heads in ("kv", "layer"):
         method = make_method(f"tova:heads={heads}")
         masks = method.select(state, 30)
@@ -128,7 +148,17 @@ def test_tova_ranks_by_the_last_querys_attention_per_kv_head_and_per_layer():
 # --------------------------------------------------------------------------- KNorm
 
 
-def test_knorm_keeps_the_window_and_the_smallest_key_norms():
+def test_knorm_default_ranks_every_entry_by_key_norm():
+    state = fake_state(2, 120, kv_heads=3, query_heads=3, seed=7)
+    masks = make_method("knorm").select(state, 20)
+    for layer in range(2):
+        for head in range(3):
+            norms = [float(torch.linalg.vector_norm(state.keys[layer][head, i])) for i in range(120)]
+            expected = set(sorted(range(120), key=lambda i: norms[i])[:20])
+            assert set(masks[layer, head].nonzero().flatten().tolist()) == expected
+
+
+def test_knorm_window_option_keeps_the_window_and_the_smallest_key_norms():
     state = fake_state(2, 120, kv_heads=3, query_heads=3, seed=7)
     masks = make_method("knorm:window=8").select(state, 20)
     for layer in range(2):
@@ -199,9 +229,12 @@ def test_allocate_proportional_map_and_depthkv_budgets(run_cli, tiny_model_dir, 
     assert np.allclose(table["multiplier"], [0.8, 2.4, 0.0, 0.8]) and (table["map"] == "proportional").all()
     method = make_method("depthkv", allocation=str(out))
     assert method.scorer.name == "h2o" and method.allocator.name == "file"
-    # Budgets proportional to sensitivity (the zero-sensitivity layer keeps only the window), total exact.
+    # Budgets proportional to sensitivity (the zero-sensitivity layer keeps H2O's floor, one entry), total exact.
     counts = method.layer_budgets(4, 100, 1000)
-    assert counts == integer_budgets([80, 240, 0, 80], 100, 1000, 32) and counts[2] == 32 and sum(counts) == 400
+    assert counts == integer_budgets([80, 240, 0, 80], 100, 1000, 1) and counts[2] == 1 and sum(counts) == 400
+    # H2O's earlier fixed window is the floor it asks for.
+    windowed = make_method("depthkv:recent=0:window=32", allocation=str(out)).layer_budgets(4, 100, 1000)
+    assert windowed == integer_budgets([80, 240, 0, 80], 100, 1000, 32) and windowed[2] == 32
     assert counts[1] > max(counts[0], counts[3]) and abs(counts[0] - counts[3]) <= 1 and min(counts[0], counts[3]) > counts[2]
     code, _, err = run_cli("allocate", str(sensitivity), "--map", "proportional", "--ratio", "2", "--out", str(out),
                            "--model", str(tiny_model_dir))

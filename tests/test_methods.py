@@ -121,6 +121,9 @@ def test_a_file_option_is_labelled_by_its_file_name(tmp_path):
         ("snapkv:pooling=mean", "unknown pooling"),
         ("pyramidkv:beta=0.5", "beta"),
         ("adakv:alpha=2", "alpha"),
+        ("adakv:rule=kvpress", "rule"),
+        ("h2o:norm=max", "norm"),
+        ("h2o:recent=1.5", "recent"),
         ("snapkv:window=0", "positive integer"),
         ("routed", "needs a route"),
     ],
@@ -135,10 +138,43 @@ def test_keyword_options_are_never_silently_dropped():
         make_method("streamingllm", window=8)
 
 
-def test_adakv_heads_compete_by_scores_with_a_floor():
+def naive_ffy0_counts(scores: torch.Tensor, window: int, budget: int, alpha: float):
+    """FFY0's rule from a pooled list: c_h = head h's share of the layer's top H*base prefix scores; real
+    targets (1 - alpha) c_h + alpha base; plus FFY0's own per-head round (which need not sum exactly)."""
+    heads, base = scores.shape[0], budget - window
+    pool = sorted(((float(v), h) for h in range(heads) for v in scores[h].tolist()), reverse=True)[: heads * base]
+    chosen = [sum(1 for _, h in pool if h == head) for head in range(heads)]
+    targets = [(1 - alpha) * c + alpha * base for c in chosen]
+    ffy0_round = [round(c * (1 - alpha) + int(base * alpha)) for c in chosen]
+    return targets, ffy0_round
+
+
+@pytest.mark.parametrize("budget, alpha", [(40, 0.2), (57, 0.5), (23, 0.0)])
+def test_adakv_follows_ffy0s_rule_with_exact_totals(budget, alpha):
+    state = fake_state(3, 300, kv_heads=3, query_heads=6, seed=11)
+    method = make_method(f"adakv:window=8:alpha={alpha}:pooling=avg")  # max pooling ties scores
+    counts = method.budgets(state, budget)
+    assert counts.sum() == 3 * 3 * budget
+    masks = method.select(state, budget)
+    for layer in range(3):
+        scores = method.scorer.scores(state, layer)
+        targets, ffy0_round = naive_ffy0_counts(scores, 8, budget, alpha)
+        prefix = counts[layer] - 8
+        # Exact total; each head within one entry of its real target, and of FFY0's own rounding.
+        assert prefix.sum() == 3 * (budget - 8)
+        assert all(abs(int(c) - t) < 1 for c, t in zip(prefix, targets))
+        assert all(abs(int(c) - r) <= 1 for c, r in zip(prefix, ffy0_round))
+        for head in range(3):  # each head keeps the window and its own top prefix entries
+            top = set(torch.argsort(scores[head], descending=True)[: int(prefix[head])].tolist())
+            assert masks[layer, head, -8:].all() and set(masks[layer, head, :-8].nonzero().flatten().tolist()) == top
+    if alpha < 1:
+        assert len(set(counts.flatten().tolist())) > 1  # heads really differ on random scores
+
+
+def test_adakv_floor_rule_keeps_our_earlier_split():
     """Naive reference: per layer, every head's window + floor share, then the best remaining scores of all heads."""
     state = fake_state(2, 300, kv_heads=3, query_heads=6, seed=4)
-    method = make_method("adakv:window=8")
+    method = make_method("adakv:window=8:rule=floor")
     counts = method.budgets(state, 40)
     assert counts.sum() == 2 * 3 * 40 and (counts >= 8 + int(0.2 * 32)).all()
     for layer in range(2):

@@ -25,11 +25,12 @@ def calibration(length=160, probe=12, seed=3):
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2])
-@pytest.mark.parametrize("signal", ["noise", "evict"])
-def test_batched_profile_equals_one_layer_at_a_time(build, signal):
+@pytest.mark.parametrize("signal, pruner", [("noise", "h2o"), ("evict", "h2o"), ("evict", "snapkv")])
+def test_batched_profile_equals_one_layer_at_a_time(build, signal, pruner):
     model = build()
     prompt = calibration()
-    settings = ProfileSettings(eta=1.0, seeds=2, signal=signal, probe_tokens=12, evict_budget=24, batch_size=3)
+    settings = ProfileSettings(eta=1.0, seeds=2, signal=signal, probe_tokens=12, evict_budget=24, batch_size=3,
+                               evict_method=pruner)
     batched = profile_prompt(model, prompt, settings, 0)
     naive = profile_prompt_one_layer_at_a_time(model, prompt, settings, 0)
     assert batched.shape == naive.shape == ((2 if signal == "noise" else 1), 4)
@@ -76,5 +77,9 @@ def test_profile_outputs_and_split_half(tmp_path):
 def test_bad_settings_are_user_errors():
     with pytest.raises(UserError, match="unknown signal"):
         ProfileSettings(signal="prune").check()
+    with pytest.raises(UserError, match="compressing method"):
+        ProfileSettings(signal="evict", evict_method="full").check()
+    with pytest.raises(UserError, match="unknown method"):
+        ProfileSettings(signal="evict", evict_method="nope").check()
     with pytest.raises(UserError, match="too short"):
         split_prompt("x", list(range(10)), 12)

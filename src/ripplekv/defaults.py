@@ -9,4 +9,4 @@ DEFAULT_ROUTE_CANDIDATES = ("snapkv", "streamingllm", "h2o", "tova", "knorm")  #
 UNIFORM_BASELINES = ("uniform", "snapkv")  # what a report compares each method with, first one present
 ALLOCATION_METHOD = "ripplekv"  # `allocate`: the method that turns multipliers into layer budgets
 ALLOCATION_PLOT_BESIDE = "pyramidkv"  # `allocate`'s plot draws its layer budgets beside this method's
-EVICTION_METHOD = "snapkv"  # `profile --evict`: the method a layer is evicted with
+EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prunes with its own H2O-like pruner

@@ -185,8 +185,9 @@ def profile(
         4, "--calib-samples", help="Calibration prompts (offline suite's calibration split); make reproduce uses 12."),
     seeds: int = typer.Option(1, help="Noise draws per sample; make reproduce uses 2."),
     eta: float = typer.Option(0.3, help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
-    signal: str = typer.Option("noise", help="noise (RippleKV) or evict (DepthKV-style: SnapKV-evict one layer)."),
-    evict_budget: int = typer.Option(128, "--evict-budget", help="Budget a layer is evicted to with --signal evict."),
+    signal: str = typer.Option("noise", help="noise (RippleKV) or evict (DepthKV: evict one layer with --evict-method)."),
+    evict_budget: int = typer.Option(128, "--evict-budget", help="Budget a layer is evicted to with --signal evict (the global ratio: the evaluation budget)."),
+    evict_method: str = typer.Option("h2o", "--evict-method", help="Method whose selection evicts the layer with --signal evict (DepthKV: h2o)."),
     probe_tokens: int = typer.Option(16, "--probe-tokens", help="Final prompt tokens used as probes (the question)."),
     with_answer: bool = typer.Option(False, "--with-answer", help="Also teacher-force the reference answer as probes."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
@@ -205,7 +206,7 @@ def profile(
     from ripplekv.engine.models import resolve_device_dtype
     from ripplekv.pipeline.profile import ProfileSettings, profile_into
 
-    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size)
+    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size, evict_method)
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     scale = worker_settings(workers, ray_address)

@@ -1,11 +1,16 @@
-"""AdaKV: inside each layer, heads compete for the layer's budget by their scores.
+"""AdaKV: inside each layer, heads share the layer's budget by their scores.
 
-Our reading of Ada-KV (Feng et al., 2024): a layer's total budget (`H_kv * b_l`, b_l from uniform
-budgets) is spent on the top entries across all of the layer's heads together, ranked by the scorer's
-scores (SnapKV's window attention: a softmax mass, so heads are comparable); a head's count is the
-number of its entries chosen. A safeguard floor keeps every head at least its scorer floor (the
-window) plus `alpha` of the rest of an even share, as AdaKV's `floor_alpha` (0.2) does. Totals are exact
-by construction: exactly the layer's total is chosen.
+Ada-KV (Feng et al., 2024) as its code (FFY0/AdaKV, `AdaptiveSnapKVCluster`) allocates, the default
+`rule=ffy0`: every head keeps the scorer's window; of a layer's prefix budget `base = b_l - window` per
+head, the top `H_kv * base` prefix entries across all the layer's heads are chosen by the scorer's
+scores (SnapKV's window attention: a softmax mass, comparable across heads), `c_h` of them in head h;
+head h then keeps its own top `(1 - alpha) * c_h + alpha * base` prefix entries (alpha = `floor_alpha`,
+0.2 in its LongBench script). FFY0 rounds each head alone (`round`, with `int(alpha * base)`), so its
+totals drift by a few entries; we round the real targets with largest remainders (ties to the lower
+head), so a layer keeps exactly `H_kv * b_l`.
+
+`rule=floor` is our earlier rule (kvpress-like): every head first gets its window plus `alpha` of the
+rest of an even share, then the top remaining candidates across heads fill the layer's total.
 """
 
 from __future__ import annotations
@@ -37,15 +42,38 @@ def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int)
     return counts
 
 
+def ffy0_split(scores: torch.Tensor, base: int, alpha: float) -> np.ndarray:
+    """FFY0's per-head prefix counts, rounded to sum exactly to `H * base`.
+
+    `scores` [H, m] rank each head's m prefix candidates (m > base).
+    """
+    heads, candidates = scores.shape
+    chosen = torch.topk(scores.float().reshape(-1), heads * base).indices
+    selected = np.bincount((chosen // candidates).cpu().numpy(), minlength=heads)
+    targets = (1 - alpha) * selected.astype(np.float64) + alpha * base
+    counts = np.floor(targets).astype(np.int64)
+    short = heads * base - int(counts.sum())
+    order = sorted(range(heads), key=lambda h: (-(targets[h] - counts[h]), h))
+    for h in order[:short]:
+        counts[h] += 1
+    return np.minimum(counts, candidates)
+
+
+RULES = ("ffy0", "floor")
+
+
 @register_allocator("adakv")
 @dataclass(frozen=True)
 class AdaKV(Allocator):
     alpha: float = 0.2
+    rule: str = "ffy0"
     needs_prompt = True
 
     def __post_init__(self):
-        if not 0 <= self.alpha <= 1:
+        if not (isinstance(self.alpha, (int, float)) and 0 <= self.alpha <= 1):
             raise UserError(f"option alpha must be in [0, 1], got {self.alpha!r}")
+        if self.rule not in RULES:
+            raise UserError(f"option rule must be one of {', '.join(RULES)}, got {self.rule!r}")
 
     def allocate(self, state, budget, scorer):
         per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())
@@ -56,6 +84,12 @@ class AdaKV(Allocator):
                 matrix[layer] = state.length
                 continue
             reserved = min(scorer.floor(), count)
+            if self.rule == "ffy0" and count <= reserved:  # no prefix budget to share
+                matrix[layer] = count
+                continue
+            if self.rule == "ffy0":
+                matrix[layer] = reserved + ffy0_split(scorer.scores(state, layer), count - reserved, self.alpha)
+                continue
             floor = reserved + math.floor(self.alpha * (count - reserved))
             if floor >= count:  # nothing left to compete for: every head keeps the even share
                 matrix[layer] = count

@@ -1,37 +1,80 @@
-"""H2O scoring: heavy hitters (the most attended entries over the whole prompt) plus the recent window.
+"""H2O scoring: heavy hitters (the most attended entries over the whole prompt) plus recent tokens.
 
-Our reading of H2O (Zhang et al., 2023) for compression after prefill, as KVCache-Factory applies it to
-LongBench: an entry's score is the attention it received from every prompt query (the column sum of the
-causal attention map, each row a softmax over the keys that query sees), no pooling; the last `window`
-tokens are always kept and the top-scored earlier entries fill the rest. With grouped KV heads, a KV
-head's score is the mean over the query heads that share it. The sums come from the one prefill
-(`prefill(accumulate=True)`, chunked over queries, see `ripplekv.engine.accumulate`); `ripplekv eval` asks for
-them whenever a chosen method needs them. The H2O paper splits the cache evenly between heavy hitters
-and recent tokens; we keep the window at 32, as for SnapKV, so the two differ only in how they rank
-the prefix (`h2o:window=...` chooses another).
+H2O (Zhang et al., 2023), applied once after prefill. An entry's score is the attention it received
+from every prompt query: the column sum of the causal attention map, each row a softmax over the keys
+that query sees, unnormalised, as the H2O code (`h2o_hf`) and KVCache-Factory sum it. The paper splits
+each head's cache evenly between heavy hitters and recent tokens: `recent=0.5` gives the most recent
+`floor(0.5 * count)` tokens of a head, the top-scored earlier entries fill the rest.
+
+Options, for the other readings:
+- `norm=mean` divides each column by the number of queries that see that key (n - j for key j), the
+  mean attention a key received: kvpress's ObservedAttentionPress. `norm=sum` (default) is H2O's.
+- `window=W` always keeps at least the last W tokens; `h2o:recent=0:window=32` is KVCache-Factory's
+  LongBench setting and our earlier default; `h2o:norm=mean:recent=0` is kvpress's ObservedAttention.
+
+With grouped KV heads, a KV head's score is the mean over the query heads that share it. The sums come
+from the one prefill (chunked over queries, see `ripplekv.engine.accumulate`), never an n x n map.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_positive, register_scorer
+from ripplekv.methods.base import check_integers, per_head, register_scorer, top_scored_mask
 from ripplekv.methods.snapkv import WindowScorer
+
+NORMS = ("sum", "mean")
 
 
 @register_scorer("h2o")
 @dataclass(frozen=True)
 class H2OScorer(WindowScorer):
+    window: int = 0
+    recent: float = 0.5
+    norm: str = "sum"
+
     def __post_init__(self):
-        check_positive(window=self.window)
+        check_integers({"window": self.window}, minimum=0)
+        if not (isinstance(self.recent, (int, float)) and 0 <= self.recent <= 1):
+            raise UserError(f"option recent must be a share in [0, 1], got {self.recent!r}")
+        if self.norm not in NORMS:
+            raise UserError(f"option norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
 
     def requirements(self) -> Requirements:
         return Requirements(accumulated_attention=True)  # column sums over every prompt query, no window queries
 
-    def scores(self, state, layer):
+    def floor(self) -> int:
+        return max(self.window, 1)
+
+    def column_scores(self, state, layer) -> torch.Tensor:
+        """[H_kv, n]: each key's summed (norm=sum) or mean (norm=mean) attention from the prompt's queries."""
         if state.accumulated is None:
             raise UserError("h2o needs the attention accumulated over the prompt: prefill with accumulate=True")
-        window = min(self.window, state.length)
-        return state.accumulated[layer][:, : state.length - window]
+        scores = state.accumulated[layer].float()
+        if self.norm == "mean":
+            seen_by = torch.arange(state.length, 0, -1, dtype=scores.dtype, device=scores.device)
+            scores = scores / seen_by
+        return scores
+
+    def scores(self, state, layer):
+        return self.column_scores(state, layer)[:, : state.length - min(self.window, state.length)]
+
+    def recent_count(self, count: int) -> int:
+        return min(count, max(self.window, math.floor(self.recent * count)))
+
+    def keep(self, state, layer, counts):
+        columns = None
+
+        def build(heads, count):
+            nonlocal columns
+            if columns is None:
+                columns = self.column_scores(state, layer)
+            recent = self.recent_count(count)
+            return top_scored_mask(columns[heads, : state.length - recent], state.length, recent, count)
+
+        return per_head(counts, build)

@@ -1,10 +1,11 @@
 """TOVA scoring: keep the entries the last prompt token attends to most.
 
 Our reading of TOVA (Oren et al., 2024), applied once after prefill: an entry's score is the attention
-of the last prompt query (a softmax over all prompt keys). With grouped KV heads a KV head's score is
-the mean over the query heads that share it (`heads=kv`, the default); TOVA itself averages over every
-head of the layer, so all heads keep the same entries (`tova:heads=layer`). TOVA has no recent window;
-we always keep the last token itself (`window=1`), whose query made the scores.
+of the last prompt query (a softmax over all prompt keys), averaged over every query head of the layer,
+so all heads of a layer keep the same entries (`heads=layer`, the default: the paper's rule, and what
+its code and kvpress's TOVAPress do). `tova:heads=kv` averages only over the query heads that share a
+KV head (our earlier default). TOVA has no recent window; the last token itself is always kept
+(`window=1`), whose query made the scores, as kvpress does.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def last_query_attention(state, layer: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class TOVAScorer(WindowScorer):
     window: int = 1
-    heads: str = "kv"
+    heads: str = "layer"
 
     def __post_init__(self):
         if self.heads not in HEADS:

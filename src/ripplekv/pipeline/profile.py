@@ -7,7 +7,9 @@ cache. Only the perturbed layer of each variant differs, stored as a per-variant
 copied. The signal is KL(p_clean || p_perturbed) of next-token distributions, averaged over probe positions.
 
 Signals: `noise` adds norm-adaptive Gaussian noise to layer l's values, v + eta * ||v|| / sqrt(d) * eps;
-`evict` (DepthKV-style) evicts layer l alone down to a SnapKV budget while every other layer stays full.
+`evict` (DepthKV) evicts layer l alone down to `evict_budget` with `evict_method`'s selection (default
+`h2o`: DepthKV prunes with its own H2O-like pruner; `snapkv` was our earlier choice) while every other
+layer stays full. Set `--evict-budget` to the evaluation budget so the layer is pruned at the global ratio.
 """
 
 from __future__ import annotations
@@ -47,10 +49,24 @@ class ProfileSettings:
     probe_tokens: int = 16
     evict_budget: int = 128
     batch_size: int = 32
+    evict_method: str = EVICTION_METHOD
+
+    def record(self) -> dict:
+        """The settings written to profile.json; a noise profile leaves out the evict pruner it never uses."""
+        settings = asdict(self)
+        if self.signal == "noise":
+            settings.pop("evict_method")
+        return settings
+
+    def evict_pruner(self):
+        """The method that evicts one layer with `signal=evict`."""
+        return make_method(self.evict_method)
 
     def check(self) -> None:
         if self.signal not in SIGNALS:
             raise UserError(f"unknown signal {self.signal!r}; choose one of {', '.join(SIGNALS)}")
+        if self.signal == "evict" and self.evict_pruner().is_full:
+            raise UserError("--evict-method must be a compressing method (e.g. h2o or snapkv), not full")
         if not math.isfinite(self.eta) or self.eta <= 0 or self.eta > MAX_ETA:
             raise UserError(f"--eta must be a number in (0, {MAX_ETA:g}] (noise relative to each value vector's RMS; "
                             f"0 would perturb nothing), got {self.eta}")
@@ -74,22 +90,17 @@ def _generator(seed: int, sample_index: int, layer: int) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * seed + 10_007 * sample_index + layer)
 
 
-def eviction_method():
-    """The method `--signal evict` evicts each layer with (ripplekv.defaults)."""
-    return make_method(EVICTION_METHOD)
-
-
 def profile_requirements(settings: ProfileSettings) -> Requirements:
     """What a profile's prefill records: the eviction method's needs when it evicts (and the probe's length)."""
     needs = Requirements(capture_window=settings.probe_tokens)
-    return needs.union(eviction_method().requirements()) if settings.signal == "evict" else needs
+    return needs.union(settings.evict_pruner().requirements()) if settings.signal == "evict" else needs
 
 
 def layer_overrides(state, settings: ProfileSettings, seed: int, sample_index: int) -> list[VariantOverride]:
     """One override per layer: layer l's perturbation, to be applied in variant l."""
     overrides = []
     if settings.signal == "evict":
-        keep = eviction_method().select(state, settings.evict_budget)
+        keep = settings.evict_pruner().select(state, settings.evict_budget)
     for layer in range(state.num_layers):
         if settings.signal == "noise":
             delta = noise_delta(state.values[layer], settings.eta, _generator(seed, sample_index, layer))
@@ -165,7 +176,7 @@ def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path)
     write_csv(out / "per_sample.csv", pd.DataFrame(rows))
     meta = {
         "model": profile.model,
-        **asdict(profile.settings),
+        **profile.settings.record(),
         "num_layers": int(profile.per_sample.shape[1]),
         "calibration_ids": profile.sample_ids,
         "calibration_hash": calibration_hash(prompts),
@@ -258,7 +269,7 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
                                   with_answer=with_answer)
     if announce is not None:
         announce()
-    header = {"model": source.label, "model_location": source.location, **asdict(settings),
+    header = {"model": source.label, "model_location": source.location, **settings.record(),
               "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
     with exclusive(out, "profile"):
         log = UnitLog(out / SAMPLES_LOG, header, remedy="use a new --out directory")

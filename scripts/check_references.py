@@ -1,0 +1,361 @@
+"""Check ripplekv's baselines against the reference code, on the bundled model's own prompts and weights.
+
+Two halves, two environments:
+- here (the project's venv): build a few offline-suite prompts, prefill each once, and record what each
+  method keeps, in the layout of `ripplekv inspect`'s kept.npz (`analysis.kept.kept_arrays`); PyramidKV's
+  schedule comes from `ripplekv budgets` itself.
+- `--worker` (a separate venv, `--venv`, made when missing: the same CPU torch, kvpress 0.5.5,
+  transformers 5.2.0): load the same dequantized weights with eager attention, run one forward per
+  prompt and, in a hook on every attention layer, call each kvpress press's own `compress` on the
+  layer's keys with the values replaced by their positions, so the values it returns are the positions
+  it kept. The hook leaves the cache alone; compression after prefill never changes prefill's outputs.
+
+For each method with reference code it prints the share of identical (layer, KV head) kept sets and the
+mean Jaccard over prompts x budgets x layers x heads; PyramidKV's and CAKE's per-layer budgets are
+compared with their formulas re-implemented here (PyramidKV paper's linear schedule; cakekv's
+`pref / sum(pref) * L * (B - w)` with its truncation and `adjust_budgets`). The AdaKV rule (FFY0's
+allocation, with exact totals) is re-implemented here on kvpress's SnapKV scores. Last line:
+`reference parity: N/M methods >= 0.99`.
+
+Run: `make check-references` or `bash scripts/check_references.sh [--prompts 4] [--budgets 128,512]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+WINDOW = 32  # SnapKV's observation window, CAKE's window
+KERNEL = 5  # kvpress's SnapKV pools with avg_pool1d; ours is asked for the same
+PINS = ("kvpress==0.5.5", "transformers==5.2.0", "gguf", "accelerate")
+TORCH = "torch==2.13.0"
+
+# method -> (our spec, reference key in the worker's output)
+PAIRS = {
+    "snapkv": (f"snapkv:kernel={KERNEL}:pooling=avg", "snapkv"),
+    "streamingllm": ("streamingllm", "streamingllm"),
+    "tova": ("tova", "tova"),
+    "knorm": ("knorm", "knorm"),
+    "h2o:norm=mean": ("h2o:norm=mean:recent=0", "observed"),
+    "adakv": (f"adakv:kernel={KERNEL}:pooling=avg", "adakv"),
+}
+# Our earlier defaults against the same references: printed for information (they should not match).
+EARLIER = {
+    "tova:heads=kv": ("tova:heads=kv", "tova"),
+    "h2o (H2O sums, split)": ("h2o", "observed"),
+    "h2o:recent=0:window=32": ("h2o:recent=0:window=32", "observed"),
+    "knorm:window=32": ("knorm:window=32", "knorm"),
+    "adakv:rule=floor": (f"adakv:kernel={KERNEL}:pooling=avg:rule=floor", "adakv"),
+}
+
+
+# --------------------------------------------------------------------------- the reference venv
+
+
+def ensure_venv(venv: Path) -> Path:
+    """The reference venv's python; created (CPU torch from the local wheel first, then the pins) when missing."""
+    python = venv / "bin" / "python"
+    probe = "import kvpress, transformers, torch; assert transformers.__version__ == '5.2.0'; assert '+cpu' in torch.__version__"
+    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
+        return python
+    print(f"creating the reference venv {venv} (torch CPU, {', '.join(PINS)})", file=sys.stderr)
+    subprocess.run([os.environ.get("REFVENV_PYTHON", "python3.11"), "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", TORCH], check=True)
+    torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    constraints = venv / "constraints.txt"
+    constraints.write_text(f"torch=={torch_version}\n")  # never let the resolver swap in a CUDA build
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(constraints), *PINS], check=True)
+    subprocess.run([str(python), "-c", probe], check=True)
+    return python
+
+
+# --------------------------------------------------------------------------- worker (reference venv)
+
+
+def worker(args) -> None:
+    import torch
+    from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import kvpress
+    import transformers
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    presses = {"snapkv": SnapKVPress(window_size=WINDOW, kernel_size=KERNEL), "streamingllm": StreamingLLMPress(n_sink=4),
+               "tova": TOVAPress(), "knorm": KnormPress(), "observed": ObservedAttentionPress()}
+    for press in presses.values():
+        press.post_init_from_model(model)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    out = Path(args.out)
+    for ids_path in sorted(out.glob("prompt_*.npy")):
+        ids = torch.as_tensor(np.load(ids_path), dtype=torch.long)[None]
+        n = ids.shape[1]
+        record: dict[str, np.ndarray] = {}
+        prefs = {}
+
+        def hook(module, inputs, kwargs, output):
+            layer = module.layer_idx
+            cache_layer = kwargs["past_key_values"].layers[layer]
+            keys, values = cache_layer.keys, cache_layer.values
+            attentions = output[1]
+            positions = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand_as(values).contiguous()
+            for name, press in presses.items():
+                for budget in budgets:
+                    press.compression_ratio = 1 - (budget + 0.5) / n  # int(n * (1 - ratio)) == budget
+                    _, kept = press.compress(module, kwargs["hidden_states"], keys, positions, attentions, kwargs)
+                    record[f"{name}/{budget}/{layer}"] = np.sort(kept[0, :, :, 0].round().long().numpy(), axis=-1)
+            snap = presses["snapkv"].score(module, kwargs["hidden_states"], keys, values, attentions, kwargs)
+            record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
+            window = attentions[0, :, -WINDOW:, : n - WINDOW].float()
+            entropy = float(-(window * torch.log(window + 1e-10)).sum())  # cakekv's calculate_entropy
+            variance = float(torch.var(window, dim=-2).sum())
+            prefs[layer] = (entropy, variance)
+            return output
+
+        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+        try:
+            with torch.no_grad():
+                model(ids, past_key_values=DynamicCache(config=model.config))
+        finally:
+            for handle in hooks:
+                handle.remove()
+        record["cake_prefs"] = np.asarray([prefs[layer] for layer in range(len(prefs))], dtype=np.float64)
+        np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
+        print(f"reference: {ids_path.stem} ({n} tokens) done", file=sys.stderr)
+    (out / "reference_versions.json").write_text(json.dumps(
+        {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+         "transformers": transformers.__version__, "torch": torch.__version__}))
+
+
+# --------------------------------------------------------------------------- the rules re-implemented
+
+
+def ffy0_rule(scores: np.ndarray, budget: int, window: int, alpha: float = 0.2):
+    """AdaKV's allocation (FFY0/AdaKV, AdaptiveSnapKVCluster): kept prefix sets per head, exact totals.
+
+    c_h = head h's share of the layer's top H*base scores; head h keeps its top
+    (1-alpha) c_h + alpha base, rounded by largest remainder (ties to the lower head) to sum to H*base.
+    Also returns FFY0's own per-head round (which may not sum exactly), for information.
+    """
+    heads, m = scores.shape
+    base = budget - window
+    flat = np.argsort(-scores.reshape(-1), kind="stable")[: heads * base]
+    chosen = np.bincount(flat // m, minlength=heads)
+    target = (1 - alpha) * chosen + alpha * base
+    counts = np.floor(target).astype(int)
+    for h in sorted(range(heads), key=lambda h: (-(target[h] - counts[h]), h))[: heads * base - counts.sum()]:
+        counts[h] += 1
+    own_round = np.round(chosen * (1 - alpha) + int(base * alpha)).astype(int)
+    kept = [set(np.argsort(-scores[h], kind="stable")[: counts[h]].tolist()) for h in range(heads)]
+    return kept, counts, own_round
+
+
+def pyramid_formula(layers: int, budget: int, window: int, beta: float = 20.0) -> np.ndarray:
+    """PyramidKV's schedule (Cai et al. 2024): window + an arithmetic sequence of prefix budgets from
+    (2 - 1/beta)(B - w) at layer 0 down to (B - w)/beta at the last layer (mean B - w)."""
+    base = budget - window
+    top, bottom = (2 - 1 / beta) * base, base / beta
+    return window + top - (top - bottom) * np.arange(layers) / (layers - 1)
+
+
+def kvcache_factory_pyramid(layers: int, budget: int, window: int, length: int, beta: int = 20) -> np.ndarray:
+    """KVCache-Factory's integer version of the same schedule (integer steps; its total drifts)."""
+    base = budget - window
+    low = base // beta
+    high = base * 2 - low
+    if high >= length - window:
+        high = length - window
+        low = base * 2 - high
+    steps = (high - low) // (layers - 1)
+    return np.asarray([window + high - layer * steps for layer in range(layers)])
+
+
+def cakekv_budgets(prefs: np.ndarray, budget: int, window: int, length: int, tau1=1.0, tau2=1.0) -> np.ndarray:
+    """cakekv's layer budgets: window + int(P_l / sum P * L (B - w)), then its adjust_budgets (cap at
+    n - w, hand out the excess and the shortfall evenly, the remainder to the first layers)."""
+    layers = len(prefs)
+    total = (budget - window) * layers
+    pref = prefs[:, 0] ** (1 / tau1) * prefs[:, 1] ** (1 / tau2)
+    counts = np.array([int(p / pref.sum() * total) for p in pref])
+    cap = length - window
+    excess = np.maximum(counts - cap, 0).sum()
+    counts = np.minimum(counts, cap)
+    if excess > 0:
+        valid = np.where(counts < cap)[0]
+        if len(valid):
+            counts[valid] += excess // len(valid)
+            counts[valid[: excess % len(valid)]] += 1
+    diff = total - counts.sum()
+    if diff != 0:
+        valid = np.where(counts < cap)[0] if diff > 0 else np.where(counts > 1)[0]
+        if len(valid):
+            step = abs(diff) // len(valid)
+            counts[valid] += np.sign(diff) * step
+            counts[valid[: abs(diff) % len(valid)]] += np.sign(diff)
+    return counts + window
+
+
+# --------------------------------------------------------------------------- our side and the comparison
+
+
+def our_side(args, out: Path) -> tuple[int, list[int]]:
+    """Prompts' ids (prompt_*.npy) and our kept sets (ours_*.npz, inspect's kept.npz layout); (layers, lengths)."""
+    import torch
+
+    from ripplekv.analysis.kept import kept_arrays
+    from ripplekv.engine.models import load_model
+    from ripplekv.engine.prefill import prefill
+    from ripplekv.methods import make_method
+    from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+
+    model, tokenizer, _ = load_model(None, device="cpu", dtype="float32")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    methods = {name: make_method(spec) for name, (spec, _) in {**PAIRS, **EARLIER}.items()}
+    methods["cake"] = make_method("cake")
+    lengths = []
+    for index, task in enumerate(get_tasks("offline")[: args.prompts]):
+        record = load_samples(task, tokenizer, limit=1, target_tokens=args.target_tokens)[0]
+        ids = build_prompt_ids(task, record, tokenizer, 7500)
+        np.save(out / f"prompt_{index}.npy", np.asarray(ids, dtype=np.int64))
+        state = prefill(model, ids, accumulate=True)
+        lengths.append(state.length)
+        arrays = {}
+        with torch.no_grad():
+            for name, method in methods.items():
+                for budget in budgets:
+                    kept = kept_arrays(method.compress(state, budget))
+                    arrays[f"{name}/{budget}/positions"] = kept["positions"]
+                    arrays[f"{name}/{budget}/counts"] = kept["counts"]
+        np.savez_compressed(out / f"ours_prompt_{index}.npz", **arrays, meta=json.dumps({"task": task.name, "tokens": state.length}))
+        print(f"ours: prompt {index} ({task.name}, {state.length} tokens) done", file=sys.stderr)
+    return model.config.num_hidden_layers, lengths
+
+
+def our_pyramid(budget: int, length: int) -> np.ndarray:
+    """PyramidKV's layer budgets as `ripplekv budgets` prints them (the public surface)."""
+    command = [sys.executable, "-m", "ripplekv.cli", "budgets", "--methods", "pyramidkv", "--budget", str(budget),
+               "--prompt-len", str(length), "--format", "csv"]
+    text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    import csv
+    import io
+
+    rows = [row for row in csv.DictReader(io.StringIO(text)) if row.get("method") == "pyramidkv"]
+    column = next(key for key in rows[0] if key not in ("method", "layer"))
+    return np.asarray([int(row[column]) for row in sorted(rows, key=lambda r: int(r["layer"]))])
+
+
+def kept_sets(positions: np.ndarray) -> list[list[set[int]]]:
+    return [[set(int(p) for p in row if p >= 0) for row in layer] for layer in positions]
+
+
+def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> list[tuple[str, bool, str]]:
+    lines = []
+    ours_files = sorted(out.glob("ours_prompt_*.npz"))
+    pairs = {**PAIRS, **EARLIER}
+    stats = {name: [] for name in pairs}
+    own_round_agree = []
+    cake_diffs = []
+    for ours_path in ours_files:
+        ours = np.load(ours_path)
+        ref = np.load(out / f"reference_{ours_path.stem[len('ours_'):]}.npz")
+        for name, (_, key) in pairs.items():
+            for budget in budgets:
+                mine = kept_sets(ours[f"{name}/{budget}/positions"])
+                for layer in range(layers):
+                    if key == "adakv":
+                        theirs, _, own = ffy0_rule(ref[f"snapkv_scores/{layer}"], budget, WINDOW)
+                        n = ref[f"snapkv_scores/{layer}"].shape[1] + WINDOW
+                        theirs = [t | set(range(n - WINDOW, n)) for t in theirs]
+                        if name == "adakv":
+                            own_round_agree.extend((own + WINDOW == ours[f"{name}/{budget}/counts"][layer]).tolist())
+                    else:
+                        theirs = [set(row.tolist()) for row in ref[f"{key}/{budget}/{layer}"]]
+                    for head, kept in enumerate(mine[layer]):
+                        union = kept | theirs[head]
+                        stats[name].append((kept == theirs[head], len(kept & theirs[head]) / max(len(union), 1)))
+        for budget in budgets:
+            length = int(json.loads(str(ours["meta"]))["tokens"])
+            cake_ref = cakekv_budgets(ref["cake_prefs"], budget, WINDOW, length)
+            cake_ours = ours[f"cake/{budget}/counts"][:, 0]
+            cake_diffs.append((int(np.abs(cake_ref - cake_ours).max()), int(cake_ours.sum()) == layers * budget,
+                               int(cake_ref.sum()) - layers * budget))
+    for name, values in stats.items():
+        same = np.mean([v[0] for v in values])
+        jaccard = np.mean([v[1] for v in values])
+        extra = f"; FFY0's own per-head round gives the same counts in {np.mean(own_round_agree):.3f} of heads" if name == "adakv" else ""
+        if name in EARLIER:
+            lines.append((name, None, f"  (earlier default) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))
+            continue
+        lines.append((name, same >= 0.99, f"{name:<14} identical kept sets {same:.4f} of {len(values)} (layer, KV head, prompt, budget); "
+                      f"mean Jaccard {jaccard:.4f}{extra}"))
+    worst = max(d[0] for d in cake_diffs)
+    lines.append(("cake", worst <= 1 and all(d[1] for d in cake_diffs),
+                  f"{'cake':<14} layer budgets vs cakekv's formula on the reference attention: max |diff| {worst} entries "
+                  f"per layer over {len(cake_diffs)} (prompt, budget); ours sum exactly to L x B: {all(d[1] for d in cake_diffs)}; "
+                  f"cakekv's totals off by {sorted({d[2] for d in cake_diffs})}"))
+    pyramid = []
+    for budget in budgets:
+        length = max(lengths)
+        mine = our_pyramid(budget, length)
+        formula = pyramid_formula(layers, budget, WINDOW)
+        factory = kvcache_factory_pyramid(layers, budget, WINDOW, length)
+        pyramid.append((float(np.abs(mine - formula).max()), int(mine.sum()) == layers * budget,
+                        int(np.abs(mine - factory).max()), int(factory.sum()) - layers * budget))
+    worst = max(p[0] for p in pyramid)
+    lines.append(("pyramidkv", worst < 1 and all(p[1] for p in pyramid),
+                  f"{'pyramidkv':<14} layer budgets vs the paper's schedule: max |diff| {worst:.2f} entries per layer "
+                  f"(B={','.join(map(str, budgets))}); ours sum exactly: {all(p[1] for p in pyramid)}; "
+                  f"KVCache-Factory's integer steps differ by up to {max(p[2] for p in pyramid)} and their totals "
+                  f"by {[p[3] for p in pyramid]} entries per head"))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=4, help="offline-suite prompts (one per task)")
+    parser.add_argument("--budgets", default="128,512")
+    parser.add_argument("--target-tokens", type=int, default=3500)
+    parser.add_argument("--venv", default=os.environ.get("RIPPLEKV_REFVENV", "/work/refvenv"))
+    parser.add_argument("--out", default="runs/check-references")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if any(b <= WINDOW for b in budgets):
+        sys.exit(f"budgets must exceed the window ({WINDOW}) for the comparison")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("*.npz")) + list(out.glob("*.npy")):
+        old.unlink()
+    python = ensure_venv(Path(args.venv))
+    from ripplekv.engine.models import _source_and_location
+
+    _, model_dir = _source_and_location(None)
+    layers, lengths = our_side(args, out)
+    subprocess.run([str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir, "--out", str(out),
+                    "--budgets", args.budgets], check=True, env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+                         "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
+    lines = compare(out, layers, lengths, budgets)
+    versions = json.loads((out / "reference_versions.json").read_text())
+    print(f"reference code: kvpress {versions['kvpress']}, transformers {versions['transformers']}, torch {versions['torch']}; "
+          f"{len(lengths)} prompts ({min(lengths)}-{max(lengths)} tokens), B = {args.budgets}")
+    for _, _, text in sorted(lines, key=lambda line: line[1] is None):
+        print(text)
+    checked = [ok for _, ok, _ in lines if ok is not None]
+    print(f"reference parity: {sum(checked)}/{len(checked)} methods >= 0.99")
+    sys.exit(0 if all(checked) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Check the baselines against kvpress and the papers' formulas (a second venv; not part of CI).
+# Usage: bash scripts/check_references.sh [--prompts 4] [--budgets 128,512] [--venv /work/refvenv]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PY:-.venv/bin/python}"
+PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 exec "$PY" scripts/check_references.py "$@"
