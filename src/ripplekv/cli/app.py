@@ -513,6 +513,7 @@ def inspect_command(
     from ripplekv.methods import make_method
     from ripplekv.engine.models import load_model, load_tokenizer
     from ripplekv.engine.prefill import prefill
+    from ripplekv.pipeline.samples import file_prompt, sample_prompt
 
     check_budget(budget)
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
@@ -522,23 +523,11 @@ def inspect_command(
         raise UserError(f"--index must be >= 0, got {index}")
     tokenizer = load_tokenizer(model)
     if prompt_file is not None:
-        path = Path(prompt_file)
-        if not path.is_file():
-            raise UserError(f"prompt file {path} does not exist")
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace")).input_ids
-        question, answers, label = len(ids), [], path.name
+        prompt = file_prompt(tokenizer, prompt_file)
     else:
-        from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
-        from ripplekv.tasks.prompts import question_start
-
-        (chosen_task,) = get_tasks(suite, [task])
-        records = load_samples(chosen_task, tokenizer, limit=index + 1, data_dir=data_dir, target_tokens=target_tokens)
-        if index >= len(records):
-            raise UserError(f"task {chosen_task.name} has {len(records)} samples; --index must be below that")
-        record = records[index]
-        ids = build_prompt_ids(chosen_task, record, tokenizer, max_length)
-        question = question_start(chosen_task, record, tokenizer, max_length)
-        answers, label = list(record["answers"]), f"{chosen_task.name} #{index}"
+        prompt = sample_prompt(tokenizer, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
+                               max_length=max_length)
+    ids, question, answers, label = prompt.ids, prompt.question_start, prompt.answers, prompt.label
     loaded, _, source = load_model(model, device=device, dtype=dtype)
     state = prefill(loaded, ids)
     built = chosen.compress(state, budget)
@@ -568,7 +557,8 @@ def methods_command() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
+    from ripplekv.methods import ALLOCATORS, SCORERS
+    from ripplekv.methods.catalog import catalog
     from ripplekv.methods.presets import defaults_of
 
     def options(component) -> str:
@@ -577,12 +567,12 @@ def methods_command() -> None:
     table = Table(title="ripplekv methods (spec: name[:option=value...])", box=box.SIMPLE_HEAD)
     for column in ("method", "allocator", "scorer", "options (defaults)", "what it is"):
         table.add_column(column, overflow="fold")
-    for name, chosen in sorted(PRESETS.items()):
-        if chosen.scorer is None:
-            table.add_row(name, "-", "-", "-", chosen.about)
+    for info in catalog():
+        if info.scorer is None:
+            table.add_row(info.name, "-", "-", "-", info.about)
             continue
-        opts = "; ".join(o for o in (options(ALLOCATORS[chosen.allocator]), options(SCORERS[chosen.scorer])) if o != "-")
-        table.add_row(name, chosen.allocator, chosen.scorer, opts or "-", chosen.about)
+        opts = "; ".join(o for o in (options(ALLOCATORS[info.allocator]), options(SCORERS[info.scorer])) if o != "-")
+        table.add_row(info.name, info.allocator, info.scorer, opts or "-", info.about)
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
