@@ -6,7 +6,7 @@ imported on first use, so `import ripplekv` (and the CLI's start) stays cheap: n
 __version__ = "0.1.0"
 
 _API = ("Answer", "CompressedPrompt", "MethodInfo", "Prompt", "Run", "compress", "generate", "load_model",
-        "load_run", "method", "methods", "sample_prompt")
+        "load_run", "method", "list_methods", "sample_prompt")
 __all__ = ["UserError", "__version__", *_API]
 
 

@@ -25,7 +25,7 @@ from ripplekv.pipeline.samples import Prompt, sample_prompt
 from ripplekv.runs.tables import Run, load_run
 
 __all__ = ["Answer", "CompressedPrompt", "MethodInfo", "Prompt", "Run", "UserError", "compress", "generate",
-           "load_model", "load_run", "method", "methods", "sample_prompt"]
+           "list_methods", "load_model", "load_run", "method", "sample_prompt"]
 
 SHIPPED_ALLOCATIONS = Path(__file__).parent / "data" / "allocations"
 NO_TRUNCATION = 2**62  # user text is never cut in the middle; a prompt too long for the model is refused
@@ -40,8 +40,10 @@ def load_model(model: str | None = None, *, device: str = "auto", dtype: str = "
     return loaded, tokenizer
 
 
-def methods() -> list[MethodInfo]:
-    """Every named method with its allocator, scorer and options' defaults (`ripplekv methods` as data)."""
+def list_methods() -> list[MethodInfo]:
+    """Every named method with its allocator, scorer and options' defaults (`ripplekv methods` as data).
+
+    Not `ripplekv.methods()`: `ripplekv.methods` is the package of the methods themselves."""
     return catalog()
 
 
