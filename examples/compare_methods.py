@@ -11,7 +11,7 @@ from pathlib import Path
 import ripplekv
 
 STORY = ("Mira repaired clocks in a narrow shop by the river. Each morning she wound the tall clock by the door, "
-         "then opened the shutters. Customers brought watches that had stopped on important days. ") * 10
+         "then opened the shutters. Customers brought watches that had stopped on important days. ") * 5
 STORY += "The oldest clock in the shop had been built in 1789 by her great-grandfather. " + STORY
 
 
@@ -25,7 +25,7 @@ def main() -> None:
     context = Path(args.text).read_text(encoding="utf-8") if args.text else STORY
     model, tokenizer = ripplekv.load_model()
     answers = ripplekv.generate(model, tokenizer, context, args.question, methods=args.methods.split(","),
-                                budgets=args.budget or [64], max_new_tokens=24)
+                                budgets=args.budget or [64], max_new_tokens=16)
     for answer in answers:
         where = "full" if answer.budget is None else f"{answer.method}@{answer.budget}"
         print(f"{where:>16}  kept {answer.kept_entries:>6}  kl {answer.kl:.4f}  {answer.text!r}")

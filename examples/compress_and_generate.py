@@ -11,7 +11,7 @@ import argparse
 import ripplekv
 
 FACTS = ("The lighthouse keeper wrote in her log every evening. Storms came from the west in autumn. "
-         "The supply boat arrived on Thursdays, weather permitting. ") * 12
+         "The supply boat arrived on Thursdays, weather permitting. ") * 6
 PROMPT = FACTS + "The keeper's cat was called Marmalade. " + FACTS + "\n\nWhat was the keeper's cat called?"
 
 
