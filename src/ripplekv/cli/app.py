@@ -558,27 +558,16 @@ def _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, dat
     from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
     from ripplekv.engine.models import load_model, load_tokenizer
     from ripplekv.engine.prefill import Requirements, prefill_for
+    from ripplekv.pipeline.samples import file_prompt, sample_prompt
     from ripplekv.runs.safeio import atomic_write
 
     tokenizer = load_tokenizer(model)
     if prompt_file is not None:
-        path = Path(prompt_file)
-        if not path.is_file():
-            raise UserError(f"prompt file {path} does not exist")
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace")).input_ids
-        question, answers, label = len(ids), [], path.name
+        prompt = file_prompt(tokenizer, prompt_file)
     else:
-        from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
-        from ripplekv.tasks.prompts import question_start
-
-        (chosen_task,) = get_tasks(suite, [task])
-        records = load_samples(chosen_task, tokenizer, limit=index + 1, data_dir=data_dir, target_tokens=target_tokens)
-        if index >= len(records):
-            raise UserError(f"task {chosen_task.name} has {len(records)} samples; --index must be below that")
-        record = records[index]
-        ids = build_prompt_ids(chosen_task, record, tokenizer, max_length)
-        question = question_start(chosen_task, record, tokenizer, max_length)
-        answers, label = list(record["answers"]), f"{chosen_task.name} #{index}"
+        prompt = sample_prompt(tokenizer, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
+                               max_length=max_length)
+    ids, question, answers, label = prompt.ids, prompt.question_start, prompt.answers, prompt.label
     loaded, _, source = load_model(model, device=device, dtype=dtype)
     state = prefill_for(loaded, ids, Requirements.of_all([chosen]))
     built = chosen.compress(state, budget)

@@ -124,7 +124,7 @@ class CompressedLayer(CacheLayerMixin):
 
 
 class CompressedCache(Cache):
-    """A transformers Cache made of `CompressedLayer`s; pass it as `cache=` and as `ripplekv_cache=`."""
+    """A transformers Cache made of `CompressedLayer`s: pass it as `cache=` (or `past_key_values=`) to the model."""
 
     def __init__(self, layers: list[CompressedLayer], num_variants: int):
         super().__init__(layers=layers)
@@ -132,6 +132,18 @@ class CompressedCache(Cache):
 
     def select_variants(self, index: torch.Tensor) -> None:
         self.batch_select_indices(index)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Append decoded tokens, and hand this cache to our attention function.
+
+        The attention modules of the supported families pass their own keyword arguments here
+        (`kwargs=`) and then on to the attention function, so putting the cache in them lets a plain
+        `model.generate(past_key_values=cache)` reach `compressed_attention` with no extra argument.
+        """
+        forwarded = kwargs.get("kwargs")
+        if isinstance(forwarded, dict):
+            forwarded.setdefault("ripplekv_cache", self)
+        return self.layers[layer_idx].update(key_states, value_states)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every variant `repeats` times (generate's num_return_sequences and beams)."""

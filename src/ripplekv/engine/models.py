@@ -333,3 +333,13 @@ def load_model(spec: str | None = None, device: str | None = "auto", dtype: str 
     model.to(device)
     model.eval()
     return model, tokenizer, source
+
+
+def is_bundled(model) -> bool:
+    """Whether a loaded model is the bundled SmolLM2 (so the allocation shipped for it applies)."""
+    try:
+        bundled = _gguf_cache_dir(str(bundled_gguf_path()))
+    except (UserError, OSError):
+        return False
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    return bool(name) and Path(name).resolve() == bundled.resolve()

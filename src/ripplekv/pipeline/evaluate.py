@@ -114,8 +114,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     """Validate the user's input and build the config; raises UserError before any model is loaded."""
     from ripplekv import __version__
     from ripplekv.tasks import get_tasks
-    from ripplekv.methods import make_method
-    from ripplekv.methods.presets import check_distinct, shared_option_users
+    from ripplekv.methods.catalog import build_methods
     from ripplekv.engine.models import check_model_files, resolve_device_dtype, resolve_model, runtime_info
 
     for budget in settings.budgets:
@@ -136,16 +135,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError(f"--max-length must be at least 2 tokens, got {settings.max_length}")
     # The full cache is always computed (it is the reference for fidelity), so it is always reported.
     shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
-    built = [make_method(spec, shared=shared) for spec in dict.fromkeys((REFERENCE, *settings.methods))]
-    for key, used in shared_option_users(settings.methods, shared).items():
-        if not used:
-            raise UserError(f"--{key} applies to none of the chosen methods ({', '.join(settings.methods)})")
-    methods = {method.label: method for method in built}
-    if len(methods) < len(built):
-        repeated = sorted({m.label for m in built if sum(other.label == m.label for other in built) > 1})
-        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (one method spelt twice, "
-                        "or file options with the same file name); name each method once, and give files different names")
-    check_distinct(built)
+    methods = build_methods(settings.methods, shared)
+    built = list(methods.values())
     names = tuple(methods)
     tasks = get_tasks(settings.suite, list(settings.tasks) or None)
     source = resolve_model(settings.model)

@@ -1,0 +1,237 @@
+"""ripplekv from Python: compress a prompt's KV cache with any method and generate from it with
+`model.generate`, compare methods on your own text from one prefill, list and check methods, and read
+a run's files as DataFrames.
+
+These are the functions the CLI runs, not a second implementation: a cache made here keeps exactly the
+entries `ripplekv eval` scores (L x H_kv x B, with real per-head lengths, not masks), and `generate` is
+eval's own per-sample function. Mistakes a caller can fix raise `ripplekv.UserError` with the one-line
+message the CLI prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ripplekv.engine.cache import CompressedCache
+from ripplekv.errors import UserError
+from ripplekv.methods.base import Method
+from ripplekv.methods.catalog import MethodInfo, catalog
+from ripplekv.pipeline.samples import Prompt, sample_prompt
+from ripplekv.runs.tables import Run, load_run
+
+__all__ = ["Answer", "CompressedPrompt", "MethodInfo", "Prompt", "Run", "UserError", "compress", "generate",
+           "list_methods", "load_model", "load_run", "method", "sample_prompt"]
+
+SHIPPED_ALLOCATIONS = Path(__file__).parent / "data" / "allocations"
+NO_TRUNCATION = 2**62  # user text is never cut in the middle; a prompt too long for the model is refused
+
+
+def load_model(model: str | None = None, *, device: str = "auto", dtype: str = "auto"):
+    """`(model, tokenizer)` as every command's `--model` loads them: a hub id, a model directory or a
+    `.gguf`; by default the bundled SmolLM2-135M-Instruct (offline, dequantized once)."""
+    from ripplekv.engine.models import load_model as load
+
+    loaded, tokenizer, _ = load(model, device=device, dtype=dtype)
+    return loaded, tokenizer
+
+
+def list_methods() -> list[MethodInfo]:
+    """Every named method with its allocator, scorer and options' defaults (`ripplekv methods` as data).
+
+    Not `ripplekv.methods()`: `ripplekv.methods` is the package of the methods themselves."""
+    return catalog()
+
+
+def method(spec: str, **options) -> Method:
+    """A checked method from a spec (`"pyramidkv:beta=10"`) and options (`window=16`, `allocation="a.csv"`).
+
+    Use it to validate a spec before any model work; an unknown name or option raises UserError."""
+    from ripplekv.methods import make_method
+
+    if not isinstance(spec, str):
+        raise UserError(f"a method spec is a string such as 'snapkv:window=16', got {type(spec).__name__}")
+    return make_method(spec, **options)
+
+
+class CompressedPrompt(CompressedCache):
+    """A transformers `Cache` holding one prompt's compressed entries, for `model.generate(past_key_values=...)`.
+
+    `input_ids` [1, n + 1] is the prompt followed by the token full attention predicts after it (the
+    prefill's, as in eval): `model.generate(cache.input_ids, past_key_values=cache)` continues from there,
+    so its answer is `output[0, cache.prompt_length:]`. To read a question through the compressed context
+    instead (kvpress's usage), compress the context alone and pass `torch.cat([cache.prompt_ids, question], 1)`.
+    A generate call appends its tokens to the cache; `rewind()` removes them for another call.
+    """
+
+    def __init__(self, cache: CompressedCache, prompt_ids: torch.Tensor, first_token: int, counts: np.ndarray,
+                 label: str, budget: int):
+        super().__init__(cache.layers, cache.num_variants)
+        self.prompt_ids = prompt_ids  # [1, n]
+        self.input_ids = torch.cat([prompt_ids, prompt_ids.new_tensor([[first_token]])], dim=1)
+        self.counts = counts  # [L, H_kv] entries kept per layer and KV head
+        self.method = label
+        self.budget = budget
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.prompt_ids.shape[1])
+
+    @property
+    def kept_entries(self) -> int:
+        """Prompt entries kept in all layers and KV heads together: L x H_kv x B (or all when n <= B)."""
+        return int(self.counts.sum())
+
+    def prompt_bytes(self) -> int:
+        """Bytes the kept prompt entries occupy (keys, values, and the bias of padded heads), measured on the
+        tensors' storage, so a view into a larger tensor would count in full."""
+        storages = {}
+        for layer in self.layers:
+            for tensor in (layer.prompt_keys, layer.prompt_values, layer.prompt_bias):
+                if tensor is not None:
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def rewind(self) -> "CompressedPrompt":
+        """Drop the tokens earlier generate calls appended; the compressed prompt entries stay."""
+        for layer in self.layers:
+            layer.crop(self.prompt_length)
+        return self
+
+
+def _check_model(model) -> None:
+    from ripplekv.engine import adapter
+    from ripplekv.engine.models import _check_supported
+
+    config = getattr(model, "config", None)
+    if config is None or not callable(model):
+        raise UserError(f"pass a loaded transformers model (e.g. from ripplekv.load_model()), got {type(model).__name__}")
+    _check_supported(config)
+    adapter.check_supported(config)
+
+
+def _methods(model, specs: Sequence[str], allocation: str | None, options: dict) -> dict:
+    """label -> Method (`full` first), as eval builds them; the bundled model gets its shipped allocation."""
+    from ripplekv.engine.models import DEFAULT_MODEL, is_bundled
+    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.presets import shared_option_users
+
+    shared = {**options, "allocation": allocation}
+    if allocation is None and shared_option_users(specs, {"allocation": "?"})["allocation"] and is_bundled(model):
+        shared["allocation"] = str(SHIPPED_ALLOCATIONS / f"{DEFAULT_MODEL}.csv")
+    return build_methods(specs, shared)
+
+
+def _token_ids(tokenizer, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise UserError("the prompt is empty; pass text or token ids")
+        if chat and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            return list(tokenizer(text, add_special_tokens=False).input_ids)
+        return list(tokenizer(prompt).input_ids)
+    if isinstance(prompt, Prompt):
+        return list(prompt.ids)
+    ids = torch.as_tensor(prompt)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
+        raise UserError(f"prompt ids must be one non-empty sequence of token ids (shape [n] or [1, n]), got shape "
+                        f"{list(ids.shape)}")
+    return ids.tolist()
+
+
+def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 128, *, chat: bool = False,
+             allocation: str | None = None, **options) -> CompressedPrompt:
+    """Prefill `prompt` once with full attention and keep `budget` entries per layer per KV head on average,
+    chosen by `method` (a spec, e.g. "snapkv" or "pyramidkv:beta=10"; `options` such as window=16 apply
+    to it as the CLI's flags do).
+
+    `prompt`: text (`chat=True` wraps it in the chat template as one user turn, as eval does), token ids,
+    or a `Prompt` from `sample_prompt` (an eval sample, token for token). RippleKV's budgets come from
+    `allocation` (a CSV from `ripplekv allocate`; the bundled model has one shipped). Every layer's heads
+    hold only what they keep: `cache.prompt_bytes()` is the memory really used.
+    """
+    from ripplekv.engine.cache import build_cache
+    from ripplekv.engine.prefill import prefill_for
+    from ripplekv.methods.budgets import check_budget
+
+    _check_model(model)
+    if not isinstance(method, str):
+        raise UserError(f"method must be a spec string such as 'snapkv', got {type(method).__name__}")
+    chosen = list(_methods(model, [method], allocation, options).values())[-1]
+    check_budget(budget)
+    ids = _token_ids(tokenizer, prompt, chat)
+    state = prefill_for(model, ids, chosen.requirements())
+    built = chosen.compress(state, budget)
+    counts = np.array([[int(c) for c in layer.counts.tolist()] for layer in built], dtype=np.int64)
+    cache = build_cache(state, [built])
+    return CompressedPrompt(cache, state.input_ids[None], int(state.last_logits.argmax()), counts, chosen.label, budget)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One variant's greedy answer, with what it kept and how closely it followed the full cache."""
+
+    method: str
+    budget: int | None  # None for `full`
+    text: str
+    new_tokens: int
+    kept_entries: int
+    layer_budgets: list  # entries per KV head in each layer
+    kl: float  # mean KL(full || variant) along the full cache's answer (0 for full)
+    agreement: float  # share of the full answer's tokens the variant also ranks first
+    score: float | None  # against `answers` with the metric of `score_as`; None without answers
+
+
+def _text_task(question: str | None, max_new_tokens: int, score_as: str, chat: bool):
+    """A one-off task for the caller's text: its template puts the question after the context."""
+    from ripplekv.metrics.scoring import metric_for
+    from ripplekv.tasks import Task
+
+    template = "{context}\n\n{input}" if question else "{context}"
+    return Task(name=score_as, suite="python", category="", metric=metric_for(score_as), max_new_tokens=max_new_tokens,
+                prompt_template=template, chat_template=chat, stop_at_newline=False)
+
+
+def generate(model, tokenizer, context: str, question: str | None = None,
+             methods: str | Sequence[str] = ("snapkv", "ripplekv"), budgets: int | Sequence[int] = (128,), *,
+             max_new_tokens: int = 64, protocol: str = "with-question", answers: Sequence[str] | None = None,
+             score_as: str = "squad", chat: bool = True, allocation: str | None = None, batch_size: int = 16,
+             **options) -> list[Answer]:
+    """Answers of `full` and every (method, budget) from ONE prefill, decoded together, as eval does.
+
+    The prompt is the context, then the question (in the chat template unless `chat=False`).
+    `protocol="context-only"` compresses the context alone and reads the question through each compressed
+    cache (a cache reused across questions); the default compresses the whole prompt. Each answer says
+    how many entries it kept and its KL/agreement to the full cache's answer; with `answers`, its score.
+    """
+    from ripplekv.pipeline.evaluate import PROTOCOLS, evaluate_sample, parse_budgets, parse_names
+
+    _check_model(model)
+    if not isinstance(context, str) or not context.strip():
+        raise UserError("the context is empty; pass the text to compress")
+    if question is not None and not isinstance(question, str):
+        raise UserError(f"question must be text or None, got {type(question).__name__}")
+    if protocol not in PROTOCOLS:
+        raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    specs = parse_names(methods, "--methods")
+    chosen_budgets = parse_budgets([budgets] if isinstance(budgets, (int, str)) else list(budgets))
+    built = _methods(model, specs, allocation, options)
+    task = _text_task(question, max_new_tokens, score_as, chat)
+    record = {"_id": "text", "context": context, "input": question or "", "answers": list(answers or [])}
+    rows = evaluate_sample(model, tokenizer, task, record, built, chosen_budgets, sid="text", max_length=NO_TRUNCATION,
+                           batch_size=batch_size, protocol=protocol)
+    return [Answer(row["method"], row["budget"], row["prediction"], row["new_tokens"], row["kept_entries"],
+                   row["layer_budgets"], row["kl"], row["agreement"], row["score"] if answers else None)
+            for row in rows]

@@ -1,0 +1,57 @@
+"""The methods a user can choose, as data: what `ripplekv methods` prints and `ripplekv.methods()` returns,
+and the one place that turns a list of specs into checked methods (eval, the Python API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ripplekv.errors import UserError
+from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.presets import PRESETS, check_distinct, component_names, defaults_of, make_method, shared_option_users
+
+REFERENCE = "full"
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """One named method: its allocator and scorer and their options with defaults (None for `full`)."""
+
+    name: str
+    allocator: str | None
+    scorer: str | None
+    options: dict
+    about: str
+
+
+def catalog() -> list[MethodInfo]:
+    """Every named method, sorted by name."""
+    rows = []
+    for name, chosen in sorted(PRESETS.items()):
+        if chosen.is_full:
+            rows.append(MethodInfo(name, None, None, {}, chosen.about))
+            continue
+        parts = [chosen.own.Options] if chosen.own else [ALLOCATORS[chosen.allocator], SCORERS[chosen.scorer]]
+        options = {key: value for part in parts for key, value in defaults_of(part).items()}
+        rows.append(MethodInfo(name, *component_names(chosen), options, chosen.about))
+    return rows
+
+
+def build_methods(specs: Sequence[str], shared: dict) -> dict[str, Method]:
+    """label -> Method for `full` and every spec, checked as eval checks them.
+
+    `shared` options (--window, --allocation, ...) apply to the methods that take them; one that applies
+    to none is a mistake, and so are two specs with the same label (their lines would mix).
+    """
+    built = [make_method(spec, shared=shared) for spec in dict.fromkeys((REFERENCE, *specs))]
+    for key, used in shared_option_users(specs, shared).items():
+        if not used:
+            raise UserError(f"--{key} applies to none of the chosen methods ({', '.join(specs)})")
+    methods = {method.label: method for method in built}
+    if len(methods) < len(built):
+        repeated = sorted({m.label for m in built if sum(other.label == m.label for other in built) > 1})
+        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (one method spelt twice, "
+                        "or file options with the same file name); name each method once, and give files different names")
+    check_distinct(built)
+    return methods
