@@ -241,7 +241,7 @@ CASES = [
     ([*BUDGETS, "pyramidkv:beta=10,pyramidkv:beta=1e1"], "names one method twice"),
     ([*BUDGETS, "snapkv,snapkv:window=32"], "names one method twice (snapkv and snapkv:window=32)"),
     ([*EVAL, "--out", "{d}/o", "--methods", "snapkv:window=16,snapkv:window=016"], "share the label snapkv:window=16"),
-    ([*EVAL, "--out", "{d}/o", "--methods", "h2o,h2o:window=32"], "names one method twice"),
+    ([*EVAL, "--out", "{d}/o", "--methods", "h2o,h2o:recent=0.50"], "names one method twice"),
     # class 4: data records
     ([*LB, "--data-dir", "{d}/lb_dup"], "line 3 repeats the _id 'x1' of line 1"),
     (["score", "{d}/evalstyle_noans.jsonl", "--out", "{d}/o.csv"], "line 1: 'answers' is an empty list"),
