@@ -23,7 +23,7 @@ import torch
 
 from ripplekv.pipeline import evaluate
 from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
-from ripplekv.engine.decode import greedy_decode
+from ripplekv.engine.decode import greedy_decode, stop_tokens
 from ripplekv.methods import make_method
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
@@ -37,7 +37,7 @@ def peak_rss_mib() -> float:
 def peer_loop(model, tokenizer, task, record, methods, budgets, max_length, capture_window) -> list[str]:
     """Predictions in our row order (full, then method x budget), each variant prefilled and decoded alone."""
     ids = build_prompt_ids(task, record, tokenizer, max_length)
-    stops = evaluate.stop_ids(task, tokenizer, model)
+    stops = stop_tokens(model, tokenizer, task.stop_at_newline)
     variants = [("full", None)] + [(name, b) for name in methods if name != "full" for b in budgets]
     predictions = []
     for name, budget in variants:
@@ -92,8 +92,7 @@ def main() -> None:
     for task, sid, record in work:
         t0 = time.perf_counter()
         rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, budgets, sid=sid,
-                                        max_length=args.max_length, batch_size=args.batch_size,
-                                        capture_window=capture)
+                                        max_length=args.max_length, batch_size=args.batch_size)
         ours.append([row["prediction"] for row in rows])
         print(f"  ours  {task.name:<18} {time.perf_counter() - t0:7.1f} s")
     ours_s = time.perf_counter() - start

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.engine.models import load_model
-from ripplekv.pipeline.profile import ProfileSettings, calibration_prompts, profile_prompt
+from ripplekv.pipeline.profile import ProfileSettings, profile_prompt
+from ripplekv.tasks.calibration import calibration_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.naive_profile import profile_prompt_one_layer_at_a_time  # noqa: E402  (the reference lives with the tests)

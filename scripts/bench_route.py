@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.engine.models import load_model
-from ripplekv.pipeline.profile import calibration_prompts
+from ripplekv.tasks.calibration import calibration_prompts
 from ripplekv.pipeline.route import RouteSettings, candidate_methods, preference_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

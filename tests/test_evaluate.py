@@ -192,7 +192,7 @@ def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path
     args = eval_args(out)
     args[args.index("--model") + 1] = str(other_model)
     code, _, err = run_cli(*args)
-    assert code == 2 and "model_location" in err
+    assert code == 2 and "model_sha256" in err
     changed = tmp_path / "alloc.csv"
     changed.write_text("layer,multiplier\n0,1.0\n1,1.0\n2,1.0\n3,1.0\n")
     args = eval_args(out)
@@ -410,3 +410,22 @@ def test_context_only_protocol_compresses_the_context_and_is_recorded(eval_args,
     assert set(board["protocol"]) == {"context-only"}
     code, _, err = run_cli(*eval_args(tmp_path / "bad", "--protocol", "sideways"))
     assert code == 2 and "--protocol must be one of" in err
+
+
+def test_a_run_grows_from_another_checkout_but_not_with_other_weights(base_run, eval_args, tmp_path, run_cli):
+    """The model is compared by label and weights' fingerprint, not by path: a committed run whose model lay
+    elsewhere (another checkout or venv), or that predates the fingerprint, resumes; other weights do not."""
+    out = copy_run(base_run, tmp_path / "run")
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    assert config["model_sha256"]
+    for change in ({"model_location": "/elsewhere/model"}, {"model_sha256": None}):
+        edited = {**config, **change}
+        if change.get("model_sha256", "") is None:
+            del edited["model_sha256"]
+        config_path.write_text(json.dumps(edited))
+        code, _, err = run_cli(*eval_args(out))
+        assert code == 0, err
+    config_path.write_text(json.dumps({**config, "model_sha256": "0" * 64}))
+    code, _, err = run_cli(*eval_args(out))
+    assert code == 2 and "model_sha256" in err

@@ -189,3 +189,18 @@ def test_the_import_checks_can_fail(tmp_path):
                                          "ripplekv.engine.a imports ripplekv.methods.b",
                                          "ripplekv.methods.b imports ripplekv.pipeline.c"}
     assert ["ripplekv.engine.a", "ripplekv.methods.b", "ripplekv.engine.a"] in circles(src)
+
+
+def test_eval_captures_the_window_its_methods_declare(run_cli, tiny_model_dir, tmp_path):
+    """A spec's window beyond the default capture (64) runs: the prefill follows what the methods declare."""
+    import json
+
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", "niah",
+                           "--limit", "1", "--target-tokens", "400", "--methods", "snapkv:window=128",
+                           "--budget", "160", "--out", str(out))
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["capture_window"] == 128
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r["method"] == "snapkv:window=128"]
+    assert row["prompt_tokens"] > 160 and row["kept_entries"] == 4 * 2 * 160

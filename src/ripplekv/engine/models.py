@@ -78,6 +78,31 @@ def resolve_model(spec: str | None) -> ModelSource:
     return ModelSource("hub", spec, spec)
 
 
+def model_fingerprint(source: ModelSource) -> str | None:
+    """What identifies a model's weights wherever its files lie (a run is grown only by the same model):
+    a GGUF file's SHA-256; for a model directory, SHA-256 over config.json and each weight file's name,
+    size, first and last MiB (hashing every byte of a multi-GB checkpoint would cost seconds per command);
+    None for a hub id (its name is its identity)."""
+    if source.kind == "hub":
+        return None
+    digest = hashlib.sha256()
+    if source.kind == "gguf":
+        with open(source.location, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+    folder = Path(source.location)
+    digest.update((folder / "config.json").read_bytes())
+    for path in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            digest.update(handle.read(1 << 20))
+            handle.seek(max(0, size - (1 << 20)))
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()
+
+
 def _check_gguf(path: Path) -> None:
     try:
         with open(path, "rb") as handle:

@@ -39,8 +39,12 @@ GROWABLE = ("budgets", "methods", "method_specs", "tasks", "limit", "samples")
 # is compared only when both runs have a method that reads --allocation; method specs, which hold the
 # files' contents, are compared method by method; the capture window follows the methods, and queries
 # captured beyond a method's window are never read).
-NOT_COMPARED = ("ripplekv_version", "model", "allocation", "allocation_sha256", "route", "route_sha256", "versions",
-                "device_name", "capture_window", *GROWABLE)
+NOT_COMPARED = ("ripplekv_version", "model", "model_location", "allocation", "allocation_sha256", "route",
+                "route_sha256", "versions", "device_name", "capture_window", *GROWABLE)
+# Keys that runs made before them lack: compared only when both configs have them. A model is the same
+# model by its label and its weights' fingerprint, not by where its file lies (another checkout, another
+# virtual environment), so a committed run can be grown anywhere.
+RECORDED_LATER = ("model_sha256",)
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
     from ripplekv import __version__
     from ripplekv.tasks import get_tasks
     from ripplekv.methods.catalog import build_methods
-    from ripplekv.engine.models import check_model_files, resolve_device_dtype, resolve_model, runtime_info
+    from ripplekv.engine.models import (check_model_files, model_fingerprint, resolve_device_dtype, resolve_model,
+                                        runtime_info)
 
     for budget in settings.budgets:
         check_budget(budget)
@@ -155,6 +160,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "model": settings.model,
         "model_label": source.label,
         "model_location": source.location,
+        "model_sha256": model_fingerprint(source),
         "data_dir": settings.data_dir,
         "target_tokens": settings.target_tokens,
         "max_length": settings.max_length,
@@ -186,7 +192,8 @@ def _without_file_paths(spec: dict) -> dict:
 
 
 def _differing(old: dict, new: dict, keys) -> list[str]:
-    differing = [key for key in keys if key not in NOT_COMPARED and old.get(key) != new.get(key)]
+    differing = [key for key in keys if key not in NOT_COMPARED and old.get(key) != new.get(key)
+                 and not (key in RECORDED_LATER and key not in old)]
     # A method both runs name must be the same method: its resolved options (multipliers, route, ...) too.
     old_specs, new_specs = old.get("method_specs", {}), new.get("method_specs", {})
     changed = [label for label in set(old_specs) & set(new_specs)
