@@ -540,7 +540,7 @@ def inspect_command(
         question = question_start(chosen_task, record, tokenizer, max_length)
         answers, label = list(record["answers"]), f"{chosen_task.name} #{index}"
     loaded, _, source = load_model(model, device=device, dtype=dtype)
-    state = prefill(loaded, ids)
+    state = prefill(loaded, ids, requirements=chosen.requirements())
     built = chosen.compress(state, budget)
     arrays = kept_arrays(built)
     needles = answer_positions(ids, tokenizer, answers, question)

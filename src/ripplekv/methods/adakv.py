@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
+from ripplekv.methods.base import HEAD_SPLITS, Allocator, register_allocator
 
 
 def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int) -> np.ndarray:
@@ -37,28 +37,40 @@ def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int)
     return counts
 
 
+def adakv_split(state, per_layer, scorer, alpha: float | None) -> np.ndarray:
+    """AdaKV's head split of every layer's budget (`per_layer[l]` entries per head on average), safeguard
+    `alpha` (AdaKV's 0.2 when None). The head level of a composition (`heads=adakv`)."""
+    alpha = DEFAULT_ALPHA if alpha is None else alpha
+    heads = state.num_kv_heads
+    matrix = np.zeros((state.num_layers, heads), dtype=np.int64)
+    for layer, count in enumerate(per_layer):
+        if count >= state.length:
+            matrix[layer] = state.length
+            continue
+        reserved = min(scorer.floor(), count)
+        floor = reserved + math.floor(alpha * (count - reserved))
+        if floor >= count:  # nothing left to compete for: every head keeps the even share
+            matrix[layer] = count
+            continue
+        matrix[layer] = split_by_scores(scorer.scores(state, layer), heads * count, floor, reserved)
+    return matrix
+
+
+DEFAULT_ALPHA = 0.2
+HEAD_SPLITS["adakv"] = adakv_split
+
+
 @register_allocator("adakv")
 @dataclass(frozen=True)
 class AdaKV(Allocator):
-    alpha: float = 0.2
+    alpha: float = DEFAULT_ALPHA
     needs_prompt = True
 
     def __post_init__(self):
+        self.check_heads()
         if not 0 <= self.alpha <= 1:
             raise UserError(f"option alpha must be in [0, 1], got {self.alpha!r}")
 
     def allocate(self, state, budget, scorer):
         per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())
-        heads = state.num_kv_heads
-        matrix = np.zeros((state.num_layers, heads), dtype=np.int64)
-        for layer, count in enumerate(per_layer):
-            if count >= state.length:
-                matrix[layer] = state.length
-                continue
-            reserved = min(scorer.floor(), count)
-            floor = reserved + math.floor(self.alpha * (count - reserved))
-            if floor >= count:  # nothing left to compete for: every head keeps the even share
-                matrix[layer] = count
-                continue
-            matrix[layer] = split_by_scores(scorer.scores(state, layer), heads * count, floor, reserved)
-        return matrix
+        return adakv_split(state, per_layer, scorer, self.alpha)

@@ -26,6 +26,7 @@ class Preset:
     scorer: str | None
     about: str
     kind: type = Method  # a Method subclass for methods that build their own entries (merging)
+    options: tuple = ()  # (key, value) defaults this preset sets on its allocator or scorer (a spec overrides them)
 
 
 PRESETS: dict[str, Preset] = {}
@@ -33,8 +34,8 @@ PRESETS: dict[str, Preset] = {}
 FILE_OPTIONS = ("allocation", "route")
 
 
-def preset(name: str, allocator: str, scorer: str | None, about: str, kind: type = Method) -> None:
-    PRESETS[name] = Preset(name, allocator, scorer, about, kind)
+def preset(name: str, allocator: str, scorer: str | None, about: str, kind: type = Method, **options) -> None:
+    PRESETS[name] = Preset(name, allocator, scorer, about, kind, tuple(sorted(options.items())))
 
 
 preset("full", "uniform", None, "every entry of every layer (the reference)")
@@ -54,6 +55,20 @@ preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--ro
 preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
 preset("gracekv", "gracekv", "gracekv", "GraceKV (our reading): prototype trees of every layer, head and slot "
        "compete for one global budget", GraceKV)
+preset("criticalkv", "uniform", "criticalkv", "CriticalKV: SnapKV attention x ||v W_o||_1 in two stages (kvpress CriticalKVPress)")
+preset("criticaladakv", "adakv", "criticalkv", "CriticalAdaKV: AdaKV's head split by SnapKV scores, CriticalKV's "
+       "two-stage selection (kvpress CriticalAdaKVPress)")
+preset("keydiff", "uniform", "keydiff", "KeyDiff: the keys least similar to the mean key direction + the window")
+preset("expected-attention", "uniform", "expected-attention", "Expected Attention: attention future queries "
+       "are expected to pay (query mean/covariance, averaged RoPE) x ||v|| (kvpress)")
+preset("defensivekv", "adakv", "defensivekv", "DefensiveKV: worst-case window attention x normalized "
+       "||v W_o||_1, heads compete in each layer (FFY0/DefensiveKV)", alpha=0.0)
+preset("layer-defensivekv", "global", "defensivekv", "Layer-DefensiveKV: DefensiveKV's scores, every layer "
+       "and head competing for one budget (FFY0/DefensiveKV)")
+preset("kvzip", "global", "kvzip", "KVzip: max attention from a context-reconstruction pass (a second "
+       "forward), all layers and heads competing (kvpress KVzipPress)")
+preset("oracle", "uniform", "oracle", "CEILING, not a method: per head, the entries the full cache's answer "
+       "attends to most (eval only; left out of ranks)")
 
 
 def method_names() -> list[str]:
@@ -126,6 +141,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
         takes = ", ".join(sorted(allocator_keys | scorer_keys)) or "nothing"
         raise UserError(f"method {label!r}: unknown option(s) {', '.join(unknown)}; it takes: {takes}")
     merged = {k: v for k, v in (shared or {}).items() if v is not None}
+    merged.update({k: v for k, v in chosen.options if k in allocator_keys | scorer_keys})
     merged.update(strict)
     allocator_options = {k: _convert(allocator_cls, k, v, spec) for k, v in merged.items() if k in allocator_keys}
     scorer_options = {k: _convert(scorer_cls, k, v, spec) for k, v in merged.items() if k in scorer_keys}
@@ -157,5 +173,5 @@ def defaults_of(component: type) -> dict:
     return {
         f.name: (None if f.default is MISSING else f.default)
         for f in fields(component)
-        if f.init and not f.metadata.get("internal")
+        if f.init and not f.metadata.get("internal") and not f.metadata.get("composition")
     }

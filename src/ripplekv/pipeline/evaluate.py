@@ -366,6 +366,7 @@ def evaluate_sample(
     """
     report = progress or (lambda kind, units: None)
     from ripplekv.tasks import build_prompt_ids
+    from ripplekv.engine.prefill import Requirements
     from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
     from ripplekv.metrics.scoring import score_sample
 
@@ -378,11 +379,12 @@ def evaluate_sample(
         ids, question = ids[:cut], list(ids[cut:])
     accumulate = any(method.needs_accumulated_attention for method in methods.values())
     state = prefill(model, ids, capture_window=capture_window, reserve=len(question) + task.max_new_tokens,
-                    accumulate=accumulate)
+                    accumulate=accumulate, requirements=Requirements.of_all(methods.values()))
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
     stops = stop_ids(task, tokenizer, model)
     reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
+    state.answer, state.prefix = list(reference.tokens), list(question)  # for the answer-aware oracle only
     report("decode", task.max_new_tokens)
 
     wanted = None if variants is None else set(variants)
@@ -439,11 +441,12 @@ def evaluate_sample(
     return rows
 
 
-def prefill(model, ids, capture_window: int = 64, reserve: int = 0, accumulate: bool = False):
+def prefill(model, ids, capture_window: int = 64, reserve: int = 0, accumulate: bool = False, requirements=None):
     """The engine's prefill (a module-level name so tests can prove a resumed run never calls it)."""
     from ripplekv.engine.prefill import prefill as engine_prefill
 
-    return engine_prefill(model, ids, capture_window=capture_window, reserve=reserve, accumulate=accumulate)
+    return engine_prefill(model, ids, capture_window=capture_window, reserve=reserve, accumulate=accumulate,
+                          requirements=requirements)
 
 
 # --------------------------------------------------------------------------- the run

@@ -32,7 +32,7 @@ from ripplekv.methods.budgets import check_budget, uniform_budgets
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.errors import UserError
 from ripplekv.analysis.report import _pyplot as report_pyplot
-from ripplekv.engine.prefill import prefill
+from ripplekv.engine.prefill import Requirements, prefill
 
 DEFAULT_CANDIDATES = ("snapkv", "streamingllm", "h2o", "tova", "knorm")
 
@@ -83,7 +83,8 @@ def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
     """The one prefill every routing step uses, capturing enough window queries for every candidate."""
     window = max([64, probe_tokens, *(getattr(m.scorer, "window", 0) for m in candidates)])
     accumulate = any(m.needs_accumulated_attention for m in candidates)
-    return prefill(model, ids, capture_window=window, reserve=reserve, accumulate=accumulate)
+    return prefill(model, ids, capture_window=window, reserve=reserve, accumulate=accumulate,
+                   requirements=Requirements.of_all(candidates))
 
 
 def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:
