@@ -68,6 +68,7 @@ class PrefillState:
     # set by `ripplekv eval` after the full decode, for the answer-aware oracle only
     answer: list[int] | None = None
     prefix: list[int] | None = None
+    tokenizer: object = field(default=None, repr=False)  # the prompt's tokenizer, for scorers that phrase a request (KVzip)
     _full: dict = field(default_factory=dict, repr=False)
 
     def full_entries(self, layer: int) -> entries.LayerEntries:

@@ -37,7 +37,7 @@ _TOKENIZERS: dict = {}
 
 def tokenizer_of(state):
     """The prompt's tokenizer: `state.tokenizer` when the caller set it, else the one beside the model's weights."""
-    if getattr(state, "tokenizer", None) is not None:
+    if state.tokenizer is not None:
         return state.tokenizer
     where = getattr(getattr(state.model, "config", None), "name_or_path", "") or ""
     if not where:
