@@ -126,11 +126,11 @@ def test_defensivekv_scores_match_the_formula(setup):
         for j in range(m):  # average pooling, kernel 5, zero padding counted
             pooled[..., j] = maps[..., max(0, j - 2): j + 3].sum(-1) / 5
         pooled = pooled / pooled.sum(-1, keepdim=True) * maps.sum(-1, keepdim=True)
-        worst = pooled.view(KV, GROUP * 8, m).max(1).values
+        worst = pooled.reshape(KV, GROUP * 8, m).max(1).values
         worst = torch.maximum(worst, worst.mean(-1, keepdim=True))
         norms = wov_l1(eager, out.past_key_values.layers[layer].values[0].float(), layer)[:, :m]
         expected = worst * norms / norms.sum(0, keepdim=True)
-        share = maps.view(KV, GROUP * 8, m).mean(1)
+        share = maps.reshape(KV, GROUP * 8, m).mean(1)
         share = share / share.sum(-1, keepdim=True)
         bias = float(maps[..., -8:].sum(-1).mean())
         got = scorer.scores(state, layer)

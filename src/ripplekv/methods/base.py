@@ -149,7 +149,11 @@ class Allocator:
     def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
         """The `[L, H_kv]` budget matrix for one prefilled prompt: layer budgets, then the head split."""
         per_layer = self.prompt_budgets(state, budget, scorer)
-        return HEAD_SPLITS[self.heads or "even"](state, per_layer, scorer, self.head_alpha)
+        return HEAD_SPLITS[self.heads or "even"](state, per_layer, scorer, self.split_alpha())
+
+    def split_alpha(self) -> float | None:
+        """The head split's safeguard (None: the split's own default)."""
+        return self.head_alpha
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ are ranked together and the top ones are kept wherever they are. Here every head
 scorer's floor (the observation window, always kept as in both references), the rest of the L x H_kv x B
 total goes to the top-scored candidates over all layers, and a layer's count (per head on average)
 becomes its budget; exact integer budgets then make the total exactly L x H_kv x B. The head level
-follows (`heads=adakv` with `head_alpha=0` by default: a layer's heads compete with no safeguard, which
+follows (`heads=adakv` with no safeguard unless `head_alpha=` sets one: a layer's heads compete with no safeguard, which
 with the layer totals reproduces the global top-k); `global:heads=even` splits each layer evenly instead.
 """
 
@@ -27,10 +27,12 @@ from ripplekv.methods.budgets import check_budget, integer_budgets
 @dataclass(frozen=True)
 class GlobalBudgets(Allocator):
     heads: str | None = field(default="adakv", metadata=COMPOSITION)
-    head_alpha: float | None = field(default=0.0, metadata=COMPOSITION)
     prompt_layers = True
     prompt_note = ("its per-layer and per-head counts come from ranking every layer's scores together, "
                    "recorded per sample by `ripplekv eval`")
+
+    def split_alpha(self):
+        return 0.0 if self.head_alpha is None else self.head_alpha  # no safeguard: the global top-k
 
     def layer_budgets(self, num_layers, budget, length, floor):
         raise UserError(f"global budgets depend on each prompt's scores; {self.prompt_note}")

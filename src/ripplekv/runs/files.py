@@ -13,6 +13,13 @@ from ripplekv.errors import UserError
 PREDICTIONS = "predictions.jsonl"
 CONFIG = "config.json"
 REFERENCE = "full"
+# Bounds, not methods (the answer-aware oracle): reports mark them and leave them out of ranks.
+CEILINGS = ("oracle",)
+
+
+def is_ceiling(label) -> bool:
+    """Whether a method label (`oracle`, `oracle:window=32`) names a ceiling."""
+    return str(label).split(":", 1)[0].strip() in CEILINGS
 
 
 def read_lines(path: Path) -> tuple[list[dict], bool]:
