@@ -247,3 +247,30 @@ def test_requirements_name_the_signals():
     assert make_method("expected-attention").requirements().query_statistics
     assert not make_method("snapkv").requirements().query_statistics
     assert make_method("uniform:heads=adakv:scorer=expected-attention").requirements() == Requirements(32, False, True)
+
+
+@pytest.mark.slow
+def test_eval_runs_the_new_methods_and_reports_the_oracle_as_a_ceiling(tiny_model_dir, tmp_path, run_cli):
+    """Context-only (the question read through each cache after compression; the oracle's answer follows it)."""
+    import json
+
+    import pandas as pd
+
+    specs = ["full", "snapkv", "oracle", "expected-attention", "kvzip", "ripplekv:heads=adakv:scorer=criticalkv"]
+    allocation = tmp_path / "alloc.csv"
+    allocation.write_text("layer,multiplier\n0,1.5\n1,1.0\n2,0.75\n3,0.75\n")
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", "niah", "--limit", "1",
+                           "--target-tokens", "300", "--methods", ",".join(specs), "--allocation", str(allocation),
+                           "--budget", "40", "--batch-size", "6", "--protocol", "context-only", "--out", str(out))
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    compressed = [r for r in rows if r["method"] != "full"]
+    assert {r["method"] for r in compressed} == set(specs[1:])
+    assert len({r["kept_entries"] for r in compressed}) == 1 == len({r["compressed_tokens"] for r in rows})
+    board = pd.read_csv(out / "leaderboard.csv")
+    oracle = board[board["method"] == "oracle"].iloc[0]
+    assert pd.isna(oracle["rank"]) and not pd.isna(oracle["headroom"])
+    best = board[(board["method"] != "oracle") & board["rank"].notna()]["avg"].max()
+    assert oracle["headroom"] == pytest.approx(oracle["avg"] - best, abs=0.011)
+    assert board[board["method"] != "oracle"]["headroom"].isna().all()

@@ -385,6 +385,7 @@ def evaluate_sample(
     stops = stop_ids(task, tokenizer, model)
     reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
     state.answer, state.prefix = list(reference.tokens), list(question)  # for the answer-aware oracle only
+    state.tokenizer = tokenizer  # for scorers that phrase a request to the model (KVzip)
     report("decode", task.max_new_tokens)
 
     wanted = None if variants is None else set(variants)
