@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ripplekv.engine import probe
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
@@ -148,8 +149,11 @@ def test_defensivekv_scores_match_the_formula(setup):
             assert torch.allclose(got[head], want, rtol=1e-4, atol=1e-7)
 
 
-def test_kvzip_scores_are_the_max_attention_of_the_repeat_pass(setup):
+@pytest.mark.parametrize("piece", [512, 13])  # the repeat tokens in one forward, or in pieces of 13
+def test_kvzip_scores_are_the_max_attention_of_the_repeat_pass(setup, piece, monkeypatch):
     model, eager, ids, state, out = setup
+    monkeypatch.setattr(probe, "PIECE", piece)
+    state.scores.clear()
     scorer = make_method("kvzip").scorer
     tokenizer = StubTokenizer()
     repeat = tokenizer.encode("\n\nRepeat the previous context exactly.") + tokenizer.encode("\n") + ids.tolist()
@@ -166,8 +170,11 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeat_pass(setup):
     assert state.scores["kvzip-seconds"] > 0
 
 
-def test_oracle_scores_are_the_attention_the_answer_pays(setup):
+@pytest.mark.parametrize("piece", [512, 2])
+def test_oracle_scores_are_the_attention_the_answer_pays(setup, piece, monkeypatch):
     model, eager, ids, state, out = setup
+    monkeypatch.setattr(probe, "PIECE", piece)
+    state.scores.clear()
     scorer = make_method("oracle").scorer
     tail = state.prefix + state.answer
     with torch.no_grad():

@@ -15,39 +15,49 @@ import torch
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.prefill import PrefillState
 
-# callback(layer, queries [H_q, t, d], new_keys [H_kv, t, d]), both post-RoPE, for t tokens after the prompt
+# callback(layer, queries [H_q, p, d], new_keys [H_kv, T, d]), post-RoPE: the p tokens of this piece and the keys of
+# all T tokens fed so far (this piece's last)
 Probe = Callable[[int, torch.Tensor, torch.Tensor], None]
+# Tokens fed per forward: bounds the attention of a piece over the prompt to PIECE x n scores per head.
+PIECE = 512
 
 
 @torch.inference_mode()
-def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe) -> None:
-    """Feed `tokens` right after the whole prompt (positions n, n+1, ...) through the full cache."""
+def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe, piece: int | None = None) -> None:
+    """Feed `tokens` right after the whole prompt (positions n, n+1, ...) through the full cache, `piece` at a time
+    (the same as one forward: the cache keeps the pieces already fed)."""
     if not tokens:
         return
     cache = build_cache(state, None, 1)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=state.device)[None]
-    positions = torch.arange(state.length, state.length + ids.shape[1], device=ids.device)[None]
+    piece = piece or PIECE
 
     def report(layer, query, key):
         callback(layer, query[0], key[0])
 
-    model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, ripplekv_cache=cache,
-          ripplekv_probe=report, logits_to_keep=1)
+    for start in range(0, ids.shape[1], piece):
+        chunk = ids[:, start:start + piece]
+        positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
+        model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_cache=cache,
+              ripplekv_probe=report, logits_to_keep=1)
 
 
 def causal_attention_rows(queries: torch.Tensor, prompt_keys: torch.Tensor, new_keys: torch.Tensor, scaling: float,
                           rows: int = 256):
-    """Yield (start, attention [H_kv, group, r, K]) in blocks of `rows` new queries, float32, over the prompt
-    keys `prompt_keys` [H_kv, K, d] (all visible) and the new tokens' keys [H_kv, t, d] (causal); the
-    returned block keeps only the prompt part (its rows still sum to 1 with the new keys included)."""
+    """Yield (index, attention [H_kv, group, r, K]) in blocks of `rows` queries, float32: the queries are the last
+    p of the T new tokens (`index` is the block's first among all T), attending over the prompt keys
+    `prompt_keys` [H_kv, K, d] (all visible) and the new tokens' keys [H_kv, T, d] (causal); each block keeps
+    only the prompt part (its rows still sum to 1 with the new keys included)."""
     kv_heads, count = prompt_keys.shape[0], prompt_keys.shape[1]
     group = queries.shape[0] // kv_heads
     length = queries.shape[1]
+    offset = new_keys.shape[1] - length  # new-token index of the first query
     grouped = queries.float().view(kv_heads, group, length, -1) * scaling
-    keys = torch.cat([prompt_keys.float(), new_keys.float()], dim=1)  # [H_kv, K + t, d]
+    keys = torch.cat([prompt_keys.float(), new_keys.float()], dim=1)  # [H_kv, K + T, d]
     for start in range(0, length, rows):
         stop = min(length, start + rows)
-        logits = torch.matmul(grouped[:, :, start:stop], keys[:, None].transpose(-1, -2)[:, :, :, : count + stop])
-        later = torch.arange(count + stop, device=keys.device)[None, :] > (count + torch.arange(start, stop, device=keys.device))[:, None]
-        logits = logits.masked_fill(later, float("-inf"))
-        yield start, torch.softmax(logits, dim=-1)[..., :count]
+        seen = count + offset + stop
+        logits = torch.matmul(grouped[:, :, start:stop], keys[:, None, :seen].transpose(-1, -2))
+        where = count + offset + torch.arange(start, stop, device=keys.device)
+        logits = logits.masked_fill(torch.arange(seen, device=keys.device)[None, :] > where[:, None], float("-inf"))
+        yield offset + start, torch.softmax(logits, dim=-1)[..., :count]
