@@ -281,3 +281,28 @@ def test_eval_runs_the_new_methods_and_reports_the_oracle_as_a_ceiling(tiny_mode
     best = board[(board["method"] != "oracle") & board["rank"].notna()]["avg"].max()
     assert oracle["headroom"] == pytest.approx(oracle["avg"] - best, abs=0.011)
     assert board[board["method"] != "oracle"]["headroom"].isna().all()
+
+
+def test_the_new_scorers_are_route_candidates(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from ripplekv.pipeline.profile import split_prompt
+    from ripplekv.pipeline.route import RouteSettings, candidate_methods, preference_prompt
+
+    names = ("snapkv", "criticalkv", "keydiff", "expected-attention", "defensivekv", "kvzip")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # KVzip finds the tokenizer beside it
+    sample = split_prompt("s", prompt(150).tolist(), 12)
+    settings = RouteSettings(methods=names, budget=40, probe_tokens=12, batch_size=8)
+    kl = preference_prompt(model, sample, candidate_methods(names), settings)
+    assert kl.shape == (4, len(names)) and bool((kl > 0).all())
+    with pytest.raises(UserError, match="ceiling"):
+        candidate_methods(["snapkv", "oracle"])
+
+
+def test_inspect_runs_a_new_method_and_refuses_the_oracle_in_one_line(tiny_model_dir, tmp_path, run_cli):
+    common = ["--model", str(tiny_model_dir), "--task", "niah", "--target-tokens", "300", "--budget", "32"]
+    code, _, err = run_cli("inspect", "--method", "expected-attention", "--out", str(tmp_path / "a"), *common)
+    assert code == 0, err
+    assert (tmp_path / "a" / "kept.npz").is_file()
+    code, _, err = run_cli("inspect", "--method", "oracle", "--out", str(tmp_path / "b"), *common)
+    assert code == 2 and "full cache's answer" in err and "Traceback" not in err

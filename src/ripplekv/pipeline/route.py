@@ -31,6 +31,7 @@ from ripplekv.engine import entries
 from ripplekv.methods.budgets import check_budget, uniform_budgets
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.errors import UserError
+from ripplekv.runs.files import is_ceiling
 from ripplekv.analysis.report import _pyplot as report_pyplot
 from ripplekv.engine.prefill import Requirements, prefill
 
@@ -70,6 +71,8 @@ def candidate_methods(specs) -> list:
             raise UserError(f"candidate method {spec!r} is not registered in this version; "
                             "pass --methods with methods from `ripplekv methods`")
         method = make_method(spec)
+        if is_ceiling(spec):
+            raise UserError(f"candidate {spec!r} is a ceiling that needs the full cache's answer, not a method to route to")
         if method.is_full or method.scorer.name == "router":
             raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
         built.append(method)
