@@ -584,8 +584,10 @@ def methods_command() -> None:
     from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
     from ripplekv.methods.presets import defaults_of
 
-    def options(component) -> str:
-        return ", ".join(f"{k}={v}" for k, v in defaults_of(component).items()) or "-"
+    def options(component, preset=()) -> str:
+        chosen = defaults_of(component)
+        chosen.update({k: v for k, v in preset if k in chosen})  # a preset's own defaults (defensivekv: alpha=0)
+        return ", ".join(f"{k}={v}" for k, v in chosen.items()) or "-"
 
     table = Table(title="ripplekv methods (spec: name[:option=value...])", box=box.SIMPLE_HEAD)
     for column in ("method", "allocator", "scorer", "options (defaults)", "what it is"):
@@ -594,7 +596,8 @@ def methods_command() -> None:
         if chosen.scorer is None:
             table.add_row(name, "-", "-", "-", chosen.about)
             continue
-        opts = "; ".join(o for o in (options(ALLOCATORS[chosen.allocator]), options(SCORERS[chosen.scorer])) if o != "-")
+        opts = "; ".join(o for o in (options(ALLOCATORS[chosen.allocator], chosen.options),
+                                     options(SCORERS[chosen.scorer], chosen.options)) if o != "-")
         table.add_row(name, chosen.allocator, chosen.scorer, opts or "-", chosen.about)
     console = Console()
     if not console.is_terminal:
