@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from ripplekv.engine.cache import build_cache
+from ripplekv.engine.cache import build_cache, install
 from ripplekv.engine.prefill import PrefillState
 
 # callback(layer, queries [H_q, p, d], new_keys [H_kv, T, d]), post-RoPE: the p tokens of this piece and the keys of
@@ -28,6 +28,7 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe,
     (the same as one forward: the cache keeps the pieces already fed)."""
     if not tokens:
         return
+    install(model)
     cache = build_cache(state, None, 1)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=state.device)[None]
     piece = piece or PIECE

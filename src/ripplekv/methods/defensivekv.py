@@ -39,6 +39,9 @@ def defensive_scores(state, layer: int, window: int, kernel: int, threshold: flo
     attention = window_attention(state, layer, window, who="DefensiveKV")  # [H_kv, group, w, n]
     kv_heads, group, _, length = attention.shape
     prefix = attention[..., : length - window]  # [H_kv, group, w, m]
+    if prefix.shape[-1] == 0:  # the window is the whole prompt: nothing to rank
+        state.scores[key] = prefix.new_zeros(kv_heads, 0)
+        return state.scores[key]
     mass = prefix.sum(-1, keepdim=True)
     pooled = F.avg_pool1d(prefix.reshape(-1, 1, prefix.shape[-1]), kernel, stride=1, padding=kernel // 2)
     pooled = pooled.reshape(prefix.shape[:-1] + (-1,))[..., : prefix.shape[-1]]
