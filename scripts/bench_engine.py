@@ -5,6 +5,10 @@ the prefill time measured in the same run (`selection/prefill X.XX%  peak_rss Y.
 accumulated attention is timed against the plain prefill on the same prompt, alternating the two
 `--reps` times after a warm-up and taking each one's fastest run (robust to other load on the machine):
 `h2o prefill overhead X` with X = (accumulating - plain) / plain.
+The 2025-26 scorers' extra cost per prefill (`--frontier`, on by default): for each, a fresh prefill with
+what it declares it needs (its `Requirements`) plus its selection at B=128, minus the plain prefill,
+over the plain prefill (`<method> extra/prefill X`, target <= 0.15 for all but KVzip, whose second
+forward, the reconstruction pass, is reported on its own line).
 
     .venv/bin/python scripts/bench_engine.py [--tokens 3500] [--reps 3] [--allocation ALLOC.csv] [--model M]
 """
@@ -20,6 +24,8 @@ import torch
 from ripplekv.methods import make_method
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
+
+FRONTIER = ("criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv", "layer-defensivekv", "kvzip")
 
 
 def peak_rss_gb() -> float:
@@ -47,6 +53,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="alternating plain/accumulating prefills for the H2O overhead")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-frontier", action="store_true", help="skip the new scorers' overheads")
     args = parser.parse_args()
 
     model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -85,6 +92,30 @@ def main() -> None:
     print(f"prefill {args.tokens} tokens: plain {plain:.2f}s, accumulating attention (H2O) {accumulating:.2f}s "
           f"(fastest of {args.reps} each, alternating)")
     print(f"h2o prefill overhead {(accumulating - plain) / plain:.3f}")
+    if not args.no_frontier:
+        for line in frontier_overheads(model, tokenizer, ids, plain):
+            print(line)
+
+
+def frontier_overheads(model, tokenizer, ids, plain: float, budget: int = 128) -> list[str]:
+    """Each new scorer's extra time per prefill: (its prefill + its selection) - the plain prefill, over the plain one."""
+    lines = []
+    for name in FRONTIER:
+        method = make_method(name)
+        method.compress(prefill(model, ids[:256], requirements=method.requirements()), 64)  # warm-up
+        start = time.perf_counter()
+        state = prefill(model, ids, requirements=method.requirements())
+        state.tokenizer = tokenizer
+        method.compress(state, budget)
+        if state.device.type == "cuda":
+            torch.cuda.synchronize()
+        extra = time.perf_counter() - start - plain
+        lines.append(f"{name} extra/prefill {extra / plain:.3f} (B={budget}; {extra:.2f}s over a {plain:.2f}s prefill)")
+        if "kvzip-seconds" in state.scores:
+            seconds = state.scores["kvzip-seconds"]
+            lines.append(f"kvzip reconstruction pass {seconds:.2f}s = {seconds / plain:.2f} prefills")
+        del state
+    return lines
 
 
 def h2o_overhead(model, ids, reps: int) -> tuple[float, float]:

@@ -71,6 +71,22 @@ def run_cli(monkeypatch, capsys):
     return run
 
 
+class StubTokenizer:
+    """Enough of a tokenizer for KVzip's request on a tiny model: small ids, no chat template."""
+
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [5 + ord(c) % 90 for c in text[:12]]
+
+
+def satisfy(state, tokenizer=None):
+    """Give a prefilled state what the answer-aware and request-phrasing scorers need (oracle, KVzip)."""
+    state.answer, state.prefix = [7, 8, 9], [3]
+    state.tokenizer = tokenizer or StubTokenizer()
+    return state
+
+
 def every_method(num_layers: int, folder) -> dict:
     """Every registered method, with the inputs the ones that need them get (an allocation, a route).
 

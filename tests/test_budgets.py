@@ -11,13 +11,15 @@ from hypothesis import strategies as st
 from ripplekv.engine.prefill import PrefillState
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.engine.querystats import query_statistics
 from ripplekv.methods.budgets import integer_budgets
-from tests.conftest import every_method, tiny_llama
+from tests.conftest import every_method, satisfy, tiny_llama
 
 
-def rope_model(query_heads: int, kv_heads: int, dim: int):
-    """A one-layer tiny Llama whose RoPE matches the fake K/V (GraceKV un-rotates keys with the model's RoPE)."""
-    return tiny_llama(num_hidden_layers=1, hidden_size=query_heads * dim, num_attention_heads=query_heads,
+def rope_model(query_heads: int, kv_heads: int, dim: int, num_layers: int = 1):
+    """A tiny Llama whose RoPE and shapes match the fake K/V (GraceKV un-rotates keys with the model's RoPE;
+    CriticalKV reads each layer's output projection, KVzip and the oracle feed tokens through it)."""
+    return tiny_llama(num_hidden_layers=num_layers, hidden_size=query_heads * dim, num_attention_heads=query_heads,
                       num_key_value_heads=kv_heads, head_dim=dim, intermediate_size=16)
 
 
@@ -33,8 +35,16 @@ def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int
         window_queries=[torch.randn(query_heads, window, dim, generator=gen) for _ in range(num_layers)],
         last_logits=torch.zeros(10),
         scaling=dim**-0.5,
-        model=rope_model(query_heads, kv_heads, dim),
+        model=rope_model(query_heads, kv_heads, dim, num_layers),
+        query_stats=[query_statistics(torch.randn(query_heads, length, dim, generator=gen), *rope_at_length(length, dim))
+                     for _ in range(num_layers)],
     )
+
+
+def rope_at_length(length: int, dim: int):
+    """Some (cos, sin) for the fake queries (their statistics need only be well formed)."""
+    angles = torch.arange(length)[:, None] * torch.rand(dim // 2)[None].repeat(1, 2)
+    return angles.cos(), angles.sin()
 
 
 @settings(max_examples=300, deadline=None)
@@ -83,7 +93,7 @@ def test_bad_budget_is_a_user_error():
 def test_every_method_keeps_exactly_the_matched_total(num_layers, kv_heads, length, budget, index):
     """For every registered method (layer- and head-level allocators alike): L*H*min(B, n) entries in all,
     entries built per head equal to the allocated [L, H] matrix, and no head over n."""
-    state = fake_state(num_layers, length, kv_heads=kv_heads, query_heads=2 * kv_heads)
+    state = satisfy(fake_state(num_layers, length, kv_heads=kv_heads, query_heads=2 * kv_heads))
     with tempfile.TemporaryDirectory() as folder:
         methods = every_method(num_layers, Path(folder))
     name = sorted(methods)[index % len(methods)]

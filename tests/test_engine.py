@@ -11,9 +11,9 @@ from transformers import DynamicCache
 from ripplekv.engine import entries
 from ripplekv.engine.cache import CompressedLayer, build_cache, compressed_attention
 from ripplekv.engine.decode import fidelity, greedy_decode, teacher_forced_logprobs
-from ripplekv.engine.prefill import prefill
+from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.methods import AllocatorScorer, make_method
-from tests.conftest import every_method
+from tests.conftest import every_method, satisfy
 
 
 def prompt(length=120, vocab=101, seed=1):
@@ -83,12 +83,9 @@ def test_compressed_decode_matches_stock_model_on_the_kept_entries(tiny_model):
 
 def test_batched_variants_decode_as_one_at_a_time(tiny_model, tmp_path):
     ids = prompt(200)
-    state = prefill(tiny_model, ids, capture_window=64, accumulate=True)  # every method, H2O's included
-    masks = [
-        method.compress(state, budget)
-        for method in every_method(state.num_layers, tmp_path).values()
-        for budget in (16, 48, 96)
-    ]
+    methods = every_method(tiny_model.config.num_hidden_layers, tmp_path).values()
+    state = satisfy(prefill(tiny_model, ids, capture_window=64, requirements=Requirements.of_all(methods)))  # every method's needs
+    masks = [method.compress(state, budget) for method in methods for budget in (16, 48, 96)]
     batched = greedy_decode(tiny_model, state, masks, 12)
     alone = [greedy_decode(tiny_model, state, [m], 12)[0] for m in masks]
     assert batched == alone

@@ -10,3 +10,4 @@ UNIFORM_BASELINES = ("uniform", "snapkv")  # what a report compares each method 
 ALLOCATION_METHOD = "ripplekv"  # `allocate`: the method that turns multipliers into layer budgets
 ALLOCATION_PLOT_BESIDE = "pyramidkv"  # `allocate`'s plot draws its layer budgets beside this method's
 EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prunes with its own H2O-like pruner
+CEILINGS = ("oracle",)  # bounds, not methods: reported beside the methods, never ranked

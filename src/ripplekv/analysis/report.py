@@ -28,7 +28,7 @@ from ripplekv.analysis.plots import pyplot
 from ripplekv.defaults import UNIFORM_BASELINES
 from ripplekv.errors import UserError
 from ripplekv.metrics.scoring import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
-from ripplekv.runs.files import PREDICTIONS, REFERENCE, REPORT_FILES  # noqa: F401  (re-exported)
+from ripplekv.runs.files import PREDICTIONS, REFERENCE, REPORT_FILES, is_ceiling  # noqa: F401  (re-exported)
 from ripplekv.runs.jsonl import read_jsonl, torn_fields
 from ripplekv.runs.safeio import save_figure, write_csv, write_text
 
@@ -150,9 +150,14 @@ def leaderboard(scores: pd.DataFrame) -> pd.DataFrame:
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].astype("Int64")
-    ranked = table["method"] != REFERENCE
+    ceiling = table["method"].map(is_ceiling).astype(bool)
+    ranked = (table["method"] != REFERENCE) & ~ceiling
     table.loc[ranked, "rank"] = table[ranked].groupby("budget")["avg"].rank(method="min", ascending=False)
     table["rank"] = table["rank"].astype("Int64")
+    if ceiling.any():  # headroom: how far the ceiling is above the best real method at its budget
+        best = table[ranked].groupby("budget")["avg"].max()
+        table["headroom"] = [round(avg - best[budget], 2) if is_top and budget in best.index else math.nan
+                             for avg, budget, is_top in zip(table["avg"], table["budget"], ceiling)]
     table = _sort(table, methods)
     # Within a budget: best rank first (ties keep method order); full (no budget) stays on top.
     table["_r"] = table["rank"].fillna(0)
@@ -208,7 +213,7 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
     delta = np.full((4, len(board)), np.nan)  # delta, low, high, p
     kl_delta = np.full((4, len(board)), np.nan)  # the same for KL to the full cache (lower is better)
     ranks = []
-    compressed = board[board["method"] != REFERENCE]
+    compressed = board[(board["method"] != REFERENCE) & ~board["method"].map(is_ceiling).astype(bool)]
     for budget, group in compressed.groupby("budget", sort=True):
         rows = group.index.to_numpy()
         base = baseline_of(group["method"])
@@ -365,6 +370,10 @@ def _method_lines(ax, board: pd.DataFrame, column: str, floor: float | None = No
             high = group[f"{column}_ci_high"].astype(float).clip(lower=floor)
             yerr = np.vstack([(value - low).clip(lower=0), (high - value).clip(lower=0)])
         marker, line = STYLES[i % len(STYLES)]
+        if is_ceiling(method):  # a bound, not a method: grey, dotted, named as such
+            ax.errorbar(group["budget"].astype(int) * dodge, value, yerr=yerr, marker="^", linestyle=":", capsize=3,
+                        color="grey", label=f"{method} (ceiling)")
+            continue
         ax.errorbar(group["budget"].astype(int) * dodge, value, yerr=yerr, marker=marker, linestyle=line, capsize=3, label=method)
 
 

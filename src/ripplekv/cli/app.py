@@ -590,6 +590,19 @@ def _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, dat
 # --- commands: methods ---
 
 
+COMPOSITION_HELP = """compositions: layer allocator x head split x scorer, in one spec:
+  PRESET[:allocator=LAYERS][:heads=even|adakv[:head_alpha=A]][:scorer=SCORER][:option=value...]
+  layers: uniform, pyramid, file (ripplekv/depthkv, with --allocation), cake, global (Layer-DefensiveKV's);
+  heads=adakv lets a layer's heads compete by the scorer's scores (AdaKV's split, safeguard head_alpha, 0.2);
+  budgets stay exactly L x H_kv x B. Examples:
+    ripplekv:heads=adakv:scorer=criticalkv      RippleKV layer budgets x AdaKV heads x CriticalKV scores
+    ripplekv:heads=adakv:scorer=defensivekv     RippleKV layer budgets x AdaKV heads x DefensiveKV scores
+    pyramidkv:heads=adakv:scorer=expected-attention
+    cake:heads=adakv:scorer=keydiff             CAKE layer budgets x AdaKV heads x KeyDiff scores
+    snapkv:allocator=global:scorer=criticalkv   every layer and head compete (Layer-DefensiveKV's level)
+  oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks."""
+
+
 @app.command("methods")
 def methods_command() -> None:
     """List every method: its allocator, its scorer and their options with defaults."""
@@ -600,8 +613,10 @@ def methods_command() -> None:
     from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
     from ripplekv.methods.presets import component_names, defaults_of
 
-    def options(component) -> str:
-        return ", ".join(f"{k}={v}" for k, v in defaults_of(component).items()) or "-"
+    def options(component, preset=()) -> str:
+        chosen = defaults_of(component)
+        chosen.update({k: v for k, v in preset if k in chosen})  # a preset's own defaults (defensivekv: alpha=0)
+        return ", ".join(f"{k}={v}" for k, v in chosen.items()) or "-"
 
     table = Table(title="ripplekv methods (spec: name[:option=value...])", box=box.SIMPLE_HEAD)
     for column in ("method", "allocator", "scorer", "options (defaults)", "what it is"):
@@ -611,7 +626,7 @@ def methods_command() -> None:
             table.add_row(name, "-", "-", "-", chosen.about)
             continue
         parts = [chosen.own.Options] if chosen.own else [ALLOCATORS[chosen.allocator], SCORERS[chosen.scorer]]
-        opts = "; ".join(o for o in map(options, parts) if o != "-")
+        opts = "; ".join(o for o in (options(part, chosen.options) for part in parts) if o != "-")
         table.add_row(name, *component_names(chosen), opts or "-", chosen.about)
     console = Console()
     if not console.is_terminal:
@@ -619,6 +634,7 @@ def methods_command() -> None:
     console.print(table)
     console.print(f"allocators: {', '.join(sorted(ALLOCATORS))}; scorers: {', '.join(sorted(SCORERS))} "
                   "(swap one with allocator=NAME or scorer=NAME)")
+    console.print(COMPOSITION_HELP)
 
 
 # --- commands: tasks ---

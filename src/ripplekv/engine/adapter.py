@@ -108,3 +108,12 @@ def check_length(config, total_tokens: int) -> None:
             f"(sliding_window={window}); ripplekv computes full attention, so pass --max-length "
             f"{max(1, window - 256)} or less"
         )
+
+
+def output_projection(model, layer: int) -> torch.Tensor:
+    """The attention output projection W_o of `layer` as [H_q, d, hidden] (float32): head h's value
+    vector v contributes v @ W_o[h] to the layer's output."""
+    attention = decoder_layers(model)[layer].self_attn
+    weight = attention.o_proj.weight.detach().float()  # [hidden, H_q * d]
+    heads = int(model.config.num_attention_heads)
+    return weight.T.reshape(heads, weight.shape[1] // heads, weight.shape[0])

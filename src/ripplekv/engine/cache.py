@@ -24,6 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from ripplekv.engine import entries
 from ripplekv.engine.accumulate import attention_with_column_sums
 from ripplekv.engine.entries import LayerEntries
+from ripplekv.engine.querystats import query_statistics
 
 ATTENTION_NAME = "ripplekv"
 
@@ -241,11 +242,17 @@ def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, 
     """
     cache = kwargs.pop("ripplekv_cache", None)
     capture = kwargs.pop("ripplekv_capture", None)
+    probe = kwargs.pop("ripplekv_probe", None)
     if cache is not None:
+        if probe is not None:  # new tokens' queries and keys (post-RoPE) for a scoring pass (`engine.probe`)
+            probe(module.layer_idx, query, key)
         layer = cache.layers[module.layer_idx]
         return compressed_attention(query, layer, key, value, scaling or module.scaling), None
     if capture is not None:
         capture[module.layer_idx] = query[0, :, -capture["window"] :, :].detach().clone()
+        if "query_stats" in capture:
+            cos, sin = capture["query_stats"]["rope"]
+            capture["query_stats"][module.layer_idx] = query_statistics(query[0], cos, sin)
         if "accumulated" in capture:
             output, columns = attention_with_column_sums(query, key, value, scaling or module.scaling, attention_mask)
             capture["accumulated"][module.layer_idx] = columns

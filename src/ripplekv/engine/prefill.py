@@ -14,6 +14,7 @@ import torch
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
+from ripplekv.engine.querystats import QueryStatistics
 
 DEFAULT_CAPTURE_WINDOW = 64
 
@@ -27,11 +28,13 @@ class Requirements:
 
     capture_window: int = 0  # the last w prompt tokens' queries (observation windows)
     accumulated_attention: bool = False  # every prompt query's attention summed per key (H2O)
+    query_statistics: bool = False  # mean and second moment of every prompt query before RoPE (Expected Attention)
 
     def union(self, other: Requirements) -> Requirements:
         return Requirements(
             capture_window=max(self.capture_window, other.capture_window),
             accumulated_attention=self.accumulated_attention or other.accumulated_attention,
+            query_statistics=self.query_statistics or other.query_statistics,
         )
 
     @staticmethod
@@ -58,6 +61,13 @@ class PrefillState:
     # per layer [H_kv, n] float32: attention summed over all prompt queries, averaged over a KV head's
     # query heads (only when prefilled with accumulate=True)
     accumulated: list[torch.Tensor] | None = None
+    # per layer, pre-RoPE query statistics (only when prefilled with query_statistics): see QueryStatistics
+    query_stats: list[QueryStatistics] | None = None
+    # the full cache's answer tokens (after `prefix`, the question read in the context-only protocol);
+    # set by `ripplekv eval` after the full decode, for the answer-aware oracle only
+    answer: list[int] | None = None
+    prefix: list[int] | None = None
+    tokenizer: object = field(default=None, repr=False)  # the prompt's tokenizer, for scorers that phrase a request (KVzip)
     _full: dict = field(default_factory=dict, repr=False)
 
     def full_entries(self, layer: int) -> entries.LayerEntries:
@@ -89,20 +99,30 @@ class PrefillState:
 
 @torch.inference_mode()
 def prefill(
-    model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0, accumulate: bool = False
+    model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0, accumulate: bool = False,
+    requirements: Requirements | None = None,
 ) -> PrefillState:
     """Run the prompt once with full attention; keep K/V, window queries and the last logits.
 
     `reserve`: tokens that will follow the prompt (the answer), checked against the model's window.
     `accumulate`: also sum each key's attention over all prompt queries (`PrefillState.accumulated`);
     only methods that need it (H2O) should ask, since it replaces the fused attention kernel.
+    `requirements`: what the methods to be run need (`Requirements.of_all`); it widens the captured window
+    and turns on accumulation and the query statistics (Expected Attention) where asked.
     """
+    if requirements is not None:
+        capture_window = max(capture_window, requirements.capture_window)
+        accumulate = accumulate or requirements.accumulated_attention
+    statistics = requirements is not None and requirements.query_statistics
     kvcache.install(model)
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
     adapter.check_length(model.config, len(ids) + reserve)
     capture: dict = {"window": min(capture_window, len(ids))}
     if accumulate:
         capture["accumulated"] = {}
+    if statistics:
+        probe = torch.zeros(1, device=ids.device, dtype=adapter.dtype(model))
+        capture["query_stats"] = {"rope": adapter.rope_at(model, torch.arange(len(ids)), probe)}
     out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_capture=capture)
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
@@ -117,6 +137,7 @@ def prefill(
         scaling=adapter.attention_scaling(model),
         model=model,
         accumulated=[capture["accumulated"][i] for i in range(num_layers)] if accumulate else None,
+        query_stats=[capture["query_stats"][i] for i in range(num_layers)] if statistics else None,
     )
 
 
@@ -128,5 +149,4 @@ def captured_window(needs: Requirements) -> int:
 
 def prefill_for(model, input_ids, needs: Requirements, reserve: int = 0) -> PrefillState:
     """The one prefill of a prompt, recording what the run's methods need (`Requirements.of_all(methods)`)."""
-    return prefill(model, input_ids, capture_window=captured_window(needs), reserve=reserve,
-                   accumulate=needs.accumulated_attention)
+    return prefill(model, input_ids, capture_window=captured_window(needs), reserve=reserve, requirements=needs)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
+from ripplekv.methods.base import HEAD_SPLITS, Allocator, register_allocator
 
 
 def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int) -> np.ndarray:
@@ -60,16 +60,47 @@ def ffy0_split(scores: torch.Tensor, base: int, alpha: float) -> np.ndarray:
 
 
 RULES = ("ffy0", "floor")
+DEFAULT_ALPHA = 0.2
+
+
+def adakv_split(state, per_layer, scorer, alpha: float | None, rule: str = "ffy0") -> np.ndarray:
+    """AdaKV's head split of every layer's budget (`per_layer[l]` entries per head on average), safeguard
+    `alpha` (AdaKV's 0.2 when None); `rule` ffy0 (the published one) or floor (our earlier one). The head
+    level of a composition (`heads=adakv`)."""
+    alpha = DEFAULT_ALPHA if alpha is None else alpha
+    heads = state.num_kv_heads
+    matrix = np.zeros((state.num_layers, heads), dtype=np.int64)
+    for layer, count in enumerate(per_layer):
+        if count >= state.length:
+            matrix[layer] = state.length
+            continue
+        reserved = min(scorer.floor(), count)
+        if rule == "ffy0" and count <= reserved:  # no prefix budget to share
+            matrix[layer] = count
+            continue
+        if rule == "ffy0":
+            matrix[layer] = reserved + ffy0_split(scorer.scores(state, layer), count - reserved, alpha)
+            continue
+        floor = reserved + math.floor(alpha * (count - reserved))
+        if floor >= count:  # nothing left to compete for: every head keeps the even share
+            matrix[layer] = count
+            continue
+        matrix[layer] = split_by_scores(scorer.scores(state, layer), heads * count, floor, reserved)
+    return matrix
+
+
+HEAD_SPLITS["adakv"] = adakv_split
 
 
 @register_allocator("adakv")
 @dataclass(frozen=True)
 class AdaKV(Allocator):
-    alpha: float = 0.2
+    alpha: float = DEFAULT_ALPHA
     rule: str = "ffy0"
     needs_prompt = True
 
     def __post_init__(self):
+        self.check_heads()
         if not (isinstance(self.alpha, (int, float)) and 0 <= self.alpha <= 1):
             raise UserError(f"option alpha must be in [0, 1], got {self.alpha!r}")
         if self.rule not in RULES:
@@ -77,22 +108,4 @@ class AdaKV(Allocator):
 
     def allocate(self, state, budget, scorer):
         per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())
-        heads = state.num_kv_heads
-        matrix = np.zeros((state.num_layers, heads), dtype=np.int64)
-        for layer, count in enumerate(per_layer):
-            if count >= state.length:
-                matrix[layer] = state.length
-                continue
-            reserved = min(scorer.floor(), count)
-            if self.rule == "ffy0" and count <= reserved:  # no prefix budget to share
-                matrix[layer] = count
-                continue
-            if self.rule == "ffy0":
-                matrix[layer] = reserved + ffy0_split(scorer.scores(state, layer), count - reserved, self.alpha)
-                continue
-            floor = reserved + math.floor(self.alpha * (count - reserved))
-            if floor >= count:  # nothing left to compete for: every head keeps the even share
-                matrix[layer] = count
-                continue
-            matrix[layer] = split_by_scores(scorer.scores(state, layer), heads * count, floor, reserved)
-        return matrix
+        return adakv_split(state, per_layer, scorer, self.alpha, self.rule)

@@ -30,6 +30,7 @@ class Pyramid(Allocator):
     beta: float = 20.0
 
     def __post_init__(self):
+        self.check_heads()
         if not self.beta >= 1:
             raise UserError(f"option beta must be a number >= 1, got {self.beta!r}")
 
@@ -59,6 +60,7 @@ class FromAllocation(Allocator):
     multipliers: tuple[float, ...] | None = None
 
     def __post_init__(self):
+        self.check_heads()
         if self.multipliers is None:
             if self.allocation is None:
                 raise UserError(

@@ -14,7 +14,7 @@ method spec can set (see `methods.presets`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import numpy as np
@@ -27,6 +27,10 @@ from ripplekv.methods.budgets import check_budget, integer_budgets
 
 SCORERS: dict[str, Callable[..., Scorer]] = {}
 ALLOCATORS: dict[str, Callable[..., Allocator]] = {}
+# Head splits: (state, per-layer budgets, scorer, alpha) -> [L, H_kv] counts, each layer's row summing to
+# H_kv x its budget. "even" (every head alike) is the default; `methods.adakv` registers "adakv".
+HEAD_SPLITS: dict[str, Callable] = {}
+LAYER_ALLOCATORS = ("uniform", "pyramid", "file", "cake", "global")  # the ones a head split composes with
 
 
 def _registrar(registry: dict):
@@ -89,13 +93,49 @@ class Scorer:
         raise NotImplementedError
 
 
+def even_split(state, per_layer, scorer, alpha) -> np.ndarray:
+    return np.repeat(np.asarray(per_layer, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
+
+
+HEAD_SPLITS["even"] = even_split
+# Options every layer allocator takes (a composition's head level); left out of each allocator's own defaults.
+COMPOSITION = {"composition": True}
+
+
 @dataclass(frozen=True)
 class Allocator:
-    """How many entries each (layer, KV head) keeps. Layer-level by default: every head of a layer alike."""
+    """How many entries each (layer, KV head) keeps: per-layer budgets (`layer_budgets`, or
+    `prompt_budgets` when they depend on the prompt), then a head split (`heads=`: even by default,
+    `heads=adakv` lets a layer's heads compete by the scorer's scores, with AdaKV's safeguard `head_alpha`)."""
 
     name = "allocator"
-    needs_prompt = False  # True when budgets depend on the prompt's scores (not only its length)
+    prompt_layers = False  # True when the per-layer budgets themselves depend on the prompt (CAKE, global)
     prompt_note = "its per-layer totals are uniform, and its per-head counts are recorded per sample by `ripplekv eval`"
+    heads: str | None = field(default=None, metadata=COMPOSITION)
+    head_alpha: float | None = field(default=None, metadata=COMPOSITION)
+
+    def __post_init__(self):
+        self.check_heads()
+
+    def check_heads(self) -> None:
+        if self.heads is not None and type(self).allocate is not Allocator.allocate:
+            raise UserError(f"allocator {self.name} splits heads itself; heads= applies to the layer allocators "
+                            f"({', '.join(LAYER_ALLOCATORS)})")
+        if self.heads is not None and self.heads not in HEAD_SPLITS:
+            raise UserError(f"option heads must be one of {', '.join(sorted(HEAD_SPLITS))}, got {self.heads!r}")
+        if self.head_alpha is not None and not 0 <= self.head_alpha <= 1:
+            raise UserError(f"option head_alpha must be in [0, 1], got {self.head_alpha!r}")
+        if self.head_alpha is not None and self.heads in (None, "even"):
+            raise UserError("option head_alpha only applies with heads=adakv")
+
+    @property
+    def splits_heads(self) -> bool:
+        return self.heads not in (None, "even")
+
+    @property
+    def needs_prompt(self) -> bool:
+        """True when budgets depend on the prompt's scores (not only its length)."""
+        return self.splits_heads or self.prompt_layers
 
     def layer_weights(self, num_layers: int, budget: int, floor: int) -> list[float]:
         """Real-valued per-layer weights; only proportions matter."""
@@ -110,10 +150,18 @@ class Allocator:
         """What the prefill must record for this allocator (nothing by default; CAKE's window overrides)."""
         return Requirements()
 
+    def prompt_budgets(self, state: PrefillState, budget: int, scorer: Scorer) -> list[int]:
+        """Entries per KV head in each layer for this prompt (prompt-dependent allocators override)."""
+        return self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())
+
     def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
-        """The `[L, H_kv]` budget matrix for one prefilled prompt."""
-        per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())
-        return np.repeat(np.asarray(per_layer, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
+        """The `[L, H_kv]` budget matrix for one prefilled prompt: layer budgets, then the head split."""
+        per_layer = self.prompt_budgets(state, budget, scorer)
+        return HEAD_SPLITS[self.heads or "even"](state, per_layer, scorer, self.split_alpha())
+
+    def split_alpha(self) -> float | None:
+        """The head split's safeguard (None: the split's own default)."""
+        return self.head_alpha
 
 
 class Method(Protocol):

@@ -53,6 +53,7 @@ class CAKE(Allocator):
     needs_prompt = True
 
     def __post_init__(self):
+        self.check_heads()
         for name in ("tau1", "tau2"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -75,7 +76,9 @@ class CAKE(Allocator):
         raise UserError("cake's per-layer budgets depend on each prompt's attention; `ripplekv eval` records "
                         "them per sample (layer_budgets in predictions.jsonl)")
 
-    def allocate(self, state, budget, scorer):
+    prompt_layers = True
+
+    def prompt_budgets(self, state, budget, scorer):
         check_budget(budget)
         layers, floor = state.num_layers, scorer.floor()
         if state.length <= budget:
@@ -85,4 +88,4 @@ class CAKE(Allocator):
             spare = layers * max(budget - floor, 0)
             shares = prefs / prefs.sum() if prefs.sum() > 0 and np.isfinite(prefs).all() else np.full(layers, 1 / layers)
             per_layer = integer_budgets((floor + spare * shares).tolist(), budget, state.length, floor)
-        return np.repeat(np.asarray(per_layer, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
+        return per_layer

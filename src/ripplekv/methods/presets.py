@@ -6,6 +6,11 @@ option sets a field of the allocator or the scorer. An option neither has is a o
 silently dropped). The spec, with its options sorted, is the method's label in every output; a file
 option (`depthkv:allocation=runs/x/depthkv.csv`) shows only its file name there, so a label does not
 change when a run's folder moves (the full path is in the config's method_specs).
+
+Compositions use the same grammar: every layer allocator takes `heads=adakv` (and `head_alpha=`), so
+`ripplekv:heads=adakv:scorer=criticalkv` is RippleKV's layer budgets x AdaKV's head split x CriticalKV's
+scores. A preset may set its own option defaults (`defensivekv` runs AdaKV's split with alpha=0); a spec's
+options override them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Preset:
     about: str
     kind: type = AllocatorScorer  # an AllocatorScorer subclass for methods that merge what they keep
     own: type | None = None
+    options: tuple = ()  # (key, value) defaults this preset sets on its allocator or scorer (a spec overrides them)
 
     @property
     def is_full(self) -> bool:
@@ -43,8 +49,8 @@ FILE_OPTIONS = ("allocation", "route")
 
 
 def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
-           own: type | None = None) -> None:
-    PRESETS[name] = Preset(name, allocator, scorer, about, kind, own)
+           own: type | None = None, **options) -> None:
+    PRESETS[name] = Preset(name, allocator, scorer, about, kind, own, tuple(sorted(options.items())))
 
 
 preset("full", "uniform", None, "every entry of every layer (the reference)")
@@ -64,10 +70,24 @@ preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--ro
 preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
 preset("gracekv", None, None, "GraceKV (our reading): prototype trees of every layer, head and slot "
        "compete for one global budget", own=GraceKV)
+preset("criticalkv", "uniform", "criticalkv", "CriticalKV: SnapKV attention x ||v W_o||_1 in two stages (kvpress CriticalKVPress)")
+preset("criticaladakv", "adakv", "criticalkv", "CriticalAdaKV: AdaKV's head split by SnapKV scores, CriticalKV's "
+       "two-stage selection (kvpress CriticalAdaKVPress)")
+preset("keydiff", "uniform", "keydiff", "KeyDiff: the keys least similar to the mean key direction + the window")
+preset("expected-attention", "uniform", "expected-attention", "Expected Attention: attention future queries "
+       "are expected to pay (query mean/covariance, averaged RoPE) x ||v|| (kvpress)")
+preset("defensivekv", "adakv", "defensivekv", "DefensiveKV: worst-case window attention x normalized "
+       "||v W_o||_1, heads compete in each layer (FFY0/DefensiveKV)", alpha=0.0)
+preset("layer-defensivekv", "global", "defensivekv", "Layer-DefensiveKV: DefensiveKV's scores, every layer "
+       "and head competing for one budget (FFY0/DefensiveKV)")
+preset("kvzip", "global", "kvzip", "KVzip: max attention from a context-reconstruction pass (a second "
+       "forward), all layers and heads competing (kvpress KVzipPress)")
+preset("oracle", "uniform", "oracle", "CEILING, not a method: per head, the entries the full cache's answer "
+       "attends to most (eval only; left out of ranks)")
 
 # The commands' default choices (ripplekv.defaults) must name presets.
 for _chosen in (*defaults.DEFAULT_EVAL_METHODS, *defaults.DEFAULT_ROUTE_CANDIDATES, *defaults.UNIFORM_BASELINES,
-                defaults.ALLOCATION_METHOD, defaults.ALLOCATION_PLOT_BESIDE, defaults.EVICTION_METHOD):
+                defaults.ALLOCATION_METHOD, defaults.ALLOCATION_PLOT_BESIDE, defaults.EVICTION_METHOD, *defaults.CEILINGS):
     assert _chosen in PRESETS, f"ripplekv.defaults names {_chosen!r}, which is not a preset"
 
 
@@ -156,6 +176,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     if unknown:
         raise UserError(f"method {label!r}: unknown option(s) {', '.join(unknown)}; it takes: {', '.join(sorted(takes)) or 'nothing'}")
     merged = {k: v for k, v in (shared or {}).items() if v is not None}
+    merged.update({k: v for k, v in chosen.options if k in takes})
     merged.update(strict)
     converted = {part: {k: _convert(cls, k, v, spec) for k, v in merged.items() if k in keys[part]}
                  for part, cls in classes.items()}
@@ -251,5 +272,5 @@ def defaults_of(component: type) -> dict:
     return {
         f.name: (None if f.default is MISSING else f.default)
         for f in fields(component)
-        if f.init and not f.metadata.get("internal")
+        if f.init and not f.metadata.get("internal") and not f.metadata.get("composition")
     }

@@ -381,6 +381,8 @@ def evaluate_sample(
     report("prefill", n)
     stops = stop_tokens(model, tokenizer, task.stop_at_newline)
     reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
+    state.answer, state.prefix = list(reference.tokens), list(question)  # for the answer-aware oracle only
+    state.tokenizer = tokenizer  # for scorers that phrase a request to the model (KVzip)
     report("decode", task.max_new_tokens)
 
     wanted = None if variants is None else set(variants)

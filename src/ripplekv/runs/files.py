@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ripplekv.defaults import CEILINGS
 from ripplekv.runs.jsonl import read_jsonl
 
 PREDICTIONS = "predictions.jsonl"
 CONFIG = "config.json"
 REFERENCE = "full"
+# Bounds, not methods (the answer-aware oracle): reports mark them and leave them out of ranks.
+
+
+def is_ceiling(label) -> bool:
+    """Whether a method label (`oracle`, `oracle:window=32`) names a ceiling."""
+    return str(label).split(":", 1)[0].strip() in CEILINGS
 
 
 # What each kind of run folder holds. A folder is a run of a kind when it holds one of its markers;

@@ -1,0 +1,64 @@
+"""Teacher-forced passes through the full prompt cache that report each layer's new queries and keys.
+
+Some scorers rank prompt entries by how much *later* tokens attend to them: KVzip by the queries of a
+"repeat the context" pass, the oracle by the full-cache answer. Both feed tokens after the prompt
+through the uncompressed cache; the attention function hands each layer's new queries and keys
+(post-RoPE) to a callback, which reduces them at once, so no map over all prompt positions is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ripplekv.engine.cache import build_cache, install
+from ripplekv.engine.prefill import PrefillState
+
+# callback(layer, queries [H_q, p, d], new_keys [H_kv, T, d]), post-RoPE: the p tokens of this piece and the keys of
+# all T tokens fed so far (this piece's last)
+Probe = Callable[[int, torch.Tensor, torch.Tensor], None]
+# Tokens fed per forward: bounds the attention of a piece over the prompt to PIECE x n scores per head.
+PIECE = 512
+
+
+@torch.inference_mode()
+def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe, piece: int | None = None) -> None:
+    """Feed `tokens` right after the whole prompt (positions n, n+1, ...) through the full cache, `piece` at a time
+    (the same as one forward: the cache keeps the pieces already fed)."""
+    if not tokens:
+        return
+    install(model)
+    cache = build_cache(state, None, 1)
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=state.device)[None]
+    piece = piece or PIECE
+
+    def report(layer, query, key):
+        callback(layer, query[0], key[0])
+
+    for start in range(0, ids.shape[1], piece):
+        chunk = ids[:, start:start + piece]
+        positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
+        model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_cache=cache,
+              ripplekv_probe=report, logits_to_keep=1)
+
+
+def causal_attention_rows(queries: torch.Tensor, prompt_keys: torch.Tensor, new_keys: torch.Tensor, scaling: float,
+                          rows: int = 256):
+    """Yield (index, attention [H_kv, group, r, K]) in blocks of `rows` queries, float32: the queries are the last
+    p of the T new tokens (`index` is the block's first among all T), attending over the prompt keys
+    `prompt_keys` [H_kv, K, d] (all visible) and the new tokens' keys [H_kv, T, d] (causal); each block keeps
+    only the prompt part (its rows still sum to 1 with the new keys included)."""
+    kv_heads, count = prompt_keys.shape[0], prompt_keys.shape[1]
+    group = queries.shape[0] // kv_heads
+    length = queries.shape[1]
+    offset = new_keys.shape[1] - length  # new-token index of the first query
+    grouped = queries.float().view(kv_heads, group, length, -1) * scaling
+    keys = torch.cat([prompt_keys.float(), new_keys.float()], dim=1)  # [H_kv, K + T, d]
+    for start in range(0, length, rows):
+        stop = min(length, start + rows)
+        seen = count + offset + stop
+        logits = torch.matmul(grouped[:, :, start:stop], keys[:, None, :seen].transpose(-1, -2))
+        where = count + offset + torch.arange(start, stop, device=keys.device)
+        logits = logits.masked_fill(torch.arange(seen, device=keys.device)[None, :] > where[:, None], float("-inf"))
+        yield offset + start, torch.softmax(logits, dim=-1)[..., :count]

@@ -1,0 +1,83 @@
+"""CriticalKV: rank entries by their attention times how much their value moves the layer's output.
+
+Our reading of Feng et al. (2025), "Identify Critical KV Cache in LLM Inference from an Output
+Perturbation Perspective", and kvpress's CriticalKVPress / CriticalAdaKVPress (read, not copied). Evicting
+an entry perturbs the attention output by about its attention weight times its value as the output
+projection sees it, so the value's score factor is ||v W_o^h||_1 (L1 over the hidden size), averaged over
+the query heads h sharing its KV head. Selection has two stages, as in the reference: a head first keeps
+the top `first_stage_ratio` of its budget by the base attention score alone (SnapKV's pooled window
+attention, window and pooling as for `snapkv`), then fills the rest by (attention + epsilon) x value norm.
+Defaults follow kvpress: epsilon 1e-4, first_stage_ratio 0.5. `scores()` (what AdaKV's head split and
+the global allocator compare) is the base attention, as CriticalAdaKVPress splits heads by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ripplekv.engine import adapter
+from ripplekv.errors import UserError
+from ripplekv.methods.base import per_head, recent_mask, register_scorer
+from ripplekv.methods.snapkv import SnapKVScorer
+
+
+def projected_value_norms(state, layer: int) -> torch.Tensor:
+    """||v W_o^h||_1 for every entry [H_kv, n] (float32), averaged over the query heads sharing a KV head."""
+    key = ("wov-l1", layer)
+    if key not in state.scores:
+        if state.model is None:
+            raise UserError("this scorer needs the model's output projection: prefill with the model")
+        weight = adapter.output_projection(state.model, layer).to(state.device)  # [H_q, d, hidden]
+        values = state.values[layer].float()  # [H_kv, n, d]
+        kv_heads, group = values.shape[0], weight.shape[0] // values.shape[0]
+        norms = torch.stack([
+            torch.stack([(values[h] @ weight[h * group + g]).abs().sum(-1) for g in range(group)]).mean(0)
+            for h in range(kv_heads)
+        ])
+        state.scores[key] = norms
+    return state.scores[key]
+
+
+@register_scorer("criticalkv")
+@dataclass(frozen=True)
+class CriticalKVScorer(SnapKVScorer):
+    epsilon: float = 1e-4
+    first_stage_ratio: float = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.first_stage_ratio <= 1:
+            raise UserError(f"option first_stage_ratio must be in [0, 1], got {self.first_stage_ratio!r}")
+        if not self.epsilon >= 0:
+            raise UserError(f"option epsilon must be >= 0, got {self.epsilon!r}")
+
+    def critical_scores(self, state, layer) -> torch.Tensor:
+        """(attention + epsilon) x ||v W_o||_1 over the prefix [H_kv, n - window] (the second stage's ranking)."""
+        base = self.scores(state, layer)
+        return (base + self.epsilon) * projected_value_norms(state, layer)[:, : base.shape[1]]
+
+    def keep(self, state, layer, counts):
+        window = min(self.window, state.length)
+        base = critical = None
+
+        def build(heads, count):
+            nonlocal base, critical
+            mask = recent_mask(state.num_kv_heads, state.length, min(window, count), state.device)[heads]
+            extra = count - window
+            if extra <= 0:
+                return mask
+            if base is None:
+                base, critical = self.scores(state, layer), self.critical_scores(state, layer)
+            first = min(max(int(count * self.first_stage_ratio) - window, 0), extra)
+            ranked = critical[heads].clone()
+            if first > 0:
+                chosen = torch.topk(base[heads], first, dim=-1).indices
+                mask.scatter_(1, chosen, True)
+                ranked.scatter_(1, chosen, float("-inf"))
+            if extra > first:
+                mask.scatter_(1, torch.topk(ranked, extra - first, dim=-1).indices, True)
+            return mask
+
+        return per_head(counts, build)

@@ -1,0 +1,32 @@
+"""KeyDiff: keep the entries whose keys differ most from the layer's average key direction.
+
+Our reading of Park et al. (2025), "KeyDiff: Key Similarity-Based KV Cache Eviction", as kvpress's
+KeyDiffPress scores it (read, not copied): the anchor is the mean of a head's unit-normalized keys (all
+prompt entries, post-RoPE as stored), and an entry's score is minus its key's cosine similarity to the
+anchor. It needs no queries, so it is question-agnostic. kvpress compresses the context alone and has
+no window; our with-question protocol compresses the question too, so the last `window` tokens are always
+kept (32, as for SnapKV and KNorm; `keydiff:window=..`). The paper's block-wise eviction is not modelled:
+one scoring after the prefill, as kvpress does by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from ripplekv.methods.base import check_positive, register_scorer
+from ripplekv.methods.snapkv import WindowScorer
+
+
+@register_scorer("keydiff")
+@dataclass(frozen=True)
+class KeyDiffScorer(WindowScorer):
+    def __post_init__(self):
+        check_positive(window=self.window)
+
+    def scores(self, state, layer):
+        keys = state.keys[layer].float()  # [H_kv, n, d]
+        anchor = F.normalize(keys, dim=-1).mean(1, keepdim=True)
+        window = min(self.window, state.length)
+        return -F.cosine_similarity(keys, anchor, dim=-1)[:, : state.length - window]

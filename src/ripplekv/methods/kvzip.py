@@ -1,0 +1,111 @@
+"""KVzip: question-agnostic importance from how much each entry serves reconstructing the context.
+
+Our reading of Kim et al. (NeurIPS 2025), "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction", and of kvpress's KVzipPress and snu-mllab/KVzip (read, not copied). After the prefill the
+model is asked to repeat the context: chunk by chunk (`chunk` tokens, 2048 as in the reference), the
+tokens "\\n\\nRepeat the previous context exactly." (for later chunks "... the part of the previous context
+exactly, starting with" and the previous chunk's last 8 tokens), the chat template's assistant opening
+when the tokenizer has one, and the chunk itself are fed after the whole prompt through the full cache.
+Each of these queries attends (softmax) over the sink entries, the chunk's own entries and the repeat
+tokens so far; an entry's score is the maximum attention any of them (and any query head of its KV head)
+pays it. The first `n_sink` (4) entries score 1. Defaults follow the reference: non-layerwise budgets
+(all layers and heads compete: the `global` allocator), n_sink 4, chunk 2048. As for SnapKV, the last
+`window` (32) tokens are always kept too.
+
+Cost: the reconstruction is a second forward over about as many tokens as the prompt (timed in
+`state.scores["kvzip-seconds"]`, printed by scripts/bench_engine.py); attention is taken in blocks of
+queries over one chunk at a time, never as a map over the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ripplekv.engine.continuation import causal_attention_rows, probe_tokens
+from ripplekv.errors import UserError
+from ripplekv.methods.base import check_integers, check_positive, register_scorer
+from ripplekv.methods.snapkv import WindowScorer
+
+FIRST_REQUEST = "\n\nRepeat the previous context exactly."
+LATER_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
+OVERLAP = 8  # the previous chunk's last tokens that start a later request
+_TOKENIZERS: dict = {}
+
+
+def tokenizer_of(state):
+    """The prompt's tokenizer: `state.tokenizer` when the caller set it, else the one beside the model's weights."""
+    if state.tokenizer is not None:
+        return state.tokenizer
+    where = getattr(getattr(state.model, "config", None), "name_or_path", "") or ""
+    if not where:
+        raise UserError("kvzip needs the model's tokenizer to phrase its reconstruction request; this model has none")
+    if where not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        try:
+            _TOKENIZERS[where] = AutoTokenizer.from_pretrained(where)
+        except (OSError, ValueError):
+            raise UserError(f"kvzip needs the model's tokenizer and found none at {where}") from None
+    return _TOKENIZERS[where]
+
+
+def assistant_opening(tokenizer) -> list[int]:
+    """The chat template's text between a user message and the answer (empty without a template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode("\n", add_special_tokens=False)
+    marker = "\u2063KVZIP\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text.split(marker, 1)[1], add_special_tokens=False)
+
+
+def reconstruction_scores(state, n_sink: int, chunk: int) -> torch.Tensor:
+    """Scores [L, H_kv, n] of every prompt entry by the reconstruction pass (computed once per prefill)."""
+    key = ("kvzip", n_sink, chunk)
+    if key in state.scores:
+        return state.scores[key]
+    if state.model is None:
+        raise UserError("kvzip needs the model for its reconstruction pass: prefill with the model")
+    started = time.perf_counter()
+    tokenizer = tokenizer_of(state)
+    opening = assistant_opening(tokenizer)
+    ids = state.input_ids.tolist()
+    length = len(ids)
+    scores = torch.zeros(state.num_layers, state.num_kv_heads, length, dtype=torch.float32, device=state.device)
+    scores[..., :n_sink] = 1.0
+    for start in range(0, length, chunk):
+        stop = min(length, start + chunk)
+        request = tokenizer.encode(FIRST_REQUEST if start == 0 else LATER_REQUEST, add_special_tokens=False)
+        if start > 0:
+            request = request + ids[max(0, start - OVERLAP):start]
+        tokens = request + opening + ids[start:stop]
+        sink = min(n_sink, start)
+
+        def reduce(layer, queries, new_keys, start=start, stop=stop, sink=sink):
+            keys = state.keys[layer]
+            seen = torch.cat([keys[:, :sink], keys[:, start:stop]], dim=1)
+            for _, block in causal_attention_rows(queries, seen, new_keys, state.scaling):
+                scores[layer, :, start:stop] = torch.maximum(scores[layer, :, start:stop], block[..., sink:].amax(dim=(1, 2)))
+
+        probe_tokens(state.model, state, tokens, reduce)
+    scores[..., :n_sink] = 1.0
+    state.scores[key] = scores
+    state.scores["kvzip-seconds"] = state.scores.get("kvzip-seconds", 0.0) + time.perf_counter() - started
+    return scores
+
+
+@register_scorer("kvzip")
+@dataclass(frozen=True)
+class KVzipScorer(WindowScorer):
+    n_sink: int = 4
+    chunk: int = 2048
+
+    def __post_init__(self):
+        check_positive(window=self.window, chunk=self.chunk)
+        check_integers({"n_sink": self.n_sink}, minimum=0)
+
+    def scores(self, state, layer):
+        window = min(self.window, state.length)
+        return reconstruction_scores(state, self.n_sink, self.chunk)[layer, :, : state.length - window]

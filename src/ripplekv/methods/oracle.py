@@ -1,0 +1,53 @@
+"""`oracle`: an answer-aware ceiling, not a deployable method.
+
+Each KV head keeps the prompt entries that the full cache's own answer attends to most: the answer
+tokens (after the question, in the context-only protocol) are fed through the full cache, and an entry's
+score is the attention all answer queries pay it (softmax over every prompt entry and the tokens before
+them), summed over answer tokens and averaged over the query heads of its KV head. Budgets are the
+same exact ones as SnapKV's (uniform, L x H_kv x B), with no window forced (`oracle:window=32` keeps one).
+It needs the answer, so only `ripplekv eval` can run it, after the full-cache decode (it sets
+`PrefillState.answer`); it bounds what a token selection could reach on that sample and budget, is
+reported as a ceiling and is left out of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ripplekv.engine.continuation import causal_attention_rows, probe_tokens
+from ripplekv.errors import UserError
+from ripplekv.methods.base import check_integers, register_scorer
+from ripplekv.methods.snapkv import WindowScorer
+
+def answer_attention(state) -> torch.Tensor:
+    """Attention [L, H_kv, n] the full-cache answer pays each prompt entry (computed once per prefill)."""
+    if state.answer is None:
+        raise UserError("oracle needs the full cache's answer, so it runs only in `ripplekv eval` (after the full decode)")
+    key = ("oracle", tuple(state.prefix or ()), tuple(state.answer))
+    if key in state.scores:
+        return state.scores[key]
+    prefix = list(state.prefix or [])
+    scores = torch.zeros(state.num_layers, state.num_kv_heads, state.length, dtype=torch.float32, device=state.device)
+
+    def reduce(layer, queries, new_keys):
+        for start, block in causal_attention_rows(queries, state.keys[layer], new_keys, state.scaling):
+            answer_rows = max(0, len(prefix) - start)  # rows before the answer (question tokens) do not count
+            scores[layer] += block[:, :, answer_rows:].sum(2).mean(1)
+
+    probe_tokens(state.model, state, prefix + list(state.answer), reduce)
+    state.scores[key] = scores
+    return scores
+
+
+@register_scorer("oracle")
+@dataclass(frozen=True)
+class OracleScorer(WindowScorer):
+    window: int = 0
+
+    def __post_init__(self):
+        check_integers({"window": self.window}, minimum=0)
+
+    def scores(self, state, layer):
+        return answer_attention(state)[layer, :, : state.length - min(self.window, state.length)]
