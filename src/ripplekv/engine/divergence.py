@@ -97,7 +97,6 @@ def decode_by_divergence(
         del logprobs
         keep, hidden = [], []
         for row, own in enumerate(choices):
-            index = first + row
             split = _divergence(own, answer)
             if split is None:  # agrees everywhere, so it also stops where the full answer stops
                 result.tokens.append(list(answer))
@@ -122,6 +121,7 @@ def decode_by_divergence(
     if not rows:
         return result
     caches = [cache for _, cache, _ in running]
+    running.clear()  # the batches below own the caches from here (a merged batch frees its parts)
     _decode_rows(model, caches, rows, starts, result, max_new_tokens, stop, memory_bytes)
     return result
 
@@ -151,6 +151,7 @@ def _decode_rows(model, caches, rows, starts, result, max_new_tokens, stop, memo
         picked = range(begin, min(begin + per_batch, len(rows)))
         if len(picked) == len(rows):
             batch = concat_caches(caches)
+            caches.clear()
         else:
             parts = {}
             for i in picked:

@@ -330,11 +330,6 @@ def sample_id(record: dict, index: int, task) -> str:
     return str(record.get("_id") or f"{task.name}-{index}")
 
 
-def _chunks(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 def evaluate_sample(
     model,
     tokenizer,
