@@ -253,7 +253,7 @@ def test_composition_mistakes_are_one_line(spec, message):
 def test_requirements_name_the_signals():
     assert make_method("expected-attention").requirements().query_statistics
     assert not make_method("snapkv").requirements().query_statistics
-    assert make_method("uniform:heads=adakv:scorer=expected-attention").requirements() == Requirements(32, False, True)
+    assert make_method("uniform:heads=adakv:scorer=expected-attention").requirements() == Requirements(0, False, True)
 
 
 @pytest.mark.slow

@@ -374,7 +374,7 @@ def eval_command(
     data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
     target_tokens: int = typer.Option(3500, "--target-tokens", help="Offline suite: prompt length to build, in tokens."),
     max_length: int = typer.Option(7500, "--max-length", help="Prompts longer than this are truncated in the middle."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Compressed variants decoded together."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); decoding after a variant's divergence batches every running variant that fits in memory."),
     window: int | None = typer.Option(None, help=WINDOW_HELP),
     kernel: int | None = typer.Option(None, help=KERNEL_HELP),
     pooling: str | None = typer.Option(None, help=POOLING_HELP),

@@ -58,6 +58,9 @@ class CompressedLayer(CacheLayerMixin):
         self.original_length = original_length
         self.keys = None  # decoded tokens: [V, H_kv, T, d]
         self.values = None
+        # Additive bias [V, T0] over the first T0 decoded tokens (None: all visible). Divergence decoding
+        # hides the teacher-forced tokens a variant did not produce (those past its first disagreement).
+        self.hidden = None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - built eagerly
@@ -98,6 +101,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.keys is not None:
             self.keys = self.keys.index_select(0, index)
             self.values = self.values.index_select(0, index)
+        if self.hidden is not None:
+            self.hidden = self.hidden.index_select(0, index)
         if self.override is not None:
             hits = (index == self.override.variant).nonzero()
             self.override = (
@@ -179,6 +184,41 @@ def build_cache(state, variants: list[list[LayerEntries]] | None, num_variants: 
     return CompressedCache(layers, count)
 
 
+def concat_caches(caches: list[CompressedCache]) -> CompressedCache:
+    """One cache holding the variants of several (same prompt, same decoded length), so they decode as one
+    batch: prompt entries padded to the longest (padding gets bias -inf, hence zero weight)."""
+    if len(caches) == 1:
+        return caches[0]
+    layers = []
+    for parts in zip(*(cache.layers for cache in caches)):
+        counts = [cache.num_variants for cache in caches]
+        longest = max(part.prompt_keys.shape[2] for part in parts)
+        keys, values, bias, hidden = [], [], [], []
+        for part, count in zip(parts, counts):
+            extra = longest - part.prompt_keys.shape[2]
+            pad = torch.nn.functional.pad
+            keys.append(pad(part.prompt_keys, (0, 0, 0, extra)).expand(count, -1, -1, -1))
+            values.append(pad(part.prompt_values, (0, 0, 0, extra)).expand(count, -1, -1, -1))
+            own = part.prompt_bias
+            if own is None:
+                own = torch.zeros(part.prompt_keys.shape[:3], dtype=torch.float32, device=part.prompt_keys.device)
+            bias.append(pad(own, (0, extra), value=float("-inf")).expand(count, -1, -1))
+            if part.hidden is not None:
+                hidden.append(part.hidden)
+        if any(part.override is not None for part in parts):
+            raise ValueError("caches with a variant override cannot be concatenated")
+        layer = CompressedLayer(torch.cat(keys), torch.cat(values), torch.cat(bias), parts[0].original_length)
+        if parts[0].keys is not None:
+            layer.keys = torch.cat([part.keys for part in parts])
+            layer.values = torch.cat([part.values for part in parts])
+        if hidden:
+            if len(hidden) < len(parts):
+                raise ValueError("every cache concatenated must hide decoded tokens, or none")
+            layer.hidden = torch.cat(hidden)
+        layers.append(layer)
+    return CompressedCache(layers, sum(cache.num_variants for cache in caches))
+
+
 def _unsqueeze(bias):
     return None if bias is None else bias[None]
 
@@ -223,6 +263,8 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
     steps = torch.arange(decoded, device=query.device)
     visible = steps[None, :] <= (decoded - new_len + torch.arange(new_len, device=query.device))[:, None]
     new_scores = new_scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
+    if layer.hidden is not None:
+        new_scores[..., : layer.hidden.shape[-1]] += layer.hidden[:, None, None, :]
     weights = torch.softmax(torch.cat([prompt_scores, new_scores], dim=-1), dim=-1).to(new_values.dtype)
     prompt_len = prompt_scores.shape[-1]
     out = _weighted_sum(weights[..., :prompt_len], layer.prompt_values)

@@ -327,11 +327,6 @@ def sample_id(record: dict, index: int, task) -> str:
     return str(record.get("_id") or f"{task.name}-{index}")
 
 
-def _chunks(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 def evaluate_sample(
     model,
     tokenizer,
@@ -348,6 +343,7 @@ def evaluate_sample(
     with_full: bool = True,
     progress=None,
     protocol: str = "with-question",
+    decoding: str = "divergence",
 ) -> list[dict]:
     """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
 
@@ -362,10 +358,14 @@ def evaluate_sample(
     "context-only" prefills and compresses the context alone (its observation window is the end of the
     context; budgets count the context) and then reads the question through each compressed cache, as a
     cache reused across questions would (kvpress's default). Both come from one prefill.
+
+    `decoding`: "divergence" decodes a variant only after its first disagreement with the full answer
+    (`engine.divergence`); "plain" decodes every variant whole (the same tokens, floating-point ties aside).
     """
     report = progress or (lambda kind, units: None)
     from ripplekv.tasks import build_prompt_ids
-    from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity, stop_tokens
+    from ripplekv.engine.decode import full_reference, stop_tokens
+    from ripplekv.engine.divergence import decode_variants
     from ripplekv.metrics.scoring import score_sample
 
     ids = build_prompt_ids(task, record, tokenizer, max_length)
@@ -390,11 +390,9 @@ def evaluate_sample(
                 if wanted is None or (label, budget) in wanted]
     counts = [method.budgets(state, budget) for _, budget, method in variants]
     built = [method.compress(state, budget) for _, budget, method in variants]
-    tokens: list[list[int]] = []
-    for batch in _chunks(built, batch_size):
-        tokens.extend(greedy_decode(model, state, batch, task.max_new_tokens, stops, prefix=question))
-        report("decode", len(batch) * task.max_new_tokens)
-    quality = measure_fidelity(model, state, built, reference, batch_size, prefix=question)
+    tokens, quality = decode_variants(model, state, built, reference, task.max_new_tokens, stops, prefix=question,
+                                      batch_size=batch_size, decoding=decoding)
+    report("decode", len(built) * task.max_new_tokens)
 
     base = {
         "id": sid,

@@ -1,0 +1,101 @@
+"""How far `ripplekv eval` is from its one-prefill limit: eval's time per sample over one plain prefill.
+
+Per sample, in one run and side by side: one plain prefill of the prompt (the physical floor of a design
+that prefills once), then `evaluate_sample` exactly as `ripplekv eval` runs it (one prefill, full answer,
+every method x budget, divergence decoding, fidelity). The line `eval/prefill X.XX` is the ratio of the
+summed times. With --compare-plain the sample is also evaluated with plain decoding (every variant decoded
+whole, the pre-divergence path) and the share of identical predictions is printed, with its time ratio.
+
+Default: the reproduce configuration (configs/reproduce.env: 14 methods x 4 budgets, 3.5k tokens) with the
+committed results/ allocation, DepthKV allocation and route.
+
+    .venv/bin/python scripts/bench_limit.py [--tasks hotpotqa,niah] [--limit 1] [--compare-plain]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ripplekv.engine.decode import greedy_decode
+from ripplekv.engine.models import load_model
+from ripplekv.engine.prefill import prefill
+from ripplekv.methods import make_method
+from ripplekv.pipeline import evaluate
+from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+
+REPRODUCE = ("full,streamingllm,snapkv,pyramidkv,ripplekv,h2o,tova,knorm,adakv,cake,"
+             "depthkv:allocation=results/depthkv.csv,gracekv,routed,routed-ripplekv")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: bundled SmolLM2-135M")
+    parser.add_argument("--suite", default="offline")
+    parser.add_argument("--tasks", default="hotpotqa,niah")
+    parser.add_argument("--limit", type=int, default=1, help="samples per task")
+    parser.add_argument("--target-tokens", type=int, default=3500)
+    parser.add_argument("--max-length", type=int, default=7500)
+    parser.add_argument("--budgets", default="64,128,256,512")
+    parser.add_argument("--methods", default=REPRODUCE)
+    parser.add_argument("--allocation", default="results/allocation.csv")
+    parser.add_argument("--route", default="results/route/ROUTE.csv")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--compare-plain", action="store_true", help="also decode every variant whole and compare")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    budgets = evaluate.parse_budgets([args.budgets])
+    specs = evaluate.parse_names(args.methods)
+    shared = {"allocation": args.allocation, "route": args.route}
+    built = [make_method(spec, shared=shared) for spec in dict.fromkeys(("full", *specs))]
+    methods = {method.label: method for method in built}
+    model, tokenizer, source = load_model(args.model)
+    work = []
+    for task in get_tasks(args.suite, list(evaluate.parse_names(args.tasks))):
+        for index, record in enumerate(load_samples(task, tokenizer, limit=args.limit, target_tokens=args.target_tokens)):
+            work.append((task, evaluate.sample_id(record, index, task), record))
+    variants = 1 + (len(methods) - 1) * len(budgets)
+    print(f"model {source.label}, {torch.get_num_threads()} threads; {len(work)} samples; {variants} variants each "
+          f"({len(methods)} methods x budgets {list(budgets)})")
+    warm = prefill(model, torch.arange(100, 164))
+    greedy_decode(model, warm, None, 2, num_variants=1)
+
+    totals = {"prefill": 0.0, "eval": 0.0, "plain": 0.0}
+    same = pairs = 0
+    for task, sid, record in work:
+        ids = build_prompt_ids(task, record, tokenizer, args.max_length)
+        t0 = time.perf_counter()
+        prefill(model, ids)
+        one = time.perf_counter() - t0
+        times = {"prefill": one}
+        runs = {}
+        for decoding in ("divergence", "plain") if args.compare_plain else ("divergence",):
+            t0 = time.perf_counter()
+            runs[decoding] = evaluate.evaluate_sample(model, tokenizer, task, record, methods, budgets, sid=sid,
+                                                      max_length=args.max_length, batch_size=args.batch_size,
+                                                      decoding=decoding)
+            times["eval" if decoding == "divergence" else "plain"] = time.perf_counter() - t0
+        for key, value in times.items():
+            totals[key] += value
+        line = f"  {task.name:<16} {len(ids):5d} tokens: prefill {one:6.1f} s, eval {times['eval']:6.1f} s"
+        if args.compare_plain:
+            matches = [a["prediction"] == b["prediction"] for a, b in zip(runs["divergence"], runs["plain"])]
+            same, pairs = same + sum(matches), pairs + len(matches)
+            line += f", plain {times['plain']:6.1f} s, identical {sum(matches)}/{len(matches)}"
+            for a, b in zip(runs["divergence"], runs["plain"]):
+                if a["prediction"] != b["prediction"]:
+                    print(f"    differs: {a['method']}@{a['budget']}: {a['prediction']!r} vs plain {b['prediction']!r}")
+        print(line)
+    if args.compare_plain:
+        print(f"identical predictions (divergence vs plain decoding): {same} of {pairs} ({same / pairs:.3f}); "
+              f"plain/prefill {totals['plain'] / totals['prefill']:.2f}")
+    print(f"eval/prefill {totals['eval'] / totals['prefill']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
