@@ -195,8 +195,8 @@ def test_oracle_outside_eval_is_one_clear_error(setup):
 @pytest.mark.parametrize("budget", [16, 40, 100])
 @pytest.mark.parametrize("spec", ["criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv",
                                   "layer-defensivekv", "kvzip", "kvzip:chunk=50", "oracle",
-                                  "pyramidkv:heads=adakv:scorer=criticalkv", "cake:heads=adakv:scorer=defensivekv",
-                                  "layer-defensivekv:heads=even"])
+                                  "pyramidkv:split=adakv:scorer=criticalkv", "cake:split=adakv:scorer=defensivekv",
+                                  "layer-defensivekv:split=even"])
 def test_new_methods_keep_exactly_snapkvs_total(setup, spec, budget):
     _, _, _, state, _ = setup
     method, snapkv = make_method(spec), make_method("snapkv")
@@ -225,23 +225,23 @@ def test_global_budgets_follow_the_scores_across_layers(setup):
 def test_compositions_split_layer_budgets_by_heads(setup):
     _, _, _, state, _ = setup
     multipliers = (2.0, 1.0, 0.5, 0.5)
-    composed = make_method("ripplekv:heads=adakv:scorer=criticalkv", multipliers=multipliers)
+    composed = make_method("ripplekv:split=adakv:scorer=criticalkv", multipliers=multipliers)
     layer_only = make_method("ripplekv:scorer=criticalkv", multipliers=multipliers)
     counts = composed.budgets(state, 48)
     assert counts.sum(1).tolist() == [KV * b for b in layer_only.layer_budgets(LAYERS, 48, N)]
     assert bool((counts != counts[:, :1]).any())  # heads differ
     # the uniform layer level with AdaKV's head split is CriticalAdaKV; with SnapKV scores it is AdaKV itself
-    assert (make_method("uniform:heads=adakv:scorer=criticalkv").budgets(state, 48)
+    assert (make_method("uniform:split=adakv:scorer=criticalkv").budgets(state, 48)
             == make_method("criticaladakv").budgets(state, 48)).all()
-    assert (make_method("snapkv:heads=adakv").budgets(state, 48) == make_method("adakv").budgets(state, 48)).all()
-    assert composed.describe()["allocator"] == {"name": "file", "heads": "adakv", "multipliers": list(multipliers)}
+    assert (make_method("snapkv:split=adakv").budgets(state, 48) == make_method("adakv").budgets(state, 48)).all()
+    assert composed.describe()["allocator"] == {"name": "file", "split": "adakv", "multipliers": list(multipliers)}
 
 
 @pytest.mark.parametrize("spec, message", [
     ("snapkv:heads=tokens", "option heads must be one of adakv, even"),
-    ("adakv:heads=adakv", "splits heads itself"),
-    ("snapkv:head_alpha=0.3", "head_alpha only applies with heads=adakv"),
-    ("snapkv:heads=adakv:head_alpha=2", "head_alpha must be in"),
+    ("adakv:split=adakv", "splits heads itself"),
+    ("snapkv:head_alpha=0.3", "head_alpha only applies with split=adakv"),
+    ("snapkv:split=adakv:head_alpha=2", "head_alpha must be in"),
     ("criticalkv:first_stage_ratio=1.5", "first_stage_ratio must be in"),
     ("expected-attention:n_sink=40", "n_sink must be at most"),
 ])
@@ -253,7 +253,7 @@ def test_composition_mistakes_are_one_line(spec, message):
 def test_requirements_name_the_signals():
     assert make_method("expected-attention").requirements().query_statistics
     assert not make_method("snapkv").requirements().query_statistics
-    assert make_method("uniform:heads=adakv:scorer=expected-attention").requirements() == Requirements(0, False, True)
+    assert make_method("uniform:split=adakv:scorer=expected-attention").requirements() == Requirements(0, False, True)
 
 
 @pytest.mark.slow
@@ -263,7 +263,7 @@ def test_eval_runs_the_new_methods_and_reports_the_oracle_as_a_ceiling(tiny_mode
 
     import pandas as pd
 
-    specs = ["full", "snapkv", "oracle", "expected-attention", "kvzip", "ripplekv:heads=adakv:scorer=criticalkv"]
+    specs = ["full", "snapkv", "oracle", "expected-attention", "kvzip", "ripplekv:split=adakv:scorer=criticalkv"]
     allocation = tmp_path / "alloc.csv"
     allocation.write_text("layer,multiplier\n0,1.5\n1,1.0\n2,0.75\n3,0.75\n")
     out = tmp_path / "run"

@@ -66,7 +66,7 @@ DEFAULT_ALPHA = 0.2
 def adakv_split(state, per_layer, scorer, alpha: float | None, rule: str = "ffy0") -> np.ndarray:
     """AdaKV's head split of every layer's budget (`per_layer[l]` entries per head on average), safeguard
     `alpha` (AdaKV's 0.2 when None); `rule` ffy0 (the published one) or floor (our earlier one). The head
-    level of a composition (`heads=adakv`)."""
+    level of a composition (`split=adakv`)."""
     alpha = DEFAULT_ALPHA if alpha is None else alpha
     heads = state.num_kv_heads
     matrix = np.zeros((state.num_layers, heads), dtype=np.int64)

@@ -105,32 +105,32 @@ COMPOSITION = {"composition": True}
 @dataclass(frozen=True)
 class Allocator:
     """How many entries each (layer, KV head) keeps: per-layer budgets (`layer_budgets`, or
-    `prompt_budgets` when they depend on the prompt), then a head split (`heads=`: even by default,
-    `heads=adakv` lets a layer's heads compete by the scorer's scores, with AdaKV's safeguard `head_alpha`)."""
+    `prompt_budgets` when they depend on the prompt), then a head split (`split=`: even by default,
+    `split=adakv` lets a layer's heads compete by the scorer's scores, with AdaKV's safeguard `head_alpha`)."""
 
     name = "allocator"
     prompt_layers = False  # True when the per-layer budgets themselves depend on the prompt (CAKE, global)
     prompt_note = "its per-layer totals are uniform, and its per-head counts are recorded per sample by `ripplekv eval`"
-    heads: str | None = field(default=None, metadata=COMPOSITION)
+    split: str | None = field(default=None, metadata=COMPOSITION)
     head_alpha: float | None = field(default=None, metadata=COMPOSITION)
 
     def __post_init__(self):
         self.check_heads()
 
     def check_heads(self) -> None:
-        if self.heads is not None and type(self).allocate is not Allocator.allocate:
-            raise UserError(f"allocator {self.name} splits heads itself; heads= applies to the layer allocators "
+        if self.split is not None and type(self).allocate is not Allocator.allocate:
+            raise UserError(f"allocator {self.name} splits heads itself; split= applies to the layer allocators "
                             f"({', '.join(LAYER_ALLOCATORS)})")
-        if self.heads is not None and self.heads not in HEAD_SPLITS:
-            raise UserError(f"option heads must be one of {', '.join(sorted(HEAD_SPLITS))}, got {self.heads!r}")
+        if self.split is not None and self.split not in HEAD_SPLITS:
+            raise UserError(f"option split must be one of {', '.join(sorted(HEAD_SPLITS))}, got {self.split!r}")
         if self.head_alpha is not None and not 0 <= self.head_alpha <= 1:
             raise UserError(f"option head_alpha must be in [0, 1], got {self.head_alpha!r}")
-        if self.head_alpha is not None and self.heads in (None, "even"):
-            raise UserError("option head_alpha only applies with heads=adakv")
+        if self.head_alpha is not None and self.split in (None, "even"):
+            raise UserError("option head_alpha only applies with split=adakv")
 
     @property
     def splits_heads(self) -> bool:
-        return self.heads not in (None, "even")
+        return self.split not in (None, "even")
 
     @property
     def needs_prompt(self) -> bool:
@@ -157,7 +157,7 @@ class Allocator:
     def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
         """The `[L, H_kv]` budget matrix for one prefilled prompt: layer budgets, then the head split."""
         per_layer = self.prompt_budgets(state, budget, scorer)
-        return HEAD_SPLITS[self.heads or "even"](state, per_layer, scorer, self.split_alpha())
+        return HEAD_SPLITS[self.split or "even"](state, per_layer, scorer, self.split_alpha())
 
     def split_alpha(self) -> float | None:
         """The head split's safeguard (None: the split's own default)."""

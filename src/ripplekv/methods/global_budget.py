@@ -7,8 +7,8 @@ are ranked together and the top ones are kept wherever they are. Here every head
 scorer's floor (the observation window, always kept as in both references), the rest of the L x H_kv x B
 total goes to the top-scored candidates over all layers, and a layer's count (per head on average)
 becomes its budget; exact integer budgets then make the total exactly L x H_kv x B. The head level
-follows (`heads=adakv` with no safeguard unless `head_alpha=` sets one: a layer's heads compete with no safeguard, which
-with the layer totals reproduces the global top-k); `global:heads=even` splits each layer evenly instead.
+follows (`split=adakv` with no safeguard unless `head_alpha=` sets one: a layer's heads compete with no safeguard, which
+with the layer totals reproduces the global top-k); `global:split=even` splits each layer evenly instead.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ripplekv.methods.budgets import check_budget, integer_budgets
 @register_allocator("global")
 @dataclass(frozen=True)
 class GlobalBudgets(Allocator):
-    heads: str | None = field(default="adakv", metadata=COMPOSITION)
+    split: str | None = field(default="adakv", metadata=COMPOSITION)
     prompt_layers = True
     prompt_note = ("its per-layer and per-head counts come from ranking every layer's scores together, "
                    "recorded per sample by `ripplekv eval`")

@@ -7,8 +7,8 @@ silently dropped). The spec, with its options sorted, is the method's label in e
 option (`depthkv:allocation=runs/x/depthkv.csv`) shows only its file name there, so a label does not
 change when a run's folder moves (the full path is in the config's method_specs).
 
-Compositions use the same grammar: every layer allocator takes `heads=adakv` (and `head_alpha=`), so
-`ripplekv:heads=adakv:scorer=criticalkv` is RippleKV's layer budgets x AdaKV's head split x CriticalKV's
+Compositions use the same grammar: every layer allocator takes `split=adakv` (and `head_alpha=`), so
+`ripplekv:split=adakv:scorer=criticalkv` is RippleKV's layer budgets x AdaKV's head split x CriticalKV's
 scores. A preset may set its own option defaults (`defensivekv` runs AdaKV's split with alpha=0); a spec's
 options override them.
 """
