@@ -112,9 +112,9 @@ def test_the_pipeline_runs_without_out_or_allocation_flags(tiny_model_dir, tmp_p
 
 
 def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
-    from ripplekv.cli.app import default_allocation
-    from ripplekv.methods.allocators import read_allocation
+    from ripplekv.cli.evaluation import default_allocation
     from ripplekv.engine.models import load_config
+    from ripplekv.methods.allocators import read_allocation
 
     monkeypatch.chdir(tmp_path)  # no runs/allocate here
     path, note = default_allocation(None)

@@ -1,0 +1,153 @@
+"""The commands that list things without running a model: `budgets`, `methods` and `tasks`.
+
+`budgets` prints each method's per-layer budgets from the model's config alone; `methods` lists every
+method with its allocator, scorer and option defaults (and how to compose them); `tasks` lists the suites
+and their tasks. They are grouped because each only reads registries and prints a table.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from ripplekv.cli.options import (
+    KERNEL_HELP,
+    METHODS_HELP,
+    POOLING_HELP,
+    ROUTE_HELP,
+    WINDOW_HELP,
+    model_shape,
+    snap_options,
+)
+from ripplekv.errors import UserError
+
+
+def budgets(
+    methods: str = typer.Option("snapkv,streamingllm,pyramidkv", help=METHODS_HELP),
+    budget: int = typer.Option(128, help="Average prompt entries kept per layer per KV head."),
+    prompt_len: int = typer.Option(3500, "--prompt-len", help="Prompt length n in tokens."),
+    allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv or depthkv."),
+    model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
+    output_format: str = typer.Option("table", "--format", help="table or csv."),
+    window: int | None = typer.Option(None, help=WINDOW_HELP),
+    kernel: int | None = typer.Option(None, help=KERNEL_HELP),
+    pooling: str | None = typer.Option(None, help=POOLING_HELP),
+    route: str | None = typer.Option(None, help=ROUTE_HELP),
+) -> None:
+    """Print each method's per-layer budgets, so you can see how it spends the cache."""
+    from ripplekv.methods import make_method
+    from ripplekv.methods.budgets import check_budget
+    from ripplekv.methods.presets import check_distinct, degenerate_notes
+    from ripplekv.pipeline.evaluate import parse_names
+
+    check_budget(budget)
+    if prompt_len <= 0:
+        raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
+    if output_format not in ("table", "csv"):
+        raise UserError(f"--format must be table or csv, got {output_format!r}")
+    shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
+    specs = parse_names(methods, "--methods")
+    chosen = [make_method(spec, shared=shared) for spec in specs]
+    check_distinct(chosen)
+    num_layers, kv_heads = model_shape(model)
+    # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
+    # says why it cannot (CAKE: layers depend on the prompt's attention).
+    rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
+    for note in degenerate_notes(chosen, [budget]):
+        print(note, file=sys.stderr)
+    for method in chosen:
+        if method.prompt_dependent:
+            print(f"note: {method.label} splits each layer's budget across its KV heads by the prompt's scores; "
+                  "per-head counts are recorded per sample by `ripplekv eval`", file=sys.stderr)
+    if output_format == "csv":
+        print("method,layer,budget")
+        for name, counts in rows.items():
+            for layer, count in enumerate(counts):
+                print(f"{name},{layer},{count}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"per-layer budgets at B={budget}, n={prompt_len} ({num_layers} layers x {kv_heads} KV heads)")
+    table.add_column("layer", justify="right")
+    for name in rows:
+        table.add_column(name, justify="right")
+    for layer in range(num_layers):
+        table.add_row(str(layer), *(str(rows[name][layer]) for name in rows))
+    table.add_row("total", *(str(sum(rows[name])) for name in rows), style="bold")
+    Console().print(table)
+
+
+COMPOSITION_HELP = """compositions: layer allocator x head split x scorer, in one spec:
+  PRESET[:allocator=LAYERS][:heads=even|adakv[:head_alpha=A]][:scorer=SCORER][:option=value...]
+  layers: uniform, pyramid, file (ripplekv/depthkv, with --allocation), cake, global (Layer-DefensiveKV's);
+  heads=adakv lets a layer's heads compete by the scorer's scores (AdaKV's split, safeguard head_alpha, 0.2);
+  budgets stay exactly L x H_kv x B. Examples:
+    ripplekv:heads=adakv:scorer=criticalkv      RippleKV layer budgets x AdaKV heads x CriticalKV scores
+    ripplekv:heads=adakv:scorer=defensivekv     RippleKV layer budgets x AdaKV heads x DefensiveKV scores
+    pyramidkv:heads=adakv:scorer=expected-attention
+    cake:heads=adakv:scorer=keydiff             CAKE layer budgets x AdaKV heads x KeyDiff scores
+    snapkv:allocator=global:scorer=criticalkv   every layer and head compete (Layer-DefensiveKV's level)
+  oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks."""
+
+
+def methods_command() -> None:
+    """List every method: its allocator, its scorer and their options with defaults."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
+    from ripplekv.methods.presets import component_names, defaults_of
+
+    def options(component, preset=()) -> str:
+        chosen = defaults_of(component)
+        chosen.update({k: v for k, v in preset if k in chosen})  # a preset's own defaults (defensivekv: alpha=0)
+        return ", ".join(f"{k}={v}" for k, v in chosen.items()) or "-"
+
+    table = Table(title="ripplekv methods (spec: name[:option=value...])", box=box.SIMPLE_HEAD)
+    for column in ("method", "allocator", "scorer", "options (defaults)", "what it is"):
+        table.add_column(column, overflow="fold")
+    for name, chosen in sorted(PRESETS.items()):
+        if chosen.is_full:
+            table.add_row(name, "-", "-", "-", chosen.about)
+            continue
+        parts = [chosen.own.Options] if chosen.own else [ALLOCATORS[chosen.allocator], SCORERS[chosen.scorer]]
+        opts = "; ".join(o for o in (options(part, chosen.options) for part in parts) if o != "-")
+        table.add_row(name, *component_names(chosen), opts or "-", chosen.about)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(table)
+    console.print(f"allocators: {', '.join(sorted(ALLOCATORS))}; scorers: {', '.join(sorted(SCORERS))} "
+                  "(swap one with allocator=NAME or scorer=NAME)")
+    console.print(COMPOSITION_HELP)
+
+
+def tasks_command(
+    suite: str | None = typer.Option(None, "--suite", help="Only this suite: offline, longbench or longbench-e."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
+) -> None:
+    """List the suites and their tasks: category, metric, generation length and size."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from ripplekv.tasks.registry import task_rows
+
+    rows = task_rows(suite, data_dir)
+    table = Table(title="ripplekv tasks", box=box.SIMPLE_HEAD)
+    for column in ("suite", "task", "category", "metric", "max new", "size"):
+        table.add_column(column, justify="right" if column == "max new" else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(row["suite"], row["task"], row["category"], row["metric"],
+                      str(row["max_new_tokens"]), row["size"])
+    console = Console()
+    if not console.is_terminal:  # piped: don't squeeze the table into 80 columns
+        console = Console(width=120)
+    console.print(table)
+    if suite in (None, "longbench", "longbench-e"):
+        from ripplekv.tasks.longbench import where_data_is
+
+        console.print(where_data_is(data_dir), soft_wrap=True, markup=False)
