@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ripplekv.pipeline import evaluate
+from ripplekv.pipeline import eval_plan, evaluate
 from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 from ripplekv.engine.decode import greedy_decode, stop_tokens
 from ripplekv.methods import make_method
@@ -67,12 +67,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    budgets = evaluate.parse_budgets([args.budgets])
+    budgets = eval_plan.parse_budgets([args.budgets])
     fourth = "ripplekv" if args.allocation else "random"
     names = ("full", "snapkv", "streamingllm", "pyramidkv", fourth)
     methods = {name: make_method(name, shared={"allocation": args.allocation}) for name in names}
     model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
-    tasks = get_tasks(args.suite, list(evaluate.parse_names(args.tasks)))
+    tasks = get_tasks(args.suite, list(eval_plan.parse_names(args.tasks)))
     work = []
     for task in tasks:
         for index, record in enumerate(load_samples(task, tokenizer, limit=args.limit, target_tokens=args.target_tokens)):

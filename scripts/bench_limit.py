@@ -23,7 +23,7 @@ from ripplekv.engine.decode import greedy_decode
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
 from ripplekv.methods import make_method
-from ripplekv.pipeline import evaluate
+from ripplekv.pipeline import eval_plan, evaluate
 from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 
 REPRODUCE = ("full,streamingllm,snapkv,pyramidkv,ripplekv,h2o,tova,knorm,adakv,cake,"
@@ -49,14 +49,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    budgets = evaluate.parse_budgets([args.budgets])
-    specs = evaluate.parse_names(args.methods)
+    budgets = eval_plan.parse_budgets([args.budgets])
+    specs = eval_plan.parse_names(args.methods)
     shared = {"allocation": args.allocation, "route": args.route}
     built = [make_method(spec, shared=shared) for spec in dict.fromkeys(("full", *specs))]
     methods = {method.label: method for method in built}
     model, tokenizer, source = load_model(args.model)
     work = []
-    for task in get_tasks(args.suite, list(evaluate.parse_names(args.tasks))):
+    for task in get_tasks(args.suite, list(eval_plan.parse_names(args.tasks))):
         for index, record in enumerate(load_samples(task, tokenizer, limit=args.limit, target_tokens=args.target_tokens)):
             work.append((task, evaluate.sample_id(record, index, task), record))
     variants = 1 + (len(methods) - 1) * len(budgets)

@@ -17,7 +17,8 @@ import os
 import time
 from functools import partial
 
-from ripplekv.pipeline import distributed, evaluate
+from ripplekv.pipeline import distributed, eval_plan, evaluate
+from ripplekv.runs import resume
 from ripplekv.engine.models import load_tokenizer
 
 
@@ -40,12 +41,12 @@ def main() -> None:
     parser.add_argument("--budgets", default="64,128")
     args = parser.parse_args()
 
-    settings = evaluate.EvalSettings(
-        budgets=evaluate.parse_budgets([args.budgets]), methods=evaluate.parse_names(args.methods),
-        suite="offline", tasks=evaluate.parse_names(args.tasks), limit=args.limit, model=args.model,
+    settings = eval_plan.EvalSettings(
+        budgets=eval_plan.parse_budgets([args.budgets]), methods=eval_plan.parse_names(args.methods),
+        suite="offline", tasks=eval_plan.parse_names(args.tasks), limit=args.limit, model=args.model,
         target_tokens=args.target_tokens, device="cpu", dtype="float32",
     )
-    plan = evaluate.plan_eval(settings)
+    plan = eval_plan.plan_eval(settings)
     samples = evaluate.load_all_samples(plan, load_tokenizer(args.model))
     setup = partial(distributed.load_model_on_worker, args.model, "cpu", "float32")
 
@@ -56,7 +57,7 @@ def main() -> None:
         two, lines_two = timed_run(plan, samples, setup, 2)
     finally:
         ray.shutdown()
-    print(f"cores {os.cpu_count()}, samples {len(samples)}, variants per sample {len(evaluate.variant_keys(plan.config))}")
+    print(f"cores {os.cpu_count()}, samples {len(samples)}, variants per sample {len(resume.variant_keys(plan.config))}")
     print(f"1 worker : {one:7.1f} s  {len(samples) / one:.3f} samples/s")
     print(f"2 workers: {two:7.1f} s  {len(samples) / two:.3f} samples/s")
     print(f"identical predictions {'yes' if lines_one == lines_two else 'NO'}")

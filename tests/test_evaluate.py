@@ -13,7 +13,9 @@ import torch
 
 from ripplekv.cli import app as cli
 from ripplekv.engine.decode import stop_tokens
-from ripplekv.pipeline import evaluate
+from ripplekv.errors import UserError
+from ripplekv.pipeline import eval_plan, evaluate, progress, run_config
+from ripplekv.runs import resume
 
 BUDGETS = (32, 64)
 METHODS = ("full", "snapkv", "streamingllm", "pyramidkv", "ripplekv", "random")
@@ -77,7 +79,7 @@ def test_eval_writes_every_output_with_its_columns(base_run):
     needed = {"id", "task", "category", "method", "budget", "prediction", "answers", "score", "kept_entries",
               "kl", "agreement", "prompt_tokens", "layer_budgets"}
     assert all(needed <= set(r) for r in records)
-    assert {(r["method"], r["budget"]) for r in records} == evaluate.variant_keys(
+    assert {(r["method"], r["budget"]) for r in records} == resume.variant_keys(
         {"methods": list(METHODS), "budgets": list(BUDGETS)})
     assert list(pd.read_csv(base_run / "scores.csv").columns) == [
         "task", "category", "method", "budget", "n", "score", "kl", "agreement", "protocol"]
@@ -308,15 +310,15 @@ def test_report_regenerates_identical_csvs_from_predictions_alone(base_run, tmp_
 
 
 def test_parse_budgets_accepts_repeats_and_commas():
-    assert evaluate.parse_budgets(["256", "64,128", "64"]) == (64, 128, 256)
+    assert eval_plan.parse_budgets(["256", "64,128", "64"]) == (64, 128, 256)
 
 
 def test_a_run_dir_with_nothing_computed_takes_the_new_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_length": 16}))
-    assert evaluate.check_run_dir(tmp_path, {"max_length": 32}) is None
+    assert run_config.check_run_dir(tmp_path, {"max_length": 32}) is None
     (tmp_path / "predictions.jsonl").write_text('{"id": "a"}\n')
-    with pytest.raises(evaluate.UserError, match="differs in: max_length"):
-        evaluate.check_run_dir(tmp_path, {"max_length": 32})
+    with pytest.raises(UserError, match="differs in: max_length"):
+        run_config.check_run_dir(tmp_path, {"max_length": 32})
 
 
 def test_a_run_grows_by_a_budget_and_a_sample_keeping_every_old_line(base_run, eval_args, tmp_path, run_cli):
@@ -384,7 +386,7 @@ def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, alloc
 
 def test_eta_comes_from_the_time_per_token_of_each_kind_of_work(monkeypatch):
     now = iter([0.0, 10.0, 30.0]).__next__
-    clock = evaluate.WorkClock(prefill_left=3000, decode_left=400)
+    clock = progress.WorkClock(prefill_left=3000, decode_left=400)
     clock._now, clock.mark = now, now()
     assert clock.eta() is None
     clock.advance("prefill", 1000)  # 10 s for 1000 prompt tokens

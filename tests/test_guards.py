@@ -54,7 +54,7 @@ def test_report_on_a_torn_run_names_the_sample_leaves_it_out_and_touches_only_it
 
 
 def test_one_list_of_run_files_covers_what_report_writes(tmp_path):
-    from ripplekv.pipeline.evaluate import RUN_FILES
+    from ripplekv.pipeline.run_config import RUN_FILES
     from ripplekv.runs.files import REPORT_FILES, run_kind
 
     assert {"ranks.csv", "lengths.csv", "report.json"} <= set(RUN_FILES) and set(REPORT_FILES) <= set(RUN_FILES)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from ripplekv.analysis import report
+from ripplekv.analysis import figures, report
 
 # task -> category; two categories so category averages differ from the overall average.
 TASKS = {"niah": "Synthetic", "passage_count": "Synthetic", "squad": "Single-Doc QA"}
@@ -94,7 +94,7 @@ def test_report_writes_plots_and_summary_and_ignores_a_partial_last_line(tmp_pat
 
 def test_typical_sample_is_the_median_prompt(tmp_path):
     frame = report.load_predictions(write(tmp_path / "run", predictions(samples_per_task=3)))
-    task, sid = report.typical_sample(frame)
+    task, sid = figures.typical_sample(frame)
     assert frame[(frame.task == task) & (frame.id == sid)]["prompt_tokens"].iloc[0] == 400
 
 
@@ -110,7 +110,7 @@ def test_missing_or_empty_predictions_is_one_line_exit_2(content, tmp_path, run_
 
 
 def test_methods_with_identical_layer_budgets_share_one_labelled_line():
-    from ripplekv.analysis.report import shared_lines
+    from ripplekv.analysis.figures import shared_lines
 
     rows = pd.DataFrame({"method": ["streamingllm", "snapkv", "pyramidkv"],
                          "layer_budgets": [[64, 64], [64, 64], [80, 48]]})

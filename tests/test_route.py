@@ -231,14 +231,14 @@ def test_routed_and_routed_ripplekv_read_the_route(routed, tiny_model_dir, tmp_p
 def test_eval_config_records_the_route_file_and_its_hash(routed, tiny_model_dir):
     import hashlib
 
-    from ripplekv.pipeline import evaluate
+    from ripplekv.pipeline import eval_plan
 
     route = routed[0][0] / "ROUTE.csv"
-    settings = evaluate.EvalSettings(budgets=(64,), methods=("snapkv", "routed"), route=str(route), model=str(tiny_model_dir))
-    config = evaluate.plan_eval(settings).config
+    settings = eval_plan.EvalSettings(budgets=(64,), methods=("snapkv", "routed"), route=str(route), model=str(tiny_model_dir))
+    config = eval_plan.plan_eval(settings).config
     assert config["route"] == str(route.resolve())
     assert config["route_sha256"] == hashlib.sha256(route.read_bytes()).hexdigest()
-    assert evaluate.plan_eval(evaluate.EvalSettings(budgets=(64,), methods=("snapkv",), model=str(tiny_model_dir))).config["route"] is None
+    assert eval_plan.plan_eval(eval_plan.EvalSettings(budgets=(64,), methods=("snapkv",), model=str(tiny_model_dir))).config["route"] is None
 
 
 def test_route_cli_errors_are_one_line(tiny_model_dir, tmp_path):

@@ -212,7 +212,8 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     cache (a cache reused across questions); the default compresses the whole prompt. Each answer says
     how many entries it kept and its KL/agreement to the full cache's answer; with `answers`, its score.
     """
-    from ripplekv.pipeline.evaluate import PROTOCOLS, evaluate_sample, parse_budgets, parse_names
+    from ripplekv.pipeline.eval_plan import PROTOCOLS, parse_budgets, parse_names
+    from ripplekv.pipeline.evaluate import evaluate_sample
 
     _check_model(model)
     if not isinstance(context, str) or not context.strip():

@@ -73,13 +73,13 @@ def eval_command(
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
 
-    from ripplekv.analysis import report
-    from ripplekv.pipeline import evaluate
+    from ripplekv.analysis import summary
+    from ripplekv.pipeline import eval_plan, evaluate
     from ripplekv.tasks.registry import default_suite
 
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_EVAL
-    names = evaluate.parse_names(methods, "--methods")
+    names = eval_plan.parse_names(methods, "--methods")
     notes = [f"eval: writing to {out_dir}" + ("" if out else " (the default; choose with --out)")]
     from ripplekv.methods.presets import options_taken
 
@@ -87,11 +87,11 @@ def eval_command(
         allocation, note = default_allocation(model)
         notes += [note] if note else []
     suite = suite or default_suite(data_dir)
-    settings = evaluate.EvalSettings(
-        budgets=evaluate.parse_budgets(budget),
+    settings = eval_plan.EvalSettings(
+        budgets=eval_plan.parse_budgets(budget),
         methods=names,
         suite=suite,
-        tasks=evaluate.parse_names(tasks, "--tasks"),
+        tasks=eval_plan.parse_names(tasks, "--tasks"),
         limit=OFFLINE_FIRST_LOOK if limit is None and suite == "offline" else limit,
         allocation=allocation,
         model=model,
@@ -107,7 +107,7 @@ def eval_command(
     )
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
                                workers=worker_settings(workers, ray_address))
-    Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {out_dir}"))
+    Console().print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {out_dir}"))
 
 
 def default_allocation(model: str | None) -> tuple[str | None, str | None]:
@@ -134,13 +134,14 @@ def report_command(
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
     from rich.console import Console
 
-    from ripplekv.analysis import report
+    from ripplekv.analysis import report, summary
+    from ripplekv.metrics.rouge import check_rouge
     from ripplekv.runs.safeio import exclusive
 
-    report.check_rouge(rouge)
+    check_rouge(rouge)
     with exclusive(report.check_run_folder(run_dir), "report"):  # an eval still writing this run would change it under us
         tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
-    Console().print(report.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
+    Console().print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
 
 
 

@@ -39,7 +39,7 @@ def budgets(
     from ripplekv.methods import make_method
     from ripplekv.methods.budgets import check_budget
     from ripplekv.methods.presets import check_distinct, degenerate_notes
-    from ripplekv.pipeline.evaluate import parse_names
+    from ripplekv.pipeline.eval_plan import parse_names
 
     check_budget(budget)
     if prompt_len <= 0:

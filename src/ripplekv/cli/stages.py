@@ -146,7 +146,7 @@ def route_command(
     from rich.console import Console
 
     from ripplekv.engine.models import resolve_device_dtype
-    from ripplekv.pipeline.evaluate import parse_names
+    from ripplekv.pipeline.eval_plan import parse_names
     from ripplekv.pipeline.route import RouteSettings, candidate_methods, check_route_dir, parse_caps
     from ripplekv.runs.safeio import exclusive
 

@@ -1,0 +1,162 @@
+"""What `ripplekv eval` was asked for, checked before any model work: the settings and the run's config.
+
+`EvalSettings` is the user's input resolved (lists parsed by `parse_names` / `parse_budgets`, defaults
+filled in); `plan_eval` validates it, builds the methods and tasks, and records in `Plan.config` what
+defines the run's results (model and its fingerprint, prompt lengths, method specs, allocation and route
+hashes, ...), the config.json that later runs are compared with. It raises a UserError before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ripplekv.defaults import DEFAULT_EVAL_METHODS
+from ripplekv.engine.prefill import Requirements, captured_window
+from ripplekv.errors import UserError
+from ripplekv.methods.budgets import check_budget
+
+PROTOCOLS = ("with-question", "context-only")
+DEFAULT_METHODS = DEFAULT_EVAL_METHODS
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What the user asked for, resolved (defaults filled in, lists parsed)."""
+
+    budgets: tuple[int, ...]
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    suite: str = "offline"
+    tasks: tuple[str, ...] = ()
+    limit: int | None = None
+    allocation: str | None = None
+    model: str | None = None
+    data_dir: str | None = None
+    target_tokens: int = 3500
+    max_length: int = 7500
+    batch_size: int = 16
+    seed: int = 0
+    method_options: dict = field(default_factory=dict)
+    route: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    protocol: str = "with-question"
+
+
+def parse_names(text: str | Sequence[str] | None, option: str | None = None) -> tuple[str, ...]:
+    """`"a,b, c"` (or several such strings) -> ('a', 'b', 'c'), duplicates dropped, order kept.
+
+    With `option` (e.g. "--methods"), a given but empty list is a UserError rather than "none".
+    """
+    if text is None:
+        return ()
+    items = [text] if isinstance(text, str) else list(text)
+    names = [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+    if option and not names:
+        raise UserError(f"{option} is empty; name at least one, comma-separated (or leave the option out)")
+    return tuple(dict.fromkeys(names))
+
+
+def parse_budgets(values: Sequence[str | int]) -> tuple[int, ...]:
+    """`--budget 128 --budget 256,512` -> (128, 256, 512): positive integers, sorted, unique."""
+    budgets = []
+    for item in parse_names([str(v) for v in values]):
+        try:
+            number = int(item)
+        except ValueError:
+            raise UserError(f"budget must be a positive integer, got {item!r}") from None
+        budgets.append(check_budget(number))
+    if not budgets:
+        raise UserError("give at least one --budget (average entries kept per layer per KV head), e.g. --budget 128")
+    return tuple(sorted(set(budgets)))
+
+
+def file_sha256(path: str | None) -> str | None:
+    if path is None:
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@dataclass
+class Plan:
+    """Everything checked before any model work: settings, tasks, methods, the run's config."""
+
+    settings: EvalSettings
+    tasks: list  # list[Task]
+    methods: dict  # name -> Method, `full` first
+    config: dict
+
+
+def plan_eval(settings: EvalSettings) -> Plan:
+    """Validate the user's input and build the config; raises UserError before any model is loaded."""
+    from ripplekv import __version__
+    from ripplekv.engine.models import (
+        check_model_files,
+        model_fingerprint,
+        resolve_device_dtype,
+        resolve_model,
+        runtime_info,
+    )
+    from ripplekv.methods.catalog import build_methods
+    from ripplekv.tasks import get_tasks
+
+    for budget in settings.budgets:
+        check_budget(budget)
+    if not settings.budgets:
+        raise UserError("give at least one --budget, e.g. --budget 128")
+    if settings.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {settings.batch_size}")
+    if settings.protocol not in PROTOCOLS:
+        raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {settings.protocol!r}")
+    if not settings.methods:
+        raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv")
+    if settings.limit is not None and settings.limit < 1:
+        raise UserError(f"--limit must be at least 1, got {settings.limit}")
+    if settings.target_tokens < 1:
+        raise UserError(f"--target-tokens must be positive, got {settings.target_tokens}")
+    if settings.max_length < 2:
+        raise UserError(f"--max-length must be at least 2 tokens, got {settings.max_length}")
+    # The full cache is always computed (it is the reference for fidelity), so it is always reported.
+    shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
+    methods = build_methods(settings.methods, shared)
+    built = list(methods.values())
+    names = tuple(methods)
+    tasks = get_tasks(settings.suite, list(settings.tasks) or None)
+    source = resolve_model(settings.model)
+    device, dtype = resolve_device_dtype(settings.device, settings.dtype)
+    allocation = settings.allocation if any("allocation" in m.describe().get("allocator", {}) for m in built) else None
+    route = settings.route if any("route" in m.describe().get("scorer", {}) for m in built) else None
+    check_model_files(settings.model)
+    config = {
+        "command": "eval",
+        "budgets": list(settings.budgets),
+        "methods": list(names),
+        "method_specs": {label: method.describe() for label, method in methods.items()},
+        "suite": settings.suite,
+        "tasks": [task.name for task in tasks],
+        "limit": settings.limit,
+        "model": settings.model,
+        "model_label": source.label,
+        "model_location": source.location,
+        "model_sha256": model_fingerprint(source),
+        "data_dir": settings.data_dir,
+        "target_tokens": settings.target_tokens,
+        "max_length": settings.max_length,
+        "batch_size": settings.batch_size,
+        "seed": settings.seed,
+        "capture_window": captured_window(Requirements.of_all(built)),
+        "method_options": dict(sorted(settings.method_options.items())),
+        "allocation": str(Path(allocation).resolve()) if allocation else None,
+        "allocation_sha256": file_sha256(allocation),
+        "route": str(Path(route).resolve()) if route else None,
+        "route_sha256": file_sha256(route),
+        "device": device,
+        "dtype": dtype,
+        "protocol": settings.protocol,
+        **runtime_info(device),
+        "ripplekv_version": __version__,
+    }
+    return Plan(settings=settings, tasks=tasks, methods=methods, config=config)
