@@ -27,7 +27,15 @@ from ripplekv.analysis import stats
 from ripplekv.analysis.plots import pyplot
 from ripplekv.defaults import UNIFORM_BASELINES
 from ripplekv.errors import UserError
-from ripplekv.metrics.scoring import LENGTH_BUCKETS, aggregate, check_rouge, is_longbench_e, length_bucket, metric_label, score_sample
+from ripplekv.metrics.rouge import check_rouge
+from ripplekv.metrics.scoring import (
+    LENGTH_BUCKETS,
+    aggregate,
+    is_longbench_e,
+    length_bucket,
+    metric_label,
+    score_sample,
+)
 from ripplekv.runs.files import PREDICTIONS, REFERENCE, REPORT_FILES, is_ceiling  # noqa: F401  (re-exported)
 from ripplekv.runs.jsonl import read_jsonl, torn_fields
 from ripplekv.runs.safeio import save_figure, write_csv, write_text

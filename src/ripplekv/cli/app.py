@@ -111,10 +111,10 @@ def budgets(
     route: str | None = typer.Option(None, help=ROUTE_HELP),
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
-    from ripplekv.methods.budgets import check_budget
-    from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.methods import make_method
+    from ripplekv.methods.budgets import check_budget
     from ripplekv.methods.presets import check_distinct, degenerate_notes
+    from ripplekv.pipeline.evaluate import parse_names
 
     check_budget(budget)
     if prompt_len <= 0:
@@ -159,7 +159,14 @@ def budgets(
 
 def _progress_bar(description: str, total: int, completed: int = 0):
     """A rich progress bar with ETA; returns (progress, advance callback)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from ripplekv.pipeline.progress import Throughput
 
@@ -202,8 +209,8 @@ def profile(
     Rerunning the same command resumes an interrupted profile (finished samples are kept)."""
     from rich.console import Console
 
-    from ripplekv.methods.budgets import check_budget
     from ripplekv.engine.models import resolve_device_dtype
+    from ripplekv.methods.budgets import check_budget
     from ripplekv.pipeline.profile import ProfileSettings, profile_into
 
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size, evict_method)
@@ -247,8 +254,8 @@ def allocate(
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
     from rich.console import Console
 
-    from ripplekv.pipeline.allocate import check_map, run_allocate
     from ripplekv.methods.budgets import check_budget
+    from ripplekv.pipeline.allocate import check_map, run_allocate
 
     check_map(mapping)
     if mapping == "proportional" and ratio:
@@ -297,8 +304,8 @@ def route_command(
     """Route a method to each layer by per-(layer, method) KL, and rank the route among random placements."""
     from rich.console import Console
 
-    from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.engine.models import resolve_device_dtype
+    from ripplekv.pipeline.evaluate import parse_names
     from ripplekv.pipeline.route import RouteSettings, candidate_methods, check_route_dir, parse_caps
     from ripplekv.runs.safeio import exclusive
 
@@ -391,8 +398,8 @@ def eval_command(
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
 
-    from ripplekv.pipeline import evaluate
     from ripplekv.analysis import report
+    from ripplekv.pipeline import evaluate
     from ripplekv.tasks.registry import default_suite
 
     console = Console(stderr=True)
@@ -457,7 +464,6 @@ def report_command(
     from rich.console import Console
 
     from ripplekv.analysis import report
-
     from ripplekv.runs.safeio import exclusive
 
     report.check_rouge(rouge)
@@ -485,7 +491,8 @@ def score(
     from rich.console import Console
     from rich.table import Table
 
-    from ripplekv.metrics.scoring import check_rouge, load_predictions, score_predictions
+    from ripplekv.metrics.rouge import check_rouge
+    from ripplekv.metrics.scoring import load_predictions, score_predictions
     from ripplekv.runs.safeio import check_output, write_csv
 
     rouge = check_rouge(rouge)
