@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from ripplekv.tasks import get_tasks, load_samples
-from ripplekv.tasks import offline, offline_sources
-from ripplekv.tasks.prompts import prompt_length
 from ripplekv.errors import UserError
+from ripplekv.tasks import get_tasks, load_samples, offline, offline_sources
+from ripplekv.tasks.prompts import prompt_length
 
 TARGET = 3500
 FIELDS = ["input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"]
