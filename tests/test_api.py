@@ -200,7 +200,7 @@ def bundled():
 @pytest.mark.slow
 def test_compress_then_generate_gives_the_committed_eval_predictions(bundled):
     """The sample where SnapKV and RippleKV answer differently at B=128 (results/eval, `make reproduce`)."""
-    from ripplekv.pipeline.evaluate import stop_ids
+    from ripplekv.engine.decode import stop_tokens
 
     model, tokenizer = bundled
     config = json.loads((RESULTS / "config.json").read_text())
@@ -212,7 +212,7 @@ def test_compress_then_generate_gives_the_committed_eval_predictions(bundled):
     assert len(prompt.ids) == wanted["snapkv"]["prompt_tokens"]
     allocation = ROOT / "results" / "allocation.csv"  # the run's own (config.json has its hash)
     assert hashlib.sha256(allocation.read_bytes()).hexdigest() == config["allocation_sha256"]
-    stops = stop_ids(prompt.task, tokenizer, model)
+    stops = stop_tokens(model, tokenizer, prompt.task.stop_at_newline)
     for name in ("snapkv", "ripplekv"):
         cache = ripplekv.compress(model, tokenizer, prompt, method=name, budget=128,
                                   **({"allocation": str(allocation)} if name == "ripplekv" else {}))

@@ -14,7 +14,8 @@ from ripplekv.engine.decode import greedy_decode, teacher_forced_logprobs
 from ripplekv.engine.prefill import prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.gracekv import RopeTable, distortion, greedy_order, summarize, unrotate
+from ripplekv.methods.gracekv import greedy_order
+from ripplekv.methods.gracekv_trees import RopeTable, distortion, summarize, unrotate
 from tests.conftest import tiny_llama
 from tests.test_budgets import fake_state
 

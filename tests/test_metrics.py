@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ripplekv.errors import UserError
+from ripplekv.metrics import answers as answer_metrics
+from ripplekv.metrics import rouge as rouge_metrics
 from ripplekv.metrics import scoring as M
 
 # Outputs of the official LongBench scorer on public cases, committed so a fresh clone checks parity.
@@ -83,7 +85,7 @@ def test_long_text_rouge_where_package_crashes():
 
     with pytest.raises(RecursionError):  # its recursive LCS trace; the official scorer then says 0
         Rouge().get_scores([hyp], [ref], avg=True)
-    ours = M.rouge_score(hyp, ref)
+    ours = rouge_metrics.rouge_score(hyp, ref)
     assert 0.5 < ours <= 1.0
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(20000)  # with room to recurse, the package agrees with us
@@ -95,7 +97,7 @@ def test_long_text_rouge_where_package_crashes():
 
 def test_very_long_rouge_is_fast_enough():
     rng = random.Random(3)
-    assert 0.0 < M.rouge_score(_random_text(rng, 3000), _random_text(rng, 3000)) <= 1.0
+    assert 0.0 < rouge_metrics.rouge_score(_random_text(rng, 3000), _random_text(rng, 3000)) <= 1.0
 
 
 _WORDS = st.sampled_from(["a", "b", "c", "the", "cat", "Cat", "sat", ".", " . ", "\n", "  ", "。", "x.y"])
@@ -105,7 +107,7 @@ _WORDS = st.sampled_from(["a", "b", "c", "the", "cat", "Cat", "sat", ".", " . ",
 @given(hyp=st.lists(_WORDS, max_size=30), ref=st.lists(_WORDS, max_size=30), sep=st.sampled_from([" ", "", "\t"]))
 def test_rouge_equals_package_on_short_texts(hyp, ref, sep):
     hyp_text, ref_text = sep.join(hyp), sep.join(ref)
-    assert M.rouge_score(hyp_text, ref_text) == _package_rouge_l(hyp_text, ref_text)
+    assert rouge_metrics.rouge_score(hyp_text, ref_text) == _package_rouge_l(hyp_text, ref_text)
 
 
 def test_rouge_zh_equals_package_on_jieba_words():
@@ -113,12 +115,12 @@ def test_rouge_zh_equals_package_on_jieba_words():
 
     pred, gold = "今天北京的天气很好。我们去公园散步吧", "北京今天天气不错，我们去公园走走"
     want = _package_rouge_l(" ".join(jieba.cut(pred)), " ".join(jieba.cut(gold)))
-    assert M.rouge_zh_score(pred, gold) == want > 0
+    assert rouge_metrics.rouge_zh_score(pred, gold) == want > 0
 
 
 def test_rouge_empty_prediction_is_zero():
-    assert M.rouge_score("", "some reference.") == 0.0
-    assert M.rouge_score("...", "some reference.") == 0.0  # only separators: no sentence at all
+    assert rouge_metrics.rouge_score("", "some reference.") == 0.0
+    assert rouge_metrics.rouge_score("...", "some reference.") == 0.0  # only separators: no sentence at all
 
 
 # --------------------------------------------------------------------------- scorer rules
@@ -162,8 +164,8 @@ def test_dataset_table_covers_longbench_e_and_offline_tasks():
 def test_classification_keeps_official_list_walk_quirk():
     classes = ["a", "ab", "abc"]
     # official: 'a' is dropped, 'ab' is then skipped by the list walk and survives -> 1/2, not 1
-    assert M.classification_score("abc", "abc", all_classes=classes) == 0.5
-    assert M.classification_score("Organ of body", "Organ of body", all_classes=["Organ of body", "Color"]) == 1.0
+    assert answer_metrics.classification_score("abc", "abc", all_classes=classes) == 0.5
+    assert answer_metrics.classification_score("Organ of body", "Organ of body", all_classes=["Organ of body", "Color"]) == 1.0
     with pytest.raises(UserError, match="all_classes"):
         M.score_sample("trec", "Speed", ["Speed"], None)
 
@@ -176,16 +178,16 @@ def test_string_match_is_share_of_needles():
 
 def test_code_sim_skips_comment_and_fence_lines():
     pred = "```python\n# say why\n// nope\n    return x\n"
-    assert M.code_sim_score(pred, "    return x") == 1.0
-    assert M.code_sim_score("# only a comment", "return x") == 0.0
+    assert answer_metrics.code_sim_score(pred, "    return x") == 1.0
+    assert answer_metrics.code_sim_score("# only a comment", "return x") == 0.0
 
 
 def test_retrieval_and_count():
-    assert M.retrieval_score("Paragraph 3 or Paragraph 4", "Paragraph 3") == 0.5
-    assert M.retrieval_zh_score("段落3", "段落3") == 1.0
-    assert M.count_score("There are 21 unique paragraphs.", "21") == 1.0
+    assert answer_metrics.retrieval_score("Paragraph 3 or Paragraph 4", "Paragraph 3") == 0.5
+    assert answer_metrics.retrieval_zh_score("段落3", "段落3") == 1.0
+    assert answer_metrics.count_score("There are 21 unique paragraphs.", "21") == 1.0
     with pytest.raises(UserError, match="paragraph id"):
-        M.retrieval_score("3", "three")
+        answer_metrics.retrieval_score("3", "three")
 
 
 def test_dataset_and_length_buckets():

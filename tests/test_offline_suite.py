@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from ripplekv.tasks import get_tasks, load_samples
-from ripplekv.tasks import offline
-from ripplekv.tasks.prompts import prompt_length
 from ripplekv.errors import UserError
+from ripplekv.tasks import get_tasks, load_samples, offline, offline_sources
+from ripplekv.tasks.prompts import prompt_length
 
 TARGET = 3500
 FIELDS = ["input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"]
@@ -54,10 +53,10 @@ def test_default_sizes_schema_and_ids(suite):
 
 
 def test_identical_across_two_builds(suite, tokenizer):
-    offline._essays.cache_clear()  # the second build re-parses the sources too
-    offline._essay_paragraphs.cache_clear()
-    offline._essay_stream.cache_clear()
-    offline._code_file.cache_clear()
+    offline_sources._essays.cache_clear()  # the second build re-parses the sources too
+    offline_sources._essay_paragraphs.cache_clear()
+    offline_sources._essay_stream.cache_clear()
+    offline_sources._code_file.cache_clear()
     assert _build(tokenizer) == suite
 
 
@@ -100,8 +99,8 @@ def test_calibration_disjoint_from_eval(suite):
         values = {split: {v for _, v in found} for split, found in needles.items()}
         assert not keys["eval"] & keys["calibration"] and not values["eval"] & values["calibration"]
     # the sources themselves are split: essays, HotpotQA questions, SQuAD articles, stdlib files
-    assert not set(offline._code_files("eval")) & set(offline._code_files("calibration"))
-    assert not {p for _, p in offline._essay_paragraphs("eval")} & {p for _, p in offline._essay_paragraphs("calibration")}
+    assert not set(offline_sources._code_files("eval")) & set(offline_sources._code_files("calibration"))
+    assert not {p for _, p in offline_sources._essay_paragraphs("eval")} & {p for _, p in offline_sources._essay_paragraphs("calibration")}
     eval_titles = {t for r in suite[("hotpotqa", "eval")] for t in re.findall(r"Passage \d+:\n([^\n]+)\n", r["context"])}
     cal_titles = {t for r in suite[("hotpotqa", "calibration")] for t in re.findall(r"Passage \d+:\n([^\n]+)\n", r["context"])}
     assert len(eval_titles & cal_titles) < 0.05 * len(cal_titles)  # only Wikipedia pages that several questions share
@@ -158,7 +157,7 @@ def test_needles_appear_once_at_spread_depths(suite):
 
 def test_code_completion_answer_is_the_next_line_of_real_source(suite):
     for split in ("eval", "calibration"):
-        files = ["".join(offline._code_file(name)[0]) for name in offline._code_files(split)]
+        files = ["".join(offline_sources._code_file(name)[0]) for name in offline_sources._code_files(split)]
         for record in suite[("code_completion", split)]:
             (answer,) = record["answers"]
             assert answer.strip() and not answer.lstrip().startswith("#")

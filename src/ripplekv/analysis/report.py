@@ -20,7 +20,8 @@ from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plo
 from ripplekv.analysis.summary import summary_markdown
 from ripplekv.analysis.tables import add_uncertainty, leaderboard, leaderboard_wide, length_table, task_scores
 from ripplekv.errors import UserError
-from ripplekv.metrics.scoring import check_rouge, metric_label, score_sample
+from ripplekv.metrics.rouge import check_rouge
+from ripplekv.metrics.scoring import metric_label, score_sample
 from ripplekv.runs.files import PREDICTIONS
 from ripplekv.runs.jsonl import read_jsonl, torn_fields
 from ripplekv.runs.safeio import write_csv, write_text

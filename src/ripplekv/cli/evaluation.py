@@ -161,7 +161,8 @@ def score(
     from rich.console import Console
     from rich.table import Table
 
-    from ripplekv.metrics.scoring import check_rouge, load_predictions, score_predictions
+    from ripplekv.metrics.rouge import check_rouge
+    from ripplekv.metrics.scoring import load_predictions, score_predictions
     from ripplekv.runs.safeio import check_output, write_csv
 
     rouge = check_rouge(rouge)

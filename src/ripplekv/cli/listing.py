@@ -80,14 +80,14 @@ def budgets(
 
 
 COMPOSITION_HELP = """compositions: layer allocator x head split x scorer, in one spec:
-  PRESET[:allocator=LAYERS][:heads=even|adakv[:head_alpha=A]][:scorer=SCORER][:option=value...]
+  PRESET[:allocator=LAYERS][:split=even|adakv[:head_alpha=A]][:scorer=SCORER][:option=value...]
   layers: uniform, pyramid, file (ripplekv/depthkv, with --allocation), cake, global (Layer-DefensiveKV's);
-  heads=adakv lets a layer's heads compete by the scorer's scores (AdaKV's split, safeguard head_alpha, 0.2);
+  split=adakv lets a layer's heads compete by the scorer's scores (AdaKV's split, safeguard head_alpha, 0.2);
   budgets stay exactly L x H_kv x B. Examples:
-    ripplekv:heads=adakv:scorer=criticalkv      RippleKV layer budgets x AdaKV heads x CriticalKV scores
-    ripplekv:heads=adakv:scorer=defensivekv     RippleKV layer budgets x AdaKV heads x DefensiveKV scores
-    pyramidkv:heads=adakv:scorer=expected-attention
-    cake:heads=adakv:scorer=keydiff             CAKE layer budgets x AdaKV heads x KeyDiff scores
+    ripplekv:split=adakv:scorer=criticalkv      RippleKV layer budgets x AdaKV heads x CriticalKV scores
+    ripplekv:split=adakv:scorer=defensivekv     RippleKV layer budgets x AdaKV heads x DefensiveKV scores
+    pyramidkv:split=adakv:scorer=expected-attention
+    cake:split=adakv:scorer=keydiff             CAKE layer budgets x AdaKV heads x KeyDiff scores
     snapkv:allocator=global:scorer=criticalkv   every layer and head compete (Layer-DefensiveKV's level)
   oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks."""
 

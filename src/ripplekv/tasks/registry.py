@@ -31,7 +31,7 @@ class Task:
     chat_template: bool
     stop_at_newline: bool  # generation stops at a newline (LongBench's samsum)
     first_line: bool = False  # scoring keeps the prediction's first line (the official scorer's few-shot rule)
-    # offline tasks: builds `n` samples from an `offline._Builder`; LongBench tasks are read from files
+    # offline tasks: builds `n` samples from an `offline_fit._Builder`; LongBench tasks are read from files
     builder: Callable | None = field(default=None, compare=False, repr=False)
 
     @property
