@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import greedy_decode
 from ripplekv.engine.divergence import variant_bytes
-from ripplekv.engine.cache import build_cache
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
 from ripplekv.methods import make_method

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from ripplekv.methods import make_method
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
+from ripplekv.methods import make_method
 
 FRONTIER = ("criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv", "layer-defensivekv", "kvzip")
 

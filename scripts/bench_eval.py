@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from ripplekv.pipeline import eval_plan, evaluate
-from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 from ripplekv.engine.decode import greedy_decode, stop_tokens
-from ripplekv.methods import make_method
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
+from ripplekv.methods import make_method
+from ripplekv.pipeline import eval_plan, evaluate
+from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 
 
 def peak_rss_mib() -> float:
@@ -101,7 +101,7 @@ def main() -> None:
 
     start = time.perf_counter()
     peers = []
-    for task, sid, record in work:
+    for task, _sid, record in work:
         t0 = time.perf_counter()
         peers.append(peer_loop(model, tokenizer, task, record, methods, budgets, args.max_length, capture))
         print(f"  peers {task.name:<18} {time.perf_counter() - t0:7.1f} s")

@@ -17,9 +17,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ripplekv.engine.decode import greedy_decode
-from ripplekv.methods import make_method
 from ripplekv.engine.models import resolve_device_dtype
 from ripplekv.engine.prefill import prefill
+from ripplekv.methods import make_method
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)

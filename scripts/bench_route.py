@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.engine.models import load_model
-from ripplekv.tasks.calibration import calibration_prompts
 from ripplekv.pipeline.route import RouteSettings, candidate_methods, preference_prompt
+from ripplekv.tasks.calibration import calibration_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.naive_route import preferences_one_trial_at_a_time  # noqa: E402  (the reference lives with the tests)

@@ -17,9 +17,9 @@ import os
 import time
 from functools import partial
 
+from ripplekv.engine.models import load_tokenizer
 from ripplekv.pipeline import distributed, eval_plan, evaluate
 from ripplekv.runs import resume
-from ripplekv.engine.models import load_tokenizer
 
 
 def timed_run(plan, samples: list, setup, workers: int) -> tuple[float, list[str]]:

@@ -80,12 +80,11 @@ def ensure_venv(venv: Path) -> Path:
 
 
 def worker(args) -> None:
+    import kvpress
     import torch
+    import transformers
     from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
     from transformers import AutoModelForCausalLM, DynamicCache
-
-    import kvpress
-    import transformers
 
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()

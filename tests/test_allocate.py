@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripplekv.pipeline.allocate import multipliers, read_sensitivity, write_allocation
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.pipeline.allocate import multipliers, read_sensitivity, write_allocation
 
 profiles = st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=2, max_size=40).filter(
     lambda s: max(s) - min(s) > 1e-6

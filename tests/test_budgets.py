@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ripplekv.engine.prefill import PrefillState
+from ripplekv.engine.querystats import query_statistics
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.engine.querystats import query_statistics
 from ripplekv.methods.budgets import integer_budgets
 from tests.conftest import every_method, satisfy, tiny_llama
 

@@ -13,10 +13,10 @@ from transformers import LlamaConfig, MistralConfig
 from ripplekv.engine import adapter
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
-from ripplekv.errors import UserError
-from ripplekv.methods import make_method
 from ripplekv.engine.models import resolve_device_dtype
 from ripplekv.engine.prefill import prefill
+from ripplekv.errors import UserError
+from ripplekv.methods import make_method
 from ripplekv.pipeline.profile import ProfileSettings, profile_prompt, split_prompt
 from tests.conftest import tiny_llama
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ripplekv.pipeline import distributed, evaluate
 from ripplekv.errors import UserError
+from ripplekv.pipeline import distributed, evaluate
 
 pytest.importorskip("ray")
 

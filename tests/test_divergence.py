@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ripplekv.engine.divergence import decode_by_divergence
 from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
+from ripplekv.engine.divergence import decode_by_divergence
 from ripplekv.engine.prefill import prefill
 from tests.conftest import every_method
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ripplekv.pipeline import allocate, profile
 from ripplekv.errors import UserError
+from ripplekv.pipeline import allocate, profile
 from ripplekv.runs.safeio import UnitLog
 
 TASKS, LIMIT = ("niah", "squad"), 2

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ripplekv.tasks import default_suite, get_tasks, load_samples
-from ripplekv.tasks import longbench
-from ripplekv.tasks.registry import task_rows
 from ripplekv.errors import UserError
+from ripplekv.tasks import default_suite, get_tasks, load_samples, longbench
+from ripplekv.tasks.registry import task_rows
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 FIELDS = {"input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"}

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from ripplekv.errors import UserError
 from ripplekv.tasks import Task, build_prompt_ids, get_tasks, list_suites
 from ripplekv.tasks.prompts import official_max_new_tokens, official_prompts, prompt_length
-from ripplekv.errors import UserError
 
 NO_CHAT = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
 # The official tables as handed to the project (beside the checkout in CI); the package ships a copy.

@@ -3,9 +3,9 @@
 import pytest
 
 from ripplekv.engine.decode import greedy_decode
-from ripplekv.methods import make_method
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
+from ripplekv.methods import make_method
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 
 
-
 def _write(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
     return path

@@ -97,7 +97,7 @@ class CompressedPrompt(CompressedCache):
                     storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 
-    def rewind(self) -> "CompressedPrompt":
+    def rewind(self) -> CompressedPrompt:
         """Drop the tokens earlier generate calls appended; the compressed prompt entries stay."""
         for layer in self.layers:
             layer.crop(self.prompt_length)

@@ -35,7 +35,7 @@ class Bootstrap:
     resamples: int
 
     @classmethod
-    def draw(cls, frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = SEED) -> "Bootstrap":
+    def draw(cls, frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = SEED) -> Bootstrap:
         """Indices for the samples (task, id) in `frame`; the same frame and seed give the same draws."""
         if resamples < 1:
             raise ValueError(f"resamples must be positive, got {resamples}")

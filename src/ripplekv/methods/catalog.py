@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 from ripplekv.errors import UserError
 from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
-from ripplekv.methods.presets import PRESETS, check_distinct, component_names, defaults_of, make_method, shared_option_users
+from ripplekv.methods.presets import (
+    PRESETS,
+    check_distinct,
+    component_names,
+    defaults_of,
+    make_method,
+    shared_option_users,
+)
 
 REFERENCE = "full"
 

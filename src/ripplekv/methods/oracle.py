@@ -21,6 +21,7 @@ from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
 
+
 def answer_attention(state) -> torch.Tensor:
     """Attention [L, H_kv, n] the full-cache answer pays each prompt entry (computed once per prefill)."""
     if state.answer is None:

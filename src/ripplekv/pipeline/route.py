@@ -34,9 +34,8 @@ from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget, uniform_budgets
-from ripplekv.runs.files import ROUTE_FILES
+from ripplekv.runs.files import ROUTE_FILES, is_ceiling
 from ripplekv.runs.safeio import check_output, other_files, save_figure, write_csv, write_text
-from ripplekv.runs.files import is_ceiling
 
 DEFAULT_CANDIDATES = DEFAULT_ROUTE_CANDIDATES
 

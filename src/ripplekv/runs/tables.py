@@ -24,9 +24,9 @@ class Run:
 
     path: Path
     config: dict
-    predictions: "object"  # pandas.DataFrame
-    scores: "object | None" = None
-    leaderboard: "object | None" = None
+    predictions: object  # pandas.DataFrame
+    scores: object | None = None
+    leaderboard: object | None = None
 
 
 def _integers(frame):

@@ -7,7 +7,7 @@ read with importlib.resources, so they work from a wheel as well as from a sourc
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 from ripplekv.errors import UserError
@@ -18,7 +18,7 @@ NO_CHAT_DATASETS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 STOP_AT_NEWLINE_DATASETS = ("samsum",)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _official_table(name: str) -> dict:
     text = resources.files("ripplekv.data").joinpath("longbench", name).read_text(encoding="utf-8")
     return json.loads(text)
