@@ -238,7 +238,7 @@ def test_compositions_split_layer_budgets_by_heads(setup):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("snapkv:heads=tokens", "option heads must be one of adakv, even"),
+    ("snapkv:split=tokens", "option split must be one of adakv, even"),
     ("adakv:split=adakv", "splits heads itself"),
     ("snapkv:head_alpha=0.3", "head_alpha only applies with split=adakv"),
     ("snapkv:split=adakv:head_alpha=2", "head_alpha must be in"),
