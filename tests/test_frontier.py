@@ -263,7 +263,7 @@ def test_eval_runs_the_new_methods_and_reports_the_oracle_as_a_ceiling(tiny_mode
 
     import pandas as pd
 
-    specs = ["full", "snapkv", "oracle", "expected-attention", "kvzip", "ripplekv:split=adakv:scorer=criticalkv"]
+    specs = ["full", "snapkv", "oracle", "expected-attention", "kvzip", "ripplekv:scorer=criticalkv:split=adakv"]  # a label sorts its options
     allocation = tmp_path / "alloc.csv"
     allocation.write_text("layer,multiplier\n0,1.5\n1,1.0\n2,0.75\n3,0.75\n")
     out = tmp_path / "run"
