@@ -170,25 +170,15 @@ def route_command(
 
 def _route_locked(out, model, settings, calib_samples, placement_samples, placements, probe_tokens, target_tokens,
                   with_answer, budget, device, dtype, console) -> None:
-    from ripplekv.engine.models import load_model, runtime_info
-    from ripplekv.pipeline.route import run_route, write_route
-    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+    from ripplekv.pipeline.route import route_into
 
-    loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
-    held_out = placement_samples if placements else 0
-    prompts = calibration_prompts(tokenizer, calib_samples + held_out, probe_tokens, target_tokens, with_answer=with_answer)
-    chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
-    if held_out and not scored:
-        raise UserError(f"the calibration split has only {len(prompts)} prompts; lower --calib-samples to leave some for placements")
-    progress, advance = _progress_bar("routing", len(chosen) + len(scored))
-    with progress:
-        result = run_route(loaded, chosen, scored, settings, progress=advance)
-    meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
-            "target_tokens": target_tokens, "device": device, "dtype": dtype, **runtime_info(device)}
-    meta = write_route(result, settings, out, meta)
+    meta, layers, scored = route_into(out, model, settings, calib_samples=calib_samples,
+                                      placement_samples=placement_samples if placements else 0,
+                                      target_tokens=target_tokens, with_answer=with_answer, device=device, dtype=dtype,
+                                      progress_bar=lambda total: _progress_bar("routing", total))
     counts = ", ".join(f"{label} x{count}" for label, count in meta["method_counts"].items())
     rank = meta["placement_rank"]
-    console.print(f"route over {len(result.route)} layers: {counts}; wrote {out}/ROUTE.csv")
+    console.print(f"route over {layers} layers: {counts}; wrote {out}/ROUTE.csv")
     if rank is not None:
         console.print(f"placement study: route ranks {rank} of {meta['placements_scored'] + 1} "
-                      f"(teacher-forced KL on {len(scored)} held-out calibration prompts, B={budget})")
+                      f"(teacher-forced KL on {scored} held-out calibration prompts, B={budget})")

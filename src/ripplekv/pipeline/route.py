@@ -247,6 +247,31 @@ def check_route_dir(out: Path, model: str | None = None) -> Path:
     return out
 
 
+def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
+               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None) -> tuple[dict, int, int]:
+    """The whole `ripplekv route` after its checks: load the model, take calibration prompts (the first
+    `calib_samples` for preferences, `placement_samples` more held out for the placement study), route and
+    write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
+    (a context manager, an advance callback), as the CLI's bar does."""
+    from contextlib import nullcontext
+
+    from ripplekv.engine.models import load_model, runtime_info
+    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+
+    loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
+    prompts = calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target_tokens,
+                                  with_answer=with_answer)
+    chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
+    if placement_samples and not scored:
+        raise UserError(f"the calibration split has only {len(prompts)} prompts; lower --calib-samples to leave some for placements")
+    bar, advance = progress_bar(len(chosen) + len(scored)) if progress_bar else (nullcontext(), None)
+    with bar:
+        result = run_route(loaded, chosen, scored, settings, progress=advance)
+    meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
+            "target_tokens": target_tokens, "device": device, "dtype": dtype, **runtime_info(device)}
+    return write_route(result, settings, Path(out), meta), len(result.route), len(scored)
+
+
 def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: dict) -> dict:
     """ROUTE.csv, preferences.csv (+ per sample), placements.csv, route.json and the plots in `out`."""
     out.mkdir(parents=True, exist_ok=True)
