@@ -53,39 +53,11 @@ def inspect_command(
 
 def _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
                     model, device, dtype) -> None:
-    import io
-    import json
-
-    import numpy as np
     from rich.console import Console
 
-    from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
-    from ripplekv.engine.models import load_model, load_tokenizer
-    from ripplekv.engine.prefill import Requirements, prefill_for
-    from ripplekv.pipeline.samples import file_prompt, sample_prompt
-    from ripplekv.runs.safeio import atomic_write
+    from ripplekv.pipeline.inspect import inspect_into
 
-    tokenizer = load_tokenizer(model)
-    if prompt_file is not None:
-        prompt = file_prompt(tokenizer, prompt_file)
-    else:
-        prompt = sample_prompt(tokenizer, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
-                               max_length=max_length)
-    ids, question, answers, label = prompt.ids, prompt.question_start, prompt.answers, prompt.label
-    loaded, _, source = load_model(model, device=device, dtype=dtype)
-    state = prefill_for(loaded, ids, Requirements.of_all([chosen]))
-    built = chosen.compress(state, budget)
-    arrays = kept_arrays(built)
-    needles = answer_positions(ids, tokenizer, answers, question)
-    meta = {"method": chosen.label, "spec": chosen.describe(), "budget": budget, "prompt_tokens": state.length,
-            "question_start": question, "answer_positions": needles, "sample": label, "model": source.label}
-    buffer = io.BytesIO()  # np.savez would add .npz to a temporary name: write the bytes ourselves
-    np.savez_compressed(buffer, **arrays, question_start=question, answer_positions=np.asarray(needles, dtype=np.int64),
-                        meta=json.dumps(meta))
-    atomic_write(folder / "kept.npz", lambda tmp: tmp.write_bytes(buffer.getvalue()))
-    kept_needles = int(sum(int((arrays["spans"][..., 0] <= p)[(arrays["spans"][..., 1] > p)].sum()) for p in needles))
-    slots = len(needles) * arrays["counts"].size
-    title = (f"{source.label}: {chosen.label} at B={budget} on {label} ({state.length} tokens, "
-             f"{int(arrays['counts'].sum())} entries); answer tokens kept in {kept_needles} of {slots} (token, layer, head) slots")
-    plot_kept(folder / "kept.png", arrays, state.length, question, needles, title)
+    title = inspect_into(folder, chosen, budget, model, task=task, index=index, prompt_file=prompt_file, suite=suite,
+                         data_dir=data_dir, target_tokens=target_tokens, max_length=max_length, device=device,
+                         dtype=dtype)
     Console(stderr=True).print(f"{title}\nwrote {folder / 'kept.npz'} and {folder / 'kept.png'}")
