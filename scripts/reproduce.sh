@@ -81,8 +81,21 @@ echo "== eval (resumes where it stopped): ${eval_cmd[*]}"
 eval_record=$(printf '%q ' "${eval_cmd[@]}")
 echo "${eval_record//"$OUT"/$FINAL}" > "$OUT/.eval.cmd"
 
+# The context-only protocol (optional, CONTEXT_METHODS): the same samples' first CONTEXT_LIMIT per task.
+if [ -n "${CONTEXT_METHODS:-}" ]; then
+  context_budget_args=()
+  for b in $CONTEXT_BUDGETS; do context_budget_args+=(--budget "$b"); done
+  context_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${context_budget_args[@]}" --methods "$CONTEXT_METHODS"
+    --limit "$CONTEXT_LIMIT" --target-tokens "$TARGET_TOKENS" --protocol context-only --allocation "$OUT/allocation.csv"
+    "${route_args[@]}" --out "$OUT/eval-context-only")
+  echo "== eval, context-only protocol (resumes where it stopped): ${context_cmd[*]}"
+  "${context_cmd[@]}"
+  context_record=$(printf '%q ' "${context_cmd[@]}")
+  echo "${context_record//"$OUT"/$FINAL}" > "$OUT/.eval-context-only.cmd"
+fi
+
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"
-rm -f "$OUT/.lock" "$OUT/eval/.lock"
+rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-context-only/.lock"
 if [ -e "$FINAL" ]; then
   previous="runs/previous-$(basename "$FINAL")-$(date +%Y%m%d-%H%M%S)"
   mv "$FINAL" "$previous"

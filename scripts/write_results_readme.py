@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from ripplekv.runs.files import REFERENCE, is_ceiling
+
 # The make target behind each config, for the page title.
 TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick"}
 
@@ -16,6 +18,75 @@ TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick
 def shell_line(recorded: str) -> str:
     """A recorded command (bash `printf %q`, which escapes commas) as one would type it."""
     return shlex.join(shlex.split(recorded))
+
+
+def headline_lines(eval_dir: Path, title: str) -> list[str]:
+    """Per budget: the real method closest to the full cache (lowest KL) and the best score, each with its
+    paired interval against SnapKV, and how much of the SnapKV-to-oracle gap the closest one closes."""
+    path = eval_dir / "leaderboard.csv"
+    if not path.is_file():
+        return []
+    board = pd.read_csv(path)
+    rows = []
+    for budget, group in board[board["method"] != REFERENCE].groupby("budget"):
+        real = group[~group["method"].map(is_ceiling)]
+        snap, ceiling = real[real["method"] == "snapkv"], group[group["method"].map(is_ceiling)]
+        if real.empty or snap.empty:
+            continue
+        closest, best = real.loc[real["kl"].idxmin()], real.loc[real["avg"].idxmax()]
+        snap_kl = float(snap["kl"].iloc[0])
+        gap = "n/a"
+        if not ceiling.empty and snap_kl > float(ceiling["kl"].iloc[0]):
+            share = (snap_kl - closest["kl"]) / (snap_kl - float(ceiling["kl"].iloc[0]))
+            gap = f"{100 * share:.0f}% (oracle KL {float(ceiling['kl'].iloc[0]):.3f})"
+
+        def paired(row, column, low, high, digits):
+            if row["method"] == "snapkv" or pd.isna(row.get(column)):
+                return "(SnapKV itself)"
+            return f"{row[column]:+.{digits}f} [{row[low]:+.{digits}f}, {row[high]:+.{digits}f}]"
+
+        rows.append({
+            "budget": int(budget),
+            "closest to full (lowest KL)": f"`{closest['method']}` {closest['kl']:.3f}",
+            "KL vs SnapKV [95% CI]": paired(closest, "kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high", 3),
+            "share of SnapKV-to-oracle KL gap closed": gap,
+            "best score": f"`{best['method']}` {best['avg']:.2f}",
+            "score vs SnapKV [95% CI]": paired(best, "delta_vs_uniform", "delta_ci_low", "delta_ci_high", 2),
+            "oracle score (ceiling)": f"{float(ceiling['avg'].iloc[0]):.2f}" if not ceiling.empty else "n/a",
+        })
+    if not rows:
+        return []
+    return ["", f"## {title}", "",
+            "Lowest mean KL to the full cache's next-token distribution among real methods (the oracle is a "
+            "ceiling, not a method), and the best average score; intervals are paired bootstrap differences "
+            "to SnapKV at the same budget (an interval that holds 0 is no evidence of a difference).", "",
+            pd.DataFrame(rows).to_markdown(index=False)]
+
+
+def context_only_lines(out: Path) -> list[str]:
+    """The context-only protocol's leaderboard (its own eval folder), when the run made it."""
+    eval_dir = out / "eval-context-only"
+    path = eval_dir / "leaderboard.csv"
+    if not path.is_file():
+        return []
+    board = pd.read_csv(path)
+    columns = [c for c in ("method", "budget", "avg", "avg_ci_low", "avg_ci_high", "kl", "agreement",
+                           "kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high", "headroom") if c in board]
+    config = json.loads((eval_dir / "config.json").read_text())
+    count = sum(len(ids) for ids in config.get("samples", {}).values())
+    return [*headline_lines(eval_dir, "Headline, context-only protocol"), "",
+            "## Context-only protocol",
+            "",
+            f"The context compressed alone (its observation window is the end of the context), the question then "
+            f"read through each compressed cache, as a cache reused across questions would be (kvpress's default): "
+            f"{count} samples, the first of each task's evaluation samples. Full table: `eval-context-only/`.",
+            "",
+            board[columns].to_markdown(index=False, floatfmt=".4g")]
+
+
+def _rho(profile: dict) -> str:
+    rho = profile.get("split_half_spearman")
+    return f"{rho:.3f}" if rho is not None else "n/a"
 
 
 def depthkv_lines(out: Path) -> list[str]:
@@ -28,8 +99,9 @@ def depthkv_lines(out: Path) -> list[str]:
         "",
         "## DepthKV profile and allocation",
         "",
-        f"- Signal `{profile['signal']}` (each layer alone evicted to B={profile.get('evict_budget', '?')} by SnapKV), "
-        f"{len(profile['calibration_ids'])} calibration samples, {profile['probe_tokens']} probe tokens; budgets "
+        f"- Signal `{profile['signal']}` (each layer alone evicted to B={profile.get('evict_budget', '?')} by "
+        f"`{profile.get('evict_method', 'snapkv')}`), {len(profile['calibration_ids'])} calibration samples, "
+        f"{profile['probe_tokens']} probe tokens; split-half Spearman rho = {_rho(profile)}; budgets "
         "proportional to the sensitivity (`allocate --map proportional`), H2O scores inside layers.",
         "",
         "![eviction sensitivity](profile-evict/sensitivity.png)",
@@ -74,7 +146,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         for line in summary.splitlines()
         if not line.startswith("# ") and not line.startswith("![")
     )
-    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "route", "eval")
+    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "route", "eval", "eval-context-only")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")
@@ -85,6 +157,8 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         f"Produced by `bash scripts/reproduce.sh {config}` into `{final or out}`. Model: `{profile['model']}`.",
         *(["", "A few short samples to see the pipeline work end to end; too few to compare methods. "
            "The committed results of `make reproduce` are in `results/README.md`."] if quick else []),
+        "",
+        *headline_lines(out / "eval", "Headline, with-question protocol")[1:],
         "",
         "## Evaluation",
         "",
@@ -108,6 +182,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
             "",
             sweep.to_markdown(index=False, floatfmt=".4g"),
         ]
+    lines += context_only_lines(out)
     lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out)]
     lines += [
         "",

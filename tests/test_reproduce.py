@@ -38,6 +38,12 @@ else:
     out.mkdir(parents=True, exist_ok=True)
     (out / "predictions.jsonl").write_text("{}\n")
     (out / "summary.md").write_text("# eval\n\n| method |\n")
+    (out / "config.json").write_text(json.dumps({"samples": {"niah": ["s0", "s1"]}}))
+    head = "method,budget,avg,avg_ci_low,avg_ci_high,kl,agreement,delta_vs_uniform,delta_ci_low,delta_ci_high,"
+    head += "kl_delta_vs_uniform,kl_delta_ci_low,kl_delta_ci_high"
+    (out / "leaderboard.csv").write_text(head + "\nfull,,20,10,30,0,1,,,,,,\n"
+        "snapkv,128,8,4,12,0.5,0.7,,,,,,\ncriticalkv,128,9,5,13,0.4,0.75,1,-1,3,-0.1,-0.2,-0.05\n"
+        "oracle,128,15,10,20,0.25,0.9,7,3,11,-0.25,-0.3,-0.2\n")
 '''
 
 CONFIG = """MODEL=
@@ -126,3 +132,18 @@ def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_repl
     assert readme.startswith("# Results of `make reproduce`")
     assert "--methods full,snapkv,ripplekv" in readme and "\\," not in readme
     assert ".staging" not in readme and "--out results/eval" in readme
+
+
+def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project):
+    config = project / "configs" / "reproduce.env"
+    config.write_text(CONFIG + 'CONTEXT_METHODS=full,snapkv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n')
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    results = project / "results"
+    assert (results / "eval-context-only" / "leaderboard.csv").is_file()
+    readme = (results / "README.md").read_text()
+    assert "--protocol context-only" in readme and "--out results/eval-context-only" in readme
+    assert "## Headline, with-question protocol" in readme and "## Context-only protocol" in readme
+    # criticalkv is closest (KL 0.4), closing (0.5 - 0.4) / (0.5 - 0.25) = 40% of the gap to the oracle.
+    assert "`criticalkv` 0.400" in readme and "40% (oracle KL 0.250)" in readme
+    assert "-0.100 [-0.200, -0.050]" in readme and "2 samples" in readme
