@@ -86,6 +86,12 @@ def allocate(
     mapping: str = typer.Option(
         "exponential", "--map", help="exponential (RippleKV: ratio-bounded) or proportional (DepthKV: budgets proportional to sensitivity)."
     ),
+    floor: float | None = typer.Option(
+        None, "--floor", help="--map proportional: the least multiplier a layer gets (e.g. 0.25: at least B/4); off by default."
+    ),
+    cap: float | None = typer.Option(
+        None, "--cap", help="--map proportional: the most multiplier a layer gets (e.g. 4: at most 4B); off by default."
+    ),
     model: str | None = typer.Option(None, help="Model the profile belongs to; default: bundled SmolLM2."),
     budget: int = typer.Option(128, help="Budget at which calibration compares ratios."),
     calib_samples: int = typer.Option(7, "--calib-samples", help="Calibration prompts for choosing among ratios."),
@@ -97,11 +103,14 @@ def allocate(
     from rich.console import Console
 
     from ripplekv.methods.budgets import check_budget
-    from ripplekv.pipeline.allocate import check_map, run_allocate
+    from ripplekv.pipeline.allocate import check_bounds, check_map, run_allocate
 
     check_map(mapping)
     if mapping == "proportional" and ratio:
         raise UserError("--ratio applies to --map exponential only; --map proportional takes no ratio")
+    check_bounds(floor, cap)
+    if mapping != "proportional" and (floor is not None or cap is not None):
+        raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
     check_budget(budget)
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
@@ -118,7 +127,7 @@ def allocate(
 
     written = run_allocate(sensitivity, out_path, ratio or [4.0], model, budget, calib_samples, target_tokens, console,
                            bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype,
-                           mapping=mapping, announce=announce)
+                           mapping=mapping, announce=announce, floor=floor, cap=cap)
     _say_written(console, written)
 
 
