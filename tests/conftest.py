@@ -87,7 +87,7 @@ def satisfy(state, tokenizer=None):
     return state
 
 
-def every_method(num_layers: int, folder) -> dict:
+def every_method(num_layers: int, folder, only: str | None = None) -> dict:
     """Every registered method, with the inputs the ones that need them get (an allocation, a route).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
@@ -100,4 +100,23 @@ def every_method(num_layers: int, folder) -> dict:
     multipliers = tuple(float(m) for m in torch.linspace(2.0, 0.5, num_layers).tolist())
     needs = {"ripplekv": {"multipliers": multipliers}, "depthkv": {"multipliers": multipliers}, "routed": {"route": str(route)},
              "routed-ripplekv": {"route": str(route), "multipliers": multipliers}}
-    return {name: make_method(name, **needs.get(name, {})) for name in method_names()}
+    return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
+
+
+def check_fidelity(rows) -> None:
+    """What an eval's KL and agreement must satisfy against its own full rows (checks that can fail, where a
+    range check cannot: KL is clamped at 0 and agreement is a share): the full row is 0 and 1 exactly; a
+    variant's agreement counts whole tokens of the full answer; full agreement means the full answer itself;
+    any disagreement means a KL above 0."""
+    full = {(r["task"], r["id"]): r for r in rows if r["method"] == "full"}
+    assert all(r["kl"] == 0.0 and r["agreement"] == 1.0 for r in full.values())
+    for r in rows:
+        if r["method"] == "full":
+            continue
+        reference = full[(r["task"], r["id"])]
+        agreed = r["agreement"] * reference["new_tokens"]
+        assert abs(agreed - round(agreed)) < 1e-6, r
+        if r["agreement"] == 1.0:
+            assert (r["prediction"], r["new_tokens"]) == (reference["prediction"], reference["new_tokens"]), r
+        else:
+            assert r["kl"] > 0.0, r

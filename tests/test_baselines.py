@@ -240,7 +240,7 @@ def test_allocate_proportional_map_and_depthkv_budgets(run_cli, tiny_model_dir, 
                            "--model", str(tiny_model_dir))
     assert code == 2 and "--map exponential only" in err
     code, _, err = run_cli("allocate", str(sensitivity), "--map", "linear", "--out", str(out), "--model", str(tiny_model_dir))
-    assert code == 2 and "--map must be one of" in err
+    assert code == 2 and err == "error: Invalid value for '--map': 'linear' is not one of 'exponential', 'proportional'.\n"
 
 
 def test_eval_runs_every_baseline_with_exact_totals(run_cli, tiny_model_dir, tmp_path, monkeypatch):

@@ -59,12 +59,12 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
         (["allocate", "{sens}", "--ratio", "0.5", "--out", "{tmp}/a.csv"], "--ratio must be a number >= 1"),
         (["allocate", "{tmp}/missing.csv", "--out", "{tmp}/a.csv"], "does not exist"),
         (["allocate", "{bad}", "--out", "{tmp}/a.csv"], "has 2 layers but the model has 4"),
-        (["profile", "--signal", "prune", "--out", "{tmp}/p"], "unknown signal"),
+        (["profile", "--signal", "prune", "--out", "{tmp}/p"], "'prune' is not one of 'noise', 'evict'"),
         (["profile", "--calib-samples", "0", "--out", "{tmp}/p"], "--calib-samples must be at least 1"),
         (["budgets", "--methods", "ripplekv"], "run `ripplekv profile`"),
-        (["budgets", "--pooling", "median"], "unknown pooling"),
+        (["budgets", "--pooling", "median"], "'median' is not one of 'max', 'avg', 'none'"),
         (["budgets", "--budget", "0"], "budget must be a positive integer"),
-        (["budgets", "--budget", "1.5"], "Invalid value for '--budget'"),
+        (["budgets", "--budget", "1.5"], "budget must be a positive integer, got '1.5'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(profiled, tiny_model_dir, tmp_path, args, message):
