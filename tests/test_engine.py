@@ -152,6 +152,34 @@ def test_per_head_lengths_attend_exactly_over_each_heads_entries():
         assert torch.allclose(out[0, 0, h], expected[0], atol=1e-6)
 
 
+def test_fidelity_equals_kl_and_agreement_from_the_stock_model_on_the_kept_entries(tiny_model):
+    """KL(full || variant) and agreement, recomputed with the stock model and a DynamicCache of the kept K/V."""
+    from ripplekv.engine.decode import Reference, measure_fidelity
+
+    ids = prompt(150)
+    state = prefill(tiny_model, ids, capture_window=32)
+    answer = greedy_decode(tiny_model, state, None, 8)[0]
+    stock = copy.deepcopy(tiny_model)
+    stock.set_attn_implementation("sdpa")
+    full = torch.log_softmax(stock(torch.cat([ids, torch.tensor(answer[:-1])])[None]).logits[0, len(ids) - 1 :], -1)
+    methods = [make_method("streamingllm"), make_method("pyramidkv", window=8)]
+    ours = measure_fidelity(tiny_model, state, [m.compress(state, 40) for m in methods], Reference(answer, full))
+    for method, result in zip(methods, ours):
+        mask = method.select(state, 40)
+        cache = DynamicCache(config=stock.config)
+        for layer in range(state.num_layers):
+            kept = [mask[layer, h].nonzero().flatten() for h in range(state.num_kv_heads)]
+            cache.update(torch.stack([state.keys[layer][h, k] for h, k in enumerate(kept)])[None],
+                         torch.stack([state.values[layer][h, k] for h, k in enumerate(kept)])[None], layer)
+        rest = stock(input_ids=torch.tensor([answer[:-1]]), position_ids=torch.arange(150, 150 + len(answer) - 1)[None],
+                     past_key_values=cache, use_cache=True).logits[0]
+        variant = torch.log_softmax(torch.cat([state.last_logits[None], rest]), -1)  # the first token: the prefill's
+        kl = float((full.exp() * (full - variant)).sum(-1).mean())
+        agreement = float((variant.argmax(-1) == torch.tensor(answer)).float().mean())
+        assert kl > 0, method.label  # something was evicted: the variant's distribution moved
+        assert result.kl == pytest.approx(kl, rel=1e-3, abs=1e-6) and result.agreement == agreement, method.label
+
+
 def test_fidelity_of_identical_distributions_is_zero_kl_full_agreement():
     logprobs = torch.log_softmax(torch.randn(5, 11), -1)
     tokens = logprobs.argmax(-1).tolist()
