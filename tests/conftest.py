@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -43,6 +44,17 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
+def bundled_model():
+    """The real bundled SmolLM2 (model, tokenizer, source) on the CPU in float32, loaded once per session
+    offline: the slow tests that need the real model share it (none of them changes its weights)."""
+    from ripplekv.engine.models import load_model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return load_model(None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A tiny random Llama with the real tokenizer's vocabulary, saved as a local model directory."""
     folder = tmp_path_factory.mktemp("tiny-llama")
@@ -69,6 +81,31 @@ def run_cli(monkeypatch, capsys):
         return code, out.out, out.err
 
     return run
+
+
+def invoke(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The `ripplekv` entry point in this process, as a subprocess would report it (returncode, stdout,
+    stderr), for module-scoped fixtures that cannot take `run_cli`: a fresh interpreter per command costs
+    seconds of imports that most CLI tests do not need (the installed command keeps tests of its own)."""
+    import contextlib
+    import io
+
+    from ripplekv.cli import app as cli
+
+    argv = ["ripplekv", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(pytest.MonkeyPatch.context()).setattr(sys, "argv", argv)
+        if cwd is not None:
+            stack.enter_context(contextlib.chdir(cwd))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            cli.main()
+        except SystemExit as stop:
+            code = stop.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 class StubTokenizer:

@@ -195,9 +195,16 @@ def test_load_run_mistakes(tmp_path):
 # --------------------------------------------------------------------------- the bundled model
 
 
+def test_load_model_returns_the_model_and_tokenizer_every_command_loads(tiny_model_dir):
+    model, tokenizer = ripplekv.load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    assert model.config.num_hidden_layers == 4 and not model.training and next(model.parameters()).dtype == torch.float32
+    assert len(tokenizer) == model.config.vocab_size
+
+
 @pytest.fixture(scope="module")
-def bundled():
-    return ripplekv.load_model(device="cpu", dtype="float32")
+def bundled(bundled_model):
+    """What `ripplekv.load_model(device="cpu", dtype="float32")` returns, from the session's one load."""
+    return bundled_model[:2]
 
 
 @pytest.mark.slow

@@ -3,8 +3,6 @@ routed away from recency, caps hold, placements keep the route's method counts, 
 deterministic outputs that `routed` and `routed-ripplekv` read."""
 
 import itertools
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
@@ -27,6 +25,7 @@ from ripplekv.pipeline.route import (
     route_prefill,
     stop_tokens,
 )
+from tests.conftest import invoke as run
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.naive_route import preferences_one_trial_at_a_time
 
@@ -167,11 +166,6 @@ def test_candidates_are_checked():
     assert [m.label for m in candidate_methods(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)
 
 
-RKV = [sys.executable, "-m", "ripplekv.cli.app"]
-
-
-def run(*args):
-    return subprocess.run([*RKV, *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -180,13 +180,13 @@ def score(
     from ripplekv.runs.safeio import check_output, write_csv
 
     rouge = check_rouge(rouge)
-    if out is None:
-        out = str(DEFAULT_SCORE)
-        _say_out(Console(stderr=True), "score", out, False)
+    given, out = out is not None, out or str(DEFAULT_SCORE)
     check_output(out, inputs=[pred_file])
     if samples is not None:
         check_output(samples, inputs=[pred_file, out], option="--samples")
     datasets, per_sample = score_predictions(load_predictions(Path(pred_file)), rouge)
+    if not given:  # said once the input is known to be good, so a mistake is still one line
+        _say_out(Console(stderr=True), "score", out, False)
     write_csv(out, datasets)
     if samples is not None:
         write_csv(samples, per_sample)

@@ -62,13 +62,12 @@ def inspect_command(
     if index < 0:
         raise UserError(f"--index must be >= 0, got {index}")
     source = resolve_model(model)
-    if out is None:
+    folder = check_output(out or DEFAULT_INSPECT, kind="dir", writes=INSPECT_FILES, run="inspect",
+                          inputs=[prompt_file, allocation, route, source.location if source.kind == "gguf" else None])
+    if out is None:  # said once the folder is known to be good, so a mistake is still one line
         from rich.console import Console
 
-        out = str(DEFAULT_INSPECT)
-        _say_out(Console(stderr=True), "inspect", out, False)
-    folder = check_output(out, kind="dir", writes=INSPECT_FILES, run="inspect",
-                          inputs=[prompt_file, allocation, route, source.location if source.kind == "gguf" else None])
+        _say_out(Console(stderr=True), "inspect", folder, False)
     with exclusive(folder, "inspect"):
         _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
                         model, device, dtype)

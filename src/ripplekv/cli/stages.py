@@ -181,9 +181,9 @@ def route_command(
         raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
     out_dir = check_route_dir(Path(out) if out else DEFAULT_ROUTE, model)
     console = Console(stderr=True)
-    if out is None:
-        _say_out(console, "route", out_dir, False)
     device, dtype = resolve_device_dtype(device, dtype)
+    if out is None:  # said once the options are known to be good, so a mistake is still one line
+        _say_out(console, "route", out_dir, False)
     with exclusive(out_dir, "route"):
         _route_locked(out_dir, model, settings, calib_samples, placement_samples, placements, probe_tokens,
                       target_tokens, with_answer, budget, device, dtype, console)
