@@ -171,9 +171,9 @@ def test_fidelity_equals_kl_and_agreement_from_the_stock_model_on_the_kept_entri
             kept = [mask[layer, h].nonzero().flatten() for h in range(state.num_kv_heads)]
             cache.update(torch.stack([state.keys[layer][h, k] for h, k in enumerate(kept)])[None],
                          torch.stack([state.values[layer][h, k] for h, k in enumerate(kept)])[None], layer)
-        rest = stock(input_ids=torch.tensor([answer[:-1]]), position_ids=torch.arange(150, 150 + len(answer) - 1)[None],
-                     past_key_values=cache, use_cache=True).logits[0]
-        variant = torch.log_softmax(torch.cat([state.last_logits[None], rest]), -1)  # the first token: the prefill's
+        rest = [stock(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[150 + step]]), past_key_values=cache,
+                      use_cache=True).logits[0, -1] for step, token in enumerate(answer[:-1])]  # one at a time: layers differ in length
+        variant = torch.log_softmax(torch.stack([state.last_logits, *rest]), -1)  # the first token: the prefill's
         kl = float((full.exp() * (full - variant)).sum(-1).mean())
         agreement = float((variant.argmax(-1) == torch.tensor(answer)).float().mean())
         assert kl > 0, method.label  # something was evicted: the variant's distribution moved
