@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ripplekv.defaults import POOLINGS
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
-
-POOLINGS = ("max", "avg", "none")
 
 
 def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ripplekv.defaults import MAPS
 from ripplekv.errors import UserError
 from ripplekv.runs.safeio import UnitLog, check_output, save_figure, write_csv, write_json
 
@@ -56,9 +57,6 @@ def multipliers(sensitivity, ratio: float) -> np.ndarray:
     normalized = (s - s.min()) / spread if spread > 0 else np.zeros_like(s)
     raw = np.exp(math.log(ratio) * normalized)
     return raw / raw.mean()
-
-
-MAPS = ("exponential", "proportional")
 
 
 def check_map(name: str) -> str:

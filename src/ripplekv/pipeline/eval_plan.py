@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripplekv.defaults import DEFAULT_EVAL_METHODS
+from ripplekv.defaults import DEFAULT_EVAL_METHODS, PROTOCOLS
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget
 
-PROTOCOLS = ("with-question", "context-only")
 DEFAULT_METHODS = DEFAULT_EVAL_METHODS
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
+from ripplekv.defaults import SUITES
 from ripplekv.errors import UserError
 from ripplekv.tasks import prompts
 
@@ -85,7 +86,6 @@ OFFLINE_TASKS = {
     "code_completion": ("Code", "code_sim", 64, "code_completion"),
 }
 
-SUITES = ("offline", "longbench", "longbench-e")
 
 
 def _longbench_task(dataset: str, suite: str) -> Task:
