@@ -13,6 +13,8 @@ from pathlib import Path
 import typer
 
 from ripplekv.cli.options import (
+    COMPRESS_EVERY_HELP,
+    DECODE_BUDGET_HELP,
     DEFAULT_ALLOCATION,
     DEFAULT_EVAL,
     DEVICE_HELP,
@@ -35,7 +37,7 @@ from ripplekv.defaults import DEFAULT_EVAL_METHODS
 def eval_command(
     budget: list[str] = typer.Option(
         ..., "--budget", metavar="B",
-        help="Average prompt entries kept per layer per KV head; repeat or comma-separate (128,256).",
+        help="Average entries kept per layer per KV head (prompt entries; with --decode-budget total, prompt + decoded); repeat or comma-separate (128,256).",
     ),
     out: str | None = typer.Option(
         None, "--out", help=f"Run directory (default: {DEFAULT_EVAL}); a rerun resumes it and adds what is new."),
@@ -65,6 +67,8 @@ def eval_command(
         "with-question", "--protocol",
         help="with-question: compress the whole prompt (as the LongBench papers); context-only: compress the "
              "context, then read the question through the compressed cache (a cache reused across questions)."),
+    decode_budget: str = typer.Option("prompt", "--decode-budget", help=DECODE_BUDGET_HELP),
+    compress_every: int | None = typer.Option(None, "--compress-every", help=COMPRESS_EVERY_HELP),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
@@ -104,6 +108,8 @@ def eval_command(
         device=device,
         dtype=dtype,
         protocol=protocol,
+        decode_budget=decode_budget,
+        compress_every=compress_every,
     )
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
                                workers=worker_settings(workers, ray_address))

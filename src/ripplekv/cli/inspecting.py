@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from ripplekv.cli.options import DEVICE_HELP, DTYPE_HELP, ROUTE_HELP
+from ripplekv.cli.options import COMPRESS_EVERY_HELP, DECODE_BUDGET_HELP, DEVICE_HELP, DTYPE_HELP, ROUTE_HELP
 from ripplekv.errors import UserError
 
 
@@ -29,16 +29,24 @@ def inspect_command(
     model: str | None = typer.Option(None, "--model", help="Hub id, model directory or .gguf; default: bundled SmolLM2-135M."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    decode_budget: str = typer.Option("prompt", "--decode-budget", help=DECODE_BUDGET_HELP + " With total, inspect "
+                                      "decodes the method's own answer and saves what each head holds at its end."),
+    compress_every: int | None = typer.Option(None, "--compress-every", help=COMPRESS_EVERY_HELP),
 ) -> None:
     """Save and draw which entries a method keeps for one prompt (why did it lose the answer?)."""
     from ripplekv.engine.models import resolve_model
     from ripplekv.methods import make_method
     from ripplekv.methods.budgets import check_budget
+    from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget
     from ripplekv.runs.files import INSPECT_FILES
     from ripplekv.runs.safeio import check_output, exclusive
 
     check_budget(budget)
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
+    if chosen.is_full and decode_budget == "total":
+        raise UserError("full keeps every entry; --decode-budget total applies to a compressed method")
+    decoding = check_decode_budget(EvalSettings(budgets=(budget,), decode_budget=decode_budget,
+                                                compress_every=compress_every), [chosen])
     if (task is None) == (prompt_file is None):
         raise UserError("give either --task T (with --index I) or --prompt-file FILE")
     if index < 0:
@@ -48,16 +56,16 @@ def inspect_command(
                           inputs=[prompt_file, allocation, route, source.location if source.kind == "gguf" else None])
     with exclusive(folder, "inspect"):
         _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
-                        model, device, dtype)
+                        model, device, dtype, decoding)
 
 
 def _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
-                    model, device, dtype) -> None:
+                    model, device, dtype, decoding: dict) -> None:
     from rich.console import Console
 
     from ripplekv.pipeline.inspect import inspect_into
 
     title = inspect_into(folder, chosen, budget, model, task=task, index=index, prompt_file=prompt_file, suite=suite,
                          data_dir=data_dir, target_tokens=target_tokens, max_length=max_length, device=device,
-                         dtype=dtype)
+                         dtype=dtype, **decoding)
     Console(stderr=True).print(f"{title}\nwrote {folder / 'kept.npz'} and {folder / 'kept.png'}")

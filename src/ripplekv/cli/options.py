@@ -95,3 +95,10 @@ def _progress_bar(description: str, total: int, completed: int = 0):
 
 
 ROUGE_HELP = "ROUGE-L for summarization tasks: official (LongBench parity, default) or rouge-score (Google's, as HELM)."
+DECODE_BUDGET_HELP = (
+    "prompt: B counts prompt entries, decoded tokens are added on top (the default, as the papers); total: "
+    "prompt entries + decoded tokens stay at B per layer and KV head at every step, each method evicting by "
+    "its own scores (h2o, tova, streamingllm and the SnapKV-scored methods; others are refused).")
+COMPRESS_EVERY_HELP = ("With --decode-budget total: the SnapKV-scored methods score the held entries again every N "
+                       "decoded tokens (default 8; 1 = every step); H2O, TOVA and StreamingLLM evict by their own "
+                       "scores at every step.")
