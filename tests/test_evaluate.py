@@ -468,5 +468,10 @@ def test_decode_budget_prompt_is_byte_identical_and_total_holds_every_head_at_b(
     board = pd.read_csv(out / "leaderboard.csv")
     assert set(board["decode_budget"]) == {"total"}
     assert (board.loc[board["method"] != "full", "peak_entries"] == board.loc[board["method"] != "full", "budget"]).all()
+    prompt_again = total_args(out)
+    at = prompt_again.index("--decode-budget")
+    del prompt_again[at : at + 2]
+    code, _, err = run_cli(*prompt_again)  # a prompt-budget command never grows a total-budget run
+    assert code == 2 and "decode_budget" in err and "differs in" in err
     code, _, err = run_cli(*eval_args(tmp_path / "refused", "--decode-budget", "total"))
     assert code == 2 and "random cannot compress while decoding" in err and "Traceback" not in err
