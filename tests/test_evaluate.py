@@ -436,3 +436,46 @@ def test_a_run_grows_from_another_checkout_but_not_with_other_weights(base_run, 
     config_path.write_text(json.dumps({**config, "model_sha256": "0" * 64}))
     code, _, err = run_cli(*eval_args(out))
     assert code == 2 and "model_sha256" in err
+
+
+def test_decode_budget_prompt_is_byte_identical_and_total_holds_every_head_at_b(base_run, eval_args, tmp_path, run_cli):
+    """`--decode-budget prompt` (the default) writes what a run without the option writes, byte for byte; `total`
+    records the mode and the peak entries per head (B: the prompt has more than B tokens) in every line, in
+    config.json and in the leaderboard, and a prompt-budget run directory refuses it."""
+    same = tmp_path / "prompt"
+    code, _, err = run_cli(*eval_args(same, "--decode-budget", "prompt"))
+    assert code == 0, err
+    for name in ("predictions.jsonl", "config.json", *CSVS):
+        assert (same / name).read_bytes() == (base_run / name).read_bytes(), name
+    assert "decode_budget" not in json.loads((same / "config.json").read_text())
+
+    def total_args(out, *extra):
+        args = eval_args(out, "--decode-budget", "total", *extra)
+        args[args.index("--methods") + 1] = "full,snapkv,streamingllm,pyramidkv,ripplekv"
+        return args
+
+    code, _, err = run_cli(*total_args(same))
+    assert code == 2 and "decode_budget" in err and "differs in" in err
+    out = tmp_path / "total"
+    code, _, err = run_cli(*total_args(out, "--compress-every", "4"))
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert (config["decode_budget"], config["compress_every"]) == ("total", 4)
+    result = rows(out)
+    assert {r["decode_budget"] for r in result} == {"total"}
+    for r in result:
+        if r["method"] == "full":
+            assert r["peak_entries"] == r["prompt_tokens"] + r["new_tokens"] - 1
+        else:
+            assert r["kept_entries"] == LAYERS * KV_HEADS * r["budget"]
+            assert r["peak_entries"] == r["budget"]
+    board = pd.read_csv(out / "leaderboard.csv")
+    assert set(board["decode_budget"]) == {"total"}
+    assert (board.loc[board["method"] != "full", "peak_entries"] == board.loc[board["method"] != "full", "budget"]).all()
+    prompt_again = total_args(out)
+    at = prompt_again.index("--decode-budget")
+    del prompt_again[at : at + 2]
+    code, _, err = run_cli(*prompt_again)  # a prompt-budget command never grows a total-budget run
+    assert code == 2 and "decode_budget" in err and "differs in" in err
+    code, _, err = run_cli(*eval_args(tmp_path / "refused", "--decode-budget", "total"))
+    assert code == 2 and "random cannot compress while decoding" in err and "Traceback" not in err

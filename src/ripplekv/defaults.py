@@ -17,6 +17,7 @@ CEILINGS = ("oracle",)  # bounds, not methods: reported beside the methods, neve
 # wrong value fails while parsing), and the libraries check the same tuples when called directly.
 PROTOCOLS = ("with-question", "context-only")  # `eval --protocol`, ripplekv.generate(protocol=)
 SUITES = ("offline", "longbench", "longbench-e")  # `--suite`
+DECODE_BUDGETS = ("prompt", "total")  # `eval --decode-budget`: what B counts (prompt entries, or prompt + decoded)
 SIGNALS = ("noise", "evict")  # `profile --signal`
 MAPS = ("exponential", "proportional")  # `allocate --map`
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # `--dtype`

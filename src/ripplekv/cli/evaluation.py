@@ -22,7 +22,9 @@ from ripplekv.cli.options import (
     OFFLINE_FIRST_LOOK,
     TARGET_TOKENS,
     Budgets,
+    CompressEvery,
     DataDir,
+    DecodeBudget,
     Device,
     Dtype,
     Kernel,
@@ -77,6 +79,8 @@ def eval_command(
     pooling: Pooling = None,
     route: Route = None,
     protocol: Protocol = "with-question",
+    decode_budget: DecodeBudget = "prompt",
+    compress_every: CompressEvery = None,
     seed: EvalSeed = 0,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -118,6 +122,8 @@ def eval_command(
         dtype=dtype,
         protocol=protocol,
         seed=seed,
+        decode_budget=decode_budget,
+        compress_every=compress_every,
     )
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
                                workers=worker_settings(workers, ray_address))

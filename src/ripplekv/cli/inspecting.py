@@ -12,12 +12,15 @@ from typing import Annotated
 import typer
 
 from ripplekv.cli.options import (
+    DECODE_BUDGET_HELP,
     DEFAULT_INSPECT,
     MAX_LENGTH,
     TARGET_TOKENS,
     Allocation,
     Budget,
+    CompressEvery,
     DataDir,
+    DecodeBudgetChoice,
     Device,
     Dtype,
     MaxLength,
@@ -49,14 +52,23 @@ def inspect_command(
     model: Model = None,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    decode_budget: Annotated[DecodeBudgetChoice, typer.Option(
+        "--decode-budget", help=DECODE_BUDGET_HELP + " With total, inspect decodes the method's own answer and saves "
+        "what each head holds at its end.")] = "prompt",
+    compress_every: CompressEvery = None,
 ) -> None:
     """Save and draw which entries a method keeps for one prompt (why did it lose the answer?)."""
     from ripplekv.engine.models import resolve_model
     from ripplekv.methods import make_method
+    from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget
     from ripplekv.runs.files import INSPECT_FILES
     from ripplekv.runs.safeio import check_output, exclusive
 
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
+    if chosen.is_full and decode_budget == "total":
+        raise UserError("full keeps every entry; --decode-budget total applies to a compressed method")
+    decoding = check_decode_budget(EvalSettings(budgets=(budget,), decode_budget=decode_budget,
+                                                compress_every=compress_every), [chosen])
     if (task is None) == (prompt_file is None):
         raise UserError("give either --task T (with --index I) or --prompt-file FILE")
     if index < 0:
@@ -70,16 +82,16 @@ def inspect_command(
         _say_out(Console(stderr=True), "inspect", folder, False)
     with exclusive(folder, "inspect"):
         _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
-                        model, device, dtype)
+                        model, device, dtype, decoding)
 
 
 def _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
-                    model, device, dtype) -> None:
+                    model, device, dtype, decoding: dict) -> None:
     from rich.console import Console
 
     from ripplekv.pipeline.inspect import inspect_into
 
     title = inspect_into(folder, chosen, budget, model, task=task, index=index, prompt_file=prompt_file, suite=suite,
                          data_dir=data_dir, target_tokens=target_tokens, max_length=max_length, device=device,
-                         dtype=dtype)
+                         dtype=dtype, **decoding)
     Console(stderr=True).print(f"{title}\nwrote {folder / 'kept.npz'} and {folder / 'kept.png'}")

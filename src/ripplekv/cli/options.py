@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from ripplekv.defaults import DTYPES, POOLINGS, PROBE_TOKENS, PROTOCOLS, ROUGE_CHOICES, SUITES
+from ripplekv.defaults import DECODE_BUDGETS, DTYPES, POOLINGS, PROBE_TOKENS, PROTOCOLS, ROUGE_CHOICES, SUITES
 from ripplekv.errors import UserError
 
 # Where each stage writes when no --out is given, and where the next stage looks for it.
@@ -75,7 +75,8 @@ def budget_option(note: str = ""):
 
 Budget = budget_option()
 Budgets = Annotated[list[str], typer.Option("--budget", metavar="B",
-                                            help=BUDGET_HELP[:-1] + "; repeat or comma-separate (128,256).")]
+                                            help=BUDGET_HELP[:-1] + " (with --decode-budget total, prompt + decoded); "
+                                                 "repeat or comma-separate (128,256).")]
 Methods = Annotated[str, typer.Option("--methods", metavar="SPECS", help=METHODS_HELP)]
 Model = Annotated[str | None, typer.Option("--model", metavar="MODEL", help=MODEL_HELP)]
 Allocation = Annotated[str | None, typer.Option("--allocation", metavar="CSV", help=ALLOCATION_HELP)]
@@ -175,3 +176,13 @@ def _progress_bar(description: str, total: int, completed: int = 0):
     task = progress.add_task(description, total=total, completed=completed)
     return progress, lambda _index: progress.advance(task)
 
+DECODE_BUDGET_HELP = (
+    "prompt: B counts prompt entries, decoded tokens are added on top (the default, as the papers); total: "
+    "prompt entries + decoded tokens stay at B per layer and KV head at every step, each method evicting by "
+    "its own scores (h2o, tova, streamingllm and the SnapKV-scored methods; others are refused).")
+COMPRESS_EVERY_HELP = ("With --decode-budget total: the SnapKV-scored methods score the held entries again every N "
+                       "decoded tokens (default 8; 1 = every step); H2O, TOVA and StreamingLLM evict by their own "
+                       "scores at every step.")
+DecodeBudgetChoice = Literal[DECODE_BUDGETS]
+DecodeBudget = Annotated[DecodeBudgetChoice, typer.Option("--decode-budget", help=DECODE_BUDGET_HELP)]
+CompressEvery = Annotated[int | None, typer.Option("--compress-every", metavar="N", help=COMPRESS_EVERY_HELP)]

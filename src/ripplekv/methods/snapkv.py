@@ -104,5 +104,12 @@ class SnapKVScorer(WindowScorer):
     def requirements(self) -> Requirements:
         return Requirements(capture_window=self.window)  # the observation window's queries
 
+    def decode_policy(self, every: int):
+        from ripplekv.methods.decoding import Rescored
+
+        if type(self) is not SnapKVScorer:  # a subclass (CriticalKV) scores differently: it must say how itself
+            return None
+        return Rescored(self.window, self.kernel, self.pooling, every)
+
     def scores(self, state, layer):
         return window_scores(state, layer, min(self.window, state.length), self.kernel, self.pooling)
