@@ -87,7 +87,7 @@ if [ -n "${CONTEXT_METHODS:-}" ]; then
   for b in $CONTEXT_BUDGETS; do context_budget_args+=(--budget "$b"); done
   context_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${context_budget_args[@]}" --methods "$CONTEXT_METHODS"
     --limit "$CONTEXT_LIMIT" --target-tokens "$TARGET_TOKENS" --protocol context-only --allocation "$OUT/allocation.csv"
-    "${route_args[@]}" --out "$OUT/eval-context-only")
+    --out "$OUT/eval-context-only")
   echo "== eval, context-only protocol (resumes where it stopped): ${context_cmd[*]}"
   "${context_cmd[@]}"
   context_record=$(printf '%q ' "${context_cmd[@]}")

@@ -116,6 +116,7 @@ class LayerEvictor:
     def recent_attention(self, window: int, held, positions) -> torch.Tensor:
         queries = self.queries[:, :, -window:].float()  # [V, H_q, w, d]
         query_positions = self.query_positions[-window:]
+        window = queries.shape[2]  # fewer than asked while the prompt and the answer so far are shorter
         layer = self.layer
         keys = torch.cat([layer.prompt_keys.expand(held.shape[0], -1, -1, -1), layer.keys], dim=2).float()
         variants, heads, slots = held.shape
