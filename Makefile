@@ -30,8 +30,9 @@ reproduce-quick: install
 	bash scripts/reproduce.sh configs/quick.env
 
 check-references: install
-	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing).
-	bash scripts/check_references.sh --venv $(or $(REFVENV),/work/refvenv)
+	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing);
+	# REFARGS sizes the run, e.g. REFARGS="--prompts 2 --target-tokens 1000" on a busy machine.
+	bash scripts/check_references.sh --venv $(or $(REFVENV),/work/refvenv) $(REFARGS)
 
 clean:
 	rm -rf .venv build *.egg-info src/*.egg-info

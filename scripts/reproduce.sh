@@ -94,8 +94,25 @@ if [ -n "${CONTEXT_METHODS:-}" ]; then
   echo "${context_record//"$OUT"/$FINAL}" > "$OUT/.eval-context-only.cmd"
 fi
 
+# Long answers under decode budgets (optional, LONG_TASKS): LONG_METHODS on an opt-in long-answer task with
+# --decode-budget prompt (decoded tokens on top of B) and total (B holds while the model writes), into
+# OUT/long/prompt and OUT/long/total.
+if [ -n "${LONG_TASKS:-}" ]; then
+  long_budgets=()
+  for b in $LONG_BUDGETS; do long_budgets+=(--budget "$b"); done
+  for mode in prompt total; do
+    long_cmd=("$RKV" eval "${model_args[@]}" --suite offline --tasks "$LONG_TASKS" "${long_budgets[@]}"
+      --methods "$LONG_METHODS" --limit "$LONG_LIMIT" --target-tokens "$LONG_TARGET_TOKENS"
+      --allocation "$OUT/allocation.csv" --decode-budget "$mode" --out "$OUT/long/$mode")
+    echo "== long answers, --decode-budget $mode (resumes where it stopped): ${long_cmd[*]}"
+    "${long_cmd[@]}"
+    long_record=$(printf '%q ' "${long_cmd[@]}")
+    echo "${long_record//"$OUT"/$FINAL}" > "$OUT/.long-$mode.cmd"
+  done
+fi
+
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"
-rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-context-only/.lock"
+rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-context-only/.lock" "$OUT/long/prompt/.lock" "$OUT/long/total/.lock"
 if [ -e "$FINAL" ]; then
   previous="runs/previous-$(basename "$FINAL")-$(date +%Y%m%d-%H%M%S)"
   mv "$FINAL" "$previous"

@@ -135,6 +135,41 @@ def route_lines(out: Path) -> list[str]:
     ]
 
 
+def long_lines(out: Path) -> list[str]:
+    """The long-answer section: each method at prompt and total decode budgets (when the run made both)."""
+    modes = ("prompt", "total")
+    if not all((out / "long" / mode / "predictions.jsonl").is_file() for mode in modes):
+        return []
+    tables = []
+    for mode in modes:
+        rows = [json.loads(line) for line in (out / "long" / mode / "predictions.jsonl").read_text().splitlines() if line.strip()]
+        frame = pd.DataFrame(rows)
+        if "peak_entries" not in frame:  # prompt budgets: the kept prompt entries plus every token fed
+            kept = frame["layer_budgets"].map(lambda budgets: sum(budgets) / len(budgets))
+            frame["peak_entries"] = kept + frame["new_tokens"] - 1
+        frame["budget"] = frame["budget"].astype("Int64")
+        table = frame.groupby(["method", "budget"], dropna=False, sort=False).agg(
+            n=("score", "size"), score=("score", lambda s: round(100 * s.mean(), 2)), kl=("kl", "mean"),
+            new_tokens=("new_tokens", "mean"), peak=("peak_entries", "mean"))
+        tables.append(table.add_prefix(f"{mode}_"))
+    both = tables[0].join(tables[1], how="outer").reset_index()
+    both = both.drop(columns="total_n").rename(columns={"prompt_n": "n"})
+    tasks = sorted({json.loads(line)["task"] for line in (out / "long" / "total" / "predictions.jsonl").read_text().splitlines()
+                    if line.strip()})
+    return [
+        "",
+        "## Long answers under decode budgets",
+        "",
+        f"Task(s) {', '.join(tasks)} (answers of 100-200 tokens). `prompt`: B counts prompt entries and decoded tokens "
+        "are added on top; `total`: prompt entries + decoded tokens stay at B per layer and KV head at every step, each "
+        "method evicting by its own scores. `peak`: the most entries a head held after a step, mean over layers and KV "
+        "heads (the full cache's is its prompt plus its answer). Score: ROUGE-L x 100; KL to the full cache along its "
+        "answer (under `total`, along the answer fed one token at a time, evicting as decoding would).",
+        "",
+        both.to_markdown(index=False, floatfmt=".4g"),
+    ]
+
+
 def main(out: Path, config: str, final: str | None = None) -> None:
     profile = json.loads((out / "profile" / "profile.json").read_text())
     choice_path = out / "allocation.choice.json"
@@ -146,7 +181,8 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         for line in summary.splitlines()
         if not line.startswith("# ") and not line.startswith("![")
     )
-    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "route", "eval", "eval-context-only")
+    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "route", "eval", "eval-context-only",
+              "long-prompt", "long-total")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")
@@ -183,7 +219,8 @@ def main(out: Path, config: str, final: str | None = None) -> None:
             sweep.to_markdown(index=False, floatfmt=".4g"),
         ]
     lines += context_only_lines(out)
-    lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out)]
+    lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out),
+              *long_lines(out)]
     lines += [
         "",
         "## Exact commands",
@@ -195,7 +232,8 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         "Files: `eval/predictions.jsonl` (every answer), `eval/scores.csv`, `eval/leaderboard.csv`,",
         "`eval/leaderboard_wide.csv`, `eval/ranks.csv`, `eval/lengths.csv`, `profile/sensitivity.csv`, `allocation.csv`,",
         "`eval/config.json`" + ("; `profile-evict/` and `depthkv.csv` (DepthKV)" if (out / "depthkv.csv").is_file() else "")
-        + ("; `route/` (ROUTE.csv, preferences.csv, placements.csv, route.json)" if (out / "route" / "route.json").is_file() else "") + ".",
+        + ("; `route/` (ROUTE.csv, preferences.csv, placements.csv, route.json)" if (out / "route" / "route.json").is_file() else "")
+        + ("; `long/prompt/` and `long/total/` (long answers under each decode budget)" if long_lines(out) else "") + ".",
         "",
     ]
     (out / "README.md").write_text("\n".join(lines))

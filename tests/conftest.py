@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -43,6 +44,17 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
+def bundled_model():
+    """The real bundled SmolLM2 (model, tokenizer, source) on the CPU in float32, loaded once per session
+    offline: the slow tests that need the real model share it (none of them changes its weights)."""
+    from ripplekv.engine.models import load_model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return load_model(None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A tiny random Llama with the real tokenizer's vocabulary, saved as a local model directory."""
     folder = tmp_path_factory.mktemp("tiny-llama")
@@ -71,6 +83,31 @@ def run_cli(monkeypatch, capsys):
     return run
 
 
+def invoke(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The `ripplekv` entry point in this process, as a subprocess would report it (returncode, stdout,
+    stderr), for module-scoped fixtures that cannot take `run_cli`: a fresh interpreter per command costs
+    seconds of imports that most CLI tests do not need (the installed command keeps tests of its own)."""
+    import contextlib
+    import io
+
+    from ripplekv.cli import app as cli
+
+    argv = ["ripplekv", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(pytest.MonkeyPatch.context()).setattr(sys, "argv", argv)
+        if cwd is not None:
+            stack.enter_context(contextlib.chdir(cwd))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            cli.main()
+        except SystemExit as stop:
+            code = stop.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 class StubTokenizer:
     """Enough of a tokenizer for KVzip's request on a tiny model: small ids, no chat template."""
 
@@ -87,7 +124,7 @@ def satisfy(state, tokenizer=None):
     return state
 
 
-def every_method(num_layers: int, folder) -> dict:
+def every_method(num_layers: int, folder, only: str | None = None) -> dict:
     """Every registered method, with the inputs the ones that need them get (an allocation, a route).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
@@ -100,4 +137,23 @@ def every_method(num_layers: int, folder) -> dict:
     multipliers = tuple(float(m) for m in torch.linspace(2.0, 0.5, num_layers).tolist())
     needs = {"ripplekv": {"multipliers": multipliers}, "depthkv": {"multipliers": multipliers}, "routed": {"route": str(route)},
              "routed-ripplekv": {"route": str(route), "multipliers": multipliers}}
-    return {name: make_method(name, **needs.get(name, {})) for name in method_names()}
+    return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
+
+
+def check_fidelity(rows) -> None:
+    """What an eval's KL and agreement must satisfy against its own full rows (checks that can fail, where a
+    range check cannot: KL is clamped at 0 and agreement is a share): the full row is 0 and 1 exactly; a
+    variant's agreement counts whole tokens of the full answer; full agreement means the full answer itself;
+    any disagreement means a KL above 0."""
+    full = {(r["task"], r["id"]): r for r in rows if r["method"] == "full"}
+    assert all(r["kl"] == 0.0 and r["agreement"] == 1.0 for r in full.values())
+    for r in rows:
+        if r["method"] == "full":
+            continue
+        reference = full[(r["task"], r["id"])]
+        agreed = r["agreement"] * reference["new_tokens"]
+        assert abs(agreed - round(agreed)) < 1e-6, r
+        if r["agreement"] == 1.0:
+            assert (r["prediction"], r["new_tokens"]) == (reference["prediction"], reference["new_tokens"]), r
+        else:
+            assert r["kl"] > 0.0, r

@@ -5,12 +5,18 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.pipeline.allocate import multipliers, read_sensitivity, write_allocation
+from ripplekv.pipeline.allocate import (
+    map_label,
+    multipliers,
+    proportional_multipliers,
+    read_sensitivity,
+    write_allocation,
+)
 
 profiles = st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=2, max_size=40).filter(
     lambda s: max(s) - min(s) > 1e-6
@@ -78,3 +84,57 @@ def test_ratio_below_one_is_rejected():
         multipliers([1.0, 2.0], 0.5)
     with pytest.raises(UserError, match=">= 1"):
         multipliers([1.0, 2.0], math.nan)
+
+
+# --------------------------------------------------------------------------- DepthKV's proportional map, bounded
+
+bounded_profiles = st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=2, max_size=40).filter(
+    lambda s: sum(s) > 1e-6
+)
+
+
+def test_proportional_map_without_bounds_is_unchanged():
+    s = np.array([0.2, 0.6, 0.0, 0.2, 1e-9])
+    assert np.array_equal(proportional_multipliers(s), s / s.mean())
+    assert np.array_equal(proportional_multipliers(s, None, None), s / s.mean())
+    assert map_label("proportional") == "proportional" and map_label("proportional", 0.25, 4.0) == "proportional:floor=0.25:cap=4"
+
+
+def test_floor_and_cap_keep_the_mean_at_one():
+    # [0.8, 2.4, 0, 0.8] clipped into [0.5, 2]: the zero layer sits at 0.5, the top at 2, the rest share the remainder.
+    m = proportional_multipliers([0.2, 0.6, 0.0, 0.2], floor=0.5, cap=2.0)
+    assert m == pytest.approx([0.75, 2.0, 0.5, 0.75], rel=1e-9)
+    # Floor alone: the zero layer is lifted to 0.5 and the others give it back in proportion (t = 0.875).
+    assert proportional_multipliers([0.2, 0.6, 0.0, 0.2], floor=0.5) == pytest.approx([0.7, 2.1, 0.5, 0.7], rel=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sensitivity=bounded_profiles, floor=st.floats(0.0, 1.0), cap=st.floats(1.0, 16.0),
+       budget=st.integers(8, 512), length=st.integers(600, 20000))
+def test_bounded_proportional_map_properties(sensitivity, floor, cap, budget, length):
+    s = np.asarray(sensitivity)
+    positive = int((s > 0).sum())
+    reachable = (positive * cap + (len(s) - positive) * floor) / len(s)  # the largest mean the bounds allow
+    if reachable < 1 - 1e-9:
+        with pytest.raises(UserError, match="cannot keep the mean multiplier at 1"):
+            proportional_multipliers(s, floor, cap)
+        return
+    assume(reachable > 1 + 1e-9 or reachable == 1)  # not within rounding of the edge
+    m = proportional_multipliers(s, floor, cap)
+    assert m.mean() == pytest.approx(1.0, rel=1e-9)
+    assert m.min() >= floor - 1e-12 and m.max() <= cap + 1e-12
+    order = np.argsort(s, kind="stable")
+    assert (np.diff(m[order]) >= -1e-12).all()  # more sensitive never gets less
+    # DepthKV's budgets from the bounded multipliers: exact totals, each layer within the bounds (+ rounding).
+    counts = make_method("depthkv", multipliers=tuple(m)).layer_budgets(len(s), budget, length)
+    assert sum(counts) == len(s) * budget
+    assert all(max(1, math.floor(floor * budget)) <= c <= math.ceil(cap * budget) for c in counts)
+
+
+def test_bounds_that_cannot_hold_or_are_out_of_range_are_refused():
+    with pytest.raises(UserError, match="cannot keep the mean multiplier at 1"):
+        proportional_multipliers([0.0, 0.0, 0.0, 1.0], cap=2.0)  # 3 layers of sensitivity 0, one capped at 2: mean 0.5
+    for floor, cap, message in [(1.5, None, "--floor must be"), (-0.1, None, "--floor must be"),
+                                (None, 0.5, "--cap must be"), (None, math.inf, "--cap must be")]:
+        with pytest.raises(UserError, match=message):
+            proportional_multipliers([0.1, 0.2], floor, cap)

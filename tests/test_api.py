@@ -136,7 +136,10 @@ def test_generate_answers_every_variant_from_one_prefill(tiny_model_dir, monkeyp
                                                        ("streamingllm", 16), ("streamingllm", 32)]
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     assert [a.kept_entries for a in answers[1:]] == [layers * heads * b for b in (16, 32, 16, 32)]
-    assert answers[0].kl == 0.0 and all(a.kl >= 0 and a.score is not None for a in answers)
+    assert answers[0].kl == 0.0 and answers[0].agreement == 1.0 and all(a.score is not None for a in answers)
+    for a in answers[1:]:  # agreement counts whole tokens of the full answer; a disagreement moved the distribution
+        assert a.agreement * answers[0].new_tokens == pytest.approx(round(a.agreement * answers[0].new_tokens))
+        assert a.kl > 0 if a.agreement < 1 else (a.text, a.new_tokens) == (answers[0].text, answers[0].new_tokens)
     only_context = ripplekv.generate(model, tokenizer, context, "How many boats?", methods="snapkv", budgets=16,
                                      max_new_tokens=4, protocol="context-only")
     assert only_context[0].kept_entries < answers[0].kept_entries and only_context[1].score is None
@@ -192,9 +195,16 @@ def test_load_run_mistakes(tmp_path):
 # --------------------------------------------------------------------------- the bundled model
 
 
+def test_load_model_returns_the_model_and_tokenizer_every_command_loads(tiny_model_dir):
+    model, tokenizer = ripplekv.load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    assert model.config.num_hidden_layers == 4 and not model.training and next(model.parameters()).dtype == torch.float32
+    assert len(tokenizer) == model.config.vocab_size
+
+
 @pytest.fixture(scope="module")
-def bundled():
-    return ripplekv.load_model(device="cpu", dtype="float32")
+def bundled(bundled_model):
+    """What `ripplekv.load_model(device="cpu", dtype="float32")` returns, from the session's one load."""
+    return bundled_model[:2]
 
 
 @pytest.mark.slow

@@ -227,6 +227,8 @@ def test_allocate_proportional_map_and_depthkv_budgets(run_cli, tiny_model_dir, 
     assert code == 0, err
     table = pd.read_csv(out)
     assert np.allclose(table["multiplier"], [0.8, 2.4, 0.0, 0.8]) and (table["map"] == "proportional").all()
+    assert out.read_text() == ("layer,sensitivity,multiplier,map\n0,0.2,0.8,proportional\n1,0.6,2.4,proportional\n"
+                               "2,0,0,proportional\n3,0.2,0.8,proportional\n")  # no --floor/--cap: as before they existed
     method = make_method("depthkv", allocation=str(out))
     assert method.scorer.name == "h2o" and method.allocator.name == "file"
     # Budgets proportional to sensitivity (the zero-sensitivity layer keeps H2O's floor, one entry), total exact.
@@ -239,8 +241,30 @@ def test_allocate_proportional_map_and_depthkv_budgets(run_cli, tiny_model_dir, 
     code, _, err = run_cli("allocate", str(sensitivity), "--map", "proportional", "--ratio", "2", "--out", str(out),
                            "--model", str(tiny_model_dir))
     assert code == 2 and "--map exponential only" in err
+    code, _, err = run_cli("allocate", str(sensitivity), "--floor", "0.5", "--out", str(out), "--model", str(tiny_model_dir))
+    assert code == 2 and "--map proportional only" in err
     code, _, err = run_cli("allocate", str(sensitivity), "--map", "linear", "--out", str(out), "--model", str(tiny_model_dir))
-    assert code == 2 and "--map must be one of" in err
+    assert code == 2 and err == "error: Invalid value for '--map': 'linear' is not one of 'exponential', 'proportional'.\n"
+
+
+def test_allocate_proportional_floor_and_cap(run_cli, tiny_model_dir, tmp_path):
+    sensitivity = tmp_path / "sensitivity.csv"
+    pd.DataFrame({"layer": range(4), "kl_mean": [0.2, 0.6, 0.0, 0.2]}).to_csv(sensitivity, index=False)
+    out = tmp_path / "bounded.csv"
+    code, _, err = run_cli("allocate", str(sensitivity), "--map", "proportional", "--floor", "0.5", "--cap", "2",
+                           "--out", str(out), "--model", str(tiny_model_dir))
+    assert code == 0, err
+    table = pd.read_csv(out)
+    # s / mean(s) = [0.8, 2.4, 0, 0.8] bounded into [0.5, 2] with mean 1.
+    assert np.allclose(table["multiplier"], [0.75, 2.0, 0.5, 0.75]) and (table["map"] == "proportional:floor=0.5:cap=2").all()
+    counts = make_method("depthkv", allocation=str(out)).layer_budgets(4, 100, 1000)
+    assert counts == [75, 200, 50, 75] and sum(counts) == 4 * 100  # the zero-sensitivity layer keeps B/2, not 1 entry
+    for flags, message in [(["--cap", "1.2", "--floor", "0"], "cannot keep the mean multiplier at 1"),
+                           (["--floor", "2"], "--floor must be"), (["--cap", "0.5"], "--cap must be")]:
+        code, _, err = run_cli("allocate", str(sensitivity), "--map", "proportional", *flags, "--out", str(tmp_path / "x.csv"),
+                               "--model", str(tiny_model_dir))
+        assert code == 2 and message in err and "Traceback" not in err, (flags, err)
+        assert not (tmp_path / "x.csv").exists()
 
 
 def test_eval_runs_every_baseline_with_exact_totals(run_cli, tiny_model_dir, tmp_path, monkeypatch):

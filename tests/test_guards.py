@@ -115,16 +115,34 @@ def test_spec_labels_are_canonical_and_usual_spellings_unchanged():
 # --------------------------------------------------------------------------- GGUF cache across processes
 
 
+# Each process reads the bundled GGUF's tokenizer for real, but its weights as a tiny random Llama that takes
+# a few seconds to "dequantize": what is under test is the cache and its lock, not the dequantizer (the
+# real-model tests go through it), and the 135M weights cost most of this test's time.
+TINY_DEQUANTIZE = """
+import time
+import transformers
+
+def tiny(*args, **kwargs):
+    time.sleep(3)  # hold the lock long enough for the other process to wait on it
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    return transformers.LlamaForCausalLM(config)
+
+transformers.AutoModelForCausalLM.from_pretrained = tiny
+from ripplekv.engine.models import load_config
+print(load_config(None).num_hidden_layers)
+"""
+
+
 @pytest.mark.slow
 def test_two_processes_loading_one_gguf_dequantize_it_once(tmp_path):
     """Both processes start on an empty cache; the file lock lets one write it and the other read it."""
     env = {**os.environ, "RIPPLEKV_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    code = "from ripplekv.engine.models import load_config; print(load_config(None).num_hidden_layers)"
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", TINY_DEQUANTIZE], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
-    assert [out.strip() for out, _ in results] == ["30", "30"]
+    assert [out.strip() for out, _ in results] == ["2", "2"]
     assert sum(err.count("dequantizing") for _, err in results) == 1, results
     folders = [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()]
     assert len(folders) == 1 and (folders[0] / ".complete").is_file()

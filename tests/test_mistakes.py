@@ -121,7 +121,7 @@ CASES = [
     (["budgets", "--methods", " , "], "--methods is empty"),
     (["budgets", "--budget", "0"], "budget must be a positive integer"),
     (["budgets", "--prompt-len", "0"], "--prompt-len must be a positive"),
-    (["budgets", "--format", "xml"], "--format must be table or csv"),
+    (["budgets", "--format", "xml"], "Invalid value for '--format': 'xml' is not one of 'table', 'csv'."),
     (["budgets", "--methods", "nosuch"], "nosuch"),
     (["budgets", "--model", "{d}/bad.gguf"], "is not a GGUF file"),
     (["budgets", "--model", "{d}/absent.gguf"], "does not exist"),
@@ -133,7 +133,7 @@ CASES = [
     ([*EVAL, "--out", "{d}/o", "--budget", "abc"], "budget must be a positive integer"),
     ([*EVAL, "--out", "{d}/o", "--limit", "0"], "--limit must be at least 1"),
     ([*EVAL, "--out", "{d}/o", "--limit", "1000000000000"], "at most 1000 samples per task"),
-    ([*EVAL, "--out", "{d}/o", "--suite", "nope"], "unknown suite"),
+    ([*EVAL, "--out", "{d}/o", "--suite", "nope"], "Invalid value for '--suite': 'nope' is not one of"),
     ([*EVAL, "--out", "{d}/o", "--tasks", "nope"], "unknown task"),
     ([*EVAL, "--out", "{d}/o", "--target-tokens", "10"], "target length must be at least"),
     ([*EVAL, "--out", "{d}/o", "--target-tokens", "100000000000"], "at most"),
@@ -164,7 +164,7 @@ CASES = [
     ([*PROFILE, "--out", "{d}/p", "--eta", "inf"], "--eta must be a number"),
     ([*PROFILE, "--out", "{d}/p", "--seeds", "0"], "must be positive integers"),
     ([*PROFILE, "--out", "{d}/p", "--seeds", "1000000000"], "--seeds must be at most"),
-    ([*PROFILE, "--out", "{d}/p", "--signal", "prune"], "unknown signal"),
+    ([*PROFILE, "--out", "{d}/p", "--signal", "prune"], "Invalid value for '--signal': 'prune' is not one of 'noise', 'evict'."),
     ([*PROFILE, "--out", "{d}/p", "--calib-samples", "0"], "--calib-samples must be at least 1"),
     ([*PROFILE, "--out", "{d}/p", "--calib-samples", "100000"], "at most 1000 samples"),
     ([*PROFILE, "--out", "{d}/README.md"], "is a file; pass a directory"),
@@ -192,7 +192,7 @@ CASES = [
     (["report", "{d}/oddrun"], "is not a JSON object"),
     (["report", "{d}/binrun"], "is not valid JSON"),
     (["tasks", "--suite", "longbench", "--data-dir", "{d}/lb_bin"], "is not UTF-8 text"),
-    (["tasks", "--suite", "nope"], "unknown suite"),
+    (["tasks", "--suite", "nope"], "Invalid value for '--suite': 'nope' is not one of"),
     # issue 23, class 1: an output that is an input, or a file of another command's run folder
     ([*ALLOCATE, "--out", "{d}/profile/per_sample.csv"], "holds a ripplekv profile"),
     (["allocate", "{d}/profile/sensitivity.csv", "--model", "{model}", "--out", "{d}/profile/sensitivity.png"],
@@ -255,6 +255,13 @@ CASES = [
     (["route", "--model", "{model}", "--methods", "snapkv,snapkv", "--out", "{d}/r"], "lists a candidate twice"),
     (["route", "--model", "{model}", "--methods", "snapkv,h2o,snapkv:window=32", "--out", "{d}/r"], "names one method twice"),
     (["route", "--model", "{model}", "--methods", "tova,tova:window=01", "--out", "{d}/r"], "names one method twice"),
+    # one form per option: --budget is checked alike everywhere, choices are checked while parsing
+    ([*INSPECT, "--out", "{d}/i", "--budget", "64,128"], "--budget takes one budget here, got '64,128'; only eval"),
+    (["route", "--model", "{model}", "--budget", "abc", "--out", "{d}/r"], "budget must be a positive integer, got 'abc'"),
+    ([*ALLOCATE, "--out", "{d}/a.csv", "--budget", "-1"], "budget must be a positive integer"),
+    ([*EVAL, "--out", "{d}/o", "--dtype", "fp8"], "Invalid value for '--dtype': 'fp8' is not one of 'auto', 'float32'"),
+    ([*INSPECT, "--out", "{d}/i", "--suite", "nope"], "Invalid value for '--suite': 'nope' is not one of"),
+    ([*EVAL, "--out", "{d}/o", "--seed", "x"], "Invalid value for '--seed'"),
 ]
 
 

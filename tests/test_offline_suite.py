@@ -174,3 +174,27 @@ def test_bad_arguments_are_user_errors(tasks, tokenizer):
         load_samples(tasks["squad"], tokenizer, split="calibration", limit=1000)
     with pytest.raises(UserError, match="at most 1000 samples per task"):  # never builds for minutes first
         load_samples(tasks["niah"], tokenizer, limit=10**12)
+
+
+def test_paragraph_recall_is_an_opt_in_long_answer_task(tokenizer):
+    """Named only on request (the default offline list, and so its runs, are unchanged); each answer is one
+    whole paragraph of the context, of 100-200 tokens, quoted by its first words; ROUGE-L scores it."""
+    from ripplekv.metrics.scoring import score_sample
+    from ripplekv.tasks.registry import OFFLINE_TASKS, task_rows
+
+    assert [task.name for task in get_tasks("offline")] == list(OFFLINE_TASKS)
+    (task,) = get_tasks("offline", ["paragraph_recall"])
+    assert (task.metric, task.max_new_tokens, task.category) == ("rouge", 256, "Long Answer")
+    assert any(row["task"] == "paragraph_recall" and "opt-in" in row["size"] for row in task_rows("offline"))
+    records = load_samples(task, tokenizer, limit=6, target_tokens=2000)
+    calibration = load_samples(task, tokenizer, split="calibration", limit=3, target_tokens=2000)
+    assert not {r["answers"][0] for r in records} & {r["answers"][0] for r in calibration}
+    for record in records:
+        (answer,) = record["answers"]
+        assert record["context"].count(answer) == 1 and answer in record["context"].split("\n\n")
+        assert answer.startswith(record["input"]) and len(record["input"].split()) == offline.RECALL_OPENING_WORDS
+        assert 100 <= len(tokenizer(answer, add_special_tokens=False).input_ids) <= 256
+        assert abs(prompt_length(task, record, tokenizer) - 2000) <= 100
+        assert score_sample(task, answer, record["answers"]) == 1.0
+        assert score_sample(task, record["input"], record["answers"]) < 0.3
+    assert load_samples(task, tokenizer, limit=2, target_tokens=2000) == records[:2]

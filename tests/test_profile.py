@@ -62,7 +62,7 @@ def test_noise_is_norm_adaptive():
 def test_profile_outputs_and_split_half(tmp_path):
     per_seed = np.random.default_rng(0).random((6, 2, 5)) + np.arange(5)[None, None, :]
     prompts = [calibration(seed=s) for s in range(6)]
-    profile = Profile([p.sample_id for p in prompts], per_seed.mean(1), per_seed, ProfileSettings(), "tiny")
+    profile = Profile([p.sample_id for p in prompts], per_seed.mean(1), per_seed, ProfileSettings(seeds=2), "tiny")
     meta = write_profile(profile, prompts, tmp_path)
     table = __import__("pandas").read_csv(tmp_path / "sensitivity.csv")
     assert list(table.columns) == ["layer", "kl_mean", "kl_std", "kl_median", "n_samples"]

@@ -1,17 +1,11 @@
 """`ripplekv profile` and `ripplekv allocate` end to end on a tiny model, and their one-line errors."""
 
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 
-RKV = [sys.executable, "-m", "ripplekv.cli.app"]
-
-
-def run(*args):
-    return subprocess.run([*RKV, *map(str, args)], capture_output=True, text=True, timeout=600)
+from tests.conftest import invoke as run
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +53,12 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
         (["allocate", "{sens}", "--ratio", "0.5", "--out", "{tmp}/a.csv"], "--ratio must be a number >= 1"),
         (["allocate", "{tmp}/missing.csv", "--out", "{tmp}/a.csv"], "does not exist"),
         (["allocate", "{bad}", "--out", "{tmp}/a.csv"], "has 2 layers but the model has 4"),
-        (["profile", "--signal", "prune", "--out", "{tmp}/p"], "unknown signal"),
+        (["profile", "--signal", "prune", "--out", "{tmp}/p"], "'prune' is not one of 'noise', 'evict'"),
         (["profile", "--calib-samples", "0", "--out", "{tmp}/p"], "--calib-samples must be at least 1"),
         (["budgets", "--methods", "ripplekv"], "run `ripplekv profile`"),
-        (["budgets", "--pooling", "median"], "unknown pooling"),
+        (["budgets", "--pooling", "median"], "'median' is not one of 'max', 'avg', 'none'"),
         (["budgets", "--budget", "0"], "budget must be a positive integer"),
-        (["budgets", "--budget", "1.5"], "Invalid value for '--budget'"),
+        (["budgets", "--budget", "1.5"], "budget must be a positive integer, got '1.5'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(profiled, tiny_model_dir, tmp_path, args, message):
@@ -93,7 +87,7 @@ def test_the_pipeline_runs_without_out_or_allocation_flags(tiny_model_dir, tmp_p
     """profile -> allocate -> eval in an empty directory: each stage writes to runs/<command>/ and the
     next one finds it there."""
     def here(*args):
-        return subprocess.run([*RKV, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        return run(*args, cwd=tmp_path)
 
     model = ("--model", tiny_model_dir)
     result = here("profile", *model, "--calib-samples", 2, "--target-tokens", 300)
@@ -124,6 +118,6 @@ def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
 
 
 def test_allocate_without_a_profile_says_what_to_run(tmp_path):
-    result = subprocess.run([*RKV, "allocate"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = run("allocate", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == "error: no profile at runs/profile/sensitivity.csv: run `ripplekv profile` first, or pass a sensitivity.csv\n"

@@ -3,7 +3,6 @@
 import pytest
 
 from ripplekv.engine.decode import greedy_decode
-from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
 from ripplekv.methods import make_method
 
@@ -15,9 +14,8 @@ FILLER = (
 )
 
 
-def test_bundled_model_loads_offline_and_finds_a_needle(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model, tokenizer, source = load_model()
+def test_bundled_model_loads_offline_and_finds_a_needle(bundled_model):
+    model, tokenizer, source = bundled_model  # loaded with the hub switched off
     assert source.kind == "gguf" and model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
     text = FILLER * 6 + "The secret code is 4817263. " + FILLER * 6
     messages = [{"role": "user", "content": text + "\n\nWhat is the secret code? Answer with the number only."}]

@@ -242,7 +242,7 @@ def test_report_rouge_score_rescores_summaries(tmp_path, run_cli):
     assert code == 0 and set(pd.read_csv(run / "scores.csv")["score"]) != {75.0}
 
 
-@pytest.mark.parametrize("args, message", [(["--rouge", "nope"], "--rouge must be one of"),
+@pytest.mark.parametrize("args, message", [(["--rouge", "nope"], "Invalid value for '--rouge': 'nope' is not one of 'official', 'rouge-score'."),
                                            (["--resamples", "0"], "--resamples must be a positive number")])
 def test_bad_report_options_are_one_line(tmp_path, run_cli, args, message):
     run = write(tmp_path / "run", noisy_predictions(2))
@@ -250,14 +250,18 @@ def test_bad_report_options_are_one_line(tmp_path, run_cli, args, message):
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
 
 
-def test_inspect_writes_the_kept_entries_and_a_picture(tiny_model_dir, tmp_path, run_cli):
+def test_inspect_writes_the_kept_entries_and_a_picture(tiny_model_dir, tmp_path, monkeypatch, run_cli):
     import numpy as np
 
     out = tmp_path / "inspect"
-    code, _, err = run_cli("inspect", "--model", str(tiny_model_dir), "--suite", "offline", "--task", "niah",
-                           "--index", "0", "--method", "snapkv:window=8", "--budget", "32", "--target-tokens", "300",
-                           "--out", str(out))
+    args = ["inspect", "--model", str(tiny_model_dir), "--suite", "offline", "--task", "niah", "--index", "0",
+            "--method", "snapkv:window=8", "--budget", "32", "--target-tokens", "300"]
+    code, _, err = run_cli(*args, "--out", str(out))
     assert code == 0, err
+    monkeypatch.chdir(tmp_path)  # without --out: runs/inspect, as every command writes under runs/ by default
+    code, _, err = run_cli(*args)
+    assert code == 0 and err.startswith("inspect: writing to runs/inspect (the default; choose with --out)"), err
+    assert np.load(tmp_path / "runs" / "inspect" / "kept.npz")["positions"].tolist() == np.load(out / "kept.npz")["positions"].tolist()
     kept = np.load(out / "kept.npz")
     counts, positions = kept["counts"], kept["positions"]
     assert counts.shape == (4, 2) and (counts == 32).all()

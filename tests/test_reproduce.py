@@ -34,6 +34,17 @@ elif stage == "route":
     (out / "ROUTE.csv").write_text("layer,method\n0,snapkv\n")
     (out / "route.json").write_text(json.dumps({"budget": 128, "method_counts": {"snapkv": 1, "h2o": 0},
         "calibration_ids": ["a", "b"], "placement_ids": ["c"], "placement_rank": 2, "placements_scored": 3}))
+elif "--decode-budget" in args:
+    out.mkdir(parents=True, exist_ok=True)
+    total = args[args.index("--decode-budget") + 1] == "total"
+    lines = []
+    for method, budget, kept in (("full", None, 2000), ("snapkv", 64, 64)):
+        row = {"task": "paragraph_recall", "method": method, "budget": budget, "score": 0.5, "kl": 0.1,
+               "new_tokens": 101, "layer_budgets": [kept, kept]}
+        if total:
+            row.update(decode_budget="total", peak_entries=2100 if budget is None else budget)
+        lines.append(json.dumps(row))
+    (out / "predictions.jsonl").write_text("\n".join(lines) + "\n")
 else:
     out.mkdir(parents=True, exist_ok=True)
     (out / "predictions.jsonl").write_text("{}\n")
@@ -147,3 +158,34 @@ def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headl
     # criticalkv is closest (KL 0.4), closing (0.5 - 0.4) / (0.5 - 0.25) = 40% of the gap to the oracle.
     assert "`criticalkv` 0.400" in readme and "40% (oracle KL 0.250)" in readme
     assert "-0.100 [-0.200, -0.050]" in readme and "2 samples" in readme
+
+
+LONG = """LONG_TASKS=paragraph_recall
+LONG_METHODS=full,snapkv
+LONG_BUDGETS="64"
+LONG_LIMIT=1
+LONG_TARGET_TOKENS=2000
+"""
+
+
+def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(project):
+    config = project / "configs" / "reproduce.env"
+    config.write_text(CONFIG + LONG)
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    results = project / "results"
+    assert (results / "long" / "prompt" / "predictions.jsonl").is_file()
+    readme = (results / "README.md").read_text()
+    assert "## Long answers under decode budgets" in readme
+    assert "--tasks paragraph_recall --budget 64 --methods full,snapkv" in readme
+    assert "--decode-budget prompt --out results/long/prompt" in readme and "--decode-budget total" in readme
+    # snapkv at B=64: prompt mode peaks at 64 + 100 fed tokens; total holds 64.
+    snap = next(line for line in readme.splitlines() if line.startswith("| snapkv"))
+    assert [cell.strip() for cell in snap.strip("|").split("|")] == \
+        ["snapkv", "64", "1", "50", "0.1", "101", "164", "50", "0.1", "101", "64"]
+    config.write_text(CONFIG)
+    shutil.rmtree(results)
+    again = reproduce(project)
+    assert again.returncode == 0, again.stderr
+    assert not (results / "long").exists() and "Long answers" not in (results / "README.md").read_text()
+

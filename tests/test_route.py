@@ -3,23 +3,26 @@ routed away from recency, caps hold, placements keep the route's method counts, 
 deterministic outputs that `routed` and `routed-ripplekv` read."""
 
 import itertools
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from ripplekv.engine.decode import full_reference, measure_fidelity
+from ripplekv.analysis.kept import kept_arrays
+from ripplekv.engine.cache import build_cache
+from ripplekv.engine.decode import forward_tokens, full_reference, kl_per_variant, measure_fidelity
+from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
-from ripplekv.methods import PRESETS, make_method
+from ripplekv.methods import make_method, parse_spec
+from ripplekv.methods.catalog import build_methods
 from ripplekv.pipeline.profile import split_prompt
 from ripplekv.pipeline.route import (
     DEFAULT_CANDIDATES,
     RouteSettings,
     candidate_methods,
     choose_route,
+    layer_keep,
     parse_caps,
     placement_prompt,
     preference_prompt,
@@ -27,6 +30,7 @@ from ripplekv.pipeline.route import (
     route_prefill,
     stop_tokens,
 )
+from tests.conftest import invoke as run
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.naive_route import preferences_one_trial_at_a_time
 
@@ -157,6 +161,66 @@ def test_a_placement_scores_as_the_routed_method_does(tmp_path):
     assert scores[0].kl != pytest.approx(scores[1].kl)
 
 
+def eval_compressed(model, ids, spec: str, budget: int, reserve: int = 0):
+    """What `ripplekv eval --methods SPEC` keeps for a prompt of these ids: its methods (full + SPEC, built
+    as eval builds them), one prefill for what they declare, SPEC's compressed layers at `budget`."""
+    methods = build_methods([spec], {})
+    state = prefill_for(model, ids, Requirements.of_all(methods.values()), reserve=reserve)
+    return state, methods[make_method(spec).label].compress(state, budget)
+
+
+@pytest.mark.parametrize("specs, probe_tokens", [
+    (DEFAULT_CANDIDATES, 12),  # probe shorter than SnapKV's window (32)
+    (("snapkv:window=8", "snapkv:kernel=3:window=48", "h2o:recent=0:window=16", "knorm:window=4", "tova"), 80),
+])  # ^ probe longer than every window and than the default captured window (64)
+def test_route_trials_use_the_observation_window_eval_gives_each_method(specs, probe_tokens):
+    """Route's (layer, method) trial keeps in layer l exactly what eval keeps there with that method alone:
+    each candidate scores with its own window (SnapKV's 32, a spec's window=), never the probe's, although
+    route's prefill captures max(probe, windows, 64) queries. Scoring with the probe as the window would not."""
+    model, budget = tiny_llama(), 40
+    prompt = random_prompt(length=200, probe=probe_tokens)
+    candidates = candidate_methods(specs)
+    route_state = route_prefill(model, prompt.context, candidates, probe_tokens, len(prompt.probe))
+    assert route_state.window_queries[0].shape[1] == max(64, probe_tokens)
+    probe_windowed = 0
+    for method in candidates:
+        _, compressed = eval_compressed(model, prompt.context, method.label, budget)
+        kept = kept_arrays(compressed)["positions"]
+        for layer in range(route_state.num_layers):
+            mask = layer_keep(route_state, method, layer, budget)
+            route_sets = [set(torch.nonzero(row).flatten().tolist()) for row in mask]
+            eval_sets = [{int(p) for p in row if p >= 0} for row in kept[layer]]
+            assert route_sets == eval_sets, (method.label, layer)
+            if "window" in method.describe()["scorer"]:  # the old worry: the probe window instead of the method's
+                name, options = parse_spec(method.label)
+                wrong = make_method(name, **{**options, "window": str(probe_tokens)})
+                probe_windowed += bool((layer_keep(route_state, wrong, layer, budget) != mask).any())
+    assert probe_windowed > 0  # the test tells the two apart
+
+
+def test_route_preferences_are_the_kl_of_eval_s_compressed_layer():
+    """preferences[l, m] = KL at the probe tokens with layer l as eval compresses it with m (the others full)."""
+    model, budget = tiny_llama(), 40
+    prompt = random_prompt(length=200, probe=12)
+    candidates = candidate_methods(DEFAULT_CANDIDATES)
+    settings = RouteSettings(methods=DEFAULT_CANDIDATES, budget=budget, probe_tokens=12, batch_size=7)
+    preferences = preference_prompt(model, prompt, candidates, settings)
+    probe = torch.tensor(prompt.probe, dtype=torch.long)[None]
+    for index, method in enumerate(candidates):
+        state, compressed = eval_compressed(model, prompt.context, method.label, budget, reserve=len(prompt.probe))
+        full = [state.full_entries(layer) for layer in range(state.num_layers)]
+
+        def logprobs(layers, state=state):
+            logits = forward_tokens(model, build_cache(state, [layers]), probe, len(prompt.context))
+            return torch.log_softmax(logits[0], -1)
+
+        with torch.inference_mode():
+            clean = logprobs(full)
+            for layer in range(state.num_layers):
+                kl = float(kl_per_variant(clean, logprobs([*full[:layer], compressed[layer], *full[layer + 1:]])))
+                assert preferences[layer, index] == pytest.approx(kl, rel=1e-3, abs=1e-5), (method.label, layer)
+
+
 def test_candidates_are_checked():
     with pytest.raises(UserError, match="candidate method 'nosuch' is not registered"):
         candidate_methods(["snapkv", "nosuch"])
@@ -164,19 +228,9 @@ def test_candidates_are_checked():
         candidate_methods(["full"])
     with pytest.raises(UserError, match="twice"):
         candidate_methods(["snapkv", "snapkv"])
-    missing = [name for name in DEFAULT_CANDIDATES if name not in PRESETS]
-    if missing:  # until every default candidate is registered, the default list names the first missing one
-        with pytest.raises(UserError, match=f"candidate method '{missing[0]}' is not registered"):
-            candidate_methods(DEFAULT_CANDIDATES)
-    else:
-        assert [m.label for m in candidate_methods(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)
+    assert [m.label for m in candidate_methods(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)
 
 
-RKV = [sys.executable, "-m", "ripplekv.cli.app"]
-
-
-def run(*args):
-    return subprocess.run([*RKV, *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

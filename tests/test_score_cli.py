@@ -47,6 +47,18 @@ def test_score_writes_dataset_and_sample_csvs(tmp_path, run_cli):
     assert "trec_e@0-4k" in out and "83.33" in out
 
 
+def test_without_out_score_writes_where_every_command_does_and_says_so(tmp_path, monkeypatch, run_cli):
+    """--out is optional on every command: a default under runs/, named on stderr."""
+    pred = _write(tmp_path / "pred.jsonl", GOOD)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli("score", str(pred))
+    assert code == 0, err
+    assert err.splitlines()[0] == "score: writing to runs/score/scores.csv (the default; choose with --out)"
+    given = tmp_path / "given.csv"
+    assert run_cli("score", str(pred), "--out", str(given))[0] == 0
+    assert (tmp_path / "runs" / "score" / "scores.csv").read_bytes() == given.read_bytes()
+
+
 SUMMARIES = [
     {"dataset": "gov_report", "pred": "the cats were running", "answers": ["The cat was run"], "all_classes": None},
     {"dataset": "narrativeqa", "pred": "Max", "answers": ["Max Carl"], "all_classes": None},
@@ -67,7 +79,7 @@ def test_rouge_option_rescores_summaries_and_says_so(tmp_path, run_cli, rouge, g
 def test_unknown_rouge_is_one_line(tmp_path, run_cli):
     pred = _write(tmp_path / "pred.jsonl", SUMMARIES)
     code, _, err = run_cli("score", str(pred), "--out", str(tmp_path / "d.csv"), "--rouge", "rouge2")
-    assert code == 2 and err == "error: --rouge must be one of official, rouge-score, got 'rouge2'\n"
+    assert code == 2 and err == "error: Invalid value for '--rouge': 'rouge2' is not one of 'official', 'rouge-score'.\n"
     assert not (tmp_path / "d.csv").exists()
 
 

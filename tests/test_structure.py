@@ -67,6 +67,17 @@ def test_requirements_follow_the_methods(tmp_path):
     assert union == Requirements(capture_window=128, accumulated_attention=True)
 
 
+def test_a_spec_window_beyond_the_window_option_is_the_one_captured():
+    """`eval --window 16 --methods snapkv:window=128,snapkv:kernel=5`: the spec's own window wins for its method,
+    the option sets the other's, and the prefill captures the larger one."""
+    from ripplekv.engine.prefill import captured_window
+    from ripplekv.methods.catalog import build_methods
+
+    methods = build_methods(["snapkv:window=128", "snapkv:kernel=5"], {"window": 16})
+    assert [m.requirements().capture_window for m in methods.values()] == [0, 128, 16]  # full, then the specs
+    assert captured_window(Requirements.of_all(methods.values())) == 128
+
+
 def test_every_task_of_every_suite_resolves_to_one_metric_and_one_generation_length():
     """The registry is the one task -> metric table: a name shared by two suites (offline hotpotqa and
     LongBench's) must score and generate alike, since a prediction file names only the dataset."""

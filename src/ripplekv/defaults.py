@@ -1,7 +1,8 @@
-"""The methods the commands choose by default, named here so that no command names a method itself.
+"""The methods the commands choose by default, named here so that no command names a method itself, and
+the fixed choices and shared defaults of the commands' options.
 
 Torch-free (the CLI shows these in --help without loading the engine); `methods.presets` checks that
-each one is a preset.
+each method named here is a preset.
 """
 
 DEFAULT_EVAL_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")  # `eval --methods`
@@ -11,3 +12,20 @@ ALLOCATION_METHOD = "ripplekv"  # `allocate`: the method that turns multipliers 
 ALLOCATION_PLOT_BESIDE = "pyramidkv"  # `allocate`'s plot draws its layer budgets beside this method's
 EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prunes with its own H2O-like pruner
 CEILINGS = ("oracle",)  # bounds, not methods: reported beside the methods, never ranked
+
+# The fixed sets of values an option takes: the CLI declares them as choices (so --help shows them and a
+# wrong value fails while parsing), and the libraries check the same tuples when called directly.
+PROTOCOLS = ("with-question", "context-only")  # `eval --protocol`, ripplekv.generate(protocol=)
+SUITES = ("offline", "longbench", "longbench-e")  # `--suite`
+DECODE_BUDGETS = ("prompt", "total")  # `eval --decode-budget`: what B counts (prompt entries, or prompt + decoded)
+SIGNALS = ("noise", "evict")  # `profile --signal`
+MAPS = ("exponential", "proportional")  # `allocate --map`
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # `--dtype`
+ROUGE_CHOICES = ("official", "rouge-score")  # `report/score --rouge`
+POOLINGS = ("max", "avg", "none")  # `--pooling`, snapkv:pooling=
+FORMATS = ("table", "csv")  # `budgets --format`
+
+# Profile settings that the command, ProfileSettings and the scripts share.
+PROFILE_SEEDS = 1  # noise draws per calibration sample (`make reproduce` uses 2)
+PROFILE_ETA = 0.3  # noise scale relative to each value vector's RMS
+PROBE_TOKENS = 16  # final prompt tokens used as probes (profile and route)

@@ -50,6 +50,9 @@ def task_scores(frame: pd.DataFrame) -> pd.DataFrame:
     tasks, _, methods = _orders(frame)
     grouped = frame.groupby(["task", "category", "method", "budget"], dropna=False, sort=False)
     extra = {"protocol": ("protocol", lambda p: ",".join(sorted(set(p.dropna()))))} if "protocol" in frame else {}
+    if "decode_budget" in frame:  # runs under a total decode budget (prompt-budget runs keep their columns)
+        extra["decode_budget"] = ("decode_budget", lambda d: ",".join(sorted(set(d.dropna()))))
+        extra["peak_entries"] = ("peak_entries", "mean")
     table = grouped.agg(
         n=("score", "size"),
         score=("score", lambda s: aggregate(list(s))),
@@ -72,6 +75,9 @@ def leaderboard(scores: pd.DataFrame) -> pd.DataFrame:
         row.update(kl=group["kl"].mean(), agreement=group["agreement"].mean(), tasks=len(group))
         if "protocol" in group:
             row["protocol"] = ",".join(sorted(set(group["protocol"].dropna())))
+        if "decode_budget" in group:  # the most entries a head held while decoding, mean over tasks
+            row["decode_budget"] = ",".join(sorted(set(group["decode_budget"].dropna())))
+            row["peak_entries"] = round(group["peak_entries"].mean(), 3)
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].astype("Int64")

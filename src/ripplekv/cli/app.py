@@ -74,8 +74,9 @@ def main() -> None:
     except NoArgsIsHelpError as err:
         print(err.ctx.get_help() if err.ctx else str(err))
         sys.exit(0)
-    except ClickException as err:
-        print(f"error: {err.format_message()}", file=sys.stderr)
+    except ClickException as err:  # a usage mistake: an unknown option, a value not among an option's choices
+        message = " ".join(err.format_message().replace("Value error, ", "").split())
+        print(f"error: {message}", file=sys.stderr)
         sys.exit(err.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         code = 130

@@ -9,66 +9,83 @@ the same predictions and scores.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from ripplekv.cli.options import (
     DEFAULT_ALLOCATION,
     DEFAULT_EVAL,
-    DEVICE_HELP,
-    DTYPE_HELP,
-    KERNEL_HELP,
+    DEFAULT_SCORE,
+    MAX_LENGTH,
     METHODS_HELP,
     OFFLINE_FIRST_LOOK,
-    POOLING_HELP,
-    RAY_ADDRESS_HELP,
-    ROUGE_HELP,
-    ROUTE_HELP,
-    WINDOW_HELP,
-    WORKERS_HELP,
+    TARGET_TOKENS,
+    Budgets,
+    CompressEvery,
+    DataDir,
+    DecodeBudget,
+    Device,
+    Dtype,
+    Kernel,
+    MaxLength,
+    Model,
+    Pooling,
+    Protocol,
+    RayAddress,
+    Rouge,
+    Route,
+    SuiteName,
+    TargetTokens,
+    Window,
+    Workers,
+    _say_out,
+    out_option,
+    seed_option,
     snap_options,
     worker_settings,
 )
 from ripplekv.defaults import DEFAULT_EVAL_METHODS
 
+EvalOut = out_option("Run directory; a rerun resumes it and adds what is new", DEFAULT_EVAL)
+ScoreOut = out_option("Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)", DEFAULT_SCORE,
+                      "CSV")
+EvalSeed = seed_option("the offline suite's generated samples (0: the published ones)")
+ReportSeed = seed_option("the bootstrap resamples")
+
 
 def eval_command(
-    budget: list[str] = typer.Option(
-        ..., "--budget", metavar="B",
-        help="Average prompt entries kept per layer per KV head; repeat or comma-separate (128,256).",
-    ),
-    out: str | None = typer.Option(
-        None, "--out", help=f"Run directory (default: {DEFAULT_EVAL}); a rerun resumes it and adds what is new."),
-    methods: str = typer.Option(",".join(DEFAULT_EVAL_METHODS),
-                                "--methods", help=METHODS_HELP + " full is always included."),
-    suite: str | None = typer.Option(
-        None, "--suite", help="offline (bundled), longbench or longbench-e; default: longbench when its files are on disk, else offline."
-    ),
+    budget: Budgets,
+    out: EvalOut = None,
+    methods: str = typer.Option(",".join(DEFAULT_EVAL_METHODS), "--methods", metavar="SPECS",
+                                help=METHODS_HELP + " full is always included."),
+    suite: Annotated[SuiteName | None, typer.Option(
+        "--suite", help="offline is bundled; default: longbench when its files are on disk, else offline.")] = None,
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks of the suite (default: all)."),
     limit: int | None = typer.Option(
         None, "--limit",
         help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the offline suite (a first look in "
              "minutes; a rerun with a higher --limit adds samples), all on LongBench."),
     allocation: str | None = typer.Option(
-        None, "--allocation",
+        None, "--allocation", metavar="CSV",
         help=f"Allocation CSV for ripplekv (and depthkv, routed-ripplekv); default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
-    model: str | None = typer.Option(None, "--model", help="Hub id, model directory or .gguf; default: bundled SmolLM2-135M."),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
-    target_tokens: int = typer.Option(3500, "--target-tokens", help="Offline suite: prompt length to build, in tokens."),
-    max_length: int = typer.Option(7500, "--max-length", help="Prompts longer than this are truncated in the middle."),
+    model: Model = None,
+    data_dir: DataDir = None,
+    target_tokens: TargetTokens = TARGET_TOKENS,
+    max_length: MaxLength = MAX_LENGTH,
     batch_size: int = typer.Option(16, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); decoding after a variant's divergence batches every running variant that fits in memory."),
-    window: int | None = typer.Option(None, help=WINDOW_HELP),
-    kernel: int | None = typer.Option(None, help=KERNEL_HELP),
-    pooling: str | None = typer.Option(None, help=POOLING_HELP),
-    route: str | None = typer.Option(None, "--route", help=ROUTE_HELP),
-    protocol: str = typer.Option(
-        "with-question", "--protocol",
-        help="with-question: compress the whole prompt (as the LongBench papers); context-only: compress the "
-             "context, then read the question through the compressed cache (a cache reused across questions)."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
-    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
+    window: Window = None,
+    kernel: Kernel = None,
+    pooling: Pooling = None,
+    route: Route = None,
+    protocol: Protocol = "with-question",
+    decode_budget: DecodeBudget = "prompt",
+    compress_every: CompressEvery = None,
+    seed: EvalSeed = 0,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    workers: Workers = 1,
+    ray_address: RayAddress = None,
 ) -> None:
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
@@ -104,6 +121,9 @@ def eval_command(
         device=device,
         dtype=dtype,
         protocol=protocol,
+        seed=seed,
+        decode_budget=decode_budget,
+        compress_every=compress_every,
     )
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
                                workers=worker_settings(workers, ray_address))
@@ -127,9 +147,9 @@ def default_allocation(model: str | None) -> tuple[str | None, str | None]:
 
 def report_command(
     run_dir: str = typer.Argument(..., help="A directory written by `ripplekv eval`."),
-    rouge: str = typer.Option("official", "--rouge", help=ROUGE_HELP),
+    rouge: Rouge = "official",
     resamples: int = typer.Option(2000, "--resamples", help="Bootstrap resamples for intervals, p-values and rank probabilities."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap resamples."),
+    seed: ReportSeed = 0,
 ) -> None:
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
     from rich.console import Console
@@ -150,9 +170,9 @@ def score(
         ..., help="JSON lines {dataset, pred, answers, all_classes[, length]} (length needed for *_e), "
                   "or the predictions.jsonl of `ripplekv eval` (scored per method and budget)."
     ),
-    out: str = typer.Option(..., "--out", help="Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)."),
-    samples: str | None = typer.Option(None, "--samples", help="Per-sample CSV: line (0-based),dataset,score."),
-    rouge: str = typer.Option("official", "--rouge", help=ROUGE_HELP),
+    out: ScoreOut = None,
+    samples: str | None = typer.Option(None, "--samples", metavar="CSV", help="Per-sample CSV: line (0-based),dataset,score."),
+    rouge: Rouge = "official",
 ) -> None:
     """Score a predictions file with the official LongBench metrics (also rescores other tools' outputs)."""
     from pathlib import Path
@@ -166,10 +186,13 @@ def score(
     from ripplekv.runs.safeio import check_output, write_csv
 
     rouge = check_rouge(rouge)
+    given, out = out is not None, out or str(DEFAULT_SCORE)
     check_output(out, inputs=[pred_file])
     if samples is not None:
         check_output(samples, inputs=[pred_file, out], option="--samples")
     datasets, per_sample = score_predictions(load_predictions(Path(pred_file)), rouge)
+    if not given:  # said once the input is known to be good, so a mistake is still one line
+        _say_out(Console(stderr=True), "score", out, False)
     write_csv(out, datasets)
     if samples is not None:
         write_csv(samples, per_sample)

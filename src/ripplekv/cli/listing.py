@@ -8,44 +8,47 @@ and their tasks. They are grouped because each only reads registries and prints 
 from __future__ import annotations
 
 import sys
+from typing import Annotated, Literal
 
 import typer
 
 from ripplekv.cli.options import (
-    KERNEL_HELP,
-    METHODS_HELP,
-    POOLING_HELP,
-    ROUTE_HELP,
-    WINDOW_HELP,
+    Allocation,
+    Budget,
+    DataDir,
+    Kernel,
+    Methods,
+    Model,
+    Pooling,
+    Route,
+    SuiteName,
+    Window,
     model_shape,
     snap_options,
 )
+from ripplekv.defaults import FORMATS
 from ripplekv.errors import UserError
 
 
 def budgets(
-    methods: str = typer.Option("snapkv,streamingllm,pyramidkv", help=METHODS_HELP),
-    budget: int = typer.Option(128, help="Average prompt entries kept per layer per KV head."),
-    prompt_len: int = typer.Option(3500, "--prompt-len", help="Prompt length n in tokens."),
-    allocation: str | None = typer.Option(None, help="Allocation CSV (layer,multiplier) for ripplekv or depthkv."),
-    model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
-    output_format: str = typer.Option("table", "--format", help="table or csv."),
-    window: int | None = typer.Option(None, help=WINDOW_HELP),
-    kernel: int | None = typer.Option(None, help=KERNEL_HELP),
-    pooling: str | None = typer.Option(None, help=POOLING_HELP),
-    route: str | None = typer.Option(None, help=ROUTE_HELP),
+    methods: Methods = "snapkv,streamingllm,pyramidkv",
+    budget: Budget = 128,
+    prompt_len: int = typer.Option(3500, "--prompt-len", metavar="N", help="Prompt length n in tokens."),
+    allocation: Allocation = None,
+    model: Model = None,
+    output_format: Annotated[Literal[FORMATS], typer.Option("--format", help="How to print the budgets.")] = "table",
+    window: Window = None,
+    kernel: Kernel = None,
+    pooling: Pooling = None,
+    route: Route = None,
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.methods import make_method
-    from ripplekv.methods.budgets import check_budget
     from ripplekv.methods.presets import check_distinct, degenerate_notes
     from ripplekv.pipeline.eval_plan import parse_names
 
-    check_budget(budget)
     if prompt_len <= 0:
         raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
-    if output_format not in ("table", "csv"):
-        raise UserError(f"--format must be table or csv, got {output_format!r}")
     shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     specs = parse_names(methods, "--methods")
     chosen = [make_method(spec, shared=shared) for spec in specs]
@@ -126,8 +129,8 @@ def methods_command() -> None:
 
 
 def tasks_command(
-    suite: str | None = typer.Option(None, "--suite", help="Only this suite: offline, longbench or longbench-e."),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Folder (or data.zip) of the official LongBench files."),
+    suite: Annotated[SuiteName | None, typer.Option("--suite", help="Only this suite (default: all).")] = None,
+    data_dir: DataDir = None,
 ) -> None:
     """List the suites and their tasks: category, metric, generation length and size."""
     from rich import box

@@ -1,15 +1,23 @@
-"""What the commands share: default output places, help strings and small option helpers.
+"""What the commands share: their options' declarations, default output places and small option helpers.
 
-The defaults say where each stage writes when no --out is given and where the next stage looks for it; the
-help strings are reused word for word by several commands; the helpers check --workers/--ray-address, pick
-the SnapKV options the user set, read a model's shape from its config, draw a progress bar and print a
-command's first and last lines. They live apart from the command modules so each command imports them
-without importing the app.
+Every option that more than one command takes is declared here once, as an `Annotated` type (name, metavar,
+choices, help), so it means the same and takes the same form on every command; a fixed set of values is a
+`Literal` of the tuple in ripplekv.defaults that the libraries check too, so --help lists it and a wrong
+value fails while parsing. The defaults say where each stage writes when no --out is given and where the
+next stage looks for it. The helpers check --workers/--ray-address and --budget, pick the SnapKV options
+the user set, read a model's shape from its config, draw a progress bar and print a command's first and
+last lines. They live apart from the command modules so each command imports them without importing the app.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from ripplekv.defaults import DECODE_BUDGETS, DTYPES, POOLINGS, PROBE_TOKENS, PROTOCOLS, ROUGE_CHOICES, SUITES
+from ripplekv.errors import UserError
 
 # Where each stage writes when no --out is given, and where the next stage looks for it.
 DEFAULT_PROFILE = Path("runs/profile")
@@ -17,6 +25,9 @@ DEFAULT_ALLOCATION = Path("runs/allocate/allocation.csv")
 DEFAULT_EVAL = Path("runs/eval")
 # Samples per task `eval` takes from the offline suite without --limit: the defaults finish in minutes.
 OFFLINE_FIRST_LOOK = 3
+DEFAULT_ROUTE = Path("runs/route")
+DEFAULT_INSPECT = Path("runs/inspect")
+DEFAULT_SCORE = Path("runs/score/scores.csv")
 
 
 def _say_out(console, command: str, out, given: bool) -> None:
@@ -29,15 +40,87 @@ def _say_written(console, paths) -> None:
     console.print("wrote: " + ", ".join(str(p) for p in paths), soft_wrap=True)
 
 
+# --------------------------------------------------------------------------- shared option declarations
+
+BUDGET_HELP = "Average prompt entries kept per layer per KV head."
 WINDOW_HELP = "SnapKV observation window (always kept); default 32."
 KERNEL_HELP = "SnapKV pooling kernel; default 7."
-POOLING_HELP = "SnapKV pooling: max (default), avg or none."
+POOLING_HELP = "SnapKV pooling; default max."
 METHODS_HELP = "Comma-separated method specs, e.g. snapkv,pyramidkv:beta=10,ripplekv:scorer=random (`ripplekv methods`)."
+MODEL_HELP = "Hub id, model directory or .gguf; default: the bundled SmolLM2-135M."
 ROUTE_HELP = "Route CSV (layer,method) for the routed method."
+ALLOCATION_HELP = "Allocation CSV (layer,multiplier) for the methods with file budgets (ripplekv, depthkv, routed-ripplekv)."
+DATA_DIR_HELP = "Folder (or data.zip) of the official LongBench files."
+TARGET_TOKENS_HELP = "Length in tokens of the prompts built from the offline suite (calibration prompts too)."
+MAX_LENGTH_HELP = "Prompts longer than this are truncated in the middle."
+CALIB_SAMPLES_HELP = "Calibration prompts (the offline suite's calibration split, disjoint from eval's samples)."
+PROBE_TOKENS_HELP = "Final prompt tokens used as probes (the question)."
+WITH_ANSWER_HELP = "Also teacher-force the reference answer as probes."
 DEVICE_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N."
-DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."
+DTYPE_HELP = "auto: bfloat16 on CUDA, float32 on CPU."
 WORKERS_HELP = "Ray workers, each loading the model once (one GPU each on CUDA, else a share of the cores)."
 RAY_ADDRESS_HELP = "Join a running Ray cluster (`ray start --head`) instead of starting a local one."
+ROUGE_HELP = "ROUGE-L for summarization tasks: official (LongBench parity) or rouge-score (Google's, as HELM)."
+PROTOCOL_HELP = ("with-question: compress the whole prompt (as the LongBench papers); context-only: compress the "
+                 "context, then read the question through the compressed cache (a cache reused across questions).")
+
+SuiteName = Literal[SUITES]
+
+# One budget (`budgets`, `inspect`, `allocate`, `route`); eval takes several in the same form.
+def budget_option(note: str = ""):
+    """`--budget` of a command that takes one (checked as eval checks each of its budgets); `note`: what it is for there."""
+    return Annotated[int, typer.Option("--budget", metavar="B", parser=lambda text: one_budget(text),
+                                       help=BUDGET_HELP + (" " + note if note else ""))]
+
+
+Budget = budget_option()
+Budgets = Annotated[list[str], typer.Option("--budget", metavar="B",
+                                            help=BUDGET_HELP[:-1] + " (with --decode-budget total, prompt + decoded); "
+                                                 "repeat or comma-separate (128,256).")]
+Methods = Annotated[str, typer.Option("--methods", metavar="SPECS", help=METHODS_HELP)]
+Model = Annotated[str | None, typer.Option("--model", metavar="MODEL", help=MODEL_HELP)]
+Allocation = Annotated[str | None, typer.Option("--allocation", metavar="CSV", help=ALLOCATION_HELP)]
+Route = Annotated[str | None, typer.Option("--route", metavar="CSV", help=ROUTE_HELP)]
+Window = Annotated[int | None, typer.Option("--window", metavar="N", help=WINDOW_HELP)]
+Kernel = Annotated[int | None, typer.Option("--kernel", metavar="N", help=KERNEL_HELP)]
+Pooling = Annotated[Literal[POOLINGS] | None, typer.Option("--pooling", help=POOLING_HELP)]
+DataDir = Annotated[str | None, typer.Option("--data-dir", metavar="DIR", help=DATA_DIR_HELP)]
+TargetTokens = Annotated[int, typer.Option("--target-tokens", metavar="N", help=TARGET_TOKENS_HELP)]
+MaxLength = Annotated[int, typer.Option("--max-length", metavar="N", help=MAX_LENGTH_HELP)]
+CalibSamples = Annotated[int, typer.Option("--calib-samples", metavar="N", help=CALIB_SAMPLES_HELP)]
+ProbeTokens = Annotated[int, typer.Option("--probe-tokens", metavar="N", help=PROBE_TOKENS_HELP)]
+WithAnswer = Annotated[bool, typer.Option("--with-answer", help=WITH_ANSWER_HELP)]
+Device = Annotated[str, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)]
+Dtype = Annotated[Literal[DTYPES], typer.Option("--dtype", case_sensitive=False, help=DTYPE_HELP)]
+Workers = Annotated[int, typer.Option("--workers", metavar="N", help=WORKERS_HELP)]
+RayAddress = Annotated[str | None, typer.Option("--ray-address", metavar="HOST:PORT", help=RAY_ADDRESS_HELP)]
+Rouge = Annotated[Literal[ROUGE_CHOICES], typer.Option("--rouge", help=ROUGE_HELP)]
+Protocol = Annotated[Literal[PROTOCOLS], typer.Option("--protocol", help=PROTOCOL_HELP)]
+
+# Option defaults that several commands share.
+TARGET_TOKENS = 3500
+MAX_LENGTH = 7500
+DEFAULT_PROBE_TOKENS = PROBE_TOKENS
+
+
+def out_option(what: str, default: Path, metavar: str = "DIR"):
+    """`--out` of a command: optional everywhere, `default` when not given (the command says so)."""
+    return Annotated[str | None, typer.Option("--out", metavar=metavar, help=f"{what}; default: {default}.")]
+
+
+def seed_option(what: str):
+    """`--seed` of a command: an integer, 0 by default (what every command did before it had the option)."""
+    return Annotated[int, typer.Option("--seed", metavar="N", help=f"Seed of {what}.")]
+
+
+def one_budget(text) -> int:
+    """--budget of a command that takes one: the same form as eval's (a positive integer), one value only."""
+    from ripplekv.pipeline.eval_plan import parse_budgets
+
+    values = parse_budgets([text])
+    if len(values) != 1:
+        raise UserError(f"--budget takes one budget here, got {text!r}; only eval takes several")
+    return values[0]
 
 
 def worker_settings(workers: int, ray_address: str | None):
@@ -93,5 +176,13 @@ def _progress_bar(description: str, total: int, completed: int = 0):
     task = progress.add_task(description, total=total, completed=completed)
     return progress, lambda _index: progress.advance(task)
 
-
-ROUGE_HELP = "ROUGE-L for summarization tasks: official (LongBench parity, default) or rouge-score (Google's, as HELM)."
+DECODE_BUDGET_HELP = (
+    "prompt: B counts prompt entries, decoded tokens are added on top (the default, as the papers); total: "
+    "prompt entries + decoded tokens stay at B per layer and KV head at every step, each method evicting by "
+    "its own scores (h2o, tova, streamingllm and the SnapKV-scored methods; others are refused).")
+COMPRESS_EVERY_HELP = ("With --decode-budget total: the SnapKV-scored methods score the held entries again every N "
+                       "decoded tokens (default 8; 1 = every step); H2O, TOVA and StreamingLLM evict by their own "
+                       "scores at every step.")
+DecodeBudgetChoice = Literal[DECODE_BUDGETS]
+DecodeBudget = Annotated[DecodeBudgetChoice, typer.Option("--decode-budget", help=DECODE_BUDGET_HELP)]
+CompressEvery = Annotated[int | None, typer.Option("--compress-every", metavar="N", help=COMPRESS_EVERY_HELP)]

@@ -8,44 +8,68 @@ They are grouped because they are the steps that prepare what `eval` later reads
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 import typer
 
 from ripplekv.cli.options import (
     DEFAULT_ALLOCATION,
+    DEFAULT_PROBE_TOKENS,
     DEFAULT_PROFILE,
-    DEVICE_HELP,
-    DTYPE_HELP,
-    RAY_ADDRESS_HELP,
-    WORKERS_HELP,
+    DEFAULT_ROUTE,
+    TARGET_TOKENS,
+    CalibSamples,
+    Device,
+    Dtype,
+    Model,
+    ProbeTokens,
+    RayAddress,
+    TargetTokens,
+    WithAnswer,
+    Workers,
     _progress_bar,
     _say_out,
     _say_written,
+    budget_option,
     model_shape,
+    out_option,
+    seed_option,
     worker_settings,
 )
+from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES, EVICTION_METHOD, MAPS, PROFILE_ETA, PROFILE_SEEDS, SIGNALS
 from ripplekv.errors import UserError
+
+ProfileOut = out_option("Directory for sensitivity.csv, per_sample.csv, profile.json, sensitivity.png", DEFAULT_PROFILE)
+AllocationOut = out_option("Allocation CSV to write (layer,sensitivity,multiplier)", DEFAULT_ALLOCATION, "CSV")
+RouteOut = out_option("Directory for ROUTE.csv, preferences.csv, placements.csv, route.json and plots", DEFAULT_ROUTE)
+Signal = Annotated[Literal[SIGNALS], typer.Option(
+    "--signal", help="noise (RippleKV) or evict (DepthKV: evict one layer with --evict-method).")]
+Mapping = Annotated[Literal[MAPS], typer.Option(
+    "--map", help="exponential (RippleKV: ratio-bounded) or proportional (DepthKV: budgets proportional to sensitivity).")]
+RouteSeed = seed_option("the random placements")
+CalibrationBudget = budget_option("Calibration compares the ratios at this budget.")
+RouteBudget = budget_option("Each layer is compressed to it in turn.")
 
 
 def profile(
-    out: str | None = typer.Option(None, help=f"Directory for sensitivity.csv, per_sample.csv, profile.json, "
-                                   f"sensitivity.png; default: {DEFAULT_PROFILE}."),
-    model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
-    calib_samples: int = typer.Option(
-        4, "--calib-samples", help="Calibration prompts (offline suite's calibration split); make reproduce uses 12."),
-    seeds: int = typer.Option(1, help="Noise draws per sample; make reproduce uses 2."),
-    eta: float = typer.Option(0.3, help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
-    signal: str = typer.Option("noise", help="noise (RippleKV) or evict (DepthKV: evict one layer with --evict-method)."),
-    evict_budget: int = typer.Option(128, "--evict-budget", help="Budget a layer is evicted to with --signal evict (the global ratio: the evaluation budget)."),
-    evict_method: str = typer.Option("h2o", "--evict-method", help="Method whose selection evicts the layer with --signal evict (DepthKV: h2o)."),
-    probe_tokens: int = typer.Option(16, "--probe-tokens", help="Final prompt tokens used as probes (the question)."),
-    with_answer: bool = typer.Option(False, "--with-answer", help="Also teacher-force the reference answer as probes."),
-    target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
-    batch_size: int = typer.Option(32, "--batch-size", help="Perturbed layers run together in one batch."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    workers: int = typer.Option(1, "--workers", help=WORKERS_HELP),
-    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
+    out: ProfileOut = None,
+    model: Model = None,
+    calib_samples: CalibSamples = 4,
+    seeds: int = typer.Option(PROFILE_SEEDS, "--seeds", metavar="N", help="Noise draws per sample; make reproduce uses 2."),
+    eta: float = typer.Option(PROFILE_ETA, "--eta", help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
+    signal: Signal = "noise",
+    evict_budget: int = typer.Option(128, "--evict-budget", metavar="B",
+                                     help="Budget a layer is evicted to with --signal evict (the global ratio: the evaluation budget)."),
+    evict_method: str = typer.Option(EVICTION_METHOD, "--evict-method", metavar="SPEC",
+                                     help="Method whose selection evicts the layer with --signal evict (DepthKV: h2o)."),
+    probe_tokens: ProbeTokens = DEFAULT_PROBE_TOKENS,
+    with_answer: WithAnswer = False,
+    target_tokens: TargetTokens = TARGET_TOKENS,
+    batch_size: int = typer.Option(32, "--batch-size", metavar="N", help="Perturbed layers run together in one batch."),
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    workers: Workers = 1,
+    ray_address: RayAddress = None,
 ) -> None:
     """Measure each layer's sensitivity: perturb its value cache, KL at the output.
 
@@ -78,31 +102,34 @@ def profile(
 def allocate(
     sensitivity: str | None = typer.Argument(
         None, help=f"sensitivity.csv from `ripplekv profile`; default: {DEFAULT_PROFILE}/sensitivity.csv."),
-    out: str | None = typer.Option(
-        None, help=f"Allocation CSV to write (layer,sensitivity,multiplier); default: {DEFAULT_ALLOCATION}."),
+    out: AllocationOut = None,
     ratio: list[float] | None = typer.Option(
-        None, help="Max/min budget multiplier (exponential map; default 4); repeat to let calibration choose."
+        None, "--ratio", help="Max/min budget multiplier (exponential map; default 4); repeat to let calibration choose."
     ),
-    mapping: str = typer.Option(
-        "exponential", "--map", help="exponential (RippleKV: ratio-bounded) or proportional (DepthKV: budgets proportional to sensitivity)."
+    mapping: Mapping = "exponential",
+    floor: float | None = typer.Option(
+        None, "--floor", help="--map proportional: the least multiplier a layer gets (e.g. 0.25: at least B/4); off by default."
     ),
-    model: str | None = typer.Option(None, help="Model the profile belongs to; default: bundled SmolLM2."),
-    budget: int = typer.Option(128, help="Budget at which calibration compares ratios."),
-    calib_samples: int = typer.Option(7, "--calib-samples", help="Calibration prompts for choosing among ratios."),
-    target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    cap: float | None = typer.Option(
+        None, "--cap", help="--map proportional: the most multiplier a layer gets (e.g. 4: at most 4B); off by default."
+    ),
+    model: Model = None,
+    budget: CalibrationBudget = 128,
+    calib_samples: CalibSamples = 7,
+    target_tokens: TargetTokens = TARGET_TOKENS,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
 ) -> None:
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
     from rich.console import Console
 
-    from ripplekv.methods.budgets import check_budget
-    from ripplekv.pipeline.allocate import check_map, run_allocate
+    from ripplekv.pipeline.allocate import check_bounds, run_allocate
 
-    check_map(mapping)
     if mapping == "proportional" and ratio:
         raise UserError("--ratio applies to --map exponential only; --map proportional takes no ratio")
-    check_budget(budget)
+    check_bounds(floor, cap)
+    if mapping != "proportional" and (floor is not None or cap is not None):
+        raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
@@ -118,29 +145,30 @@ def allocate(
 
     written = run_allocate(sensitivity, out_path, ratio or [4.0], model, budget, calib_samples, target_tokens, console,
                            bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype,
-                           mapping=mapping, announce=announce)
+                           mapping=mapping, announce=announce, floor=floor, cap=cap)
     _say_written(console, written)
 
 
 def route_command(
-    out: str = typer.Option(..., help="Directory for ROUTE.csv, preferences.csv, placements.csv, route.json and plots."),
-    model: str | None = typer.Option(None, help="Model (hub id, directory, .gguf); default: bundled SmolLM2."),
-    methods: str = typer.Option("snapkv,streamingllm,h2o,tova,knorm", "--methods",
+    out: RouteOut = None,
+    model: Model = None,
+    methods: str = typer.Option(",".join(DEFAULT_ROUTE_CANDIDATES), "--methods", metavar="SPECS",
                                 help="Candidate methods (only their scorers are used), comma-separated specs."),
-    budget: int = typer.Option(128, help="Budget B a layer is compressed to (entries per KV head)."),
-    calib_samples: int = typer.Option(8, "--calib-samples", help="Calibration prompts for the preferences."),
-    placements: int = typer.Option(100, help="Random placements (same method counts) to rank the route among; 0 skips."),
-    placement_samples: int = typer.Option(4, "--placement-samples",
+    budget: RouteBudget = 128,
+    calib_samples: CalibSamples = 8,
+    placements: int = typer.Option(100, "--placements", metavar="N",
+                                   help="Random placements (same method counts) to rank the route among; 0 skips."),
+    placement_samples: int = typer.Option(4, "--placement-samples", metavar="N",
                                           help="Further calibration prompts (held out from the preferences) that score placements."),
     max_share: list[str] = typer.Option([], "--max-share", help="Cap a method's share of layers: snapkv=0.5 (or 0.5 for all); repeatable."),
-    probe_tokens: int = typer.Option(16, "--probe-tokens", help="Final prompt tokens used as probes (as in profile)."),
-    with_answer: bool = typer.Option(False, "--with-answer", help="Also teacher-force the reference answer as probes."),
-    target_tokens: int = typer.Option(3500, "--target-tokens", help="Calibration prompt length in tokens."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Length of the full cache's answer placements are scored on."),
-    batch_size: int = typer.Option(32, "--batch-size", help="(layer, method) trials or placements run together."),
-    seed: int = typer.Option(0, help="Seed of the random placements."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    probe_tokens: ProbeTokens = DEFAULT_PROBE_TOKENS,
+    with_answer: WithAnswer = False,
+    target_tokens: TargetTokens = TARGET_TOKENS,
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", metavar="N", help="Length of the full cache's answer placements are scored on."),
+    batch_size: int = typer.Option(32, "--batch-size", metavar="N", help="(layer, method) trials or placements run together."),
+    seed: RouteSeed = 0,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
 ) -> None:
     """Route a method to each layer by per-(layer, method) KL, and rank the route among random placements."""
     from rich.console import Console
@@ -160,9 +188,11 @@ def route_command(
     parse_caps(settings.max_share, labels, model_shape(model)[0])  # bad caps fail before the model loads
     if calib_samples < 1 or placement_samples < 0:
         raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
-    out_dir = check_route_dir(Path(out), model)
+    out_dir = check_route_dir(Path(out) if out else DEFAULT_ROUTE, model)
     console = Console(stderr=True)
     device, dtype = resolve_device_dtype(device, dtype)
+    if out is None:  # said once the options are known to be good, so a mistake is still one line
+        _say_out(console, "route", out_dir, False)
     with exclusive(out_dir, "route"):
         _route_locked(out_dir, model, settings, calib_samples, placement_samples, placements, probe_tokens,
                       target_tokens, with_answer, budget, device, dtype, console)

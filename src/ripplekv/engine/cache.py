@@ -61,6 +61,10 @@ class CompressedLayer(CacheLayerMixin):
         # Additive bias [V, T0] over the first T0 decoded tokens (None: all visible). Divergence decoding
         # hides the teacher-forced tokens a variant did not produce (those past its first disagreement).
         self.hidden = None
+        # Under a total decode budget (`engine.evict`): bias [V, H_kv, T] over decoded tokens (-inf on the ones
+        # evicted) and the evictor that keeps every head at its count; None otherwise.
+        self.decoded_bias = None
+        self.evictor = None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - built eagerly
@@ -103,6 +107,10 @@ class CompressedLayer(CacheLayerMixin):
             self.values = self.values.index_select(0, index)
         if self.hidden is not None:
             self.hidden = self.hidden.index_select(0, index)
+        if self.decoded_bias is not None:
+            self.decoded_bias = self.decoded_bias.index_select(0, index)
+        if self.evictor is not None:
+            self.evictor.select(index)
         if self.override is not None:
             hits = (index == self.override.variant).nonzero()
             self.override = (
@@ -265,7 +273,14 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
     new_scores = new_scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     if layer.hidden is not None:
         new_scores[..., : layer.hidden.shape[-1]] += layer.hidden[:, None, None, :]
-    weights = torch.softmax(torch.cat([prompt_scores, new_scores], dim=-1), dim=-1).to(new_values.dtype)
+    if layer.decoded_bias is not None:
+        new_scores[..., : layer.decoded_bias.shape[-1]] += layer.decoded_bias[:, :, None, :]
+    weights = torch.softmax(torch.cat([prompt_scores, new_scores], dim=-1), dim=-1)
+    if layer.evictor is not None:
+        if new_len != 1:
+            raise ValueError("a cache under a total decode budget reads one token per step")
+        layer.evictor.after_step(weights.view(num_variants, kv_heads, group, -1), query)
+    weights = weights.to(new_values.dtype)
     prompt_len = prompt_scores.shape[-1]
     out = _weighted_sum(weights[..., :prompt_len], layer.prompt_values)
     out = out + torch.matmul(weights[..., prompt_len:], new_values)

@@ -65,15 +65,19 @@ def greedy_decode(
     stop_ids: Iterable[int] = (),
     num_variants: int | None = None,
     prefix: list[int] | None = None,
+    prepare=None,
 ) -> list[list[int]]:
     """Greedy tokens of every variant (stop tokens included when produced).
 
     `variants`: entries per layer for each variant; None decodes the full cache (`num_variants` copies).
     `prefix`: tokens read through the compressed cache before answering (the question, in the
     context-only protocol); without it the first token comes from the prefill and is the same for all.
+    `prepare(cache)` runs on the new cache first (a total decode budget attaches its evictors there).
     """
     stop = set(int(t) for t in stop_ids)
     cache = build_cache(state, variants, num_variants)
+    if prepare is not None:
+        prepare(cache)
     total = cache.num_variants
     start = state.length + len(prefix or [])
     if prefix:

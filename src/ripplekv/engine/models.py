@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ripplekv.defaults import DTYPES
 from ripplekv.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -300,7 +301,6 @@ def load_tokenizer(spec: str | None = None):
 
 
 DEVICES_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def resolve_device_dtype(device: str | None = "auto", dtype: str | None = "auto") -> tuple[str, str]:

@@ -84,6 +84,11 @@ class Scorer:
     def check_layers(self, num_layers: int) -> None:
         """Refuse a model this scorer was not made for (a route lists its layers); most fit any model."""
 
+    def decode_policy(self, every: int):
+        """How this scorer evicts while decoding under a total budget (`methods.decoding`), re-scoring every
+        `every` steps where it re-scores at all; None: it cannot compress while decoding."""
+        return None
+
     def scores(self, state: PrefillState, layer: int) -> torch.Tensor:
         """Float32 scores [H_kv, m] of the scored candidates (higher = keep), comparable across heads."""
         raise NotImplementedError
@@ -169,7 +174,8 @@ class Method(Protocol):
 
     `budgets` and `compress` are called on the same prefill; `layer_budgets` answers without a prompt
     (a UserError when the method's budgets depend on it: `prompt_dependent`). `describe` is everything
-    that determines the output (written to config.json).
+    that determines the output (written to config.json). A method that can compress while decoding also
+    has `decode_policy(every)` (`methods.decoding`); one without it is refused under `--decode-budget total`.
     """
 
     label: str
@@ -238,6 +244,10 @@ class AllocatorScorer:
 
     def degenerate(self, budget: int) -> str | None:
         return self.scorer.degenerate(budget) if self.scorer is not None else None
+
+    def decode_policy(self, every: int):
+        """The scorer's decoding-phase eviction (None: the full cache, or a scorer that cannot)."""
+        return self.scorer.decode_policy(every) if self.scorer is not None else None
 
     def floor(self) -> int:
         return self.scorer.floor() if self.scorer is not None else 1

@@ -64,6 +64,12 @@ class H2OScorer(WindowScorer):
     def scores(self, state, layer):
         return self.column_scores(state, layer)[:, : state.length - min(self.window, state.length)]
 
+    def decode_policy(self, every: int):
+        from ripplekv.methods.decoding import Accumulated
+
+        # The mean attention (norm=mean) would need a per-entry query count; only H2O's own sums decode.
+        return Accumulated((self.recent, self.window)) if self.norm == "sum" else None
+
     def recent_count(self, count: int) -> int:
         return min(count, max(self.window, math.floor(self.recent * count)))
 

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ripplekv.defaults import POOLINGS
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
-
-POOLINGS = ("max", "avg", "none")
 
 
 def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:
@@ -104,6 +103,13 @@ class SnapKVScorer(WindowScorer):
 
     def requirements(self) -> Requirements:
         return Requirements(capture_window=self.window)  # the observation window's queries
+
+    def decode_policy(self, every: int):
+        from ripplekv.methods.decoding import Rescored
+
+        if type(self) is not SnapKVScorer:  # a subclass (CriticalKV) scores differently: it must say how itself
+            return None
+        return Rescored(self.window, self.kernel, self.pooling, every)
 
     def scores(self, state, layer):
         return window_scores(state, layer, min(self.window, state.length), self.kernel, self.pooling)

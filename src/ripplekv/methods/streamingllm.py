@@ -23,6 +23,11 @@ class SinksAndRecent(Scorer):
                     "its first entries (no recent tokens)")
         return None
 
+    def decode_policy(self, every: int):
+        from ripplekv.methods.decoding import Rolling
+
+        return Rolling(self.sinks)
+
     def scores(self, state, layer):
         """Later tokens score higher (sinks are kept first by `keep`); the last token is the floor."""
         order = torch.arange(state.length - 1, dtype=torch.float32, device=state.device)

@@ -44,6 +44,11 @@ class TOVAScorer(WindowScorer):
     def requirements(self) -> Requirements:
         return Requirements(capture_window=1)  # the last prompt token's query, whatever window is kept
 
+    def decode_policy(self, every: int):
+        from ripplekv.methods.decoding import CurrentQuery
+
+        return CurrentQuery(self.window, self.heads)
+
     def scores(self, state, layer):
         attention = last_query_attention(state, layer)
         per_head = attention.mean(1) if self.heads == "kv" else attention.mean((0, 1)).expand(attention.shape[0], -1)

@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ripplekv.defaults import ROUGE_CHOICES
 from ripplekv.errors import UserError
 from ripplekv.metrics.text import _jieba_cut
 
@@ -98,9 +99,6 @@ def rouge_score(prediction: str, ground_truth: str, **kwargs) -> float:
 def rouge_zh_score(prediction: str, ground_truth: str, **kwargs) -> float:
     """ROUGE-L F over jieba words joined by spaces (Chinese summarisation datasets)."""
     return rouge_l_f(" ".join(_jieba_cut(prediction)), " ".join(_jieba_cut(ground_truth)))
-
-
-ROUGE_CHOICES = ("official", "rouge-score")
 
 
 def check_rouge(rouge: str) -> str:

@@ -7,8 +7,11 @@ Two maps (`ripplekv allocate --map`):
   one whose compressed cache stays closest to the full cache (teacher-forced KL along the full cache's
   own answers).
 - `proportional` (DepthKV): m = s / mean(s), budgets proportional to sensitivity (a layer whose
-  sensitivity is 0 keeps only its scorer's floor); no ratio.
-The map is recorded in the allocation CSV's `map` column.
+  sensitivity is 0 keeps only its scorer's floor); no ratio. `--floor F` / `--cap C` (ours; off by
+  default, so the multipliers are exactly s / mean(s)) bound the multipliers to [F, C] with their mean
+  kept at 1: m = clip(t s / mean(s), F, C) with the one t that makes mean(m) = 1, so the least sensitive
+  layer keeps at least F x B and the most sensitive at most C x B, and the total stays L x B.
+The map is recorded in the allocation CSV's `map` column (`proportional:floor=0.25:cap=4` when bounded).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ripplekv.defaults import MAPS
 from ripplekv.errors import UserError
 from ripplekv.runs.safeio import UnitLog, check_output, save_figure, write_csv, write_json
 
@@ -55,19 +59,71 @@ def multipliers(sensitivity, ratio: float) -> np.ndarray:
     return raw / raw.mean()
 
 
-MAPS = ("exponential", "proportional")
-
-
 def check_map(name: str) -> str:
     if name not in MAPS:
         raise UserError(f"--map must be one of {', '.join(MAPS)}, got {name!r}")
     return name
 
 
-def proportional_multipliers(sensitivity) -> np.ndarray:
-    """DepthKV's map: multipliers proportional to sensitivity, mean 1 (uniform when all are 0)."""
+def check_bounds(floor: float | None, cap: float | None) -> tuple[float | None, float | None]:
+    """`--floor` in [0, 1] and `--cap` >= 1: multipliers of B, on either side of the mean 1 they must keep."""
+    if floor is not None and not (math.isfinite(floor) and 0 <= floor <= 1):
+        raise UserError(f"--floor must be a multiplier in [0, 1] (the least a layer keeps, times B), got {floor}")
+    if cap is not None and not (math.isfinite(cap) and cap >= 1):
+        raise UserError(f"--cap must be a multiplier >= 1 (the most a layer keeps, times B), got {cap}")
+    return (None if floor is None else float(floor)), (None if cap is None else float(cap))
+
+
+def proportional_multipliers(sensitivity, floor: float | None = None, cap: float | None = None) -> np.ndarray:
+    """DepthKV's map: multipliers proportional to sensitivity, mean 1 (uniform when all are 0).
+
+    With `floor` and/or `cap`: m = clip(t * s / mean(s), floor, cap) with the t that makes mean(m) = 1.
+    Solved exactly: the layers at the cap are the most sensitive ones, those at the floor the least, and
+    the rest share what is left in proportion to s (no t is formed, so tiny sensitivities cannot overflow
+    it). Without bounds the result is exactly s / mean(s), as before the options existed."""
+    floor, cap = check_bounds(floor, cap)
     s = np.asarray(sensitivity, dtype=float)
-    return s / s.mean() if s.sum() > 0 else np.ones_like(s)
+    base = s / s.mean() if s.sum() > 0 else np.ones_like(s)
+    if floor is None and cap is None:
+        return base
+    lo, hi = floor or 0.0, math.inf if cap is None else cap
+    layers = len(base)
+    order = np.argsort(-base, kind="stable")
+    ranked = base[order]
+    tol = 1e-12
+    with np.errstate(over="ignore"):  # a share of a tiny sensitivity may overflow to inf: it is then above the cap
+        for top in range(layers + 1) if math.isfinite(hi) else [0]:  # layers at the cap
+            for bottom in range(layers - top + 1):  # layers at the floor
+                rest = layers - (top * hi if top else 0.0) - bottom * lo  # what the free layers share
+                free = ranked[top: layers - bottom]
+                total = free.sum()
+                if top and ranked[top - 1] <= 0:  # only a sensitive layer can reach the cap
+                    continue
+                if free.size == 0:  # every layer at a bound: one t must put the capped ones above, the rest below
+                    shares = np.empty(0)
+                    if abs(rest) > tol * layers or (top and bottom and ranked[top] * hi > lo * ranked[top - 1] * (1 + tol)):
+                        continue
+                elif total <= 0 or rest < 0:
+                    continue
+                else:
+                    shares = rest * (free / total)
+                    if shares.min() < lo - tol or shares.max() > hi + tol:
+                        continue
+                if free.size and top and rest * (ranked[top - 1] / total) < hi - tol:  # a capped layer would be below the cap
+                    continue
+                if free.size and bottom and rest * (ranked[layers - bottom] / total) > lo + tol:  # a floored one above the floor
+                    continue
+                result = np.empty(layers)
+                result[order] = np.concatenate([np.full(top, hi), shares, np.full(bottom, lo)])
+                return result
+    raise UserError(f"--cap {cap if cap is not None else math.inf:g} with --floor {lo:g} cannot keep the mean multiplier "
+                    f"at 1: {int((base == 0).sum())} of {layers} layers have sensitivity 0; raise --cap or --floor")
+
+
+def map_label(mapping: str, floor: float | None = None, cap: float | None = None) -> str:
+    """The `map` column: the map's name, with its bounds when set (`proportional:floor=0.25:cap=4`)."""
+    bounds = [f"{name}={value:g}" for name, value in (("floor", floor), ("cap", cap)) if value is not None]
+    return ":".join([mapping, *bounds])
 
 
 def write_allocation(path: Path, sensitivity, mult, mapping: str = "exponential") -> None:
@@ -162,9 +218,11 @@ def output_paths(out: Path) -> dict[str, Path]:
 
 def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, budget: int, calib_samples: int,
                  target_tokens: int, console, bar=None, device: str = "auto", dtype: str = "auto",
-                 mapping: str = "exponential", announce=None) -> list[Path]:
+                 mapping: str = "exponential", announce=None, floor: float | None = None,
+                 cap: float | None = None) -> list[Path]:
     """Check everything, sweep the ratios on calibration prompts (resumable), write the allocation;
-    returns the files written. `mapping` "proportional" (DepthKV) takes no ratio and no sweep."""
+    returns the files written. `mapping` "proportional" (DepthKV) takes no ratio and no sweep, and
+    optional `floor` / `cap` bounds on its multipliers."""
     from contextlib import nullcontext
 
     from ripplekv.engine.models import load_config, load_model, resolve_model
@@ -178,13 +236,18 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
     num_layers = load_config(model_spec).num_hidden_layers
     values = read_sensitivity(sensitivity, num_layers)
     check_map(mapping)
+    floor, cap = check_bounds(floor, cap)
+    if mapping != "proportional" and (floor is not None or cap is not None):
+        raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
+    if mapping == "proportional":
+        mult = proportional_multipliers(values, floor, cap)  # bounds that cannot hold fail before anything is said
     if announce is not None:  # every input checked: bad input stays one line
         announce()
     if mapping == "proportional":
-        mult = proportional_multipliers(values)
-        write_allocation(paths["csv"], values, mult, mapping)
-        plot_allocation(paths["png"], values, mult, mapping, num_layers)
-        console.print(f"proportional map; multipliers {mult.min():.3f}..{mult.max():.3f}")
+        label = map_label(mapping, floor, cap)
+        write_allocation(paths["csv"], values, mult, label)
+        plot_allocation(paths["png"], values, mult, label, num_layers)
+        console.print(f"{label} map; multipliers {mult.min():.3f}..{mult.max():.3f}")
         return [paths["csv"], paths["png"]]
     chosen = ratios[0]
     if len(ratios) > 1:

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripplekv.defaults import DEFAULT_EVAL_METHODS
+from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, PROTOCOLS
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget
 
-PROTOCOLS = ("with-question", "context-only")
+DEFAULT_COMPRESS_EVERY = 8  # ours: re-scoring methods (SnapKV's scorer) score the held entries again every 8 steps
 DEFAULT_METHODS = DEFAULT_EVAL_METHODS
 
 
@@ -44,6 +44,8 @@ class EvalSettings:
     device: str = "auto"
     dtype: str = "auto"
     protocol: str = "with-question"
+    decode_budget: str = "prompt"
+    compress_every: int | None = None  # None: DEFAULT_COMPRESS_EVERY under a total budget
 
 
 def parse_names(text: str | Sequence[str] | None, option: str | None = None) -> tuple[str, ...]:
@@ -122,6 +124,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     # The full cache is always computed (it is the reference for fidelity), so it is always reported.
     shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
     methods = build_methods(settings.methods, shared)
+    decoding = check_decode_budget(settings, methods.values())
     built = list(methods.values())
     names = tuple(methods)
     tasks = get_tasks(settings.suite, list(settings.tasks) or None)
@@ -156,7 +159,33 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "device": device,
         "dtype": dtype,
         "protocol": settings.protocol,
+        **decoding,
         **runtime_info(device),
         "ripplekv_version": __version__,
     }
     return Plan(settings=settings, tasks=tasks, methods=methods, config=config)
+
+
+def check_decode_budget(settings: EvalSettings, methods) -> dict:
+    """Refuse what a total decode budget cannot do, before any model work; returns what config.json records
+    (nothing under `prompt`, so its runs stay byte-identical to those made before the option existed)."""
+    if settings.decode_budget not in DECODE_BUDGETS:
+        raise UserError(f"--decode-budget must be one of {', '.join(DECODE_BUDGETS)}, got {settings.decode_budget!r}")
+    if settings.decode_budget == "prompt":
+        if settings.compress_every is not None:
+            raise UserError("--compress-every applies only with --decode-budget total (prompt budgets never evict while decoding)")
+        return {}
+    every = DEFAULT_COMPRESS_EVERY if settings.compress_every is None else settings.compress_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UserError(f"--compress-every must be a positive integer, got {every!r}")
+    if settings.protocol != "with-question":
+        raise UserError("--decode-budget total runs with --protocol with-question only (the question read through "
+                        "a compressed cache is not evicted step by step yet)")
+    for method in methods:
+        if method.is_full:
+            continue
+        policy = getattr(method, "decode_policy", None)
+        if policy is None or policy(every) is None:
+            raise UserError(f"{method.label} cannot compress while decoding (no decoding-phase eviction): "
+                            "drop it from --methods or use --decode-budget prompt")
+    return {"decode_budget": "total", "compress_every": every}

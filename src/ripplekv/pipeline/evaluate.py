@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ripplekv.engine.evict import capacities, peak_entries
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.pipeline.eval_plan import EvalSettings, Plan, plan_eval
+from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, plan_eval
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES
 from ripplekv.runs.resume import append_rows, existing_lines, variant_keys
@@ -53,6 +54,8 @@ def evaluate_sample(
     progress=None,
     protocol: str = "with-question",
     decoding: str = "divergence",
+    decode_budget: str = "prompt",
+    compress_every: int = DEFAULT_COMPRESS_EVERY,
 ) -> list[dict]:
     """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
 
@@ -70,6 +73,11 @@ def evaluate_sample(
 
     `decoding`: "divergence" decodes a variant only after its first disagreement with the full answer
     (`engine.divergence`); "plain" decodes every variant whole (the same tokens, floating-point ties aside).
+
+    `decode_budget`: "prompt" lets decoded tokens accumulate on top of the budget; "total" holds every
+    (layer, KV head) at its count while decoding (`engine.evict`, step by step: `engine.budgeted`), each
+    method evicting by its own `decode_policy(compress_every)`; then every line records `decode_budget`
+    and `peak_entries` (the most entries a head held after a step, averaged over layers and KV heads).
     """
     report = progress or (lambda kind, units: None)
     from ripplekv.engine.decode import full_reference, stop_tokens
@@ -99,8 +107,14 @@ def evaluate_sample(
                 if wanted is None or (label, budget) in wanted]
     counts = [method.budgets(state, budget) for _, budget, method in variants]
     built = [method.compress(state, budget) for _, budget, method in variants]
-    tokens, quality = decode_variants(model, state, built, reference, task.max_new_tokens, stops, prefix=question,
-                                      batch_size=batch_size, decoding=decoding)
+    total = decode_budget == "total"
+    if total:
+        caps = [capacities(c, budget) for c, (_, budget, _) in zip(counts, variants)]
+        tokens, quality = decode_per_method(model, state, variants, built, caps, reference, task.max_new_tokens,
+                                            stops, batch_size, compress_every)
+    else:
+        tokens, quality = decode_variants(model, state, built, reference, task.max_new_tokens, stops,
+                                          prefix=question, batch_size=batch_size, decoding=decoding)
     report("decode", len(built) * task.max_new_tokens)
 
     base = {
@@ -116,7 +130,7 @@ def evaluate_sample(
     if record.get("all_classes"):  # classification tasks: `ripplekv score` needs the class names to rescore
         base["all_classes"] = list(record["all_classes"])
 
-    def row(name, budget, out_tokens, entry_counts, kl, agreement):
+    def row(name, budget, out_tokens, entry_counts, kl, agreement, cap=None):
         prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
         score = score_sample(task, prediction, record["answers"], record.get("all_classes"))
         per_layer = entry_counts.sum(1)
@@ -135,15 +149,38 @@ def evaluate_sample(
         }
         if bool((entry_counts != entry_counts[:, :1]).any()):
             fields["head_budgets"] = entry_counts.tolist()
+        if total:  # absent under prompt budgets: those lines stay as they were before the option
+            fields["decode_budget"] = decode_budget
+            fields["peak_entries"] = peak_entries(entry_counts, len(out_tokens) - 1, cap)
         return fields
 
     full_counts = np.full((layers, heads), n, dtype=np.int64)
     rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)] if with_full else []
-    for (name, budget, _), entry_counts, entry_list, out_tokens, fid in zip(variants, counts, built, tokens, quality):
+    for index, ((name, budget, _), entry_counts, entry_list, out_tokens, fid) in enumerate(
+            zip(variants, counts, built, tokens, quality)):
         kept = np.array([[int(c) for c in layer.counts.tolist()] for layer in entry_list], dtype=np.int64)
         assert (kept == entry_counts).all(), f"{name}@{budget}: built entries differ from the allocated budgets"
-        rows.append(row(name, budget, out_tokens, kept, fid.kl, fid.agreement))
+        rows.append(row(name, budget, out_tokens, kept, fid.kl, fid.agreement, caps[index] if total else None))
     return rows
+
+
+def decode_per_method(model, state, variants, built, caps, reference, max_new_tokens, stops, batch_size, every):
+    """Under a total budget: each method's variants decode together with its own eviction policy; results
+    come back in the order of `variants`."""
+    from ripplekv.engine.budgeted import decode_in_budget
+
+    tokens: list = [None] * len(variants)
+    quality: list = [None] * len(variants)
+    groups: dict[str, list[int]] = {}
+    for index, (label, _, _) in enumerate(variants):
+        groups.setdefault(label, []).append(index)
+    for indices in groups.values():
+        policy = variants[indices[0]][2].decode_policy(every)
+        got, fid = decode_in_budget(model, state, [built[i] for i in indices], policy, [caps[i] for i in indices],
+                                    reference, max_new_tokens, stops, batch_size)
+        for i, t, f in zip(indices, got, fid):
+            tokens[i], quality[i] = t, f
+    return tokens, quality
 
 
 def prefill(model, ids, needs: Requirements, reserve: int = 0):
@@ -193,7 +230,8 @@ def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, j
     return evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, sid=job.sid,
                            max_length=settings.max_length, batch_size=settings.batch_size,
                            variants=job.variants, with_full=job.with_full,
-                           progress=progress, protocol=settings.protocol)
+                           progress=progress, protocol=settings.protocol, decode_budget=settings.decode_budget,
+                           compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY)
 
 
 def run_samples(plan: Plan, jobs: list, budgets, tokenizer, workers, console, advance):

@@ -1,7 +1,9 @@
 """`ripplekv inspect`'s work: which entries a method keeps for one prompt, saved as data and drawn.
 
 The CLI checks the output folder and takes its lock first; this loads the model, prefills once for what
-the method declares, compresses, and writes `kept.npz` (atomically) and `kept.png`.
+the method declares, compresses, and writes `kept.npz` (atomically) and `kept.png`. Under
+`decode_budget="total"` it then decodes the method's own greedy answer with eviction (`engine.evict`) and
+saves what each head holds at the end: prompt positions still held, and decoded ones (positions >= n).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: int = 0, prompt_file=None,
                  suite: str = "offline", data_dir=None, target_tokens: int = 3500, max_length: int = 7500, device: str = "auto",
-                 dtype: str = "auto") -> str:
+                 dtype: str = "auto", decode_budget: str = "prompt", compress_every: int = 8) -> str:
     """Write kept.npz and kept.png for `chosen` at `budget` on a task sample or a prompt file; returns the title."""
     import io
     import json
@@ -34,10 +36,15 @@ def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: 
     loaded, _, source = load_model(model, device=device, dtype=dtype)
     state = prefill_for(loaded, ids, Requirements.of_all([chosen]))
     built = chosen.compress(state, budget)
+    decoded = None
+    if decode_budget == "total":
+        decoded, built = decode_held(loaded, tokenizer, state, chosen, budget, built, prompt.task, compress_every)
     arrays = kept_arrays(built)
     needles = answer_positions(ids, tokenizer, answers, question)
     meta = {"method": chosen.label, "spec": chosen.describe(), "budget": budget, "prompt_tokens": state.length,
             "question_start": question, "answer_positions": needles, "sample": label, "model": source.label}
+    if decoded is not None:  # absent under prompt budgets: those files stay as before the option
+        meta.update(decode_budget=decode_budget, compress_every=compress_every, decoded_tokens=decoded)
     buffer = io.BytesIO()  # np.savez would add .npz to a temporary name: write the bytes ourselves
     np.savez_compressed(buffer, **arrays, question_start=question, answer_positions=np.asarray(needles, dtype=np.int64),
                         meta=json.dumps(meta))
@@ -46,5 +53,29 @@ def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: 
     slots = len(needles) * arrays["counts"].size
     title = (f"{source.label}: {chosen.label} at B={budget} on {label} ({state.length} tokens, "
              f"{int(arrays['counts'].sum())} entries); answer tokens kept in {kept_needles} of {slots} (token, layer, head) slots")
+    if decoded is not None:
+        title += f"; held after decoding {decoded} tokens under a total budget (decoded entries not drawn)"
     plot_kept(folder / "kept.png", arrays, state.length, question, needles, title)
     return title
+
+
+# Answer length when the prompt is a file (a suite sample decodes its task's own max_new_tokens).
+FILE_ANSWER_TOKENS = 128
+
+
+def decode_held(model, tokenizer, state, chosen, budget: int, built, task, every: int):
+    """(tokens fed, entries each head holds after the method's own greedy answer under a total budget)."""
+    from ripplekv.engine.decode import greedy_decode, stop_tokens
+    from ripplekv.engine.evict import attach, capacities, held_entries
+
+    policy = chosen.decode_policy(every)
+    caps = [capacities(chosen.budgets(state, budget), budget)]
+    stops = stop_tokens(model, tokenizer, bool(task is not None and task.stop_at_newline))
+    steps = task.max_new_tokens if task is not None else FILE_ANSWER_TOKENS
+    caches = []
+    tokens = greedy_decode(model, state, [built], steps, stops,
+                           prepare=lambda cache: (attach(cache, state, [built], policy, caps), caches.append(cache)))[0]
+    if len(tokens) == 1:  # the first token (from the prefill) ends the answer: nothing was fed
+        return 0, built
+    return len(tokens) - 1, [held_entries(layer) for layer in caches[0].layers]
+

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ripplekv.defaults import EVICTION_METHOD
+from ripplekv.defaults import EVICTION_METHOD, PROBE_TOKENS, PROFILE_ETA, PROFILE_SEEDS, SIGNALS
 from ripplekv.engine.cache import VariantOverride
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.probe import ProbeRunner
@@ -33,8 +33,7 @@ from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-ex
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
 
-SIGNALS = ("noise", "evict")
-DEFAULT_ETA = 0.3
+DEFAULT_ETA = PROFILE_ETA
 MAX_ETA = 100.0  # far past saturation: KL stops growing once the noise drowns the values
 MAX_SEEDS = 1000
 
@@ -44,9 +43,9 @@ class ProfileSettings:
     """Everything that determines a profile (written to profile.json)."""
 
     eta: float = DEFAULT_ETA
-    seeds: int = 2
+    seeds: int = PROFILE_SEEDS
     signal: str = "noise"
-    probe_tokens: int = 16
+    probe_tokens: int = PROBE_TOKENS
     evict_budget: int = 128
     batch_size: int = 32
     evict_method: str = EVICTION_METHOD

@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from ripplekv.analysis.plots import pyplot
-from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES
+from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES, PROBE_TOKENS
 from ripplekv.engine import entries
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
@@ -46,7 +46,7 @@ class RouteSettings:
 
     methods: tuple[str, ...] = DEFAULT_CANDIDATES
     budget: int = 128
-    probe_tokens: int = 16
+    probe_tokens: int = PROBE_TOKENS
     batch_size: int = 32
     max_share: tuple[str, ...] = ()
     placements: int = 100

@@ -43,6 +43,8 @@ def _without_file_paths(spec: dict) -> dict:
 def _differing(old: dict, new: dict, keys) -> list[str]:
     differing = [key for key in keys if key not in NOT_COMPARED and old.get(key) != new.get(key)
                  and not (key in RECORDED_LATER and key not in old)]
+    if "decode_budget" in old and "decode_budget" not in new:  # prompt budgets record nothing: never mix into a total run
+        differing.append("decode_budget")
     # A method both runs name must be the same method: its resolved options (multipliers, route, ...) too.
     old_specs, new_specs = old.get("method_specs", {}), new.get("method_specs", {})
     changed = [label for label in set(old_specs) & set(new_specs)

@@ -304,7 +304,41 @@ def _code_completion(b: _Builder, n: int) -> list[dict]:
     return samples
 
 
-# The builders the task registry names (tasks.registry.OFFLINE_TASKS).
+def _paragraph_recall(b: _Builder, n: int) -> list[dict]:
+    """A long answer: repeat, word for word, the paragraph of the context that begins with the quoted words.
+
+    The reference is the paragraph itself (scored by ROUGE-L), so it needs no human summary; targets have
+    80-150 words (about 100-200 tokens of answer), at a spread depth among paragraphs of other essays."""
+    paragraphs = _essay_paragraphs(b.split)
+    targets = [t for t, (_, text) in enumerate(paragraphs) if 80 <= len(text.split()) <= 150]
+    b.rng("targets").shuffle(targets)
+    samples = []
+    for i, t in enumerate(_take(targets, n, "paragraph_recall", b.split)):
+        essay, text = paragraphs[t]
+        opening = " ".join(text.split()[:RECALL_OPENING_WORDS])
+        fill, chars = [], 0
+        for j in _distinct_indices(b.rng(i, t), len(paragraphs)):
+            if _enough(chars, b.target):
+                break
+            other_essay, other = paragraphs[j]
+            if other_essay != essay and opening not in other:
+                fill.append(other)
+                chars += len(other)
+        depth = b.depth(i)
+
+        def compose(k, i=i, text=text, fill=fill, depth=depth, opening=opening):
+            items = fill[:k]
+            items.insert(round(depth * k), text)
+            return b.record(i, "\n\n".join(items), opening, [text])
+
+        samples.append(b.fit(compose, [item + "\n\n" for item in fill]))
+    return samples
+
+
+RECALL_OPENING_WORDS = 8  # the question quotes the paragraph's first words
+
+
+# The builders the task registry names (tasks.registry.OFFLINE_TASKS and OFFLINE_OPT_IN_TASKS).
 BUILDERS = {
     "hotpotqa": _hotpotqa,
     "squad": _squad,
@@ -313,6 +347,7 @@ BUILDERS = {
     "niah": lambda b, n: _niah(b, n, 1),
     "niah_multikey": lambda b, n: _niah(b, n, MULTIKEY_NEEDLES),
     "code_completion": _code_completion,
+    "paragraph_recall": _paragraph_recall,
 }
 
 

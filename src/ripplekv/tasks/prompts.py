@@ -60,6 +60,11 @@ OFFLINE_PROMPTS = {
     ),
 }
 OFFLINE_PROMPTS["niah_multikey"] = OFFLINE_PROMPTS["niah"]
+OFFLINE_PROMPTS["paragraph_recall"] = (
+    "Below are paragraphs from essays. After them you are given the first words of one paragraph; repeat "
+    "that whole paragraph exactly, word for word, from its first word to its last.\n\n{context}\n\n"
+    'The paragraph begins: "{input}"\n\nRepeat the whole paragraph:'
+)
 
 
 def offline_prompt(name: str) -> str:
