@@ -193,8 +193,8 @@ def test_paragraph_recall_is_an_opt_in_long_answer_task(tokenizer):
         (answer,) = record["answers"]
         assert record["context"].count(answer) == 1 and answer in record["context"].split("\n\n")
         assert answer.startswith(record["input"]) and len(record["input"].split()) == offline.RECALL_OPENING_WORDS
-        assert 100 <= len(tokenizer(answer, add_special_tokens=False).input_ids) <= 256
+        assert 80 <= len(tokenizer(answer, add_special_tokens=False).input_ids) <= 256  # 80-150 words, each >= 1 token
         assert abs(prompt_length(task, record, tokenizer) - 2000) <= 100
-        assert score_sample(task, answer, record["answers"]) == 1.0
+        assert score_sample(task, answer, record["answers"]) == pytest.approx(1.0, abs=1e-8)  # ROUGE-L F with its epsilon
         assert score_sample(task, record["input"], record["answers"]) < 0.3
     assert load_samples(task, tokenizer, limit=2, target_tokens=2000) == records[:2]
