@@ -38,6 +38,16 @@ run_stage() {
   echo "$wanted" > "$record"
 }
 
+# run_eval NAME TITLE COMMAND...: an eval always runs (it resumes itself); its command is recorded in
+# .NAME.cmd, with FINAL in place of the staging path, for the results page.
+run_eval() {
+  local name=$1 title=$2 record; shift 2
+  echo "== $title (resumes where it stopped): $*"
+  "$@"
+  record=$(printf '%q ' "$@")
+  echo "${record//"$OUT"/$FINAL}" > "$OUT/.$name.cmd"
+}
+
 start=$(date +%s)
 run_stage profile "$OUT/profile/sensitivity.csv" \
   "$RKV" profile "${model_args[@]}" --calib-samples "$CALIB_SAMPLES" --seeds "$SEEDS" --eta "$ETA" \
@@ -76,10 +86,7 @@ budget_args=()
 for b in $BUDGETS; do budget_args+=(--budget "$b"); done
 eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$methods" --limit "$LIMIT"
   --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" "${route_args[@]}" --out "$OUT/eval")
-echo "== eval (resumes where it stopped): ${eval_cmd[*]}"
-"${eval_cmd[@]}"
-eval_record=$(printf '%q ' "${eval_cmd[@]}")
-echo "${eval_record//"$OUT"/$FINAL}" > "$OUT/.eval.cmd"
+run_eval eval "eval" "${eval_cmd[@]}"
 
 # The context-only protocol (optional, CONTEXT_METHODS): the same samples' first CONTEXT_LIMIT per task.
 if [ -n "${CONTEXT_METHODS:-}" ]; then
@@ -88,10 +95,7 @@ if [ -n "${CONTEXT_METHODS:-}" ]; then
   context_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${context_budget_args[@]}" --methods "$CONTEXT_METHODS"
     --limit "$CONTEXT_LIMIT" --target-tokens "$TARGET_TOKENS" --protocol context-only --allocation "$OUT/allocation.csv"
     --out "$OUT/eval-context-only")
-  echo "== eval, context-only protocol (resumes where it stopped): ${context_cmd[*]}"
-  "${context_cmd[@]}"
-  context_record=$(printf '%q ' "${context_cmd[@]}")
-  echo "${context_record//"$OUT"/$FINAL}" > "$OUT/.eval-context-only.cmd"
+  run_eval eval-context-only "eval, context-only protocol" "${context_cmd[@]}"
 fi
 
 # Long answers under decode budgets (optional, LONG_TASKS): LONG_METHODS on an opt-in long-answer task with
@@ -104,10 +108,7 @@ if [ -n "${LONG_TASKS:-}" ]; then
     long_cmd=("$RKV" eval "${model_args[@]}" --suite offline --tasks "$LONG_TASKS" "${long_budgets[@]}"
       --methods "$LONG_METHODS" --limit "$LONG_LIMIT" --target-tokens "$LONG_TARGET_TOKENS"
       --allocation "$OUT/allocation.csv" --decode-budget "$mode" --out "$OUT/long/$mode")
-    echo "== long answers, --decode-budget $mode (resumes where it stopped): ${long_cmd[*]}"
-    "${long_cmd[@]}"
-    long_record=$(printf '%q ' "${long_cmd[@]}")
-    echo "${long_record//"$OUT"/$FINAL}" > "$OUT/.long-$mode.cmd"
+    run_eval "long-$mode" "long answers, --decode-budget $mode" "${long_cmd[@]}"
   done
 fi
 
