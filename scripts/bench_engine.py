@@ -133,24 +133,25 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, budget: i
 
 def _requirements_extra(model, ids, needs, reps: int) -> float:
     """Fastest prefill recording `needs` minus the fastest plain one, run alternately (0 when it is faster)."""
-    times = {False: [], True: []}
-    for rep in range(max(1, reps)):
-        for recording in ((False, True) if rep % 2 == 0 else (True, False)):
-            start = time.perf_counter()
-            prefill(model, ids, requirements=needs if recording else None)
-            times[recording].append(time.perf_counter() - start)
-    return max(0.0, min(times[True]) - min(times[False]))
+    plain, recording = fastest_alternating(model, ids, reps, requirements=needs)
+    return max(0.0, recording - plain)
 
 
 def h2o_overhead(model, ids, reps: int) -> tuple[float, float]:
     """Fastest plain and fastest accumulating prefill of the same prompt, run alternately."""
     prefill(model, ids[:256], accumulate=True)  # warm-up of the accumulating path
+    return fastest_alternating(model, ids, reps, accumulate=True)
+
+
+def fastest_alternating(model, ids, reps: int, **recording) -> tuple[float, float]:
+    """Fastest plain prefill and fastest prefill with `recording` (prefill's keyword arguments), alternated
+    `reps` times so that load on the machine falls on both alike."""
     times = {False: [], True: []}
     for rep in range(max(1, reps)):
-        for accumulate in ((False, True) if rep % 2 == 0 else (True, False)):
+        for recorded in ((False, True) if rep % 2 == 0 else (True, False)):
             start = time.perf_counter()
-            prefill(model, ids, accumulate=accumulate)
-            times[accumulate].append(time.perf_counter() - start)
+            prefill(model, ids, **(recording if recorded else {}))
+            times[recorded].append(time.perf_counter() - start)
     return min(times[False]), min(times[True])
 
 
