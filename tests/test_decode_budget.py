@@ -121,6 +121,32 @@ def test_small_budgets_evict_so_answers_change(tmp_path):
     assert changed >= 1
 
 
+def test_methods_decoding_in_one_batch_equal_each_decoded_alone(tmp_path):
+    """Variants of four methods (four policies) in one batch, each fed twice (greedy and along the full answer),
+    give every variant the tokens of its own greedy decoding with evictors and the fidelity of its own
+    one-token-at-a-time forced pass, each run alone."""
+    from ripplekv.engine.decode import fidelity
+
+    model = tiny_llama()
+    state = prefill(model, prompt(100), capture_window=32, requirements=Requirements(accumulated_attention=True))
+    methods = every_method(state.num_layers, tmp_path)
+    reference = full_reference(model, state, 50)
+    names, budgets = ("snapkv", "h2o", "tova", "streamingllm"), (8, 16)
+    variants = [(methods[name], budget) for name in names for budget in budgets]
+    built = [method.compress(state, budget) for method, budget in variants]
+    caps = [capacities(method.budgets(state, budget), budget) for method, budget in variants]
+    policies = [method.decode_policy(3) for method, _ in variants]
+    tokens, quality = decode_in_budget(model, state, built, policies, caps, reference, 50, batch_size=5)
+    for index, policy in enumerate(policies):
+        alone, _ = decode_keeping(model, state, [built[index]], policy, [caps[index]], 50)
+        assert tokens[index] == alone[0], variants[index]
+        forced = forced_logprobs(model, state, [built[index]], policy, [caps[index]], reference.tokens)
+        (expected,) = fidelity(reference.logprobs, forced, reference.tokens)
+        assert quality[index].agreement == pytest.approx(expected.agreement, abs=1e-6)
+        assert quality[index].kl == pytest.approx(expected.kl, rel=1e-4, abs=1e-7)
+    assert len({tuple(t) for t in tokens}) > 1  # the budgets and policies really differ
+
+
 # --------------------------------------------------------------------------- H2O against an eager reference
 
 

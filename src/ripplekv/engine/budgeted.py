@@ -3,8 +3,8 @@
 Divergence decoding (`engine.divergence`) reads the whole forced answer in one forward, which cannot evict
 step by step, so this mode does not use it: a variant's tokens come from plain greedy decoding with its
 evictors attached (`engine.evict`), and its fidelity from a teacher-forced pass that feeds the full
-answer one token at a time through a second copy of its cache, evicting exactly as decoding would. The
-batch of one call shares one policy (one method, at any budgets).
+answer one token at a time through a second copy of its cache, evicting exactly as decoding would. Both
+passes of every variant, whatever its method, run as rows of one batch, one token per step.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ripplekv.engine.cache import build_cache
-from ripplekv.engine.decode import LOGPROB_BYTES, Fidelity, Reference, fidelity, forward_tokens, greedy_decode
+from ripplekv.engine.decode import Fidelity, Reference, forward_tokens, kl_per_variant
 from ripplekv.engine.evict import DecodePolicy, attach
 from ripplekv.engine.prefill import PrefillState
 
@@ -37,18 +37,70 @@ def forced_logprobs(model, state: PrefillState, variants: list, policy: DecodePo
     return torch.stack(rows, dim=1)
 
 
-def decode_in_budget(model, state: PrefillState, variants: list, policy: DecodePolicy, caps: list[np.ndarray],
-                     reference: Reference, max_new_tokens: int, stop_ids: Iterable[int] = (),
+def decode_in_budget(model, state: PrefillState, variants: list, policy: DecodePolicy | list[DecodePolicy],
+                     caps: list[np.ndarray], reference: Reference, max_new_tokens: int, stop_ids: Iterable[int] = (),
                      batch_size: int = 16) -> tuple[list[list[int]], list[Fidelity]]:
-    """Greedy tokens and fidelity of variants that share `policy`, each held at its capacity `caps[v]` [L, H]."""
+    """Greedy tokens and fidelity of variants held at their capacities `caps[v]` [L, H].
+
+    `policy`: one for all, or variant v's at v (several methods decode in one batch). Each variant runs twice in
+    the same batch, one row decoding greedily and one fed the full answer (its fidelity), `batch_size`
+    variants at a time; both evict exactly as decoding alone would."""
+    policies = list(policy) if isinstance(policy, (list, tuple)) else [policy] * len(variants)
     tokens: list[list[int]] = []
     quality: list[Fidelity] = []
-    per_variant = max(1, len(reference.tokens) * int(reference.logprobs.shape[-1]) * 4)
-    chunk = max(1, min(batch_size, LOGPROB_BYTES // per_variant))
-    for start in range(0, len(variants), chunk):
-        part, part_caps = variants[start : start + chunk], caps[start : start + chunk]
-        tokens.extend(greedy_decode(model, state, part, max_new_tokens, stop_ids,
-                                    prepare=lambda cache, p=part, c=part_caps: attach(cache, state, p, policy, c)))
-        logprobs = forced_logprobs(model, state, part, policy, part_caps, reference.tokens)
-        quality.extend(fidelity(reference.logprobs, logprobs, reference.tokens))
+    for start in range(0, len(variants), batch_size):
+        part = slice(start, start + batch_size)
+        got, fid = _decode_and_force(model, state, variants[part], policies[part], caps[part], reference,
+                                     max_new_tokens, set(int(t) for t in stop_ids))
+        tokens.extend(got)
+        quality.extend(fid)
     return tokens, quality
+
+
+@torch.inference_mode()
+def _decode_and_force(model, state, variants, policies, caps, reference, max_new_tokens, stop):
+    """Rows 0..V-1 decode greedily, rows V..2V-1 are fed the reference answer; KL and agreement are summed per
+    step (never a [V, T, vocab] tensor). A row leaves the batch when its answer ends."""
+    count = len(variants)
+    cache = build_cache(state, variants + variants)
+    attach(cache, state, variants + variants, policies + policies, caps + caps)
+    answer = [int(t) for t in reference.tokens]
+    first = int(state.last_logits.argmax())
+    outputs = [[first] for _ in range(count)]
+    first_lp = torch.log_softmax(state.last_logits.float(), -1)
+    kl = [_kl(reference.logprobs[0], first_lp)] * count
+    agree = [float(first == answer[0])] * count
+    # row r of the batch: greedy variant r (r < count) or forced variant r - count
+    active = ([r for r in range(count) if first not in stop and max_new_tokens > 1]
+              + [count + v for v in range(count) if len(answer) > 1])
+    if len(active) < 2 * count:
+        cache.select_variants(torch.tensor(active, dtype=torch.long, device=state.device))
+    step = 1
+    while active:
+        fed = [outputs[r][-1] if r < count else answer[step - 1] for r in active]
+        tensor = torch.tensor(fed, dtype=torch.long, device=state.device)[:, None]
+        logits = forward_tokens(model, cache, tensor, state.length + step - 1, logits_to_keep=1)[:, -1]
+        keep = []
+        for index, r in enumerate(active):
+            if r < count:
+                token = int(logits[index].argmax())
+                outputs[r].append(token)
+                done = token in stop or step + 1 >= max_new_tokens
+            else:
+                row = torch.log_softmax(logits[index], -1)
+                kl[r - count] += _kl(reference.logprobs[step], row)
+                agree[r - count] += float(int(row.argmax()) == answer[step])
+                done = step + 1 >= len(answer)
+            if not done:
+                keep.append(index)
+        step += 1
+        if len(keep) < len(active):
+            active = [active[i] for i in keep]
+            if active:
+                cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device))
+    return outputs, [Fidelity(k / len(answer), a / len(answer)) for k, a in zip(kl, agree)]
+
+
+def _kl(clean: torch.Tensor, perturbed: torch.Tensor) -> float:
+    """KL(clean || perturbed) of one position, as `decode.kl_per_variant` (clamped at 0 against rounding)."""
+    return float(kl_per_variant(clean[None], perturbed[None]))

@@ -34,11 +34,12 @@ class StepView:
     capacity: torch.Tensor  # [V, H] long: entries each head keeps
     seen: int  # queries run so far: prompt length + tokens fed
     evictor: LayerEvictor
+    rows: torch.Tensor | None = None  # the evictor's variants this view covers (None: all of them)
 
     def recent_attention(self, window: int) -> torch.Tensor:
         """Attention [V, H, group, w, S] of the last `window` queries (prompt window, then decoded) over the
         held slots, each query seeing only slots at or before its position."""
-        return self.evictor.recent_attention(window, self.held, self.positions)
+        return self.evictor.recent_attention(window, self.held, self.positions, self.rows)
 
 
 class DecodePolicy(Protocol):
@@ -59,6 +60,10 @@ class DecodePolicy(Protocol):
         ...
 
 
+def _rows(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return tensor if rows is None else tensor.index_select(0, rows)
+
+
 def recent_rank(held: torch.Tensor) -> torch.Tensor:
     """For each slot, how many held slots come after it (0 = the newest held entry)."""
     held = held.long()
@@ -72,9 +77,13 @@ def first_rank(held: torch.Tensor) -> torch.Tensor:
 
 
 class LayerEvictor:
-    """One layer's eviction state for the variants of a cache (rows follow `CompressedLayer`'s variants)."""
+    """One layer's eviction state for the variants of a cache (rows follow `CompressedLayer`'s variants).
 
-    def __init__(self, policy: DecodePolicy, state, layer_idx: int, layer, chosen: list[LayerEntries], capacity):
+    `policies[v]` is variant v's policy: variants of different methods decode in one batch, each group of
+    rows that shares a policy scored by it alone."""
+
+    def __init__(self, policies: list[DecodePolicy], state, layer_idx: int, layer, chosen: list[LayerEntries],
+                 capacity):
         if any(entry.log_weights is not None for entry in chosen):
             raise ValueError("decoding under a total budget keeps tokens only; merged prototypes cannot be evicted")
         width = layer.prompt_keys.shape[2]
@@ -84,13 +93,16 @@ class LayerEvictor:
         slots = torch.arange(width, device=device)
         self.held = torch.stack([slots[None, :] < e.counts[:, None] for e in chosen])
         self.capacity = torch.as_tensor(np.asarray(capacity), dtype=torch.long, device=device)
-        self.policy = policy
-        self.scores = policy.initial(state, layer_idx, self.positions, self.held).float()
+        self.policies = list(dict.fromkeys(policies))
+        self.group = torch.tensor([self.policies.index(p) for p in policies], dtype=torch.long, device=device)
+        self._grouped = None
+        self.scores = self.in_order([policy.initial(state, layer_idx, _rows(self.positions, rows),
+                                                    _rows(self.held, rows)).float() for policy, rows in self.grouped()])
         self.original_length = state.length
         self.step = 0
         self.scaling = state.scaling
         self.layer = layer
-        window = policy.query_window
+        self.query_window = window = max(policy.query_window for policy in self.policies)
         if window:
             queries = state.window_queries[layer_idx][:, -window:]
             self.queries = queries[None].expand(len(chosen), -1, -1, -1)
@@ -107,22 +119,38 @@ class LayerEvictor:
         self.layer.prompt_bias = torch.where(self.held[..., :width], zero, minus)
         self.layer.decoded_bias = torch.where(self.held[..., width:], zero, minus)
 
+    def grouped(self) -> list[tuple[DecodePolicy, torch.Tensor | None]]:
+        """(policy, its rows) for every policy still in the batch; rows None when one policy has them all."""
+        if self._grouped is None:
+            present = torch.unique(self.group).tolist()
+            self._grouped = ([(self.policies[present[0]], None)] if len(present) == 1 else
+                             [(self.policies[g], (self.group == g).nonzero().flatten()) for g in present])
+        return self._grouped
+
+    def in_order(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-group results (in `grouped`'s order) as one tensor in variant order."""
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts).index_select(0, torch.argsort(self.group, stable=True).argsort())
+
     def select(self, index: torch.Tensor) -> None:
-        for name in ("positions", "held", "capacity", "scores", "queries"):
+        for name in ("positions", "held", "capacity", "scores", "queries", "group"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, index))
+        self._grouped = None
 
-    def recent_attention(self, window: int, held, positions) -> torch.Tensor:
-        queries = self.queries[:, :, -window:].float()  # [V, H_q, w, d]
+    def recent_attention(self, window: int, held, positions, rows=None) -> torch.Tensor:
+        queries = _rows(self.queries, rows)[:, :, -window:].float()  # [V, H_q, w, d]
         query_positions = self.query_positions[-window:]
         window = queries.shape[2]  # fewer than asked while the prompt and the answer so far are shorter
         layer = self.layer
-        keys = torch.cat([layer.prompt_keys.expand(held.shape[0], -1, -1, -1), layer.keys], dim=2).float()
+        prompt = layer.prompt_keys if layer.prompt_keys.shape[0] == 1 else _rows(layer.prompt_keys, rows)
+        keys = torch.cat([prompt.expand(held.shape[0], -1, -1, -1), _rows(layer.keys, rows)], dim=2).float()
         variants, heads, slots = held.shape
         group = queries.shape[1] // heads
-        rows = queries.reshape(variants, heads, group * window, -1)
-        logits = torch.matmul(rows, keys.transpose(-1, -2)) * self.scaling  # [V, H, g*w, S]
+        query_rows = queries.reshape(variants, heads, group * window, -1)
+        logits = torch.matmul(query_rows, keys.transpose(-1, -2)) * self.scaling  # [V, H, g*w, S]
         logits = logits.view(variants, heads, group, window, slots)
         visible = held[:, :, None, None, :] & (positions[:, :, None, None, :] <= query_positions[:, None])
         return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
@@ -139,14 +167,19 @@ class LayerEvictor:
         self.positions = torch.cat([self.positions, torch.full((variants, heads, 1), position, device=device)], -1)
         self.scores = torch.cat([self.scores, torch.zeros(variants, heads, 1, device=device)], -1)
         if self.queries is not None:
-            self.queries = torch.cat([self.queries, query], dim=2)[:, :, -self.policy.query_window :]
+            self.queries = torch.cat([self.queries, query], dim=2)[:, :, -self.query_window :]
             self.query_positions = torch.cat([self.query_positions, torch.tensor([position], device=device)])
-            self.query_positions = self.query_positions[-self.policy.query_window :]
-        view = StepView(self.step, weights.float(), self.held, self.positions, self.scores, self.capacity,
-                        position + 1, self)
-        self.scores = self.policy.update(view).float()
-        view.scores = self.scores
-        candidates = self.held & ~self.policy.protected(view)
+            self.query_positions = self.query_positions[-self.query_window :]
+        weights = weights.float()
+        updated, protected = [], []
+        for policy, rows in self.grouped():
+            view = StepView(self.step, _rows(weights, rows), _rows(self.held, rows), _rows(self.positions, rows),
+                            _rows(self.scores, rows), _rows(self.capacity, rows), position + 1, self, rows)
+            view.scores = policy.update(view).float()
+            updated.append(view.scores)
+            protected.append(policy.protected(view))
+        self.scores, protected = self.in_order(updated), self.in_order(protected)
+        candidates = self.held & ~protected
         candidates = torch.where(candidates.any(-1, keepdim=True), candidates, self.held)
         # Candidates rank below every other slot even when a candidate's score is +inf (not scored yet).
         ranked = torch.where(candidates, self.scores.clamp(max=3e38), torch.tensor(float("inf"), device=device))
@@ -197,8 +230,11 @@ def peak_entries(counts: np.ndarray, fed: int, capacity: np.ndarray | None = Non
     return round(float(held.mean()), 3)
 
 
-def attach(cache, state, variants: list[list[LayerEntries]], policy: DecodePolicy, caps: list[np.ndarray]) -> None:
-    """Give every layer of `cache` (built from `variants`) an evictor; `caps[v]` is variant v's [L, H] capacity."""
+def attach(cache, state, variants: list[list[LayerEntries]], policy: DecodePolicy | list[DecodePolicy],
+           caps: list[np.ndarray]) -> None:
+    """Give every layer of `cache` (built from `variants`) an evictor; `caps[v]` is variant v's [L, H] capacity.
+    `policy`: one for every variant, or a list with variant v's policy at v."""
+    policies = list(policy) if isinstance(policy, (list, tuple)) else [policy] * len(variants)
     for layer_idx, layer in enumerate(cache.layers):
         chosen = [variant[layer_idx] for variant in variants]
-        layer.evictor = LayerEvictor(policy, state, layer_idx, layer, chosen, [cap[layer_idx] for cap in caps])
+        layer.evictor = LayerEvictor(policies, state, layer_idx, layer, chosen, [cap[layer_idx] for cap in caps])

@@ -165,22 +165,11 @@ def evaluate_sample(
 
 
 def decode_per_method(model, state, variants, built, caps, reference, max_new_tokens, stops, batch_size, every):
-    """Under a total budget: each method's variants decode together with its own eviction policy; results
-    come back in the order of `variants`."""
+    """Under a total budget: every variant decodes with its own method's eviction policy, all in one batch."""
     from ripplekv.engine.budgeted import decode_in_budget
 
-    tokens: list = [None] * len(variants)
-    quality: list = [None] * len(variants)
-    groups: dict[str, list[int]] = {}
-    for index, (label, _, _) in enumerate(variants):
-        groups.setdefault(label, []).append(index)
-    for indices in groups.values():
-        policy = variants[indices[0]][2].decode_policy(every)
-        got, fid = decode_in_budget(model, state, [built[i] for i in indices], policy, [caps[i] for i in indices],
-                                    reference, max_new_tokens, stops, batch_size)
-        for i, t, f in zip(indices, got, fid):
-            tokens[i], quality[i] = t, f
-    return tokens, quality
+    policies = [method.decode_policy(every) for _, _, method in variants]
+    return decode_in_budget(model, state, built, policies, caps, reference, max_new_tokens, stops, batch_size)
 
 
 def prefill(model, ids, needs: Requirements, reserve: int = 0):
