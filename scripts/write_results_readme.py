@@ -135,6 +135,12 @@ def route_lines(out: Path) -> list[str]:
     ]
 
 
+def max_new_tokens(tasks: list[str]) -> int:
+    from ripplekv.tasks import get_tasks
+
+    return max(task.max_new_tokens for task in get_tasks("offline", tasks))
+
+
 def long_lines(out: Path) -> list[str]:
     """The long-answer section: each method at prompt and total decode budgets (when the run made both)."""
     modes = ("prompt", "total")
@@ -160,7 +166,7 @@ def long_lines(out: Path) -> list[str]:
         "",
         "## Long answers under decode budgets",
         "",
-        f"Task(s) {', '.join(tasks)} (answers of 100-200 tokens). `prompt`: B counts prompt entries and decoded tokens "
+        f"Task(s) {', '.join(tasks)} (up to {max_new_tokens(tasks)} new tokens). `prompt`: B counts prompt entries and decoded tokens "
         "are added on top; `total`: prompt entries + decoded tokens stay at B per layer and KV head at every step, each "
         "method evicting by its own scores. `peak`: the most entries a head held after a step, mean over layers and KV "
         "heads (the full cache's is its prompt plus its answer). Score: ROUGE-L x 100; KL to the full cache along its "
