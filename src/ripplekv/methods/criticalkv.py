@@ -31,12 +31,15 @@ def projected_value_norms(state, layer: int) -> torch.Tensor:
             raise UserError("this scorer needs the model's output projection: prefill with the model")
         weight = adapter.output_projection(state.model, layer).to(state.device)  # [H_q, d, hidden]
         values = state.values[layer].float()  # [H_kv, n, d]
-        kv_heads, group = values.shape[0], weight.shape[0] // values.shape[0]
-        norms = torch.stack([
-            torch.stack([(values[h] @ weight[h * group + g]).abs().sum(-1) for g in range(group)]).mean(0)
-            for h in range(kv_heads)
-        ])
-        state.scores[key] = norms
+        kv_heads, length, dim = values.shape
+        weight = weight.view(kv_heads, weight.shape[0] // kv_heads, dim, -1)  # [H_kv, group, d, hidden]
+        # All heads at once, `rows` entries at a time (bounds the [H_kv, group, rows, hidden] product);
+        # abs_ in place: no second copy of it
+        rows = 1024
+        state.scores[key] = torch.cat([
+            torch.matmul(values[:, None, start : start + rows], weight).abs_().sum(-1).mean(1)
+            for start in range(0, length, rows)
+        ], dim=1)
     return state.scores[key]
 
 
