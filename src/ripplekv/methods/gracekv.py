@@ -35,7 +35,16 @@ from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import options_of
 from ripplekv.methods.budgets import check_budget
-from ripplekv.methods.gracekv_trees import GraceKVOptions, Layout, RopeTable, layer_gains, layer_trees, layout
+from ripplekv.methods.gracekv_trees import (
+    GraceKVOptions,
+    Layout,
+    RopeTable,
+    Sums,
+    layer_gains,
+    layer_trees,
+    layout,
+    prototypes,
+)
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,11 @@ def _build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
 
 def layer_entries(state, layer: int, plan: Layout, opts: GraceKVOptions, rope: RopeTable,
                   chosen: list[torch.Tensor]) -> entries.LayerEntries:
-    """Sinks, singletons, the tree nodes that are present and not split, and the window, in position order."""
+    """Sinks, singletons, the tree nodes that are present and not split, and the window, in position order.
+
+    Prototypes are computed for the nodes that end up in the entries only (a prototype depends on its
+    node's sums alone): every candidate's sums are laid side by side and the kept ones taken by position.
+    """
     trees = layer_trees(state, layer, plan, rope)
     keys, values = state.keys[layer], state.values[layer]
     heads, n = keys.shape[0], keys.shape[1]
@@ -177,28 +190,29 @@ def layer_entries(state, layer: int, plan: Layout, opts: GraceKVOptions, rope: R
         torch.arange(n - plan.window, n, device=keys.device).expand(heads, -1),
     ], dim=1)
     rows = torch.arange(heads, device=keys.device)[:, None]
-    parts_k, parts_v = [keys[rows, exact].float()], [values[rows, exact].float()]
-    parts_w, parts_p = [torch.zeros(exact.shape, device=keys.device)], [exact]
+    exact_keys, exact_values = keys[rows, exact].float(), values[rows, exact].float()
+    zeros = torch.zeros(exact.shape, device=keys.device)
+    parts = [Sums(torch.ones(exact.shape, device=keys.device), exact_keys, exact_keys, zeros, exact.to(zeros.dtype),
+                  zeros, exact_values, exact_values)]  # one-token nodes: their prototype is the token itself
     parts_keep = [torch.ones(exact.shape, dtype=torch.bool, device=keys.device)]
     present = chosen[0]  # roots added
-    for level, nodes in enumerate(trees.levels(rope, opts.beta, plan.depth)):
+    for level, sums in enumerate(trees.sums(plan.depth)):
         split = chosen[level + 1] if level < plan.depth else torch.zeros_like(present)
-        parts_k.append(nodes.keys)
-        parts_v.append(nodes.values)
-        parts_w.append(nodes.log_weights)
-        parts_p.append(nodes.positions)
+        parts.append(sums)
         parts_keep.append(present & ~split)
         present = split.repeat_interleave(2, dim=1)
     keep = torch.cat(parts_keep, 1)
-    positions = torch.cat(parts_p, 1)
+    candidates = Sums.cat(parts)
+    positions = torch.round(candidates.positions / candidates.count.clamp(min=1)).long()  # as `prototypes` rounds
     counts = keep.sum(-1)
     longest = int(counts.max())
     order = torch.argsort(torch.where(keep, positions, n), dim=-1, stable=True)[:, :longest]
+    nodes = prototypes(rope, candidates.take(order), opts.beta)
     valid = torch.arange(longest, device=keys.device)[None, :] < counts[:, None]
     return entries.LayerEntries(
-        keys=torch.cat(parts_k, 1)[rows, order].to(keys.dtype),
-        values=torch.cat(parts_v, 1)[rows, order].to(values.dtype),
+        keys=nodes.keys.to(keys.dtype),
+        values=nodes.values.to(values.dtype),
         positions=positions.gather(1, order).masked_fill(~valid, -1),
         counts=counts,
-        log_weights=torch.cat(parts_w, 1).gather(1, order).masked_fill(~valid, 0.0).float(),
+        log_weights=nodes.log_weights.masked_fill(~valid, 0.0).float(),
     )

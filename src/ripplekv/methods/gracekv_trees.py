@@ -120,11 +120,14 @@ def unrotate(rope: RopeTable, keys, positions):
     return adapter.invert_rope(keys, *rope.at(positions))
 
 
+FIELDS = ("keys", "unrotated", "norms", "positions", "relevance", "values", "weighted_values")
+
+
 @dataclass
 class Sums:
     """Per-node sums over the real tokens of one tree level: a parent's sums are its two children's."""
 
-    count: torch.Tensor  # [S]
+    count: torch.Tensor  # [S], or [H, S] for nodes taken per head
     keys: torch.Tensor  # [H, S, d]
     unrotated: torch.Tensor  # [H, S, d] keys before RoPE
     norms: torch.Tensor  # [H, S] of the un-rotated keys
@@ -143,12 +146,26 @@ class Sums:
     def group(self, size: int) -> Sums:
         """Sums over consecutive groups of `size` nodes (2: the level above)."""
 
-        def seg(x):
+        def seg(x):  # pairs add as a + b (what a sum over a size-2 axis gives), without the reduction's cost
+            if size == 2:
+                return x[..., 0::2, :] + x[..., 1::2, :] if x.dim() == 3 else x[..., 0::2] + x[..., 1::2]
             return x.reshape(*x.shape[:-2], -1, size, x.shape[-1]).sum(-2) if x.dim() == 3 else \
                 x.reshape(*x.shape[:-1], -1, size).sum(-1)
 
-        return Sums(self.count.reshape(-1, size).sum(-1), *(seg(getattr(self, name)) for name in (
-            "keys", "unrotated", "norms", "positions", "relevance", "values", "weighted_values")))
+        return Sums(seg(self.count), *(seg(getattr(self, name)) for name in FIELDS))
+
+    def take(self, index: torch.Tensor) -> Sums:
+        """The sums of nodes `index` [H, K] of every head (count becomes [H, K])."""
+        count = self.count.expand_as(self.relevance).gather(1, index)
+        return Sums(count, *(getattr(self, name).gather(1, index[..., None].expand(-1, -1, getattr(self, name).shape[-1]))
+                             if getattr(self, name).dim() == 3 else getattr(self, name).gather(1, index)
+                             for name in FIELDS))
+
+    @classmethod
+    def cat(cls, parts: list[Sums]) -> Sums:
+        """Nodes of several levels side by side (count [H, S] per part)."""
+        return cls(torch.cat([part.count.expand_as(part.relevance) for part in parts], 1),
+                   *(torch.cat([getattr(part, name) for part in parts], 1) for name in FIELDS))
 
 
 def prototypes(rope: RopeTable, sums: Sums, beta: float) -> Nodes:
@@ -159,7 +176,7 @@ def prototypes(rope: RopeTable, sums: Sums, beta: float) -> Nodes:
         zeros = torch.zeros_like(sums.relevance)
         return Nodes(count, sums.keys, sums.values, zeros, sums.positions.round().long(), sums.relevance)
     safe = count.clamp(min=1)
-    mean_key = sums.unrotated / safe[:, None]
+    mean_key = sums.unrotated / safe[..., None]
     coherence = mean_key.norm(dim=-1) / (sums.norms / safe).clamp(min=TINY)
     m_eff = torch.minimum(torch.maximum(count * coherence**2, torch.ones_like(coherence)), count.expand_as(coherence))
     mean_position = torch.round(sums.positions / safe).long()
@@ -167,13 +184,13 @@ def prototypes(rope: RopeTable, sums: Sums, beta: float) -> Nodes:
     shift = beta * sums.relevance / safe  # weights R + beta, beta = beta x mean R over the node
     weight = sums.relevance + shift * count
     weighted = (sums.weighted_values + shift[..., None] * sums.values) / weight.clamp(min=TINY)[..., None]
-    proto_values = torch.where((weight > 0)[..., None], weighted, sums.values / safe[:, None])
-    exact = (~many)[None, :, None]
+    proto_values = torch.where((weight > 0)[..., None], weighted, sums.values / safe[..., None])
+    exact = (~many)[..., None]
     return Nodes(
         count=count,
         keys=torch.where(exact, sums.keys, proto_keys),
         values=torch.where(exact, sums.values, proto_values),
-        log_weights=torch.where(many[None], torch.log(m_eff.clamp(min=1)), torch.zeros_like(m_eff)),
+        log_weights=torch.where(many, torch.log(m_eff.clamp(min=1)), torch.zeros_like(m_eff)),
         positions=mean_position,
         relevance=sums.relevance,
     )
@@ -224,13 +241,18 @@ class LayerTrees:
     singles: torch.Tensor  # [H, f] positions of the exact top-R tokens
     has: torch.Tensor  # [P] bool: a padded position holds a token
 
-    def levels(self, rope: RopeTable, beta: float, depth: int, tokens: bool = True) -> list[Nodes]:
-        """Prototypes of every tree level, root level first (`depth` levels, + the tokens' level if `tokens`)."""
+    def sums(self, depth: int) -> list[Sums]:
+        """The sums of every tree level, root level first (`depth` levels, then the tokens' level)."""
         sums = [Sums.of_tokens(self.padded_keys, self.unrotated, self.padded_values, self.positions, self.relevance,
                                self.has)]
         for _ in range(depth):
             sums.append(sums[-1].group(2))
-        return [prototypes(rope, level, beta) for level in reversed(sums[0 if tokens else 1 :])]
+        return sums[::-1]
+
+    def levels(self, rope: RopeTable, beta: float, depth: int, tokens: bool = True) -> list[Nodes]:
+        """Prototypes of every tree level, root level first (`depth` levels, + the tokens' level if `tokens`)."""
+        sums = self.sums(depth)
+        return [prototypes(rope, level, beta) for level in sums[: None if tokens else depth]]
 
 
 def layer_trees(state: PrefillState, layer: int, plan: Layout, rope: RopeTable) -> LayerTrees:
@@ -246,8 +268,8 @@ def layer_trees(state: PrefillState, layer: int, plan: Layout, rope: RopeTable) 
     index = rest[:, token.to(rest.device)]  # [H, P]
     positions = index + plan.sinks
     rows = torch.arange(heads, device=keys.device)[:, None]
-    padded_keys = keys[rows, positions]
-    return LayerTrees(padded_keys, unrotate(rope, padded_keys, positions), values[rows, positions], positions,
+    unrotated = adapter.invert_rope(keys, rope.cos[: keys.shape[1]], rope.sin[: keys.shape[1]])  # each at its own position
+    return LayerTrees(keys[rows, positions], unrotated[rows, positions], values[rows, positions], positions,
                       relevance[rows, index], torch.sort(singles, dim=-1).values + plan.sinks, has.to(keys.device))
 
 
