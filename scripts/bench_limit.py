@@ -6,8 +6,9 @@ every method x budget, divergence decoding, fidelity). The line `eval/prefill X.
 summed times. With --compare-plain the sample is also evaluated with plain decoding (every variant decoded
 whole, the pre-divergence path) and the share of identical predictions is printed, with its time ratio.
 
-Default: the reproduce configuration (configs/reproduce.env: 14 methods x 4 budgets, 3.5k tokens) with the
-committed results/ allocation, DepthKV allocation and route.
+Default: the 14 methods reproduce ran before the 2025-26 ones (53 variants: x 4 budgets, 3.5k tokens; today's
+configs/reproduce.env has 21, pass them with --methods) with the committed results/ allocation, DepthKV
+allocation and route.
 
     .venv/bin/python scripts/bench_limit.py [--tasks hotpotqa,niah] [--limit 1] [--compare-plain]
 """
