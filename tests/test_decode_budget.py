@@ -9,8 +9,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ripplekv.engine.budgeted import decode_in_budget, forced_logprobs
-from ripplekv.engine.decode import full_reference, greedy_decode
+from ripplekv.engine.budgeted import decode_in_budget
+from ripplekv.engine.cache import build_cache
+from ripplekv.engine.decode import forward_tokens, full_reference, greedy_decode
 from ripplekv.engine.evict import attach, capacities, peak_entries
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
@@ -23,6 +24,21 @@ DECODING = ("snapkv", "pyramidkv", "adakv", "ripplekv", "streamingllm", "h2o", "
 
 def prompt(length, vocab=101, seed=1):
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def forced_logprobs(model, state, variants, policy, caps, tokens, on_step=None) -> torch.Tensor:
+    """Log-probs [V, T, vocab] along `tokens`, fed one per step through evicting caches of these variants alone
+    (what `decode_in_budget`'s forced rows must equal); `on_step(cache, step)` sees the cache after each step."""
+    cache = build_cache(state, variants)
+    attach(cache, state, variants, policy, caps)
+    rows = [torch.log_softmax(state.last_logits, -1)[None].expand(cache.num_variants, -1)]
+    for step, token in enumerate(tokens[:-1]):
+        fed = torch.full((cache.num_variants, 1), int(token), dtype=torch.long, device=state.device)
+        rows.append(torch.log_softmax(forward_tokens(model, cache, fed, state.length + step, logits_to_keep=1)[:, -1], -1))
+        if on_step is not None:
+            on_step(cache, step + 1)
+    return torch.stack(rows, dim=1)
 
 
 def decode_keeping(model, state, built, policy, caps, steps):

@@ -16,25 +16,8 @@ import torch
 
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import Fidelity, Reference, forward_tokens, kl_per_variant
-from ripplekv.engine.evict import DecodePolicy, attach
+from ripplekv.engine.evict import DecodePolicy, attach, per_variant
 from ripplekv.engine.prefill import PrefillState
-
-
-@torch.inference_mode()
-def forced_logprobs(model, state: PrefillState, variants: list, policy: DecodePolicy, caps: list[np.ndarray],
-                    tokens: list[int], on_step=None) -> torch.Tensor:
-    """Log-probs [V, T, vocab] along `tokens`, fed one per step through evicting caches.
-
-    `on_step(cache, step)` (tests) sees the cache after each step's eviction."""
-    cache = build_cache(state, variants)
-    attach(cache, state, variants, policy, caps)
-    rows = [torch.log_softmax(state.last_logits, -1)[None].expand(cache.num_variants, -1)]
-    for step, token in enumerate(tokens[:-1]):
-        fed = torch.full((cache.num_variants, 1), int(token), dtype=torch.long, device=state.device)
-        rows.append(torch.log_softmax(forward_tokens(model, cache, fed, state.length + step, logits_to_keep=1)[:, -1], -1))
-        if on_step is not None:
-            on_step(cache, step + 1)
-    return torch.stack(rows, dim=1)
 
 
 def decode_in_budget(model, state: PrefillState, variants: list, policy: DecodePolicy | list[DecodePolicy],
@@ -45,7 +28,7 @@ def decode_in_budget(model, state: PrefillState, variants: list, policy: DecodeP
     `policy`: one for all, or variant v's at v (several methods decode in one batch). Each variant runs twice in
     the same batch, one row decoding greedily and one fed the full answer (its fidelity), `batch_size`
     variants at a time; both evict exactly as decoding alone would."""
-    policies = list(policy) if isinstance(policy, (list, tuple)) else [policy] * len(variants)
+    policies = per_variant(policy, len(variants))
     tokens: list[list[int]] = []
     quality: list[Fidelity] = []
     for start in range(0, len(variants), batch_size):

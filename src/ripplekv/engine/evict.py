@@ -95,7 +95,7 @@ class LayerEvictor:
         self.capacity = torch.as_tensor(np.asarray(capacity), dtype=torch.long, device=device)
         self.policies = list(dict.fromkeys(policies))
         self.group = torch.tensor([self.policies.index(p) for p in policies], dtype=torch.long, device=device)
-        self._grouped = None
+        self._grouped, self._order = None, None
         self.scores = self.in_order([policy.initial(state, layer_idx, _rows(self.positions, rows),
                                                     _rows(self.held, rows)).float() for policy, rows in self.grouped()])
         self.original_length = state.length
@@ -125,13 +125,14 @@ class LayerEvictor:
             present = torch.unique(self.group).tolist()
             self._grouped = ([(self.policies[present[0]], None)] if len(present) == 1 else
                              [(self.policies[g], (self.group == g).nonzero().flatten()) for g in present])
+            self._order = torch.argsort(self.group, stable=True).argsort()  # group-by-group rows -> variant order
         return self._grouped
 
     def in_order(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Per-group results (in `grouped`'s order) as one tensor in variant order."""
         if len(parts) == 1:
             return parts[0]
-        return torch.cat(parts).index_select(0, torch.argsort(self.group, stable=True).argsort())
+        return torch.cat(parts).index_select(0, self._order)
 
     def select(self, index: torch.Tensor) -> None:
         for name in ("positions", "held", "capacity", "scores", "queries", "group"):
@@ -230,11 +231,16 @@ def peak_entries(counts: np.ndarray, fed: int, capacity: np.ndarray | None = Non
     return round(float(held.mean()), 3)
 
 
+def per_variant(policy: DecodePolicy | list[DecodePolicy], count: int) -> list[DecodePolicy]:
+    """`policy` for each of `count` variants: one shared by all, or a list already per variant."""
+    return list(policy) if isinstance(policy, (list, tuple)) else [policy] * count
+
+
 def attach(cache, state, variants: list[list[LayerEntries]], policy: DecodePolicy | list[DecodePolicy],
            caps: list[np.ndarray]) -> None:
     """Give every layer of `cache` (built from `variants`) an evictor; `caps[v]` is variant v's [L, H] capacity.
     `policy`: one for every variant, or a list with variant v's policy at v."""
-    policies = list(policy) if isinstance(policy, (list, tuple)) else [policy] * len(variants)
+    policies = per_variant(policy, len(variants))
     for layer_idx, layer in enumerate(cache.layers):
         chosen = [variant[layer_idx] for variant in variants]
         layer.evictor = LayerEvictor(policies, state, layer_idx, layer, chosen, [cap[layer_idx] for cap in caps])
