@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import torch.nn.functional as F
 
 from ripplekv.methods.base import check_positive, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
@@ -29,10 +29,6 @@ class KeyDiffScorer(WindowScorer):
         key = ("keydiff", layer)  # of every entry, cut to the prefix below: the window does not change them
         if key not in state.scores:
             keys = state.keys[layer].float()  # [H_kv, n, d]
-            # F.cosine_similarity(keys, anchor) step by step, as torch computes it, with the keys' norms
-            # shared with F.normalize's (it would expand the anchor to [H_kv, n, d] and take its norm n times)
-            norms = torch.linalg.vector_norm(keys, dim=-1, keepdim=True)
-            anchor = (keys / norms.clamp_min(1e-12)).mean(1, keepdim=True)  # F.normalize's eps
-            unit_anchor = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(1e-8)
-            state.scores[key] = -((keys / norms.clamp_min(1e-8)) * unit_anchor).sum(-1)  # the cosine's eps
+            anchor = F.normalize(keys, dim=-1).mean(1, keepdim=True)
+            state.scores[key] = -F.cosine_similarity(keys, anchor, dim=-1)
         return state.scores[key][:, : state.length - min(self.window, state.length)]
