@@ -58,3 +58,21 @@ def test_a_small_memory_bound_splits_the_batch_without_changing_tokens(tmp_path)
     assert whole.decoded > 1 and whole.batches == 1
     assert split.batches == split.decoded  # one variant per batch
     assert split.tokens == whole.tokens == greedy_decode(tiny_model, state, built, 10)
+
+
+def test_decoding_groups_split_off_long_caches_when_padding_costs_more_than_a_forward():
+    from ripplekv.engine.divergence import decoding_groups
+
+    layers, short, long = 30, 64, 2000
+    lengths = [[short] * layers] * 10 + [[long] * layers] * 2
+    lengths = [lengths[i] for i in (3, 10, 0, 1, 2, 11, 4, 5, 6, 7, 8, 9)]  # given in any order
+    remaining = [30] * len(lengths)
+    groups = decoding_groups(lengths, remaining, [1] * layers, 0, memory_bytes=2**40)
+    assert sorted(i for g in groups for i in g) == list(range(12))
+    assert sorted(sorted(lengths[i][0] for i in g) for g in groups) == [[short] * 10, [long] * 2]
+    # Equal lengths pad nothing: one forward a step for all of them.
+    assert decoding_groups([[short] * layers] * 12, remaining, [1] * layers, 0, memory_bytes=2**40) == [list(range(12))]
+    # A memory bound caps every group (k variants x padded entries x bytes per entry), one variant always fits.
+    capped = decoding_groups([[short] * layers] * 12, remaining, [1] * layers, 0, memory_bytes=short * layers * 5)
+    assert max(len(g) for g in capped) <= 5 and sum(len(g) for g in capped) == 12
+    assert decoding_groups([[long] * layers] * 3, [30] * 3, [1] * layers, 0, memory_bytes=1) == [[0], [1], [2]]

@@ -192,39 +192,57 @@ def build_cache(state, variants: list[list[LayerEntries]] | None, num_variants: 
     return CompressedCache(layers, count)
 
 
-def concat_caches(caches: list[CompressedCache]) -> CompressedCache:
-    """One cache holding the variants of several (same prompt, same decoded length), so they decode as one
-    batch: prompt entries padded to the longest (padding gets bias -inf, hence zero weight)."""
-    if len(caches) == 1:
-        return caches[0]
+def gather_rows(caches: list[CompressedCache], rows: list[tuple[int, int]], lengths: list[int]) -> CompressedCache:
+    """One cache of the variants `rows` ((cache, variant) pairs, in order) of several caches of one prompt
+    with the same decoded tokens, so they decode as one batch: layer l's prompt entries padded (bias -inf,
+    hence zero weight) or cut to `lengths[l]`, which must cover each row's own kept entries (a cache pads
+    its variants at the end, so cutting drops padding only)."""
+    runs: list[tuple[int, list[int]]] = []  # consecutive rows of one cache, gathered by one index_select
+    for owner, local in rows:
+        if runs and runs[-1][0] == owner:
+            runs[-1][1].append(local)
+        else:
+            runs.append((owner, [local]))
     layers = []
-    for parts in zip(*(cache.layers for cache in caches)):
-        counts = [cache.num_variants for cache in caches]
-        longest = max(part.prompt_keys.shape[2] for part in parts)
-        keys, values, bias, hidden = [], [], [], []
-        for part, count in zip(parts, counts):
-            extra = longest - part.prompt_keys.shape[2]
-            pad = torch.nn.functional.pad
-            keys.append(pad(part.prompt_keys, (0, 0, 0, extra)).expand(count, -1, -1, -1))
-            values.append(pad(part.prompt_values, (0, 0, 0, extra)).expand(count, -1, -1, -1))
-            own = part.prompt_bias
-            if own is None:
-                own = torch.zeros(part.prompt_keys.shape[:3], dtype=torch.float32, device=part.prompt_keys.device)
-            bias.append(pad(own, (0, extra), value=float("-inf")).expand(count, -1, -1))
-            if part.hidden is not None:
-                hidden.append(part.hidden)
+    for layer_idx, length in enumerate(lengths):
+        parts = [cache.layers[layer_idx] for cache in caches]
         if any(part.override is not None for part in parts):
-            raise ValueError("caches with a variant override cannot be concatenated")
-        layer = CompressedLayer(torch.cat(keys), torch.cat(values), torch.cat(bias), parts[0].original_length)
-        if parts[0].keys is not None:
-            layer.keys = torch.cat([part.keys for part in parts])
-            layer.values = torch.cat([part.values for part in parts])
+            raise ValueError("caches with a variant override cannot be gathered")
+        heads, dim = parts[0].prompt_keys.shape[1], parts[0].prompt_keys.shape[3]
+        keys = parts[0].prompt_keys.new_zeros(len(rows), heads, length, dim)
+        values = torch.zeros_like(keys)
+        bias = torch.full((len(rows), heads, length), float("-inf"), dtype=torch.float32, device=keys.device)
+        decoded_keys, decoded_values, hidden = [], [], []
+        start = 0
+        for owner, locals_ in runs:
+            part, end = parts[owner], start + len(locals_)
+            index = torch.tensor(locals_, dtype=torch.long, device=keys.device)
+            take = min(length, part.prompt_keys.shape[2])
+            keys[start:end, :, :take] = _rows(part.prompt_keys[:, :, :take], index)
+            values[start:end, :, :take] = _rows(part.prompt_values[:, :, :take], index)
+            bias[start:end, :, :take] = 0.0 if part.prompt_bias is None else _rows(part.prompt_bias[:, :, :take], index)
+            if part.keys is not None:
+                decoded_keys.append(part.keys.index_select(0, index))
+                decoded_values.append(part.values.index_select(0, index))
+            if part.hidden is not None:
+                hidden.append(part.hidden.index_select(0, index))
+            start = end
+        layer = CompressedLayer(keys, values, bias, parts[0].original_length)
+        if decoded_keys:
+            if len(decoded_keys) < len(runs):
+                raise ValueError("every cache gathered must hold the same decoded tokens")
+            layer.keys, layer.values = torch.cat(decoded_keys), torch.cat(decoded_values)
         if hidden:
-            if len(hidden) < len(parts):
-                raise ValueError("every cache concatenated must hide decoded tokens, or none")
+            if len(hidden) < len(runs):
+                raise ValueError("every cache gathered must hide decoded tokens, or none")
             layer.hidden = torch.cat(hidden)
         layers.append(layer)
-    return CompressedCache(layers, sum(cache.num_variants for cache in caches))
+    return CompressedCache(layers, len(rows))
+
+
+def _rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Variants `index` of a per-variant tensor, or of a shared one (first dimension 1)."""
+    return tensor.expand(len(index), *tensor.shape[1:]) if tensor.shape[0] == 1 else tensor.index_select(0, index)
 
 
 def _unsqueeze(bias):

@@ -164,14 +164,22 @@ def full_reference(model, state: PrefillState, max_new_tokens: int, stop_ids: It
 
 
 @torch.inference_mode()
-def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16,
-                     prefix: list[int] | None = None) -> list[Fidelity]:
-    """Fidelity of every variant to the reference, in chunks that bound the log-prob memory."""
+def fidelity_chunks(variants: list, reference: Reference, batch_size: int, prefix: list[int] | None = None) -> list[list[int]]:
+    """The variants' indices in the chunks a teacher-forced pass reads together: at most `batch_size`, and few
+    enough that their log-probs stay under LOGPROB_BYTES; variants of similar kept length side by side, so
+    a chunk pads little (a variant's numbers then do not depend on the order the variants were given in)."""
     per_variant = max(1, (len(reference.tokens) + len(prefix or [])) * int(reference.logprobs.shape[-1]) * 4)
     chunk = max(1, min(batch_size, LOGPROB_BYTES // per_variant))
-    result: list[Fidelity] = []
-    for start in range(0, len(variants), chunk):
-        part = variants[start : start + chunk]
-        logprobs = teacher_forced_logprobs(model, state, part, reference.tokens, prefix=prefix)
-        result.extend(fidelity(reference.logprobs, logprobs, reference.tokens))
+    order = sorted(range(len(variants)), key=lambda i: sum(layer.capacity for layer in variants[i]))
+    return [order[start : start + chunk] for start in range(0, len(order), chunk)]
+
+
+def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16,
+                     prefix: list[int] | None = None) -> list[Fidelity]:
+    """Fidelity of every variant to the reference, in `fidelity_chunks`, in the order of `variants`."""
+    result: list[Fidelity | None] = [None] * len(variants)
+    for picked in fidelity_chunks(variants, reference, batch_size, prefix):
+        logprobs = teacher_forced_logprobs(model, state, [variants[i] for i in picked], reference.tokens, prefix=prefix)
+        for i, one in zip(picked, fidelity(reference.logprobs, logprobs, reference.tokens)):
+            result[i] = one
     return result

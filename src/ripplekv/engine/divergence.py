@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.engine.cache import CompressedCache, CompressedLayer, build_cache, concat_caches
-from ripplekv.engine.decode import LOGPROB_BYTES, Fidelity, Reference, fidelity, forward_tokens
+from ripplekv.engine.cache import CompressedCache, build_cache, gather_rows
+from ripplekv.engine.decode import Fidelity, Reference, fidelity, fidelity_chunks, forward_tokens
 from ripplekv.engine.prefill import PrefillState
 
 # Keep the caches of the variants decoded together under this many bytes (kept entries, decoded tokens,
@@ -74,38 +74,38 @@ def decode_by_divergence(
 ) -> DivergenceResult:
     """Greedy tokens and fidelity of every variant from one teacher-forced pass along the full answer.
 
-    The forced pass runs in chunks of `fidelity_batch` variants (bounded by the log-prob memory, exactly
-    as `decode.measure_fidelity`, so KL and agreement are the same numbers); the variants still running
-    after their divergence are then decoded together in batches bounded by `memory_bytes`.
+    The forced pass runs in the chunks of `decode.fidelity_chunks` (at most `fidelity_batch` variants of
+    similar length, exactly as `decode.measure_fidelity`, so KL and agreement are the same numbers); the
+    variants still running after their divergence are then decoded in the batches `decoding_groups` picks.
     """
     stop = {int(t) for t in stop_ids}
     prefix = list(prefix or [])
     answer = list(reference.tokens)
-    per_variant = max(1, (len(answer) + len(prefix)) * int(reference.logprobs.shape[-1]) * 4)
-    chunk = max(1, min(fidelity_batch, LOGPROB_BYTES // per_variant))
     fed = prefix + answer[:-1]  # what the forced pass reads through each variant's cache
     base = state.length + len(prefix)  # position of the first answer token
-    result = DivergenceResult(tokens=[], fidelity=[])
-    running: list[tuple[int, CompressedCache, list[int]]] = []  # (chunk's first variant, its cache, running rows)
+    result = DivergenceResult(tokens=[None] * len(variants), fidelity=[None] * len(variants))
+    running: list[CompressedCache] = []  # per forced chunk with variants still running: its cache of them
+    rows: list[int] = []  # the running variants, in the order of those caches
     starts: list[int] = []  # per running variant: the position of the token it feeds next
-    for first in range(0, len(variants), chunk):
-        part = variants[first : first + chunk]
-        cache = build_cache(state, part)
+    for picked in fidelity_chunks(variants, reference, fidelity_batch, prefix):
+        cache = build_cache(state, [variants[i] for i in picked])
         logprobs = _forced_logprobs(model, state, cache, fed, len(prefix))
-        result.fidelity.extend(fidelity(reference.logprobs, logprobs, answer))
+        for i, one in zip(picked, fidelity(reference.logprobs, logprobs, answer)):
+            result.fidelity[i] = one
         choices = logprobs.argmax(-1).tolist()  # [V, T]
         del logprobs
         keep, hidden = [], []
-        for row, own in enumerate(choices):
+        for row, (variant, own) in enumerate(zip(picked, choices)):
             split = _divergence(own, answer)
             if split is None:  # agrees everywhere, so it also stops where the full answer stops
-                result.tokens.append(list(answer))
+                result.tokens[variant] = list(answer)
                 continue
             tokens = answer[:split] + [int(own[split])]
-            result.tokens.append(tokens)
+            result.tokens[variant] = tokens
             if tokens[-1] in stop or len(tokens) >= max_new_tokens:
                 continue
             keep.append(row)
+            rows.append(variant)
             starts.append(base + split)
             visible = torch.zeros(len(fed), dtype=torch.float32, device=state.device)
             visible[len(prefix) + split :] = float("-inf")
@@ -115,14 +115,12 @@ def decode_by_divergence(
             mask = torch.stack(hidden)
             for layer in cache.layers:
                 layer.hidden = mask
-            running.append((first, cache, keep))
-    rows = [first + r for first, _, keep in running for r in keep]
+            running.append(cache)
     result.decoded = len(rows)
     if not rows:
         return result
-    caches = [cache for _, cache, _ in running]
-    running.clear()  # the batches below own the caches from here (a merged batch frees its parts)
-    _decode_rows(model, caches, rows, starts, result, max_new_tokens, stop, memory_bytes)
+    lengths = [[layer.capacity for layer in variants[v]] for v in rows]
+    _decode_rows(model, running, rows, starts, result, max_new_tokens, stop, memory_bytes, lengths)
     return result
 
 
@@ -140,38 +138,63 @@ def _forced_logprobs(model, state: PrefillState, cache: CompressedCache, fed: li
     return torch.cat([first, rest], dim=1)
 
 
-def _decode_rows(model, caches, rows, starts, result, max_new_tokens, stop, memory_bytes) -> None:
-    """Greedy decoding of the running variants (`rows`; `caches` hold them in order) in as few batches as
-    `memory_bytes` allows: one batch of every running variant when they fit."""
+def _decode_rows(model, caches, rows, starts, result, max_new_tokens, stop, memory_bytes, lengths) -> None:
+    """Greedy decoding of the running variants (`rows`; `caches` hold them in order; `lengths`: each one's
+    kept entries per layer), in the batches `decoding_groups` picks, each padded to its own longest layers."""
     owners = [(c, local) for c, cache in enumerate(caches) for local in range(cache.num_variants)]
-    padded = [max(cache.layers[i].prompt_keys.shape[2] for cache in caches) for i in range(len(caches[0].layers))]
-    each = variant_bytes(caches[0], max_new_tokens, padded)
-    per_batch = max(1, memory_bytes // max(1, each))
-    for begin in range(0, len(rows), per_batch):
-        picked = range(begin, min(begin + per_batch, len(rows)))
-        if len(picked) == len(rows):
-            batch = concat_caches(caches)
-            caches.clear()
-        else:
-            parts = {}
-            for i in picked:
-                parts.setdefault(owners[i][0], []).append(owners[i][1])
-            batch = concat_caches([_subset(caches[c], locals_) for c, locals_ in parts.items()])
+    remaining = [max_new_tokens - len(result.tokens[v]) for v in rows]
+    layers = len(lengths[0])
+    fixed = variant_bytes(caches[0], max_new_tokens, [0] * layers)
+    per_entry = [variant_bytes(caches[0], 0, [int(i == layer) for i in range(layers)]) - variant_bytes(caches[0], 0, [0] * layers)
+                 for layer in range(layers)]
+    for picked in decoding_groups(lengths, remaining, per_entry, fixed, memory_bytes):
+        padded = [max(lengths[i][layer] for i in picked) for layer in range(len(lengths[0]))]
+        batch = gather_rows(caches, [owners[i] for i in picked], padded)
         result.batches += 1
         _greedy_rows(model, batch, [rows[i] for i in picked], [starts[i] for i in picked], result,
                      max_new_tokens, stop)
+        del batch
 
 
-def _subset(cache: CompressedCache, picked: list[int]) -> CompressedCache:
-    """A new cache of some variants of `cache`, which stays whole."""
-    index = torch.tensor(picked, dtype=torch.long, device=cache.layers[0].prompt_keys.device)
-    layers = []
-    for layer in cache.layers:
-        one = CompressedLayer(layer.prompt_keys, layer.prompt_values, layer.prompt_bias, layer.original_length)
-        one.keys, one.values, one.hidden = layer.keys, layer.values, layer.hidden
-        one.batch_select_indices(index)
-        layers.append(one)
-    return CompressedCache(layers, len(picked))
+# Cost of one decoding step on a 2-core CPU (scripts/bench_batch.py, bundled model, milliseconds): a fixed
+# part per forward (reading every weight), a part per variant (its linear layers), and a part per variant and
+# prompt entry it attends to, summed over layers, padding included (memory-bound attention).
+STEP_MS, VARIANT_MS, ENTRY_MS = 100.0, 5.0, 3.1e-4
+
+
+def decoding_groups(lengths: list[list[int]], remaining: list[int], entry_bytes: list[int], fixed_bytes: int,
+                    memory_bytes: int) -> list[list[int]]:
+    """Split running variants into decoding batches at the least modelled cost.
+
+    One batch pays one forward per step but pads every variant to the longest kept layer of any; more
+    batches pad less and pay more forwards. Variants are ordered by their total kept length and cut into
+    contiguous groups by dynamic programming over the cost model above (steps bounded by each variant's
+    remaining tokens). A group of k variants padded to P_l entries in layer l takes
+    k * (sum_l entry_bytes[l] * P_l + fixed_bytes) and stays under `memory_bytes`; one variant always fits.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (sum(lengths[i]), i))
+    count = len(order)
+    best = [0.0] + [float("inf")] * count
+    cut = [0] * (count + 1)
+    for first in range(count):
+        padded = [0] * len(lengths[0])
+        steps = variant_steps = 0
+        for last in range(first, count):
+            row = order[last]
+            padded = [max(p, q) for p, q in zip(padded, lengths[row])]
+            steps = max(steps, remaining[row])
+            variant_steps += remaining[row]
+            size = last - first + 1
+            if size > 1 and size * (sum(e * p for e, p in zip(entry_bytes, padded)) + fixed_bytes) > memory_bytes:
+                break
+            cost = best[first] + steps * STEP_MS + variant_steps * (VARIANT_MS + ENTRY_MS * sum(padded))
+            if cost < best[last + 1]:
+                best[last + 1], cut[last + 1] = cost, first
+    groups, end = [], count
+    while end:
+        groups.append(sorted(order[cut[end] : end]))
+        end = cut[end]
+    return groups[::-1]
 
 
 def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> None:
