@@ -76,3 +76,15 @@ def test_decoding_groups_split_off_long_caches_when_padding_costs_more_than_a_fo
     capped = decoding_groups([[short] * layers] * 12, remaining, [1] * layers, 0, memory_bytes=short * layers * 5)
     assert max(len(g) for g in capped) <= 5 and sum(len(g) for g in capped) == 12
     assert decoding_groups([[long] * layers] * 3, [30] * 3, [1] * layers, 0, memory_bytes=1) == [[0], [1], [2]]
+
+
+def test_entry_bytes_is_what_one_more_kept_entry_adds_to_a_variant(tiny_model, tmp_path):
+    from ripplekv.engine.cache import build_cache
+    from ripplekv.engine.divergence import entry_bytes, variant_bytes
+
+    state = prefill(tiny_model, prompt(80), capture_window=32, accumulate=True)
+    cache = build_cache(state, variants_of(state, tmp_path, budgets=(8, 24), names=("snapkv", "pyramidkv")))
+    layers = len(cache.layers)
+    for layer in range(layers):
+        one = [int(i == layer) for i in range(layers)]
+        assert entry_bytes(cache)[layer] == variant_bytes(cache, 5, one) - variant_bytes(cache, 5, [0] * layers) > 0

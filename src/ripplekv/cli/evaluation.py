@@ -73,7 +73,7 @@ def eval_command(
     data_dir: DataDir = None,
     target_tokens: TargetTokens = TARGET_TOKENS,
     max_length: MaxLength = MAX_LENGTH,
-    batch_size: int = typer.Option(16, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); decoding after a variant's divergence batches every running variant that fits in memory."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); decoding after a variant's divergence batches running variants of similar kept length, within a memory bound."),
     window: Window = None,
     kernel: Kernel = None,
     pooling: Pooling = None,

@@ -5,7 +5,8 @@ greedy choice at every answer position. Up to its first disagreement a variant's
 answer; at that position its own choice is known too. So a variant that never disagrees needs no decoding,
 and one that does continues from the cache the teacher-forced pass filled: the forced tokens past its
 divergence are hidden from it (`CompressedLayer.hidden`), its new tokens take the positions right after its
-own answer so far, and every variant still running decodes in one batch, as large as memory allows.
+own answer so far, and the variants still running decode in batches of similar kept length
+(`decoding_groups`), within a memory bound.
 
 Greedy outputs equal plain greedy decoding (`decode.greedy_decode`) up to floating-point ties: the forced
 pass computes the shared prefix's keys in one forward instead of one token at a time.
@@ -23,7 +24,7 @@ from ripplekv.engine.decode import Fidelity, Reference, fidelity, fidelity_chunk
 from ripplekv.engine.prefill import PrefillState
 
 # Keep the caches of the variants decoded together under this many bytes (kept entries, decoded tokens,
-# one step's attention scores); the batch holds every running variant that fits.
+# one step's attention scores).
 DECODE_BYTES = 2 * 2**30
 
 
@@ -50,6 +51,12 @@ def variant_bytes(cache: CompressedCache, extra_tokens: int, lengths: list[int] 
         total += 2 * heads * (length + decoded) * dim * element  # keys and values
         total += heads * (length + decoded) * 4 * 3  # bias and the step's float32 scores and weights
     return total
+
+
+def entry_bytes(cache: CompressedCache) -> list[int]:
+    """Bytes one more kept prompt entry costs a variant in a decoding batch, per layer (as `variant_bytes`)."""
+    return [layer.prompt_keys.shape[1] * (2 * layer.prompt_keys.shape[3] * layer.prompt_keys.element_size() + 12)
+            for layer in cache.layers]
 
 
 def _divergence(choices: list[int], answer: list[int]) -> int | None:
@@ -143,11 +150,8 @@ def _decode_rows(model, caches, rows, starts, result, max_new_tokens, stop, memo
     kept entries per layer), in the batches `decoding_groups` picks, each padded to its own longest layers."""
     owners = [(c, local) for c, cache in enumerate(caches) for local in range(cache.num_variants)]
     remaining = [max_new_tokens - len(result.tokens[v]) for v in rows]
-    layers = len(lengths[0])
-    fixed = variant_bytes(caches[0], max_new_tokens, [0] * layers)
-    per_entry = [variant_bytes(caches[0], 0, [int(i == layer) for i in range(layers)]) - variant_bytes(caches[0], 0, [0] * layers)
-                 for layer in range(layers)]
-    for picked in decoding_groups(lengths, remaining, per_entry, fixed, memory_bytes):
+    fixed = variant_bytes(caches[0], max_new_tokens, [0] * len(lengths[0]))  # decoded tokens only
+    for picked in decoding_groups(lengths, remaining, entry_bytes(caches[0]), fixed, memory_bytes):
         padded = [max(lengths[i][layer] for i in picked) for layer in range(len(lengths[0]))]
         batch = gather_rows(caches, [owners[i] for i in picked], padded)
         result.batches += 1
