@@ -163,17 +163,17 @@ def full_reference(model, state: PrefillState, max_new_tokens: int, stop_ids: It
     return Reference(tokens, teacher_forced_logprobs(model, state, None, tokens, prefix=prefix)[0])
 
 
-@torch.inference_mode()
 def fidelity_chunks(variants: list, reference: Reference, batch_size: int, prefix: list[int] | None = None) -> list[list[int]]:
     """The variants' indices in the chunks a teacher-forced pass reads together: at most `batch_size`, and few
-    enough that their log-probs stay under LOGPROB_BYTES; variants of similar kept length side by side, so
-    a chunk pads little (a variant's numbers then do not depend on the order the variants were given in)."""
+    enough that their log-probs stay under LOGPROB_BYTES; variants of similar kept length side by side (ties
+    in the order given), so a chunk pads its caches little."""
     per_variant = max(1, (len(reference.tokens) + len(prefix or [])) * int(reference.logprobs.shape[-1]) * 4)
     chunk = max(1, min(batch_size, LOGPROB_BYTES // per_variant))
     order = sorted(range(len(variants)), key=lambda i: sum(layer.capacity for layer in variants[i]))
     return [order[start : start + chunk] for start in range(0, len(order), chunk)]
 
 
+@torch.inference_mode()
 def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16,
                      prefix: list[int] | None = None) -> list[Fidelity]:
     """Fidelity of every variant to the reference, in `fidelity_chunks`, in the order of `variants`."""
