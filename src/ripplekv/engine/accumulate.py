@@ -11,7 +11,9 @@ Speed: the work goes one KV head at a time in chunks of QUERY_ROWS queries (time
 with one reused score buffer, the softmax written in place and the column sums taken as a matrix-vector
 product; a chunk's scores then stay in the CPU's cache between the softmax, the sums and the value
 product. Measured side by side with sdpa on one 3.5k-token layer of the bundled model's shape, this
-took the accumulating pass from 2.3x sdpa's time (whole-chunk, all heads at once) to about 1.25x.
+took the accumulating pass from 2.3x sdpa's time (whole-chunk, all heads at once) to about 1.25x; against
+torch 2.13's sdpa it measures 1.74x (287.5 vs 165.5 ms, fastest of 5), about 0.3 of a prefill over 30 layers.
+Chunks of 128 or 256 queries gain under 10% and change the sums' rounding, so they stay at 64.
 """
 
 from __future__ import annotations
