@@ -39,24 +39,19 @@ class DivergenceResult:
     batches: int = 0
 
 
+def entry_bytes(cache: CompressedCache) -> list[int]:
+    """Bytes one kept entry or decoded token costs a variant in a decoding batch, per layer: its keys and
+    values, plus its bias and the step's float32 scores and weights."""
+    return [layer.prompt_keys.shape[1] * (2 * layer.prompt_keys.shape[3] * layer.prompt_keys.element_size() + 4 * 3)
+            for layer in cache.layers]
+
+
 def variant_bytes(cache: CompressedCache, extra_tokens: int, lengths: list[int] | None = None) -> int:
     """Memory one variant of `cache` takes in a decoding batch, `extra_tokens` more decoded tokens included
     (`lengths`: kept entries per layer after padding, when batched with other caches)."""
-    total = 0
-    for index, layer in enumerate(cache.layers):
-        heads, length, dim = layer.prompt_keys.shape[1:]
-        length = lengths[index] if lengths is not None else length
-        element = layer.prompt_keys.element_size()
-        decoded = layer.decoded_length() + extra_tokens
-        total += 2 * heads * (length + decoded) * dim * element  # keys and values
-        total += heads * (length + decoded) * 4 * 3  # bias and the step's float32 scores and weights
-    return total
-
-
-def entry_bytes(cache: CompressedCache) -> list[int]:
-    """Bytes one more kept prompt entry costs a variant in a decoding batch, per layer (as `variant_bytes`)."""
-    return [layer.prompt_keys.shape[1] * (2 * layer.prompt_keys.shape[3] * layer.prompt_keys.element_size() + 12)
-            for layer in cache.layers]
+    return sum(each * ((lengths[index] if lengths is not None else layer.prompt_keys.shape[2])
+                       + layer.decoded_length() + extra_tokens)
+               for index, (layer, each) in enumerate(zip(cache.layers, entry_bytes(cache))))
 
 
 def _divergence(choices: list[int], answer: list[int]) -> int | None:

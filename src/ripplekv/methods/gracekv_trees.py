@@ -249,10 +249,9 @@ class LayerTrees:
             sums.append(sums[-1].group(2))
         return sums[::-1]
 
-    def levels(self, rope: RopeTable, beta: float, depth: int, tokens: bool = True) -> list[Nodes]:
-        """Prototypes of every tree level, root level first (`depth` levels, + the tokens' level if `tokens`)."""
-        sums = self.sums(depth)
-        return [prototypes(rope, level, beta) for level in sums[: None if tokens else depth]]
+    def levels(self, rope: RopeTable, beta: float, depth: int) -> list[Nodes]:
+        """Prototypes of the `depth` inner tree levels, root level first (a token is its own prototype)."""
+        return [prototypes(rope, level, beta) for level in self.sums(depth)[:depth]]
 
 
 def layer_trees(state: PrefillState, layer: int, plan: Layout, rope: RopeTable) -> LayerTrees:
@@ -285,7 +284,7 @@ def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVOpti
     top = logits.amax(1, keepdim=True)  # per-query shift: relative errors do not depend on it
     attn = torch.exp(logits - top)
     costs, counts, relevance = [], [], []  # E = R x D per node, for the inner levels (tokens have E = 0)
-    for level, nodes in enumerate(trees.levels(rope, opts.beta, plan.depth, tokens=False)):
+    for level, nodes in enumerate(trees.levels(rope, opts.beta, plan.depth)):
         error = distortion(nodes, queries, top, state.scaling, attn, trees.padded_values, plan.slot >> level)
         costs.append(nodes.relevance * error)
         counts.append(nodes.count)
