@@ -13,8 +13,10 @@ pays it. The first `n_sink` (4) entries score 1. Defaults follow the reference: 
 `window` (32) tokens are always kept too.
 
 Cost: the reconstruction is a second forward over about as many tokens as the prompt (timed in
-`state.scores["kvzip-seconds"]`, printed by scripts/bench_engine.py); attention is taken in blocks of
-queries over one chunk at a time, never as a map over the whole prompt.
+`state.scores["kvzip-seconds"]`, printed by scripts/bench_engine.py): about 3 prefills on a 3.5k prompt,
+since its queries attend (sdpa) over the whole prompt and the repeat so far, about three times the causal
+prefill's attention, and the scores' own attention over each chunk comes on top. That attention is taken
+in blocks of queries over one chunk at a time, never as a map over the whole prompt.
 """
 
 from __future__ import annotations
