@@ -33,7 +33,7 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe,
     if not tokens:
         return
     install(model)
-    cache = DynamicCache()  # every layer full attention, as ripplekv assumes (`adapter.check_supported`)
+    cache = DynamicCache()  # no config: every layer attends to everything, as our own attention does
     for layer in range(state.num_layers):
         cache.update(state.keys[layer][None], state.values[layer][None], layer)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=state.device)[None]
