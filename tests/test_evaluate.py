@@ -479,3 +479,19 @@ def test_decode_budget_prompt_is_byte_identical_and_total_holds_every_head_at_b(
     assert code == 2 and "decode_budget" in err and "differs in" in err
     code, _, err = run_cli(*eval_args(tmp_path / "refused", "--decode-budget", "total"))
     assert code == 2 and "random cannot compress while decoding" in err and "Traceback" not in err
+
+
+def test_aliases_run_once_and_are_named(tiny_model_dir, tmp_path, run_cli):
+    """`snapkv,uniform,adakv,snapkv:split=adakv` is two methods: two variants per budget, never ranked
+    against themselves, and the names that were aliases are said."""
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", tiny_model_dir, "--suite", "offline", "--tasks", "niah", "--limit", "1",
+                           "--target-tokens", "300", "--methods", "snapkv,uniform,adakv,snapkv:split=adakv",
+                           "--budget", "32", "--budget", "64", "--out", out)
+    assert code == 0, err
+    lines = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert sorted((row["method"], row["budget"]) for row in lines if row["method"] != "full") == [
+        ("adakv", 32), ("adakv", 64), ("snapkv", 32), ("snapkv", 64)]
+    assert "note: uniform is another name for snapkv" in err
+    assert "note: snapkv:split=adakv is another name for adakv" in err
+    assert json.loads((out / "config.json").read_text())["methods"] == ["full", "snapkv", "adakv"]

@@ -5,7 +5,7 @@ import torch
 
 from ripplekv.engine import entries
 from ripplekv.errors import UserError
-from ripplekv.methods import make_method, method_names
+from ripplekv.methods import PRESETS, make_method, method_names
 from ripplekv.methods.snapkv import window_scores
 from tests.test_budgets import fake_state
 
@@ -222,3 +222,44 @@ def test_avg_pooling_counts_the_edge_padding_as_snapkv_does():
     # At the first position the window covers 2 pads + 3 entries and divides by 5 (count_include_pad=True).
     assert torch.allclose(pooled[:, 0], raw[:, :3].sum(-1) / 5, atol=1e-7)
     assert torch.allclose(pooled[:, 10], raw[:, 8:13].mean(-1), atol=1e-7)
+
+
+# --------------------------------------------------------------------------- one name per method
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.alias_of])
+def test_a_declared_alias_computes_what_it_names(name):
+    from ripplekv.methods.presets import identity
+
+    assert identity(make_method(name)) == identity(make_method(PRESETS[name].alias_of))
+
+
+def test_aliases_are_computed_once_and_named_in_a_note():
+    from ripplekv.methods.catalog import build_methods
+
+    notes: list[str] = []
+    methods = build_methods(["snapkv", "uniform", "adakv", "snapkv:split=adakv"], {}, notes)
+    assert list(methods) == ["full", "snapkv", "adakv"]
+    assert notes == [
+        "note: uniform is another name for snapkv (the same method); computed once, as snapkv",
+        "note: snapkv:split=adakv is another name for adakv (the same method); computed once, as adakv",
+    ]
+
+
+def test_only_the_same_computation_is_an_alias():
+    from ripplekv.methods.presets import identity
+
+    same = identity(make_method("adakv:alpha=0.1:window=16"))
+    assert same == identity(make_method("snapkv:split=adakv:head_alpha=0.1:window=16"))
+    assert same != identity(make_method("snapkv:split=adakv:window=16"))  # another safeguard
+    assert identity(make_method("adakv:rule=floor")) != identity(make_method("snapkv:split=adakv"))  # another rule
+    assert identity(make_method("uniform:window=16")) != identity(make_method("snapkv"))
+
+
+def test_an_alias_keeps_the_same_entries(tiny_model):
+    """What the identity promises: both spellings keep the same entries on a real prefill."""
+    from ripplekv.engine.prefill import prefill_for
+
+    ada, composed = make_method("adakv"), make_method("snapkv:split=adakv")
+    state = prefill_for(tiny_model, torch.arange(150) % 97 + 3, ada.requirements())
+    assert torch.equal(ada.select(state, 24), composed.select(state, 24))

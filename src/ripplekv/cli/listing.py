@@ -44,7 +44,7 @@ def budgets(
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.methods import make_method
-    from ripplekv.methods.presets import check_distinct, degenerate_notes
+    from ripplekv.methods.presets import check_distinct, collapse_aliases, degenerate_notes
     from ripplekv.pipeline.eval_plan import parse_names
 
     if prompt_len <= 0:
@@ -53,6 +53,9 @@ def budgets(
     specs = parse_names(methods, "--methods")
     chosen = [make_method(spec, shared=shared) for spec in specs]
     check_distinct(chosen)
+    chosen, alias_notes = collapse_aliases(chosen)
+    for note in alias_notes:
+        print(note, file=sys.stderr)
     num_layers, kv_heads = model_shape(model)
     # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
     # says why it cannot (CAKE: layers depend on the prompt's attention).
@@ -118,7 +121,8 @@ def methods_command() -> None:
             continue
         parts = [chosen.own.Options] if chosen.own else [ALLOCATORS[chosen.allocator], SCORERS[chosen.scorer]]
         opts = "; ".join(o for o in (options(part, chosen.options) for part in parts) if o != "-")
-        table.add_row(name, *component_names(chosen), opts or "-", chosen.about)
+        about = chosen.about if chosen.alias_of is None else f"= {chosen.alias_of} (another name, run once): {chosen.about}"
+        table.add_row(name, *component_names(chosen), opts or "-", about)
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import HEAD_SPLITS, Allocator, register_allocator
+from ripplekv.methods.base import DEFAULT_HEAD_ALPHA, HEAD_SPLITS, Allocator, register_allocator
 
 
 def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int) -> np.ndarray:
@@ -90,6 +90,7 @@ def adakv_split(state, per_layer, scorer, alpha: float | None, rule: str = "ffy0
 
 
 HEAD_SPLITS["adakv"] = adakv_split
+DEFAULT_HEAD_ALPHA["adakv"] = DEFAULT_ALPHA
 
 
 @register_allocator("adakv")
@@ -109,3 +110,10 @@ class AdaKV(Allocator):
     def allocate(self, state, budget, scorer):
         per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())
         return adakv_split(state, per_layer, scorer, self.alpha, self.rule)
+
+    def canonical(self) -> dict:
+        """Under FFY0's rule this is uniform layer budgets with the `adakv` head split (what
+        `snapkv:split=adakv:head_alpha=alpha` computes), so both spellings are one method."""
+        if self.rule != "ffy0":
+            return super().canonical()
+        return {"name": "uniform", "split": "adakv", "head_alpha": float(self.alpha)}

@@ -30,6 +30,7 @@ ALLOCATORS: dict[str, Callable[..., Allocator]] = {}
 # Head splits: (state, per-layer budgets, scorer, alpha) -> [L, H_kv] counts, each layer's row summing to
 # H_kv x its budget. "even" (every head alike) is the default; `methods.adakv` registers "adakv".
 HEAD_SPLITS: dict[str, Callable] = {}
+DEFAULT_HEAD_ALPHA: dict[str, float] = {}  # each head split's safeguard when `head_alpha` is not given
 LAYER_ALLOCATORS = ("uniform", "pyramid", "file", "cake", "global")  # the ones a head split composes with
 
 
@@ -167,6 +168,14 @@ class Allocator:
     def split_alpha(self) -> float | None:
         """The head split's safeguard (None: the split's own default)."""
         return self.head_alpha
+
+    def canonical(self) -> dict:
+        """This allocator as the one description shared by every spelling of it (`presets.identity`): its
+        name and options, the head split's default safeguard spelt out."""
+        described = {"name": self.name, **options_of(self)}
+        if self.splits_heads and self.head_alpha is None:
+            described["head_alpha"] = DEFAULT_HEAD_ALPHA.get(self.split)
+        return described
 
 
 class Method(Protocol):

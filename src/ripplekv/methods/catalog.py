@@ -12,6 +12,7 @@ from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
 from ripplekv.methods.presets import (
     PRESETS,
     check_distinct,
+    collapse_aliases,
     component_names,
     defaults_of,
     make_method,
@@ -30,6 +31,7 @@ class MethodInfo:
     scorer: str | None
     options: dict
     about: str
+    alias_of: str | None = None  # the canonical spec when this name is another name for it
 
 
 def catalog() -> list[MethodInfo]:
@@ -41,15 +43,17 @@ def catalog() -> list[MethodInfo]:
             continue
         parts = [chosen.own.Options] if chosen.own else [ALLOCATORS[chosen.allocator], SCORERS[chosen.scorer]]
         options = {key: value for part in parts for key, value in defaults_of(part).items()}
-        rows.append(MethodInfo(name, *component_names(chosen), options, chosen.about))
+        rows.append(MethodInfo(name, *component_names(chosen), options, chosen.about, chosen.alias_of))
     return rows
 
 
-def build_methods(specs: Sequence[str], shared: dict) -> dict[str, Method]:
+def build_methods(specs: Sequence[str], shared: dict, notes: list[str] | None = None) -> dict[str, Method]:
     """label -> Method for `full` and every spec, checked as eval checks them.
 
     `shared` options (--window, --allocation, ...) apply to the methods that take them; one that applies
-    to none is a mistake, and so are two specs with the same label (their lines would mix).
+    to none is a mistake, and so are two specs with the same label (their lines would mix) and one method
+    spelt twice. Another name for a method already given (`uniform` beside `snapkv`) is computed once:
+    a line saying so goes to `notes` when given.
     """
     built = [make_method(spec, shared=shared) for spec in dict.fromkeys((REFERENCE, *specs))]
     for key, used in shared_option_users(specs, shared).items():
@@ -61,4 +65,7 @@ def build_methods(specs: Sequence[str], shared: dict) -> dict[str, Method]:
         raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (one method spelt twice, "
                         "or file options with the same file name); name each method once, and give files different names")
     check_distinct(built)
-    return methods
+    kept, said = collapse_aliases(built)
+    if notes is not None:
+        notes.extend(said)
+    return {method.label: method for method in kept}

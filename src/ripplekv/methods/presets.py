@@ -37,6 +37,7 @@ class Preset:
     kind: type = AllocatorScorer  # an AllocatorScorer subclass for methods that merge what they keep
     own: type | None = None
     options: tuple = ()  # (key, value) defaults this preset sets on its allocator or scorer (a spec overrides them)
+    alias_of: str | None = None  # the canonical spec this name is another name for (`adakv` = `snapkv:split=adakv`)
 
     @property
     def is_full(self) -> bool:
@@ -49,18 +50,20 @@ FILE_OPTIONS = ("allocation", "route")
 
 
 def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
-           own: type | None = None, **options) -> None:
-    PRESETS[name] = Preset(name, allocator, scorer, about, kind, own, tuple(sorted(options.items())))
+           own: type | None = None, alias_of: str | None = None, **options) -> None:
+    PRESETS[name] = Preset(name, allocator, scorer, about, kind, own, tuple(sorted(options.items())), alias_of)
 
 
 preset("full", "uniform", None, "every entry of every layer (the reference)")
-preset("uniform", "uniform", "snapkv", "the design card's uniform baseline: SnapKV at the same budget in every layer")
+preset("uniform", "uniform", "snapkv", "the design card's uniform baseline: SnapKV at the same budget in every layer",
+       alias_of="snapkv")
 preset("snapkv", "uniform", "snapkv", "SnapKV: uniform budgets, window attention scores")
 preset("pyramidkv", "pyramid", "snapkv", "PyramidKV: budgets linear in depth, SnapKV scores")
 preset("ripplekv", "file", "snapkv", "RippleKV: budgets from a sensitivity allocation (--allocation), SnapKV scores")
 preset("streamingllm", "uniform", "recency", "StreamingLLM: 4 attention sinks + the most recent tokens")
 preset("random", "uniform", "random", "the window + random prefix entries (a floor for sanity)")
-preset("adakv", "adakv", "snapkv", "AdaKV: a layer's heads share its budget by their SnapKV scores (FFY0/AdaKV's rule)")
+preset("adakv", "adakv", "snapkv", "AdaKV: a layer's heads share its budget by their SnapKV scores (FFY0/AdaKV's rule)",
+       alias_of="snapkv:split=adakv")
 preset("h2o", "uniform", "h2o", "H2O: half heavy hitters (attention summed over all prompt queries), half recent tokens")
 preset("tova", "uniform", "tova", "TOVA: the last prompt token's attention, averaged over the layer's heads")
 preset("knorm", "uniform", "knorm", "KNorm: the smallest key norms")
@@ -240,6 +243,34 @@ def check_distinct(methods, option: str = "--methods") -> None:
         if same is not None:
             raise UserError(f"{option} names one method twice ({same} and {method.label}); name each method once")
         by_label[method.label] = by_options[resolved] = method.label
+
+
+def identity(method) -> str:
+    """What a method computes, whatever it is called: its resolved description without the preset name, each
+    component in its canonical form (`Allocator.canonical`), so aliases (`uniform` and `snapkv`, `adakv` and
+    `snapkv:split=adakv`) have one identity."""
+    import json
+
+    described = {key: value for key, value in method.describe().items() if key != "preset"}
+    allocator = getattr(method, "allocator", None)
+    if allocator is not None and "allocator" in described:
+        described["allocator"] = allocator.canonical()
+    return json.dumps(described, sort_keys=True, default=str)
+
+
+def collapse_aliases(methods: list) -> tuple[list, list[str]]:
+    """The methods with each alias computed once (the first name given stands for the others), and one
+    `note:` line per name dropped, so a leaderboard never ranks a method against itself under another name."""
+    first: dict[str, object] = {}
+    kept, notes = [], []
+    for method in methods:
+        same = first.setdefault(identity(method), method)
+        if same is method:
+            kept.append(method)
+        else:
+            notes.append(f"note: {method.label} is another name for {same.label} (the same method); "
+                         f"computed once, as {same.label}")
+    return kept, notes
 
 
 def degenerate_notes(methods, budgets) -> list[str]:

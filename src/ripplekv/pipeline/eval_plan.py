@@ -90,6 +90,7 @@ class Plan:
     tasks: list  # list[Task]
     methods: dict  # name -> Method, `full` first
     config: dict
+    notes: list = field(default_factory=list)  # `note:` lines for the user (names that were aliases)
 
 
 def plan_eval(settings: EvalSettings) -> Plan:
@@ -123,7 +124,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError(f"--max-length must be at least 2 tokens, got {settings.max_length}")
     # The full cache is always computed (it is the reference for fidelity), so it is always reported.
     shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
-    methods = build_methods(settings.methods, shared)
+    notes: list[str] = []
+    methods = build_methods(settings.methods, shared, notes)
     decoding = check_decode_budget(settings, methods.values())
     built = list(methods.values())
     names = tuple(methods)
@@ -163,7 +165,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         **runtime_info(device),
         "ripplekv_version": __version__,
     }
-    return Plan(settings=settings, tasks=tasks, methods=methods, config=config)
+    return Plan(settings=settings, tasks=tasks, methods=methods, config=config, notes=notes)
 
 
 def check_decode_budget(settings: EvalSettings, methods) -> dict:

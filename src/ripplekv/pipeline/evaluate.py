@@ -266,7 +266,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     from ripplekv.methods.presets import degenerate_notes
 
     plan = plan_eval(settings)
-    notes = [*notes, *degenerate_notes(plan.methods.values(), settings.budgets)]
+    notes = [*notes, *plan.notes, *degenerate_notes(plan.methods.values(), settings.budgets)]
     check_run_dir(out, plan.config)
     check_model_fits(plan)
     tokenizer = load_tokenizer(settings.model)
