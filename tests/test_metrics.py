@@ -233,3 +233,16 @@ def test_rouge_option_leaves_other_metrics_alone_and_rejects_unknown_names():
     assert M.metric_label("hotpotqa", "rouge-score") == "qa_f1"
     with pytest.raises(UserError, match="--rouge must be one of official, rouge-score"):
         M.score_sample("gov_report", "x", ["x"], rouge="rouge2")
+
+
+def test_rouge_score_without_its_package_says_how_to_install_it(monkeypatch):
+    """Google's rouge-score is an extra: without it, asking for it is one line naming the extra."""
+    import importlib.util
+
+    from ripplekv.metrics import rouge as rouge_metrics
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rouge_score" else real(name, *a))
+    with pytest.raises(UserError, match=r"pip install 'ripplekv\[rouge\]'"):
+        rouge_metrics.check_rouge("rouge-score")
+    assert rouge_metrics.check_rouge("official") == "official"  # the default needs nothing extra

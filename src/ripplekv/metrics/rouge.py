@@ -12,6 +12,7 @@ with papers that use it; parity stays the default.
 
 from __future__ import annotations
 
+import importlib.util
 from functools import lru_cache
 
 import numpy as np
@@ -104,6 +105,9 @@ def rouge_zh_score(prediction: str, ground_truth: str, **kwargs) -> float:
 def check_rouge(rouge: str) -> str:
     if rouge not in ROUGE_CHOICES:
         raise UserError(f"--rouge must be one of {', '.join(ROUGE_CHOICES)}, got {rouge!r}")
+    if rouge == "rouge-score" and importlib.util.find_spec("rouge_score") is None:
+        raise UserError("--rouge rouge-score needs Google's rouge-score package: pip install 'ripplekv[rouge]' "
+                        "(or leave --rouge at official)")
     return rouge
 
 
