@@ -263,3 +263,12 @@ def test_an_alias_keeps_the_same_entries(tiny_model):
     ada, composed = make_method("adakv"), make_method("snapkv:split=adakv")
     state = prefill_for(tiny_model, torch.arange(150) % 97 + 3, ada.requirements())
     assert torch.equal(ada.select(state, 24), composed.select(state, 24))
+
+
+def test_every_preset_has_a_family_for_the_report():
+    """The forest plots colour methods by family: a preset left out of `defaults.METHOD_FAMILIES` would be 'other'."""
+    from ripplekv.defaults import METHOD_FAMILIES
+
+    named = [name for names in METHOD_FAMILIES.values() for name in names]
+    assert len(named) == len(set(named)), "a preset in two families"
+    assert sorted(set(PRESETS) - {"full"} - set(named)) == []

@@ -273,3 +273,31 @@ def test_inspect_writes_the_kept_entries_and_a_picture(tiny_model_dir, tmp_path,
     code, _, err = run_cli("inspect", "--model", str(tiny_model_dir), "--method", "snapkv", "--budget", "32",
                            "--out", str(out))
     assert code == 2 and "--task" in err and len(err.strip().splitlines()) == 1
+
+
+def test_forest_rows_sort_best_first_and_mark_ceilings_apart(tmp_path):
+    """The forest plot's rows: paired differences to the baseline, best first; a ceiling is a line at its
+    difference, never a ranked row; the full cache is no row."""
+    from ripplekv.analysis.forest import family_of, forest_rows, plot_forest
+
+    board = pd.DataFrame({
+        "method": ["full", "snapkv", "ripplekv", "knorm", "oracle"],
+        "budget": [None, 64, 64, 64, 64],
+        "kl": [0.0, 0.5, 0.4, 2.5, 0.05],
+        "avg": [30.0, 20.0, 22.0, 10.0, 29.0],
+        "kl_delta_vs_uniform": [None, 0.0, -0.1, 2.0, None],
+        "kl_delta_ci_low": [None, 0.0, -0.15, 1.5, None],
+        "kl_delta_ci_high": [None, 0.0, -0.05, 2.5, None],
+        "delta_vs_uniform": [None, 0.0, 2.0, -10.0, None],
+        "delta_ci_low": [None, 0.0, -1.0, -14.0, None],
+        "delta_ci_high": [None, 0.0, 5.0, -6.0, None],
+    })
+    rows, ceilings, base = forest_rows(board, 64, "kl")
+    assert base == "snapkv" and list(rows["method"]) == ["ripplekv", "snapkv", "knorm"]
+    assert ceilings == [("oracle", pytest.approx(-0.45))]
+    rows, ceilings, _ = forest_rows(board, 64, "score")
+    assert list(rows["method"]) == ["ripplekv", "snapkv", "knorm"] and ceilings == [("oracle", pytest.approx(9.0))]
+    assert (family_of("ripplekv:split=adakv"), family_of("nosuch")) == ("RippleKV", "other")
+    for measure in ("kl", "score"):
+        plot_forest(board, tmp_path / f"{measure}.png", measure)
+        assert (tmp_path / f"{measure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

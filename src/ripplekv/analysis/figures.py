@@ -23,7 +23,7 @@ _pyplot = pyplot
 
 def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(8.4, 4.6))
     _method_lines(ax, board, "avg")
     full = board[board["method"] == REFERENCE]
     if len(full):
@@ -33,7 +33,7 @@ def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
     _budget_axis(ax, board)
     ax.set_ylabel("average score (95% CI)")
     ax.set_title("Score vs KV budget")
-    ax.legend(fontsize="small")
+    _legend_beside(ax)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)
@@ -41,13 +41,13 @@ def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
 
 def plot_kl_vs_budget(board: pd.DataFrame, path: Path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(8.4, 4.6))
     _method_lines(ax, board, "kl", floor=KL_FLOOR)
     ax.set_yscale("log")
     _budget_axis(ax, board)
     ax.set_ylabel("KL(full || variant) per answer token (95% CI)")
     ax.set_title("Fidelity to the full cache vs KV budget")
-    ax.legend(fontsize="small")
+    _legend_beside(ax)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)
@@ -72,6 +72,13 @@ def _method_lines(ax, board: pd.DataFrame, column: str, floor: float | None = No
                         color="grey", label=f"{method} (ceiling)")
             continue
         ax.errorbar(group["budget"].astype(int) * dodge, value, yerr=yerr, marker=marker, linestyle=line, capsize=3, label=method)
+
+
+def _legend_beside(ax) -> None:
+    """The legend right of the axes, never over the data (a run often compares twenty methods)."""
+    count = len(ax.get_legend_handles_labels()[1])
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+              ncol=1 if count <= 18 else 2)
 
 
 def _budget_axis(ax, board: pd.DataFrame) -> None:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from ripplekv.analysis import stats
 from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plot_score_vs_budget
+from ripplekv.analysis.forest import plot_forest
 from ripplekv.analysis.summary import summary_markdown
 from ripplekv.analysis.tables import add_uncertainty, leaderboard, leaderboard_wide, length_table, task_scores
 from ripplekv.errors import UserError
@@ -119,6 +120,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         plot_score_vs_budget(board, run_dir / "score_vs_budget.png")
         plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png")
         plot_layer_budgets(frame, run_dir / "layer_budgets.png")
+        plot_forest(board, run_dir / "kl_forest.png", "kl")
+        plot_forest(board, run_dir / "score_forest.png", "score")
         write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings))
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
