@@ -11,7 +11,7 @@ UNIFORM_BASELINES = ("uniform", "snapkv")  # what a report compares each method 
 ALLOCATION_METHOD = "ripplekv"  # `allocate`: the method that turns multipliers into layer budgets
 ALLOCATION_PLOT_BESIDE = "pyramidkv"  # `allocate`'s plot draws its layer budgets beside this method's
 EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prunes with its own H2O-like pruner
-CEILINGS = ("oracle",)  # bounds, not methods: reported beside the methods, never ranked
+CEILINGS = ("oracle", "allocation-ceiling")  # bounds, not methods: reported beside the methods, never ranked
 
 # The fixed sets of values an option takes: the CLI declares them as choices (so --help shows them and a
 # wrong value fails while parsing), and the libraries check the same tuples when called directly.
