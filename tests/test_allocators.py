@@ -228,3 +228,29 @@ def test_options_are_checked_in_one_line():
     for name in ("dynamickv", "lava", "squeezeattention", "allocation-ceiling"):
         with pytest.raises(UserError, match="depend on each"):
             make_method(name).layer_budgets(30, 128, 3500)
+
+
+@pytest.mark.slow
+def test_eval_runs_the_allocators_with_snapkvs_scorer_and_reports_the_allocation_table(tiny_model_dir, tmp_path, run_cli):
+    import json
+
+    import pandas as pd
+
+    profile = tmp_path / "errors.csv"
+    profile.write_text("layer,error\n0,0.4\n1,0.1\n2,0.2\n3,0.3\n")
+    specs = ["full", "uniform", "dynamickv:scorer=snapkv", "lava:scorer=snapkv", "squeezeattention:scorer=snapkv",
+             "pyramidinfer:scorer=snapkv", f"compresskv:profile={profile}", "allocation-ceiling", "streamingllm"]
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", "niah", "--limit", "1",
+                           "--target-tokens", "300", "--methods", ",".join(specs), "--budget", "40", "--budget", "64",
+                           "--batch-size", "8", "--out", str(out))
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    for budget in (40, 64):
+        kept = {r["kept_entries"] for r in rows if r["budget"] == budget}
+        assert len(kept) == 1  # every allocator keeps exactly the uniform total
+    table = pd.read_csv(out / "allocation.csv")
+    assert set(table["method"]) == {"uniform", "dynamickv:scorer=snapkv", "lava:scorer=snapkv", "squeezeattention:scorer=snapkv",
+                                    "pyramidinfer:scorer=snapkv", "compresskv:profile=errors.csv", "allocation-ceiling"}
+    board = pd.read_csv(out / "leaderboard.csv")
+    assert board.loc[board["method"] == "allocation-ceiling", "rank"].isna().all()
