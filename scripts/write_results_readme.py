@@ -67,12 +67,12 @@ def allocation_lines(eval_dir: Path) -> list[str]:
     """The allocation-only table (`eval/allocation.csv`, written by `ripplekv report` when several methods share
     the uniform baseline's scorer), with a headline per budget: the allocator closest to the full cache and the
     share of the uniform-to-ceiling KL gap RippleKV's allocation closes."""
-    from ripplekv.analysis.allocation import allocation_markdown, best_by_budget
-    from ripplekv.defaults import ALLOCATION_METHOD
-
     path = eval_dir / "allocation.csv"
     if not path.is_file():
         return []
+    from ripplekv.analysis.allocation import allocation_markdown, best_by_budget
+    from ripplekv.defaults import ALLOCATION_METHOD
+
     table = pd.read_csv(path)
     headline = []
     for budget, method in best_by_budget(table).items():
