@@ -5,7 +5,8 @@ per layer, the last `window` prompt queries' attention to each earlier entry is 
 pooled (kernel 7; average pooling for Llama, max for Mistral/Qwen2; window 8), every query head apart.
 All layers' (query head, entry) scores compete in one top-k of L x H_q x (B - window); a layer's budget
 beyond its window is proportional to its share of the hits, capped at `ratio_max` x (B - window) (the
-reference's `radio_max`, 10), and every head of the layer keeps that many of its own top entries.
+reference's `radio_max`: 10 in its cluster class, 5 in its LongBench script's flag; we take 10), and every
+head of the layer keeps that many of its own top entries.
 
 Where ours differs:
 - The reference recomputes the competition every 4 layers during prefill, because layers not yet run
