@@ -8,7 +8,9 @@ a share of the rest proportional to its normalized error, capped at 3 x B (`erro
 
 Where ours differs:
 - The reference profiles LongBench's own test prompts; ours must come from calibration prompts disjoint
-  from the evaluation (`calibrate` writes the `layer,error` CSV; pass it as `compresskv:profile=FILE`).
+  from the evaluation (`scripts/compresskv_profile.py` runs `calibrate` on the offline suite's calibration
+  split and writes the `layer,error` CSV; pass it as `compresskv:profile=FILE`; `COMPRESSKV_CALIB_SAMPLES`
+  in a reproduce config does both).
   The error is measured at the calibration prompts' observation-window queries (the last `window` prompt
   tokens standing in for the decoding steps), with SnapKV's selection at a uniform budget as the small
   selection.
@@ -94,8 +96,8 @@ class CompressKV(Allocator):
         self.check_heads()
         if self.errors is None:
             if self.profile is None:
-                raise UserError("compresskv needs a layer error profile from calibration prompts: write one with "
-                                "ripplekv.methods.compresskv.calibrate and write_profile, then pass compresskv:profile=FILE")
+                raise UserError("compresskv needs a layer error profile from calibration prompts: run "
+                                "`python scripts/compresskv_profile.py --out FILE`, then pass compresskv:profile=FILE")
             errors = read_numbers(self.profile, "error", "compresskv profile", "write it with compresskv.write_profile")
             object.__setattr__(self, "errors", tuple(errors))
         if any(e < 0 for e in self.errors) or not any(e > 0 for e in self.errors):

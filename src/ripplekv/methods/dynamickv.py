@@ -52,10 +52,12 @@ def pooled_head_scores(state, layer: int, window: int, kernel: int, pooling: str
 def layer_hits(scores: list[torch.Tensor], count: int) -> np.ndarray:
     """How many of the top `count` entries over all layers' scores (each [heads, m]) lie in each layer."""
     flat = torch.cat([s.reshape(-1) for s in scores])
-    owner = torch.cat([torch.full((s.numel(),), layer, dtype=torch.long, device=flat.device)
-                       for layer, s in enumerate(scores)])
-    chosen = torch.topk(flat, min(count, flat.numel())).indices if count > 0 else flat.new_zeros(0, dtype=torch.long)
-    return np.bincount(owner[chosen].cpu().numpy(), minlength=len(scores))
+    if count <= 0 or flat.numel() == 0:
+        return np.zeros(len(scores), dtype=np.int64)
+    chosen = torch.topk(flat, min(count, flat.numel())).indices
+    ends = torch.tensor([s.numel() for s in scores], device=flat.device).cumsum(0)
+    owner = torch.bucketize(chosen, ends, right=True)  # the layer each chosen index lies in
+    return np.bincount(owner.cpu().numpy(), minlength=len(scores))
 
 
 @register_scorer("dynamickv")
