@@ -27,7 +27,7 @@ from ripplekv.methods.oracle import OracleScorer, answer_attention
 class AnswerBudgets(Allocator):
     knows_answer = True
     prompt_layers = True
-    prompt_note = "its per-layer and per-head counts come from the full cache's answer, recorded per sample by `ripplekv eval`"
+    prompt_note = "`ripplekv eval` records its per-layer and per-head counts per sample"
 
     def requirements(self):
         return OracleScorer().requirements()  # what the answer-aware scores need, declared as the oracle declares it

@@ -77,7 +77,7 @@ class DynamicKV(Allocator):
     pooling: str = "avg"
     ratio_max: float = 10.0
     prompt_layers = True
-    prompt_note = "its per-layer budgets come from a global top-k of every layer's window attention, recorded per sample by `ripplekv eval`"
+    prompt_note = "`ripplekv eval` records them per sample (layer_budgets in predictions.jsonl)"
 
     def __post_init__(self):
         self.check_heads()

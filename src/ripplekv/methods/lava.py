@@ -90,7 +90,7 @@ class LAVa(Allocator):
     pooling: str = "max"
     split: str | None = field(default="adakv", metadata=COMPOSITION)
     prompt_layers = True
-    prompt_note = "its per-layer budgets come from each layer's score entropy, recorded per sample by `ripplekv eval`"
+    prompt_note = "`ripplekv eval` records them per sample (layer_budgets in predictions.jsonl)"
 
     def __post_init__(self):
         self.check_heads()

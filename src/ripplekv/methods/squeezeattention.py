@@ -76,8 +76,7 @@ class SqueezeAttention(Allocator):
     p: float = 0.38
     tokens: int = 64
     prompt_layers = True
-    prompt_note = ("its per-layer budgets come from clustering each layer's residual-stream change on the prompt, "
-                   "recorded per sample by `ripplekv eval`")
+    prompt_note = "`ripplekv eval` records them per sample (layer_budgets in predictions.jsonl)"
 
     def __post_init__(self):
         self.check_heads()
@@ -86,7 +85,7 @@ class SqueezeAttention(Allocator):
         check_integers({"tokens": self.tokens})
 
     def layer_budgets(self, num_layers, budget, length, floor):
-        raise UserError(f"squeezeattention's per-layer budgets depend on each prompt; {self.prompt_note}")
+        raise UserError(f"squeezeattention's per-layer budgets depend on each prompt's residual stream; {self.prompt_note}")
 
     def cosines(self, state) -> list[float]:
         key = ("squeeze", self.tokens)
