@@ -64,10 +64,10 @@ def headline_lines(eval_dir: Path, title: str) -> list[str]:
 
 
 def allocation_lines(eval_dir: Path) -> list[str]:
-    """The allocation-only table (`eval/allocation.csv`, written by `ripplekv report` when several methods share
+    """The allocation-only table (`eval/allocation_only.csv`, written by `ripplekv report` when several methods share
     the uniform baseline's scorer), with a headline per budget: the allocator closest to the full cache and the
     share of the uniform-to-ceiling KL gap RippleKV's allocation closes."""
-    path = eval_dir / "allocation.csv"
+    path = eval_dir / "allocation_only.csv"
     if not path.is_file():
         return []
     from ripplekv.analysis.allocation import allocation_markdown, best_by_budget

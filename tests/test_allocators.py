@@ -253,7 +253,7 @@ def test_eval_runs_the_allocators_with_snapkvs_scorer_and_reports_the_allocation
     for budget in (40, 64):
         kept = {r["kept_entries"] for r in rows if r["budget"] == budget}
         assert len(kept) == 1  # every allocator keeps exactly the uniform total
-    table = pd.read_csv(out / "allocation.csv")
+    table = pd.read_csv(out / "allocation_only.csv")
     assert set(table["method"]) == {"uniform", "dynamickv:scorer=snapkv", "lava:scorer=snapkv", "squeezeattention:scorer=snapkv",
                                     "pyramidinfer:scorer=snapkv", "compresskv:profile=errors.csv", "allocation-ceiling"}
     board = pd.read_csv(out / "leaderboard.csv")

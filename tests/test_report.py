@@ -316,9 +316,9 @@ def test_allocation_table_pairs_every_allocator_with_the_baselines_scorer_agains
         assert lava.kl_delta_vs_uniform == pytest.approx(lava.kl - u.kl)
         assert lava.kl_delta_ci_low <= lava.kl_delta_vs_uniform <= lava.kl_delta_ci_high < 0  # every sample closer
         assert lava.delta_ci_low <= lava.delta_vs_uniform <= lava.delta_ci_high and lava.delta_vs_uniform > 0
-    saved = pd.read_csv(run / "allocation.csv")
+    saved = pd.read_csv(run / "allocation_only.csv")
     assert len(saved) == 8 and "kl_gap_closed" in saved.columns
-    text = (run / "allocation.md").read_text()
+    text = (run / "allocation_only.md").read_text()
     assert "allocation-ceiling (ceiling)" in text and "75%" in text and "streamingllm" not in text and "| oracle" not in text
     (run / "config.json").write_text(json.dumps({"method_specs": {"full": specs["full"], "uniform": specs["uniform"]}}))
     assert report.render(run, resamples=50)["allocation"] is None  # one allocator alone: no table

@@ -98,7 +98,7 @@ def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,
            seed: int = stats.SEED) -> dict[str, pd.DataFrame]:
     """Write scores.csv, leaderboard.csv, leaderboard_wide.csv, ranks.csv, lengths.csv (when samples have
-    a length), allocation.csv and .md (when several methods share the uniform baseline's scorer), the plots,
+    a length), allocation_only.csv and .md (when several methods share the uniform baseline's scorer), the plots,
     summary.md and report.json (the settings) into `run_dir`."""
     run_dir = Path(run_dir)
     check_rouge(rouge)
@@ -119,8 +119,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         if lengths is not None:
             write_csv(run_dir / "lengths.csv", lengths, float_format=FLOAT_FORMAT)
         if allocation is not None:  # the allocation-only table (`analysis.allocation`)
-            write_csv(run_dir / "allocation.csv", allocation, float_format=FLOAT_FORMAT)
-            write_text(run_dir / "allocation.md", allocation_markdown(allocation))
+            write_csv(run_dir / "allocation_only.csv", allocation, float_format=FLOAT_FORMAT)
+            write_text(run_dir / "allocation_only.md", allocation_markdown(allocation))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
         plot_score_vs_budget(board, run_dir / "score_vs_budget.png")
         plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png")
