@@ -11,6 +11,10 @@ plus its selection at B=128 (fastest of two), over the plain prefill (`<method> 
 <= 0.15 for all but KVzip, whose second forward, the reconstruction pass, is reported on its own line).
 Requirements that a plain prefill already records (a window within its default capture of 64) add
 nothing and are not timed: timing the same prefill twice would report only the machine's jitter.
+The cross-layer allocators (`--allocators`, on by default) are timed the same way with their default
+scorers (target <= 0.1 of a prefill): SqueezeAttention's includes its recomputed last 64 tokens, the
+allocation ceiling's the answer-aware pass over a 16-token stand-in answer; CompressKV's offline profile
+is reported on its own line as prefills per calibration prompt (a prefill plus its layer errors).
 
     .venv/bin/python scripts/bench_engine.py [--tokens 3500] [--reps 3] [--allocation ALLOC.csv] [--model M]
 """
@@ -28,6 +32,7 @@ from ripplekv.engine.prefill import DEFAULT_CAPTURE_WINDOW, Requirements, prefil
 from ripplekv.methods import make_method
 
 FRONTIER = ("criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv", "layer-defensivekv", "kvzip")
+ALLOCATORS = ("dynamickv", "lava", "squeezeattention", "pyramidinfer", "compresskv", "allocation-ceiling")
 
 
 def peak_rss_gb() -> float:
@@ -56,6 +61,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-frontier", action="store_true", help="skip the new scorers' overheads")
+    parser.add_argument("--no-allocators", action="store_true", help="skip the cross-layer allocators' overheads")
     args = parser.parse_args()
 
     model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -97,10 +103,16 @@ def main() -> None:
     if not args.no_frontier:
         for line in frontier_overheads(model, tokenizer, ids, plain, args.reps):
             print(line)
+    if not args.no_allocators:
+        for line in frontier_overheads(model, tokenizer, ids, plain, args.reps, ALLOCATORS, {"compresskv": {"errors": ramp}}):
+            print(line)
+        print(compresskv_profile_cost(model, ids, plain))
 
 
-def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, budget: int = 128) -> list[str]:
-    """Each new scorer's extra time per prefill: what its requirements add to the prefill plus its selection.
+def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, names=FRONTIER, options=None,
+                       budget: int = 128) -> list[str]:
+    """Each method's extra time per prefill: what its requirements add to the prefill plus its selection
+    (`names`, built with `options[name]` where given; a stand-in answer for those that need one).
 
     Both parts are measured robustly to other load on the machine: the prefill with a method's
     requirements alternates with a plain one (`reps` each, fastest of each kept; methods that declare the
@@ -109,13 +121,13 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, budget: i
     one budget's selection).
     """
     lines, prefill_extra = [], {}
-    for name in FRONTIER:
-        method = make_method(name)
+    for name in names:
+        method = make_method(name, **(options or {}).get(name, {}))
         needs = method.requirements()
-        method.compress(prefill(model, ids[:256], requirements=needs), 64)  # warm-up
+        method.compress(with_answer(prefill(model, ids[:256], requirements=needs)), 64)  # warm-up
         if needs not in prefill_extra:
             prefill_extra[needs] = _requirements_extra(model, ids, needs, reps) if records_more(needs) else 0.0
-        state = prefill(model, ids, requirements=needs)
+        state = with_answer(prefill(model, ids, requirements=needs))
         state.tokenizer = tokenizer
         selection = []
         for _ in range(1 if name == "kvzip" else 2):  # KVzip's reconstruction pass is too long to repeat
@@ -133,6 +145,23 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, budget: i
             lines.append(f"kvzip reconstruction pass {seconds:.2f}s = {seconds / plain:.2f} prefills")
         del state
     return lines
+
+
+def with_answer(state, tokens: int = 16):
+    """The state with a stand-in answer (its last prompt tokens), for the answer-aware allocation ceiling."""
+    state.answer, state.prefix = state.input_ids[-tokens:].tolist(), []
+    return state
+
+
+def compresskv_profile_cost(model, ids, plain: float, budget: int = 128) -> str:
+    """CompressKV's offline profile per calibration prompt (a prefill plus its layer errors), in prefills."""
+    from ripplekv.methods.compresskv import calibrate
+
+    calibrate(model, [ids[:256].tolist()], budget)  # warm-up
+    start = time.perf_counter()
+    calibrate(model, [ids.tolist()], budget)
+    seconds = time.perf_counter() - start
+    return f"compresskv offline profile {seconds:.2f}s = {seconds / plain:.2f} prefills per calibration prompt (once per model)"
 
 
 def records_more(needs: Requirements) -> bool:

@@ -13,7 +13,8 @@ Two halves, two environments:
 For each method with reference code it prints the share of identical (layer, KV head) kept sets and the
 mean Jaccard over prompts x budgets x layers x heads; PyramidKV's and CAKE's per-layer budgets are
 compared with their formulas re-implemented here (PyramidKV paper's linear schedule; cakekv's
-`pref / sum(pref) * L * (B - w)` with its truncation and `adjust_budgets`). The AdaKV rule (FFY0's
+`pref / sum(pref) * L * (B - w)` with its truncation and `adjust_budgets`), DynamicKV's and LAVa's with
+their code's rules (`check_references_allocators`). The AdaKV rule (FFY0's
 allocation, with exact totals) is re-implemented here on kvpress's SnapKV scores. Last line:
 `reference parity: N/M methods >= 0.99`.
 
@@ -83,6 +84,7 @@ def worker(args) -> None:
     import kvpress
     import torch
     import transformers
+    from check_references_allocators import signals as allocator_signals
     from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -117,6 +119,7 @@ def worker(args) -> None:
             entropy = float(-(window * torch.log(window + 1e-10)).sum())  # cakekv's calculate_entropy
             variance = float(torch.var(window, dim=-2).sum())
             prefs[layer] = (entropy, variance)
+            record.update(allocator_signals(layer, attentions, values, n))  # DynamicKV's and LAVa's
             return output
 
         hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
@@ -219,6 +222,7 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
     budgets = [int(b) for b in args.budgets.split(",")]
     methods = {name: make_method(spec) for name, (spec, _) in {**PAIRS, **EARLIER}.items()}
     methods["cake"] = make_method("cake")
+    methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
     lengths = []
     for index, task in enumerate(get_tasks("offline")[: args.prompts]):
         record = load_samples(task, tokenizer, limit=1, target_tokens=args.target_tokens)[0]
@@ -314,6 +318,10 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
                   f"(B={','.join(map(str, budgets))}); ours sum exactly: {all(p[1] for p in pyramid)}; "
                   f"KVCache-Factory's integer steps differ by up to {max(p[2] for p in pyramid)} and their totals "
                   f"by {[p[3] for p in pyramid]} entries per head"))
+    from check_references_allocators import compare_allocators
+
+    lines += compare_allocators(ours_files, lambda path: np.load(out / f"reference_{path.stem[len('ours_'):]}.npz"),
+                                layers, budgets)
     return lines
 
 

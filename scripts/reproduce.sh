@@ -68,7 +68,16 @@ if [ -n "${EVICT_CALIB_SAMPLES:-}" ]; then
     --probe-tokens "$PROBE_TOKENS" --target-tokens "$TARGET_TOKENS" --out "$OUT/profile-evict"
   run_stage allocate-depthkv "$OUT/depthkv.csv" \
     "$RKV" allocate "$OUT/profile-evict/sensitivity.csv" "${model_args[@]}" --map proportional --out "$OUT/depthkv.csv"
-  methods=$(printf ',%s,' "$METHODS" | sed "s|,depthkv,|,depthkv:allocation=$OUT/depthkv.csv,|; s|^,||; s|,\$||")
+  methods=$(printf ',%s,' "$METHODS" | sed "s|,depthkv:|,depthkv:allocation=$OUT/depthkv.csv:|; s|,depthkv,|,depthkv:allocation=$OUT/depthkv.csv,|; s|^,||; s|,\$||")
+fi
+
+# CompressKV (optional, COMPRESSKV_CALIB_SAMPLES): its offline layer error profile from calibration prompts
+# (never the evaluated samples); a `compresskv` in METHODS is then evaluated with it (label: compresskv.csv).
+if [ -n "${COMPRESSKV_CALIB_SAMPLES:-}" ]; then
+  run_stage compresskv-profile "$OUT/compresskv.csv" \
+    .venv/bin/python scripts/compresskv_profile.py "${model_args[@]}" --calib-samples "$COMPRESSKV_CALIB_SAMPLES" \
+    --budget "$SWEEP_BUDGET" --target-tokens "$TARGET_TOKENS" --out "$OUT/compresskv.csv"
+  methods=$(printf ',%s,' "$methods" | sed "s|,compresskv:|,compresskv:profile=$OUT/compresskv.csv:|; s|,compresskv,|,compresskv:profile=$OUT/compresskv.csv,|; s|^,||; s|,\$||")
 fi
 
 # Routing (optional, ROUTE_CALIB_SAMPLES): a method per layer, and the placement study; `routed` and

@@ -63,6 +63,30 @@ def headline_lines(eval_dir: Path, title: str) -> list[str]:
             pd.DataFrame(rows).to_markdown(index=False)]
 
 
+def allocation_lines(eval_dir: Path) -> list[str]:
+    """The allocation-only table (`eval/allocation_only.csv`, written by `ripplekv report` when several methods share
+    the uniform baseline's scorer), with a headline per budget: the allocator closest to the full cache and the
+    share of the uniform-to-ceiling KL gap RippleKV's allocation closes."""
+    path = eval_dir / "allocation_only.csv"
+    if not path.is_file():
+        return []
+    from ripplekv.analysis.allocation import allocation_markdown, best_by_budget
+    from ripplekv.defaults import ALLOCATION_METHOD
+
+    table = pd.read_csv(path)
+    headline = []
+    for budget, method in best_by_budget(table).items():
+        ours = table[(table["budget"] == budget) & (table["method"] == ALLOCATION_METHOD)]
+        share = ours["kl_gap_closed"].iloc[0] if not ours.empty else float("nan")
+        headline.append(f"- B={budget}: closest to the full cache `{method}`; `{ALLOCATION_METHOD}` closes "
+                        + (f"{100 * share:.0f}%" if pd.notna(share) else "n/a") + " of the uniform-to-ceiling KL gap")
+    return ["", "## Allocation only (one scorer, every allocator)", "",
+            "Every method here uses the uniform baseline's scorer, so rows differ only in how the L x H_kv x B entries "
+            "are spread over layers and heads; differences are paired bootstrap intervals against uniform at the same "
+            "budget; 'gap closed' is the share of the uniform-to-ceiling gap (a point estimate).", "",
+            *headline, "", allocation_markdown(table)]
+
+
 def context_only_lines(out: Path) -> list[str]:
     """The context-only protocol's leaderboard (its own eval folder), when the run made it."""
     eval_dir = out / "eval-context-only"
@@ -187,7 +211,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         for line in summary.splitlines()
         if not line.startswith("# ") and not line.startswith("![")
     )
-    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "route", "eval", "eval-context-only",
+    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "compresskv-profile", "route", "eval", "eval-context-only",
               "long-prompt", "long-total")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
@@ -201,6 +225,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
            "The committed results of `make reproduce` are in `results/README.md`."] if quick else []),
         "",
         *headline_lines(out / "eval", "Headline, with-question protocol")[1:],
+        *allocation_lines(out / "eval"),
         "",
         "## Evaluation",
         "",

@@ -135,7 +135,8 @@ def every_method(num_layers: int, folder, only: str | None = None) -> dict:
     choices = ("snapkv", "streamingllm", "random", "snapkv:kernel=3")
     route.write_text("layer,method\n" + "".join(f"{i},{choices[i % len(choices)]}\n" for i in range(num_layers)))
     multipliers = tuple(float(m) for m in torch.linspace(2.0, 0.5, num_layers).tolist())
-    needs = {"ripplekv": {"multipliers": multipliers}, "depthkv": {"multipliers": multipliers}, "routed": {"route": str(route)},
+    needs = {"ripplekv": {"multipliers": multipliers}, "depthkv": {"multipliers": multipliers},
+             "compresskv": {"errors": multipliers}, "routed": {"route": str(route)},
              "routed-ripplekv": {"route": str(route), "multipliers": multipliers}}
     return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
 

@@ -44,10 +44,10 @@ def test_report_on_a_torn_run_names_the_sample_leaves_it_out_and_touches_only_it
     squad = scores[scores.task == "squad"]
     assert (squad["n"] == 1).all() and (scores[scores.task != "squad"]["n"] == 2).all()  # every variant alike
     assert len(scores) == len(TASKS) * len(PLAN)
-    from ripplekv.runs.files import REPORT_FILES
+    from ripplekv.runs.files import OPTIONAL_REPORT_FILES, REPORT_FILES
 
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == sorted(
-        {"predictions.jsonl", "config.json", *(n for n in REPORT_FILES if n != "lengths.csv")})
+        {"predictions.jsonl", "config.json", *(n for n in REPORT_FILES if n not in OPTIONAL_REPORT_FILES)})
 
 
 # --------------------------------------------------------------------------- shared libraries

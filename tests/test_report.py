@@ -301,3 +301,52 @@ def test_forest_rows_sort_best_first_and_mark_ceilings_apart(tmp_path):
     for measure in ("kl", "score"):
         plot_forest(board, tmp_path / f"{measure}.png", measure)
         assert (tmp_path / f"{measure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- the allocation-only table
+
+
+def test_allocation_table_pairs_every_allocator_with_the_baselines_scorer_against_uniform(tmp_path):
+    """Methods sharing uniform's scorer (per config.json's resolved specs) are paired against it, with the share of
+    the uniform-to-ceiling gap each closes; methods with another scorer (streamingllm, the oracle) are left out."""
+    snap = {"name": "snapkv", "window": 32, "kernel": 7, "pooling": "max"}
+    specs = {"full": {"preset": "full"}, "uniform": {"allocator": {"name": "uniform"}, "scorer": snap},
+             "pyramidkv": {"allocator": {"name": "pyramid"}, "scorer": snap},
+             "lava:scorer=snapkv": {"allocator": {"name": "lava"}, "scorer": snap},
+             "allocation-ceiling": {"allocator": {"name": "answer"}, "scorer": snap},
+             "snapkv:window=16": {"allocator": {"name": "uniform"}, "scorer": {**snap, "window": 16}},
+             "streamingllm": {"allocator": {"name": "uniform"}, "scorer": {"name": "recency", "sinks": 4}},
+             "oracle": {"allocator": {"name": "uniform"}, "scorer": {"name": "oracle", "window": 0}}}
+    kl = {"uniform": 0.8, "pyramidkv": 0.7, "lava:scorer=snapkv": 0.5, "allocation-ceiling": 0.4,
+          "snapkv:window=16": 0.9, "streamingllm": 1.5, "oracle": 0.1}
+    records = []
+    for task, category in TASKS.items():
+        for i in range(6):
+            for method in specs:
+                for budget in ([None] if method == "full" else [64, 128]):
+                    shift = 0.0 if method == "full" else kl[method] * 64 / budget
+                    records.append({"id": f"{task}-{i}", "task": task, "category": category, "method": method,
+                                    "budget": budget, "prediction": "x", "answers": ["x"],
+                                    "score": max(0.0, 1.0 - shift + 0.05 * (i % 3)), "kl": shift + 0.01 * i,
+                                    "agreement": 1.0, "prompt_tokens": 300, "layer_budgets": [budget or 300] * 4})
+    run = write(tmp_path / "run", records)
+    (run / "config.json").write_text(json.dumps({"method_specs": specs}))
+    table = report.render(run, resamples=300)["allocation"]
+    assert set(table["method"]) == {"uniform", "pyramidkv", "lava:scorer=snapkv", "allocation-ceiling"}
+    assert len(table) == 8 and table.loc[table.method == "allocation-ceiling", "ceiling"].all()
+    rows = table.set_index(["method", "budget"])
+    for budget in (64, 128):
+        u, c = rows.loc[("uniform", budget)], rows.loc[("allocation-ceiling", budget)]
+        lava = rows.loc[("lava:scorer=snapkv", budget)]
+        assert pd.isna(u.delta_vs_uniform) and u.kl_gap_closed == pytest.approx(0.0)
+        assert lava.kl_gap_closed == pytest.approx((u.kl - lava.kl) / (u.kl - c.kl)) == pytest.approx(0.75)
+        assert c.kl_gap_closed == pytest.approx(1.0) and c.score_gap_closed == pytest.approx(1.0)
+        assert lava.kl_delta_vs_uniform == pytest.approx(lava.kl - u.kl)
+        assert lava.kl_delta_ci_low <= lava.kl_delta_vs_uniform <= lava.kl_delta_ci_high < 0  # every sample closer
+        assert lava.delta_ci_low <= lava.delta_vs_uniform <= lava.delta_ci_high and lava.delta_vs_uniform > 0
+    saved = pd.read_csv(run / "allocation_only.csv")
+    assert len(saved) == 8 and "kl_gap_closed" in saved.columns
+    text = (run / "allocation_only.md").read_text()
+    assert "allocation-ceiling (ceiling)" in text and "75%" in text and "streamingllm" not in text and "| oracle" not in text
+    (run / "config.json").write_text(json.dumps({"method_specs": {"full": specs["full"], "uniform": specs["uniform"]}}))
+    assert report.render(run, resamples=50)["allocation"] is None  # one allocator alone: no table

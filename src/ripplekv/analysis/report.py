@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from ripplekv.analysis import stats
+from ripplekv.analysis.allocation import allocation_markdown, allocation_table, method_specs
 from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plot_score_vs_budget
 from ripplekv.analysis.forest import plot_forest
 from ripplekv.analysis.summary import summary_markdown
@@ -98,7 +99,8 @@ def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,
            seed: int = stats.SEED) -> dict[str, pd.DataFrame]:
     """Write scores.csv, leaderboard.csv, leaderboard_wide.csv, ranks.csv, lengths.csv (when samples have
-    a length), the plots, summary.md and report.json (the settings) into `run_dir`."""
+    a length), allocation_only.csv and .md (when several methods share the uniform baseline's scorer), the plots,
+    summary.md and report.json (the settings) into `run_dir`."""
     run_dir = Path(run_dir)
     check_rouge(rouge)
     if resamples < 1:
@@ -108,6 +110,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     board, ranks = add_uncertainty(frame, leaderboard(scores), resamples, seed)
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
+    allocation = allocation_table(frame, method_specs(run_dir), resamples, seed)
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": stats.CONFIDENCE}
     try:
         write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
@@ -116,6 +119,9 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         write_csv(run_dir / "ranks.csv", ranks, float_format=FLOAT_FORMAT)
         if lengths is not None:
             write_csv(run_dir / "lengths.csv", lengths, float_format=FLOAT_FORMAT)
+        if allocation is not None:  # the allocation-only table (`analysis.allocation`)
+            write_csv(run_dir / "allocation_only.csv", allocation, float_format=FLOAT_FORMAT)
+            write_text(run_dir / "allocation_only.md", allocation_markdown(allocation))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
         plot_score_vs_budget(board, run_dir / "score_vs_budget.png")
         plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png")
@@ -125,4 +131,5 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings))
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
-    return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths}
+    return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths,
+            "allocation": allocation}

@@ -2,10 +2,13 @@
 
 from ripplekv.methods import (  # noqa: F401  (registration)
     adakv,
+    allocation_ceiling,
     allocators,
     cake,
+    compresskv,
     criticalkv,
     defensivekv,
+    dynamickv,
     expected_attention,
     global_budget,
     gracekv,
@@ -13,10 +16,13 @@ from ripplekv.methods import (  # noqa: F401  (registration)
     keydiff,
     knorm,
     kvzip,
+    lava,
     oracle,
+    pyramidinfer,
     random_keep,
     router,
     snapkv,
+    squeezeattention,
     streamingllm,
     tova,
 )

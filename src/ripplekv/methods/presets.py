@@ -46,7 +46,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {}
 # Options naming a file: labels show the file name only.
-FILE_OPTIONS = ("allocation", "route")
+FILE_OPTIONS = ("allocation", "route", "profile")
 
 
 def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
@@ -85,6 +85,18 @@ preset("layer-defensivekv", "global", "defensivekv", "Layer-DefensiveKV: Defensi
        "and head competing for one budget (FFY0/DefensiveKV)")
 preset("kvzip", "global", "kvzip", "KVzip: max attention from a context-reconstruction pass (a second "
        "forward), all layers and heads competing (kvpress KVzipPress)")
+preset("dynamickv", "dynamickv", "dynamickv", "DynamicKV: layer budgets from a global top-k of every layer's window "
+       "attention (all layers at once), SnapKV scores at window 8, average pooling (DreamMr/DynamicKV)")
+preset("lava", "lava", "lava", "LAVa: layer budgets from the entropy of value-weighted window attention, heads "
+       "compete AdaKV's way (MGDDestiny/Lava; its floor bug not reproduced)")
+preset("squeezeattention", "squeeze", "recency", "SqueezeAttention: 3 layer groups by residual cosine (exact "
+       "1-D KMeans, last 64 tokens), the least-changing group gets p=0.38 of B; sinks + recent")
+preset("pyramidinfer", "pyramidinfer", "pyramidinfer", "PyramidInfer: the compounded cosine schedule normalized to "
+       "L x H x B, window attention averaged over heads + 4 sinks (mutonix/pyramidinfer)")
+preset("compresskv", "compresskv", "snapkv", "CompressKV: static layer budgets from a calibration error profile "
+       "(profile=FILE), SnapKV scores (its retrieval-head scorer is not implemented)")
+preset("allocation-ceiling", "answer", "snapkv", "CEILING, not a method: layer and head budgets from the full "
+       "cache's answer (the oracle's scores competing over all layers and heads), SnapKV scores (eval only)")
 preset("oracle", "uniform", "oracle", "CEILING, not a method: per head, the entries the full cache's answer "
        "attends to most (eval only; left out of ranks)")
 

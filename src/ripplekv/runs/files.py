@@ -24,9 +24,11 @@ def is_ceiling(label) -> bool:
 
 # What each kind of run folder holds. A folder is a run of a kind when it holds one of its markers;
 # no command writes into a run folder of another kind (`safeio.check_output`).
-REPORT_FILES = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "ranks.csv", "lengths.csv",
-                "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png", "score_forest.png",
-                "summary.md", "report.json")
+REPORT_FILES = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "ranks.csv", "lengths.csv", "allocation_only.csv",
+                "allocation_only.md", "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png",
+                "score_forest.png", "summary.md", "report.json")
+# written only when the run holds what they show (samples with a length; several allocators with one scorer)
+OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.md")
 EVAL_FILES = (PREDICTIONS, CONFIG, *REPORT_FILES)
 SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
 PROFILE_FILES = ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png", SAMPLES_LOG)

@@ -1,0 +1,42 @@
+"""CompressKV's offline layer profile from the offline suite's calibration split (never the evaluated samples).
+
+Each calibration prompt is prefilled once; a layer's error is the relative Frobenius error of its window
+queries' attention output (after W_o) when its cache keeps only SnapKV's selection at `--budget`
+(`ripplekv.methods.compresskv.layer_errors`), averaged over the prompts. The CSV it writes is what
+`compresskv:profile=FILE` reads. Its cost is one prefill per calibration prompt, once per model.
+
+    .venv/bin/python scripts/compresskv_profile.py --out runs/compresskv.csv [--calib-samples 6] [--budget 128] [--model M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ripplekv.engine.models import load_model
+from ripplekv.methods.compresskv import calibrate, write_profile
+from ripplekv.tasks.calibration import calibration_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the layer,error CSV to write")
+    parser.add_argument("--model", default=None, help="model id or folder (default: the bundled model)")
+    parser.add_argument("--calib-samples", type=int, default=6)
+    parser.add_argument("--budget", type=int, default=128, help="the small selection the error is measured at")
+    parser.add_argument("--window", type=int, default=32, help="window queries standing in for decoding steps")
+    parser.add_argument("--target-tokens", type=int, default=3500)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    model, tokenizer, _ = load_model(args.model, device=args.device, dtype=args.dtype)
+    prompts = calibration_prompts(tokenizer, args.calib_samples, probe_tokens=1, target_tokens=args.target_tokens)
+    start = time.perf_counter()
+    errors = calibrate(model, [p.context + p.probe for p in prompts], args.budget, args.window)
+    path = write_profile(args.out, errors)
+    print(f"wrote {path}: {len(errors)} layers from {len(prompts)} calibration prompts in "
+          f"{time.perf_counter() - start:.1f} s; errors {min(errors):.4f} to {max(errors):.4f}")
+
+
+if __name__ == "__main__":
+    main()
