@@ -28,7 +28,7 @@ from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Pl
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES
 from ripplekv.runs.resume import append_rows, existing_lines, variant_keys
-from ripplekv.runs.safeio import exclusive, write_json
+from ripplekv.runs.safeio import exclusive, open_append, write_json
 
 # --------------------------------------------------------------------------- one sample
 
@@ -347,7 +347,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
         finished = 0
         try:
             with Progress(*columns, console=console, transient=False) as progress, \
-                    (out / PREDICTIONS).open("a", encoding="utf-8") as fh:
+                    open_append(out / PREDICTIONS) as fh:
                 bar = progress.add_task("eval", total=prefill_left + decode_left,
                                         samples=f"0/{len(jobs)} samples", deadline=None)
 

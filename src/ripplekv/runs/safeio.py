@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -87,6 +88,30 @@ def other_files(folder: Path, own: Iterable[str]) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name not in own and not p.name.startswith("."))
 
 
+# The errors a long run meets when its disk fills up or was never writable: the user can fix these.
+_NO_ROOM = {errno.ENOSPC: "no space is left on its device", errno.EDQUOT: "the disk quota is exceeded",
+            errno.EROFS: "its file system is read-only"}
+RESUME = "rerun the same command to resume (what is written is kept)"
+
+
+def write_failure(path: str | Path, err: OSError, then: str = RESUME, elsewhere: str = "pass another --out") -> UserError:
+    """One line for an output that could not be written; a full disk, a spent quota or a read-only file
+    system also say what to do (free space, or write `elsewhere`, and `then`)."""
+    what = _NO_ROOM.get(err.errno)
+    if what is None:
+        return UserError(f"cannot write {path}: {err.strerror or err}")
+    fix = "make it writable" if err.errno == errno.EROFS else "free space there"
+    return UserError(f"cannot write {path}: {what}; {fix} or {elsewhere}, then {then}")
+
+
+def open_append(path: Path):
+    """`path` opened for appending bytes (`append_bytes`), or the one-line error."""
+    try:
+        return Path(path).open("ab")
+    except OSError as err:
+        raise write_failure(path, err) from None
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` fills a temporary file beside `path`, which then replaces `path` in one step."""
     path = Path(path)
@@ -98,11 +123,37 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
+        _discard(tmp)
+        raise write_failure(path, err) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:  # a read-only file system: there is nothing to remove
+        pass
+
+
+def append_bytes(handle, data: bytes) -> None:
+    """Append `data` to an open file in one fsynced step: on a failure (a full disk) the file is cut back
+    to where it was, so it never ends in part of a record, and the one-line error names it."""
+    handle.flush()
+    fd = handle.fileno()
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError as err:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass
+        raise write_failure(handle.name, err) from None
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -128,8 +179,11 @@ def save_figure(fig, path: str | Path, **kwargs) -> None:
 @contextmanager
 def exclusive(folder: Path, what: str):
     """Hold `folder/.lock` while writing: two runs appending to one log would duplicate lines."""
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = (folder / ".lock").open("w")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = (folder / ".lock").open("w")
+    except OSError as err:
+        raise write_failure(folder / ".lock", err, "rerun the same command") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -175,8 +229,6 @@ class UnitLog:
         return lines, bool(read.torn)
 
     def append(self, key: str, value) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"key": key, "value": value}) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        with open_append(self.path) as handle:
+            append_bytes(handle, (json.dumps({"key": key, "value": value}) + "\n").encode("utf-8"))
         self.done[key] = value
