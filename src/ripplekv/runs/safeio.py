@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -21,7 +20,7 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from ripplekv.errors import UserError
+from ripplekv.errors import UserError, write_failure
 from ripplekv.runs.files import RUNS, run_kind
 from ripplekv.runs.jsonl import read_jsonl
 
@@ -86,22 +85,6 @@ def other_files(folder: Path, own: Iterable[str]) -> list[str]:
         return []
     own = set(own)
     return sorted(p.name for p in folder.iterdir() if p.name not in own and not p.name.startswith("."))
-
-
-# The errors a long run meets when its disk fills up or was never writable: the user can fix these.
-_NO_ROOM = {errno.ENOSPC: "no space is left on its device", errno.EDQUOT: "the disk quota is exceeded",
-            errno.EROFS: "its file system is read-only"}
-RESUME = "rerun the same command to resume (what is written is kept)"
-
-
-def write_failure(path: str | Path, err: OSError, then: str = RESUME, elsewhere: str = "pass another --out") -> UserError:
-    """One line for an output that could not be written; a full disk, a spent quota or a read-only file
-    system also say what to do (free space, or write `elsewhere`, and `then`)."""
-    what = _NO_ROOM.get(err.errno)
-    if what is None:
-        return UserError(f"cannot write {path}: {err.strerror or err}")
-    fix = "make it writable" if err.errno == errno.EROFS else "free space there"
-    return UserError(f"cannot write {path}: {what}; {fix} or {elsewhere}, then {then}")
 
 
 def open_append(path: Path):
