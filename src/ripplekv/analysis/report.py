@@ -22,7 +22,7 @@ from ripplekv.analysis.tables import add_uncertainty, leaderboard, leaderboard_w
 from ripplekv.errors import UserError
 from ripplekv.metrics.rouge import check_rouge
 from ripplekv.metrics.scoring import metric_label, score_sample
-from ripplekv.runs.files import PREDICTIONS
+from ripplekv.runs.files import CONFIG, PREDICTIONS, is_ceiling, run_ceilings
 from ripplekv.runs.jsonl import read_jsonl, torn_fields
 from ripplekv.runs.safeio import write_csv, write_text
 
@@ -56,6 +56,16 @@ def load_predictions(run_dir: str | Path) -> pd.DataFrame:
         raise UserError(f"{path} lacks field(s) {', '.join(sorted(missing))}; was it written by `ripplekv eval`?")
     frame["budget"] = frame["budget"].astype("Int64")
     return frame
+
+
+def ceilings_of(run_dir: str | Path, frame: pd.DataFrame) -> frozenset[str]:
+    """The run's labels that know the answer, as its config.json records them (by name for older runs)."""
+    try:
+        config = json.loads((Path(run_dir) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    recorded = run_ceilings(config)
+    return recorded if recorded is not None else frozenset(m for m in frame["method"].unique() if is_ceiling(m))
 
 
 def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
@@ -104,7 +114,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         raise UserError(f"--resamples must be a positive number, got {resamples}")
     frame = rescore_rouge(load_predictions(run_dir), rouge)
     scores = task_scores(frame)
-    board, ranks = add_uncertainty(frame, leaderboard(scores), resamples, seed)
+    ceilings = ceilings_of(run_dir, frame)
+    board, ranks = add_uncertainty(frame, leaderboard(scores, ceilings), resamples, seed, ceilings)
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": stats.CONFIDENCE}
@@ -116,10 +127,11 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         if lengths is not None:
             write_csv(run_dir / "lengths.csv", lengths, float_format=FLOAT_FORMAT)
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
-        plot_score_vs_budget(board, run_dir / "score_vs_budget.png")
-        plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png")
+        plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings)
+        plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings)
         plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-        write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings))
+        write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings,
+                                                            ceilings))
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths}

@@ -65,6 +65,9 @@ def inspect_command(
     from ripplekv.runs.safeio import check_output, exclusive
 
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
+    if chosen.knows_answer:  # said before any model work, whatever the spec calls its answer-aware part
+        raise UserError(f"{method} is a ceiling that needs the full cache's answer, so it runs only in "
+                        "`ripplekv eval`; inspect a method that does not know the answer (e.g. snapkv)")
     if chosen.is_full and decode_budget == "total":
         raise UserError("full keeps every entry; --decode-budget total applies to a compressed method")
     decoding = check_decode_budget(EvalSettings(budgets=(budget,), decode_budget=decode_budget,

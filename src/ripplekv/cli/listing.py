@@ -92,7 +92,8 @@ COMPOSITION_HELP = """compositions: layer allocator x head split x scorer, in on
     pyramidkv:split=adakv:scorer=expected-attention
     cake:split=adakv:scorer=keydiff             CAKE layer budgets x AdaKV heads x KeyDiff scores
     snapkv:allocator=global:scorer=criticalkv   every layer and head compete (Layer-DefensiveKV's level)
-  oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks."""
+  oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks, and
+  so is any composition that uses its scorer (snapkv:scorer=oracle:split=adakv, a route with an oracle layer)."""
 
 
 def methods_command() -> None:

@@ -34,7 +34,7 @@ from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget, uniform_budgets
-from ripplekv.runs.files import ROUTE_FILES, is_ceiling
+from ripplekv.runs.files import ROUTE_FILES
 from ripplekv.runs.safeio import check_output, other_files, save_figure, write_csv, write_text
 
 DEFAULT_CANDIDATES = DEFAULT_ROUTE_CANDIDATES
@@ -74,7 +74,7 @@ def candidate_methods(specs) -> list:
             raise UserError(f"candidate method {spec!r} is not registered in this version; "
                             "pass --methods with methods from `ripplekv methods`")
         method = make_method(spec)
-        if is_ceiling(spec):
+        if method.knows_answer:
             raise UserError(f"candidate {spec!r} is a ceiling that needs the full cache's answer, not a method to route to")
         if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
             raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")

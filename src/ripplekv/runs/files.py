@@ -14,12 +14,24 @@ from ripplekv.runs.jsonl import read_jsonl
 PREDICTIONS = "predictions.jsonl"
 CONFIG = "config.json"
 REFERENCE = "full"
-# Bounds, not methods (the answer-aware oracle): reports mark them and leave them out of ranks.
+# Bounds, not methods: variants with a part that knows the full cache's answer (`Scorer.knows_answer`).
+# Reports mark them and leave them out of ranks. config.json lists their labels under this key, since
+# reports read result lines, not methods; runs written before it fall back to the names in CEILINGS.
+ANSWER_AWARE = "answer_aware"
 
 
-def is_ceiling(label) -> bool:
-    """Whether a method label (`oracle`, `oracle:window=32`) names a ceiling."""
+def is_ceiling(label, ceilings=None) -> bool:
+    """Whether a method label is a ceiling: one of `ceilings` (a run's recorded labels, `run_ceilings`), or
+    when a run records none, a label whose preset is named in `defaults.CEILINGS` (`oracle:window=32`)."""
+    if ceilings is not None:
+        return str(label) in ceilings
     return str(label).split(":", 1)[0].strip() in CEILINGS
+
+
+def run_ceilings(config) -> frozenset[str] | None:
+    """The labels a run's config.json records as knowing the answer; None for runs that predate the record."""
+    recorded = config.get(ANSWER_AWARE) if isinstance(config, dict) else None
+    return frozenset(map(str, recorded)) if isinstance(recorded, list) else None
 
 
 # What each kind of run folder holds. A folder is a run of a kind when it holds one of its markers;
