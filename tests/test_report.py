@@ -273,3 +273,19 @@ def test_inspect_writes_the_kept_entries_and_a_picture(tiny_model_dir, tmp_path,
     code, _, err = run_cli("inspect", "--model", str(tiny_model_dir), "--method", "snapkv", "--budget", "32",
                            "--out", str(out))
     assert code == 2 and "--task" in err and len(err.strip().splitlines()) == 1
+
+
+def test_report_on_a_run_an_eval_is_writing_names_the_eval_and_offers_no_out(tmp_path, run_cli):
+    """The lock's holder writes who it is: `report` then says an eval holds the run, and only to wait (it has no --out)."""
+    from ripplekv.runs.safeio import exclusive
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "predictions.jsonl").write_text("")
+    with exclusive(run, "eval"):
+        code, _, err = run_cli("report", run)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: another ripplekv eval is writing to {run} (pid ") and "--out" not in err, err
+    assert err.rstrip().endswith("; wait for it to finish")
+    code, _, err = run_cli("report", run)  # the lock is free again: the empty run is what is said now
+    assert code == 2 and "another" not in err

@@ -160,18 +160,32 @@ def save_figure(fig, path: str | Path, **kwargs) -> None:
 
 
 @contextmanager
-def exclusive(folder: Path, what: str):
-    """Hold `folder/.lock` while writing: two runs appending to one log would duplicate lines."""
+def exclusive(folder: Path, what: str, elsewhere: str | None = "use another --out"):
+    """Hold `folder/.lock` while writing: two runs appending to one log would duplicate lines. The holder
+    writes its command and pid into the lock, so a refused command names who holds it; `elsewhere` is
+    the other way out the refused command offers (None: it has no --out, it can only wait)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle = (folder / ".lock").open("w")
+        handle = (folder / ".lock").open("a+")
     except OSError as err:
         raise write_failure(folder / ".lock", err, "rerun the same command") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().split()
         handle.close()
-        raise UserError(f"another ripplekv {what} is writing to {folder}; wait for it to finish or use another --out") from None
+        who = f"another ripplekv {holder[0]}" if holder else f"another ripplekv {what}"
+        pid = f" (pid {holder[1]})" if len(holder) > 1 else ""
+        raise UserError(f"{who} is writing to {folder}{pid}; wait for it to finish"
+                        f"{f' or {elsewhere}' if elsewhere else ''}") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{what} {os.getpid()}\n")
+        handle.flush()
+    except OSError:  # the lock holds without its note
+        pass
     try:
         yield
     finally:
