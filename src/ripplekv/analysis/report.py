@@ -22,8 +22,8 @@ from ripplekv.analysis.tables import add_uncertainty, leaderboard, leaderboard_w
 from ripplekv.errors import UserError
 from ripplekv.metrics.rouge import check_rouge
 from ripplekv.metrics.scoring import metric_label, score_sample
-from ripplekv.runs.files import CONFIG, PREDICTIONS, is_ceiling, run_ceilings
-from ripplekv.runs.jsonl import read_jsonl, torn_fields
+from ripplekv.runs.files import CONFIG, PREDICTIONS, is_ceiling, run_ceilings, without_torn_sample
+from ripplekv.runs.jsonl import read_jsonl
 from ripplekv.runs.safeio import write_csv, write_text
 
 FLOAT_FORMAT = "%.6g"
@@ -64,25 +64,10 @@ def ceilings_of(run_dir: str | Path, frame: pd.DataFrame) -> frozenset[str]:
         config = json.loads((Path(run_dir) / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = None
+    if config is not None and not isinstance(config, dict):
+        raise UserError(f"{Path(run_dir) / CONFIG} is not a JSON object; use a run folder written by `ripplekv eval`")
     recorded = run_ceilings(config)
     return recorded if recorded is not None else frozenset(m for m in frame["method"].unique() if is_ceiling(m))
-
-
-def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
-    """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
-    line's sample, as `eval` cuts it when it resumes); says which on stderr."""
-    import sys
-
-    found = torn_fields(torn)
-    last = rows[-1] if rows else {}
-    task, sid = found.get("task", last.get("task") if "id" not in found else None), found.get("id", last.get("id"))
-    variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
-    kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
-    sample = f"{task}/{sid}" if task is not None else str(sid)
-    print(f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
-          f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
-          "with the same options to finish it", file=sys.stderr)
-    return kept
 
 
 def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ripplekv.defaults import CEILINGS
-from ripplekv.runs.jsonl import read_jsonl
+from ripplekv.runs.jsonl import read_jsonl, torn_fields
 
 PREDICTIONS = "predictions.jsonl"
 CONFIG = "config.json"
@@ -67,3 +67,20 @@ def read_lines(path: Path) -> tuple[list[dict], bool]:
     """Parsed lines of a predictions file and whether a trailing partial line (a kill mid-write) was seen."""
     lines = read_jsonl(path)
     return lines.objects, bool(lines.torn)
+
+
+def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
+    """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
+    line's sample, as `eval` cuts it when it resumes); says which on stderr."""
+    import sys
+
+    found = torn_fields(torn)
+    last = rows[-1] if rows else {}
+    task, sid = found.get("task", last.get("task") if "id" not in found else None), found.get("id", last.get("id"))
+    variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
+    kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
+    sample = f"{task}/{sid}" if task is not None else str(sid)
+    print(f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
+          f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
+          "with the same options to finish it", file=sys.stderr)
+    return kept
