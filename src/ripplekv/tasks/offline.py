@@ -30,7 +30,7 @@ from itertools import accumulate
 from random import Random
 
 from ripplekv.errors import UserError
-from ripplekv.tasks.offline_fit import DEFAULT_SIZES, _Builder, _enough, _take
+from ripplekv.tasks.offline_fit import DEFAULT_SIZES, MARGIN, TOLERANCE, _Builder, _enough, _take
 from ripplekv.tasks.offline_sources import (
     _code_file,
     _code_files,
@@ -100,13 +100,21 @@ def _hotpotqa(b: _Builder, n: int) -> list[dict]:
                     fill.append((title, "".join(sents).strip()))
                     chars += len(fill[-1][1])
 
-        def compose(k, i=i, own=own, fill=fill, q=q):
-            passages = own + fill[:k]
-            b.rng(i, k).shuffle(passages)
+        # The question's own distractors are the first units to go when even its 10 passages overshoot the
+        # target (the gold passages always stay); at longer targets all 10 are in, as they always were.
+        gold = {title for title, _ in q["supporting_facts"]}
+        others = [(title, text) for title, text in own if title not in gold]
+        rank = {title: r for r, (title, _) in enumerate(others)}
+
+        def compose(k, i=i, own=own, fill=fill, q=q, rank=rank, extra=len(others)):
+            passages = [p for p in own if rank.get(p[0], -1) < k] + fill[: max(0, k - extra)]
+            b.rng(i, k - extra).shuffle(passages)
             context = "\n".join(f"Passage {p + 1}:\n{title}\n{text}" for p, (title, text) in enumerate(passages))
             return b.record(i, context, q["question"], [q["answer"]])
 
-        samples.append(b.fit(compose, [f"Passage 10:\n{title}\n{text}\n" for title, text in fill]))
+        units = [f"Passage 10:\n{title}\n{text}\n" for title, text in others + fill]
+        whole = b.measure(compose(len(others))) <= (1 + TOLERANCE) * b.target
+        samples.append(b.fit(compose, units, k_min=len(others) if whole else 0))
     return samples
 
 
@@ -364,4 +372,12 @@ def build_samples(task, tokenizer, *, split: str = "eval", limit: int | None = N
         raise UserError(f"the offline suite builds at most {MAX_SAMPLES} samples per task; "
                         f"ask for {MAX_SAMPLES} or fewer, got {n}")
     builder = _Builder(task, tokenizer, split, target_tokens, seed)
-    return task.builder(builder, n)
+    samples = task.builder(builder, n)
+    off = [length for length in builder.lengths if abs(length - target_tokens) > MARGIN * target_tokens]
+    if off:  # whole units (a passage, a sentence, a line) too coarse for this target: say what was built
+        import sys
+
+        print(f"note: offline {task.name} ({split}): {len(off)} of {len(samples)} prompts are more than "
+              f"{MARGIN:.0%} from the {target_tokens}-token target (about {min(off)}-{max(off)} tokens): its whole "
+              "units are too coarse at this length; a longer target fits closer", file=sys.stderr)
+    return samples
