@@ -26,6 +26,7 @@ from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, plan_eval
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
+from ripplekv.pipeline.samples import check_eval_window
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES
 from ripplekv.runs.resume import append_rows, existing_lines, variant_keys
 from ripplekv.runs.safeio import exclusive, open_append, write_json
@@ -271,6 +272,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     check_model_fits(plan)
     tokenizer = load_tokenizer(settings.model)
     work = load_all_samples(plan, tokenizer)
+    check_eval_window(settings.model, work, tokenizer, settings.max_length)  # a sliding window: refused before any model work
     config = {**plan.config, "samples": {}}
     for task, sid, _ in work:
         config["samples"].setdefault(task.name, []).append(sid)

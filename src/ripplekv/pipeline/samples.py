@@ -50,3 +50,70 @@ def file_prompt(tokenizer, path: str | Path) -> Prompt:
         raise UserError(f"prompt file {path} does not exist")
     ids = list(tokenizer(path.read_text(encoding="utf-8", errors="replace")).input_ids)
     return Prompt(ids, len(ids), [], path.name)
+
+
+def model_window(model_spec) -> int | None:
+    """The attention window a model's layers are limited to (sliding window), from its config alone."""
+    from ripplekv.engine.adapter import sliding_window
+    from ripplekv.engine.models import load_config
+
+    return sliding_window(load_config(model_spec))
+
+
+def check_window(window: int | None, longest, option: str, value: int, lowest: int) -> None:
+    """Refuse, before any model work, prompts a sliding-window model cannot attend to whole (ripplekv computes
+    full attention): `longest(v)` is the longest prompt plus answer, chat template included, that the command
+    builds with `option` set to v. The refusal names the largest value that fits, found by building again."""
+    if window is None:
+        return
+    total = longest(value)
+    if total <= window:
+        return
+    why = (f"prompt plus answer is {total} tokens (chat template included) but this model attends only to its last "
+           f"{window} (sliding_window={window}); ripplekv computes full attention, so")
+    fit = value - (total - window)
+    while fit >= lowest:
+        built = longest(fit)
+        if built <= window:
+            raise UserError(f"{why} pass {option} {fit} or less")
+        fit -= built - window
+    raise UserError(f"{why} no {option} fits (even {lowest} builds {longest(lowest)} tokens); "
+                    "use a model without a sliding window, or shorter tasks")
+
+
+def check_eval_window(model_spec, work, tokenizer, max_length: int) -> None:
+    """`eval`'s samples (task, id, record) against a sliding window, before the model loads or the run
+    folder is made; the advice is a --max-length that fits every sample with its task's answer."""
+    from ripplekv.tasks import build_prompt_ids
+
+    window = model_window(model_spec)
+    if window is None:
+        return
+
+    def longest(length: int) -> int:
+        return max(len(build_prompt_ids(task, record, tokenizer, length)) + task.max_new_tokens for task, _, record in work)
+
+    check_window(window, longest, "--max-length", max_length, 2)
+
+
+def check_calibration_window(model_spec, prompts, build, target_tokens: int, reserve: int = 0) -> None:
+    """Calibration prompts (context + probe, plus `reserve` tokens decoded after them) against a sliding
+    window; `build(target)` rebuilds them at another --target-tokens to find the largest that fits."""
+    import contextlib
+    import io
+
+    from ripplekv.tasks.offline import MIN_TARGET_TOKENS
+
+    window = model_window(model_spec)
+    if window is None:
+        return
+
+    def longest(target: int) -> int:
+        if target == target_tokens:
+            built = prompts
+        else:
+            with contextlib.redirect_stderr(io.StringIO()):  # notes about trial builds are not the user's
+                built = build(target)
+        return max(len(p.context) + len(p.probe) for p in built) + reserve
+
+    check_window(window, longest, "--target-tokens", target_tokens, MIN_TARGET_TOKENS)
