@@ -71,3 +71,24 @@ def test_no_value_fits_says_so_in_one_line(tokenizer):
 
     with pytest.raises(UserError, match=r"no --max-length fits \(even 2 builds 300 tokens\)"):
         check_window(256, lambda length: 298 + min(length, 2), "--max-length", 7500, 2)
+
+
+def test_allocate_sweep_advises_a_target_tokens_that_fits(windowed_model_dir, tmp_path, run_cli):
+    sens = tmp_path / "sens.csv"
+    sens.write_text("layer,kl_mean\n0,0.1\n1,0.4\n2,0.2\n3,0.3\n")
+    args = ["allocate", sens, "--model", windowed_model_dir, "--ratio", "1", "--ratio", "4", "--budget", "32",
+            "--calib-samples", "2"]
+    code, _, err = run_cli(*args, "--target-tokens", "500", "--out", tmp_path / "refused.csv")
+    assert code == 2
+    fits = _advice(err, "--target-tokens")
+    assert not list(tmp_path.glob("refused*"))
+    code, _, err = run_cli(*args, "--target-tokens", fits, "--out", tmp_path / "alloc.csv")
+    assert code == 0, err
+
+
+def test_route_says_when_no_target_fits_before_making_its_folder(windowed_model_dir, tmp_path, run_cli):
+    code, _, err = run_cli("route", "--model", windowed_model_dir, "--methods", "snapkv,h2o", "--target-tokens", "500",
+                           "--out", tmp_path / "r")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "no --target-tokens fits" in err and "with one of at least" in err
+    assert not (tmp_path / "r").exists()

@@ -247,6 +247,26 @@ def check_route_dir(out: Path, model: str | None = None) -> Path:
     return out
 
 
+def check_route_window(model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
+                       target_tokens: int, with_answer: bool) -> None:
+    """A sliding-window model: the calibration prompts (and the answers placements decode) must fit it,
+    said before the model loads or the route folder is made, with a --target-tokens that fits."""
+    from ripplekv.engine.models import load_tokenizer
+    from ripplekv.pipeline.samples import check_calibration_window, model_window
+    from ripplekv.tasks.calibration import calibration_prompts
+
+    if model_window(model) is None:
+        return
+    tokenizer = load_tokenizer(model)
+
+    def build(target: int):
+        return calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target,
+                                   with_answer=with_answer)
+
+    check_calibration_window(model, build(target_tokens), build, target_tokens,
+                             reserve=settings.max_new_tokens if placement_samples else 0)
+
+
 def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
                target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None) -> tuple[dict, int, int]:
     """The whole `ripplekv route` after its checks: load the model, take calibration prompts (the first

@@ -77,8 +77,9 @@ def check_window(window: int | None, longest, option: str, value: int, lowest: i
         if built <= window:
             raise UserError(f"{why} pass {option} {fit} or less")
         fit -= built - window
-    raise UserError(f"{why} no {option} fits (even {lowest} builds {longest(lowest)} tokens); "
-                    "use a model without a sliding window, or shorter tasks")
+    shortest = longest(lowest)
+    raise UserError(f"{why} no {option} fits (even {lowest} builds {shortest} tokens); use a model without a "
+                    f"sliding window, or with one of at least {shortest} tokens")
 
 
 def check_eval_window(model_spec, work, tokenizer, max_length: int) -> None:
