@@ -92,3 +92,14 @@ def test_route_says_when_no_target_fits_before_making_its_folder(windowed_model_
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "no --target-tokens fits" in err and "with one of at least" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_inspect_advises_a_max_length_before_making_its_folder(windowed_model_dir, tmp_path, run_cli):
+    args = ["inspect", "--model", windowed_model_dir, "--method", "snapkv", "--budget", "32", "--task", "niah",
+            "--target-tokens", "500"]
+    code, _, err = run_cli(*args, "--out", tmp_path / "refused")
+    assert code == 2
+    fits = _advice(err, "--max-length")
+    assert not (tmp_path / "refused").exists()
+    code, _, err = run_cli(*args, "--max-length", fits, "--out", tmp_path / "i")
+    assert code == 0, err

@@ -76,6 +76,11 @@ def inspect_command(
         raise UserError("give either --task T (with --index I) or --prompt-file FILE")
     if index < 0:
         raise UserError(f"--index must be >= 0, got {index}")
+    if task is not None:  # a sliding window shorter than the prompt: said before the folder is made
+        from ripplekv.pipeline.samples import check_inspect_window
+
+        check_inspect_window(model, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
+                             max_length=max_length, answer=decode_budget == "total")
     source = resolve_model(model)
     folder = check_output(out or DEFAULT_INSPECT, kind="dir", writes=INSPECT_FILES, run="inspect",
                           inputs=[prompt_file, allocation, route, source.location if source.kind == "gguf" else None])

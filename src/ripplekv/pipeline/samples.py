@@ -66,17 +66,18 @@ def check_window(window: int | None, longest, option: str, value: int, lowest: i
     builds with `option` set to v. The refusal names the largest value that fits, found by building again."""
     if window is None:
         return
+    room = window - 1  # transformers' sliding cache keeps window - 1 prefilled entries: a prompt of `window` loses one
     total = longest(value)
-    if total <= window:
+    if total <= room:
         return
     why = (f"prompt plus answer is {total} tokens (chat template included) but this model attends only to its last "
            f"{window} (sliding_window={window}); ripplekv computes full attention, so")
-    fit = value - (total - window)
+    fit = value - (total - room)
     while fit >= lowest:
         built = longest(fit)
-        if built <= window:
+        if built <= room:
             raise UserError(f"{why} pass {option} {fit} or less")
-        fit -= built - window
+        fit -= built - room
     shortest = longest(lowest)
     raise UserError(f"{why} no {option} fits (even {lowest} builds {shortest} tokens); use a model without a "
                     f"sliding window, or with one of at least {shortest} tokens")
@@ -118,3 +119,21 @@ def check_calibration_window(model_spec, prompts, build, target_tokens: int, res
         return max(len(p.context) + len(p.probe) for p in built) + reserve
 
     check_window(window, longest, "--target-tokens", target_tokens, MIN_TARGET_TOKENS)
+
+
+def check_inspect_window(model_spec, task: str, index: int, *, suite: str, data_dir, target_tokens: int,
+                         max_length: int, answer: bool) -> None:
+    """`inspect --task`'s prompt (and, with `answer`, the answer it decodes) against a sliding window,
+    before the model loads or the folder is made; the advice is a --max-length that fits."""
+    from ripplekv.engine.models import load_tokenizer
+
+    if model_window(model_spec) is None:
+        return
+    tokenizer = load_tokenizer(model_spec)
+
+    def longest(length: int) -> int:
+        prompt = sample_prompt(tokenizer, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
+                               max_length=length)
+        return len(prompt.ids) + (prompt.task.max_new_tokens if answer else 0)
+
+    check_window(model_window(model_spec), longest, "--max-length", max_length, 2)
