@@ -1,7 +1,8 @@
 """One prompt to look at: a sample of a suite's task exactly as `eval` builds it, or a text file.
 
 `ripplekv inspect` and the Python API (`ripplekv.sample_prompt`) share this, so a prompt compressed from
-Python is token for token the one `eval` scored.
+Python is token for token the one `eval` scored. The commands' prompts are also checked here against a
+sliding-window model's window (`check_window`), before any model work, with advice the command can take.
 """
 
 from __future__ import annotations
