@@ -3,9 +3,12 @@
     python examples/compare_methods.py [TEXT_FILE] [--question Q] [--methods snapkv,ripplekv] [--budget 64]
 
 Prints each variant's answer, the entries it kept and its KL to the full cache's answer (lower is closer).
+A mistake (an unknown method, a missing file, a budget of 0) is one line and exit code 2, as in the CLI:
+`ripplekv.UserError` carries a message that says what to do.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import ripplekv
@@ -22,7 +25,11 @@ def main() -> None:
     parser.add_argument("--methods", default="snapkv,ripplekv")
     parser.add_argument("--budget", type=int, action="append", help="repeatable; default 64")
     args = parser.parse_args()
-    context = Path(args.text).read_text(encoding="utf-8") if args.text else STORY
+    try:
+        context = Path(args.text).read_text(encoding="utf-8") if args.text else STORY
+    except (OSError, UnicodeDecodeError) as err:
+        raise ripplekv.UserError(f"cannot read the text file {args.text} ({getattr(err, 'strerror', None) or err}); "
+                                 "pass a readable UTF-8 text file") from None
     model, tokenizer = ripplekv.load_model()
     answers = ripplekv.generate(model, tokenizer, context, args.question, methods=args.methods.split(","),
                                 budgets=args.budget or [64], max_new_tokens=16)
@@ -32,4 +39,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ripplekv.UserError as err:  # your mistake, not a bug: its message says what to do
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -4,9 +4,11 @@
 
 The cache keeps `budget` entries per layer per KV head on average (RippleKV spreads them by layer
 sensitivity; the bundled model ships its allocation); its tensors really are that small.
+A mistake (`--budget 0`) is one line and exit code 2: `ripplekv.UserError` says what to do.
 """
 
 import argparse
+import sys
 
 import ripplekv
 
@@ -29,4 +31,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ripplekv.UserError as err:  # your mistake, not a bug: its message says what to do
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ripplekv.runs.files import REFERENCE, is_ceiling
+from ripplekv.runs.files import REFERENCE, is_ceiling, run_ceilings
 
 # The make target behind each config, for the page title.
 TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick"}
@@ -27,10 +27,15 @@ def headline_lines(eval_dir: Path, title: str) -> list[str]:
     if not path.is_file():
         return []
     board = pd.read_csv(path)
+    try:  # the run's own record of which variants know the answer (by name for runs written before it)
+        ceilings = run_ceilings(json.loads((eval_dir / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        ceilings = None
+    aware = board["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)
     rows = []
     for budget, group in board[board["method"] != REFERENCE].groupby("budget"):
-        real = group[~group["method"].map(is_ceiling)]
-        snap, ceiling = real[real["method"] == "snapkv"], group[group["method"].map(is_ceiling)]
+        real = group[~aware[group.index]]
+        snap, ceiling = real[real["method"] == "snapkv"], group[aware[group.index]]
         if real.empty or snap.empty:
             continue
         closest, best = real.loc[real["kl"].idxmin()], real.loc[real["avg"].idxmax()]

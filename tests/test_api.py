@@ -118,6 +118,62 @@ def test_other_mistakes_raise_user_error_before_model_work():
         ripplekv.method("pyramidkv", betta=3)
 
 
+def test_a_cache_given_to_generate_twice_rewinds_itself():
+    """A second `model.generate(cache.input_ids, cache=cache)` answers as the first (the prompt is not appended
+    again), and a full sequence that continues the answer reads on from the compressed prompt."""
+    model = tiny_llama()
+    cache = ripplekv.compress(model, None, _ids(300), method="snapkv", budget=48)
+    first = _generated(model, cache, 8)
+    length = cache.get_seq_length()
+    assert _generated(model, cache, 8) == first and cache.get_seq_length() == length
+    follow = torch.cat([cache.input_ids, torch.tensor([first[1:] + [5, 6]])], 1)
+    continued = _generated(model, cache, 4, input_ids=follow)
+    assert continued[: len(first) + 2] == first + [5, 6] and len(continued) == len(first) + 2 + 4
+    again = _generated(model, cache.rewind(), 4, input_ids=follow)
+    assert again == continued
+
+
+def test_every_argument_is_checked_with_one_line():
+    import numpy as np
+
+    model = tiny_llama()
+    cases = [
+        (lambda: ripplekv.compress(model, None, None, method="snapkv"), "prompt must be text, token ids or a Prompt"),
+        (lambda: ripplekv.compress(model, None, _ids(20) + [101], method="snapkv"), "token id 101 is outside the model's vocabulary"),
+        (lambda: ripplekv.compress(model, None, [-1] + _ids(20), method="snapkv"), "token id -1 is outside"),
+        (lambda: ripplekv.compress(model, None, [1.5, 2.0], method="snapkv"), "prompt ids must be"),
+        (lambda: ripplekv.compress(model, None, object(), method="snapkv"), "prompt must be text"),
+        (lambda: ripplekv.compress(model, None, "some text", method="snapkv"), "pass the model's tokenizer"),
+        (lambda: ripplekv.generate(model, None, "some text", methods="snapkv"), "pass the model's tokenizer"),
+        (lambda: ripplekv.compress(model, None, _ids(20), method="snapkv", budget=0), "budget must be a positive integer"),
+        (lambda: ripplekv.compress(model, None, _ids(20), method="snapkv", budget="64"), "budget must be a positive integer"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UserError, match=message):
+            call()
+    cache = ripplekv.compress(model, None, _ids(80), method="snapkv", budget=np.int64(32))
+    assert cache.budget == 32 and type(cache.budget) is int
+
+
+def test_generate_checks_its_numbers_as_the_cli_does(tiny_model_dir):
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for kwargs, message in [({"batch_size": "8"}, "batch_size must be a positive integer, got '8'"),
+                            ({"batch_size": 0}, "batch_size must be a positive integer"),
+                            ({"max_new_tokens": 2.5}, "max_new_tokens must be a positive integer"),
+                            ({"budgets": [16, 0]}, "budget must be a positive integer"),
+                            ({"answers": "eleven"}, "answers must be a list of strings")]:
+        with pytest.raises(UserError, match=message):
+            ripplekv.generate(model, tokenizer, "The harbour had eleven boats. " * 5, "How many?", methods="snapkv",
+                              **{"max_new_tokens": 2, **kwargs})
+    answers = ripplekv.generate(model, tokenizer, "The harbour had eleven boats. " * 5, "How many?", methods="snapkv",
+                                budgets=np.int64(16), batch_size=np.int64(2), max_new_tokens=np.int64(2))
+    assert [a.budget for a in answers] == [None, 16]
+
+
 def test_generate_answers_every_variant_from_one_prefill(tiny_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -190,6 +246,22 @@ def test_load_run_mistakes(tmp_path):
     (tmp_path / "predictions.jsonl").write_text('{"method": "full", "budget": null}\n{"method": "snapkv", "budget": 64}\n')
     run = ripplekv.load_run(tmp_path)
     assert run.leaderboard is None and run.predictions["budget"].tolist()[1] == 64
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="config.json is not a JSON object"):
+        ripplekv.load_run(tmp_path)
+
+
+def test_load_run_names_a_torn_last_line_and_leaves_its_sample_out(tmp_path, capsys):
+    """As `report` reads a run killed mid-write: the torn line's sample is left out, and said on stderr."""
+    rows = [{"task": "niah", "id": "a", "method": "full", "budget": None}, {"task": "niah", "id": "a", "method": "snapkv", "budget": 64},
+            {"task": "niah", "id": "b", "method": "full", "budget": None}]
+    (tmp_path / "config.json").write_text(json.dumps({"command": "eval"}))
+    (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
+                                                + '{"task": "niah", "id": "b", "method": "snap')
+    run = ripplekv.load_run(tmp_path)
+    assert run.predictions["id"].tolist() == ["a", "a"]
+    err = capsys.readouterr().err
+    assert "ends in a torn line" in err and "sample niah/b" in err and err.count("\n") == 1
 
 
 # --------------------------------------------------------------------------- the bundled model

@@ -155,3 +155,55 @@ def test_an_unreachable_cluster_is_one_line_before_any_work(eval_args, tmp_path,
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("error: no Ray cluster answers at 127.0.0.1:1") and "ray start --head" in err
     assert not (tmp_path / "run").exists()
+
+
+def _serve(handler_class):
+    """A loopback server in a thread: (port, stop)."""
+    import socketserver
+    import threading
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler_class)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server.server_address[1], lambda: (server.shutdown(), server.server_close())
+
+
+def test_a_web_server_is_not_a_cluster_one_line_within_seconds(eval_args, tmp_path, run_cli):
+    """An HTTP server on the port: Ray would retry its GCS connection for minutes; the probe says so at once."""
+    from http.server import SimpleHTTPRequestHandler
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # the server's own log would land on the stderr checked here
+            pass
+
+    port, stop = _serve(Quiet)
+    try:
+        start = time.monotonic()
+        code, _, err = run_cli(*eval_args(tmp_path / "run", "--workers", 2, "--ray-address", f"127.0.0.1:{port}"))
+        took = time.monotonic() - start
+    finally:
+        stop()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: 127.0.0.1:{port} is not a Ray cluster (it answers, but not as Ray")
+    assert "ray start --head" in err and took < 10
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_silent_listener_is_not_a_cluster_after_the_timeout():
+    import socketserver
+
+    class Silent(socketserver.BaseRequestHandler):
+        def handle(self):
+            time.sleep(3)
+
+    port, stop = _serve(Silent)
+    try:
+        with pytest.raises(UserError, match=r"is not a Ray cluster \(nothing answered within 0.5 s\)"):
+            distributed.check_reachable(f"127.0.0.1:{port}", timeout=0.5)
+    finally:
+        stop()
+
+
+def test_the_probe_lets_a_real_cluster_through(ray_cluster):
+    """Ray's GCS is a gRPC server: it answers the probe's HTTP/2 opening with its SETTINGS frame."""
+    distributed.check_reachable(ray_cluster.get_runtime_context().gcs_address)

@@ -198,3 +198,25 @@ def test_paragraph_recall_is_an_opt_in_long_answer_task(tokenizer):
         assert score_sample(task, answer, record["answers"]) == pytest.approx(1.0, abs=1e-8)  # ROUGE-L F with its epsilon
         assert score_sample(task, record["input"], record["answers"]) < 0.3
     assert load_samples(task, tokenizer, limit=2, target_tokens=2000) == records[:2]
+
+
+@pytest.mark.parametrize("split", ["eval", "calibration"])
+def test_hotpotqa_holds_a_short_target_by_dropping_its_own_distractors(tasks, tokenizer, split, capsys):
+    """At 800 tokens a question's 10 passages alone run to 1,000-2,200: its distractors go first (its gold
+    passages stay, so the answer is still in the context), and a prompt the whole passages leave more than
+    5% off the target is said on stderr, with the lengths built."""
+    task = tasks["hotpotqa"]
+    records = load_samples(task, tokenizer, split=split, limit=4, target_tokens=800)
+    lengths = [prompt_length(task, r, tokenizer) for r in records]
+    assert all(abs(n - 800) <= 0.15 * 800 for n in lengths), lengths
+    for record in records:
+        assert record["answers"][0] in record["context"] or record["answers"][0] in ("yes", "no")
+    off = [n for n in lengths if abs(n - 800) > 0.05 * 800]
+    err = capsys.readouterr().err
+    if split == "calibration":  # calibration prompts are the tool's own: nothing to say
+        assert "note:" not in err
+    elif off:
+        assert f"{len(off)} of 4 prompts are more than 5% from the 800-token target" in err, err
+        assert f"about {min(off)}-" in err or f"-{max(off)} tokens" in err, err
+    else:
+        assert "note:" not in err

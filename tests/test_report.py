@@ -350,3 +350,19 @@ def test_allocation_table_pairs_every_allocator_with_the_baselines_scorer_agains
     assert "allocation-ceiling (ceiling)" in text and "75%" in text and "streamingllm" not in text and "| oracle" not in text
     (run / "config.json").write_text(json.dumps({"method_specs": {"full": specs["full"], "uniform": specs["uniform"]}}))
     assert report.render(run, resamples=50)["allocation"] is None  # one allocator alone: no table
+
+
+def test_report_on_a_run_an_eval_is_writing_names_the_eval_and_offers_no_out(tmp_path, run_cli):
+    """The lock's holder writes who it is: `report` then says an eval holds the run, and only to wait (it has no --out)."""
+    from ripplekv.runs.safeio import exclusive
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "predictions.jsonl").write_text("")
+    with exclusive(run, "eval"):
+        code, _, err = run_cli("report", run)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: another ripplekv eval is writing to {run} (pid ") and "--out" not in err, err
+    assert err.rstrip().endswith("; wait for it to finish")
+    code, _, err = run_cli("report", run)  # the lock is free again: the empty run is what is said now
+    assert code == 2 and "another" not in err

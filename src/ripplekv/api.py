@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,9 @@ class CompressedPrompt(CompressedCache):
     prefill's, as in eval): `model.generate(cache.input_ids, past_key_values=cache)` continues from there,
     so its answer is `output[0, cache.prompt_length:]`. To read a question through the compressed context
     instead (kvpress's usage), compress the context alone and pass `torch.cat([cache.prompt_ids, question], 1)`.
-    A generate call appends its tokens to the cache; `rewind()` removes them for another call.
+    A generate call appends its tokens to the cache; the next generate call rewinds it to the compressed
+    prompt first (so each call reads what its own input ids say after the prompt), and `rewind()` does
+    the same by hand (for your own forward passes).
     """
 
     def __init__(self, cache: CompressedCache, prompt_ids: torch.Tensor, first_token: int, counts: np.ndarray,
@@ -80,6 +83,18 @@ class CompressedPrompt(CompressedCache):
     @property
     def prompt_length(self) -> int:
         return int(self.prompt_ids.shape[1])
+
+    # `generate` marks a cache it is given at the start of every call: the mark rewinds it, so a second
+    # call with `cache.input_ids` answers as the first did instead of appending the prompt again.
+    @property
+    def _is_user_defined(self) -> bool:
+        return getattr(self, "_given_to_generate", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._given_to_generate = bool(value)
+        if value:
+            self.rewind()
 
     @property
     def kept_entries(self) -> int:
@@ -102,6 +117,12 @@ class CompressedPrompt(CompressedCache):
         for layer in self.layers:
             layer.crop(self.prompt_length)
         return self
+
+
+def _vocabulary(model) -> int | None:
+    """Rows of the model's input embedding: the token ids it can read."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return int(embeddings.num_embeddings) if embeddings is not None else None
 
 
 def _check_model(model) -> None:
@@ -127,10 +148,35 @@ def _methods(model, specs: Sequence[str], allocation: str | None, options: dict)
     return build_methods(specs, shared)
 
 
-def _token_ids(tokenizer, prompt, chat: bool) -> list[int]:
+def positive_integer(value, name: str) -> int:
+    """An integer argument as the CLI takes it (numpy integers too; not a bool, a string or a float)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise UserError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_tokenizer(tokenizer) -> None:
+    if tokenizer is None or not callable(tokenizer):
+        raise UserError(f"pass the model's tokenizer (from ripplekv.load_model()), got {type(tokenizer).__name__}")
+
+
+def _token_ids(tokenizer, prompt, chat: bool, vocab: int | None = None) -> list[int]:
+    """The prompt's token ids: text (tokenized), a `Prompt`, or ids, each checked to be in the vocabulary."""
+    ids = _prompt_ids(tokenizer, prompt, chat)
+    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        raise UserError(f"prompt token id {bad[0]} is outside the model's vocabulary (0 to {vocab - 1 if vocab else '...'}); "
+                        "pass ids from the model's own tokenizer")
+    return ids
+
+
+def _prompt_ids(tokenizer, prompt, chat: bool) -> list[int]:
+    if prompt is None or isinstance(prompt, (bytes, dict, set)):
+        raise UserError(f"prompt must be text, token ids or a Prompt from ripplekv.sample_prompt, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if not prompt.strip():
             raise UserError("the prompt is empty; pass text or token ids")
+        _check_tokenizer(tokenizer)
         if chat and getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                  add_generation_prompt=True)
@@ -138,10 +184,14 @@ def _token_ids(tokenizer, prompt, chat: bool) -> list[int]:
         return list(tokenizer(prompt).input_ids)
     if isinstance(prompt, Prompt):
         return list(prompt.ids)
-    ids = torch.as_tensor(prompt)
+    try:
+        ids = torch.as_tensor(prompt)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise UserError(f"prompt must be text, token ids or a Prompt from ripplekv.sample_prompt, "
+                        f"got {type(prompt).__name__} that is not a sequence of integers") from None
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
-    if ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
+    if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.numel() == 0:
         raise UserError(f"prompt ids must be one non-empty sequence of token ids (shape [n] or [1, n]), got shape "
                         f"{list(ids.shape)}")
     return ids.tolist()
@@ -166,8 +216,8 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     if not isinstance(method, str):
         raise UserError(f"method must be a spec string such as 'snapkv', got {type(method).__name__}")
     chosen = list(_methods(model, [method], allocation, options).values())[-1]
-    check_budget(budget)
-    ids = _token_ids(tokenizer, prompt, chat)
+    budget = check_budget(int(budget) if isinstance(budget, Integral) and not isinstance(budget, bool) else budget)
+    ids = _token_ids(tokenizer, prompt, chat, _vocabulary(model))
     state = prefill_for(model, ids, chosen.requirements())
     built = chosen.compress(state, budget)
     counts = np.array([[int(c) for c in layer.counts.tolist()] for layer in built], dtype=np.int64)
@@ -212,6 +262,7 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     cache (a cache reused across questions); the default compresses the whole prompt. Each answer says
     how many entries it kept and its KL/agreement to the full cache's answer; with `answers`, its score.
     """
+    from ripplekv.methods.budgets import check_budget
     from ripplekv.pipeline.eval_plan import PROTOCOLS, parse_budgets, parse_names
     from ripplekv.pipeline.evaluate import evaluate_sample
 
@@ -222,13 +273,21 @@ def generate(model, tokenizer, context: str, question: str | None = None,
         raise UserError(f"question must be text or None, got {type(question).__name__}")
     if protocol not in PROTOCOLS:
         raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    max_new_tokens = positive_integer(max_new_tokens, "max_new_tokens")
+    batch_size = positive_integer(batch_size, "batch_size")
+    if answers is not None and (isinstance(answers, str) or not all(isinstance(a, str) for a in answers)):
+        raise UserError("answers must be a list of strings (the gold answers), e.g. ['Paris']")
     specs = parse_names(methods, "--methods")
-    chosen_budgets = parse_budgets([budgets] if isinstance(budgets, (int, str)) else list(budgets))
+    if isinstance(budgets, (Integral, str)):
+        budgets = [budgets]
+    try:
+        budgets = list(budgets)
+    except TypeError:
+        raise UserError(f"budgets must be a positive integer or a list of them, got {budgets!r}") from None
+    chosen_budgets = parse_budgets([check_budget(int(b)) if isinstance(b, Integral) and not isinstance(b, bool) else b
+                                    for b in budgets])
     built = _methods(model, specs, allocation, options)
+    _check_tokenizer(tokenizer)
     task = _text_task(question, max_new_tokens, score_as, chat)
     record = {"_id": "text", "context": context, "input": question or "", "answers": list(answers or [])}
     rows = evaluate_sample(model, tokenizer, task, record, built, chosen_budgets, sid="text", max_length=NO_TRUNCATION,

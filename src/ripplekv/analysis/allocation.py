@@ -48,9 +48,9 @@ def same_scorer(specs: dict, present) -> tuple[str | None, list[str]]:
 
 
 def allocation_table(frame: pd.DataFrame, specs: dict, resamples: int = stats.RESAMPLES,
-                     seed: int = stats.SEED) -> pd.DataFrame | None:
+                     seed: int = stats.SEED, ceilings=None) -> pd.DataFrame | None:
     """The table (COLUMNS, one row per method and budget), or None when the run holds fewer than two
-    allocators with the baseline's scorer."""
+    allocators with the baseline's scorer. `ceilings`: the run's answer-aware labels (None: by name)."""
     base, chosen = same_scorer(specs, frame["method"])
     if base is None or len(chosen) < 2:
         return None
@@ -67,13 +67,13 @@ def allocation_table(frame: pd.DataFrame, specs: dict, resamples: int = stats.RE
         if (base, budget) not in index:
             continue
         b = index[(base, budget)]
-        ceilings = [index[(m, budget)] for m in chosen if is_ceiling(m) and (m, budget) in index]
+        ceilings = [index[(m, budget)] for m in chosen if is_ceiling(m, ceilings) and (m, budget) in index]
         c = ceilings[0] if ceilings else None
         for method in chosen:
             if (method, budget) not in index:
                 continue
             i = index[(method, budget)]
-            row = {"method": method, "budget": int(budget), "ceiling": is_ceiling(method),
+            row = {"method": method, "budget": int(budget), "ceiling": is_ceiling(method, ceilings),
                    "avg": round(float(score[i]), 2), "kl": float(kl[i])}
             if i != b:
                 diff, kl_diff = score_draws[i] - score_draws[b], kl_draws[i] - kl_draws[b]

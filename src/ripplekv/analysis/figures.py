@@ -21,10 +21,10 @@ KL_FLOOR = 1e-8  # kl of a variant that keeps everything can be 0; a log axis ne
 _pyplot = pyplot
 
 
-def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
+def plot_score_vs_budget(board: pd.DataFrame, path: Path, ceilings=None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.4, 4.6))
-    _method_lines(ax, board, "avg")
+    _method_lines(ax, board, "avg", ceilings=ceilings)
     full = board[board["method"] == REFERENCE]
     if len(full):
         ax.axhline(float(full["avg"].iloc[0]), color="black", linestyle="--", linewidth=1, label="full (reference)")
@@ -39,10 +39,10 @@ def plot_score_vs_budget(board: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_kl_vs_budget(board: pd.DataFrame, path: Path) -> None:
+def plot_kl_vs_budget(board: pd.DataFrame, path: Path, ceilings=None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.4, 4.6))
-    _method_lines(ax, board, "kl", floor=KL_FLOOR)
+    _method_lines(ax, board, "kl", floor=KL_FLOOR, ceilings=ceilings)
     ax.set_yscale("log")
     _budget_axis(ax, board)
     ax.set_ylabel("KL(full || variant) per answer token (95% CI)")
@@ -53,8 +53,9 @@ def plot_kl_vs_budget(board: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def _method_lines(ax, board: pd.DataFrame, column: str, floor: float | None = None) -> None:
-    """One line per compressed method: `column` against budget, with its `_ci_low/_ci_high` as error bars."""
+def _method_lines(ax, board: pd.DataFrame, column: str, floor: float | None = None, ceilings=None) -> None:
+    """One line per compressed method: `column` against budget, with its `_ci_low/_ci_high` as error bars;
+    `ceilings` (labels that know the answer, `runs.files.is_ceiling`) are drawn as bounds."""
     compressed = board[board["method"] != REFERENCE]
     count = compressed["method"].nunique()
     for i, (method, group) in enumerate(compressed.groupby("method", sort=False)):
@@ -67,7 +68,7 @@ def _method_lines(ax, board: pd.DataFrame, column: str, floor: float | None = No
             high = group[f"{column}_ci_high"].astype(float).clip(lower=floor)
             yerr = np.vstack([(value - low).clip(lower=0), (high - value).clip(lower=0)])
         marker, line = STYLES[i % len(STYLES)]
-        if is_ceiling(method):  # a bound, not a method: grey, dotted, named as such
+        if is_ceiling(method, ceilings):  # a bound, not a method: grey, dotted, named as such
             ax.errorbar(group["budget"].astype(int) * dodge, value, yerr=yerr, marker="^", linestyle=":", capsize=3,
                         color="grey", label=f"{method} (ceiling)")
             continue

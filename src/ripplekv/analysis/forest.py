@@ -39,16 +39,18 @@ def colours() -> dict[str, str]:
     return {family: PALETTE[i % (len(PALETTE) - 1)] for i, family in enumerate(METHOD_FAMILIES)} | {OTHER: PALETTE[-1]}
 
 
-def forest_rows(board: pd.DataFrame, budget, measure: str) -> tuple[pd.DataFrame, list[tuple[str, float]], str | None]:
+def forest_rows(board: pd.DataFrame, budget, measure: str,
+                ceilings=None) -> tuple[pd.DataFrame, list[tuple[str, float]], str | None]:
     """At one budget: the methods' differences with intervals (sorted, best at the top), each ceiling's
-    difference, and the baseline's name (None when the budget has none)."""
+    difference, and the baseline's name (None when the budget has none). `ceilings`: the run's answer-aware
+    labels (`runs.files.run_ceilings`; None: the name rule of runs made before they were recorded)."""
     value, delta, low, high, _ = MEASURES[measure]
     rows = board[(board["budget"] == budget) & (board["method"] != REFERENCE)]
     base = baseline_of(rows["method"])
     if base is None:
         return rows.iloc[0:0], [], None
     base_value = float(rows.loc[rows["method"] == base, value].iloc[0])
-    ceiling = rows["method"].map(is_ceiling).astype(bool)
+    ceiling = rows["method"].map(lambda label: is_ceiling(label, ceilings)).astype(bool)
     ceilings = [(m, float(v) - base_value) for m, v in zip(rows.loc[ceiling, "method"], rows.loc[ceiling, value])]
     ranked = rows[~ceiling & rows[delta].notna()][["method", delta, low, high]]
     ranked = ranked.rename(columns={delta: "delta", low: "low", high: "high"})
@@ -57,11 +59,11 @@ def forest_rows(board: pd.DataFrame, budget, measure: str) -> tuple[pd.DataFrame
     return ranked.reset_index(drop=True), ceilings, base
 
 
-def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl") -> None:
+def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl", ceilings=None) -> None:
     """One panel per budget: a row per method, its paired difference to the baseline and 95% interval."""
     plt = pyplot()
     budgets = sorted(int(b) for b in board["budget"].dropna().unique())
-    panels = [(b, *forest_rows(board, b, measure)) for b in budgets]
+    panels = [(b, *forest_rows(board, b, measure, ceilings)) for b in budgets]
     panels = [p for p in panels if p[3] is not None] or [(None, pd.DataFrame(columns=["method", "delta", "low", "high"]), [], None)]
     tallest = max(len(p[1]) for p in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 1.2 + 0.28 * max(tallest, 3)), squeeze=False)

@@ -24,8 +24,8 @@ from ripplekv.analysis.tables import add_uncertainty, leaderboard, leaderboard_w
 from ripplekv.errors import UserError
 from ripplekv.metrics.rouge import check_rouge
 from ripplekv.metrics.scoring import metric_label, score_sample
-from ripplekv.runs.files import PREDICTIONS
-from ripplekv.runs.jsonl import read_jsonl, torn_fields
+from ripplekv.runs.files import CONFIG, PREDICTIONS, is_ceiling, run_ceilings, without_torn_sample
+from ripplekv.runs.jsonl import read_jsonl
 from ripplekv.runs.safeio import write_csv, write_text
 
 FLOAT_FORMAT = "%.6g"
@@ -60,21 +60,16 @@ def load_predictions(run_dir: str | Path) -> pd.DataFrame:
     return frame
 
 
-def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
-    """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
-    line's sample, as `eval` cuts it when it resumes); says which on stderr."""
-    import sys
-
-    found = torn_fields(torn)
-    last = rows[-1] if rows else {}
-    task, sid = found.get("task", last.get("task") if "id" not in found else None), found.get("id", last.get("id"))
-    variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
-    kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
-    sample = f"{task}/{sid}" if task is not None else str(sid)
-    print(f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
-          f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
-          "with the same options to finish it", file=sys.stderr)
-    return kept
+def ceilings_of(run_dir: str | Path, frame: pd.DataFrame) -> frozenset[str]:
+    """The run's labels that know the answer, as its config.json records them (by name for older runs)."""
+    try:
+        config = json.loads((Path(run_dir) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    if config is not None and not isinstance(config, dict):
+        raise UserError(f"{Path(run_dir) / CONFIG} is not a JSON object; use a run folder written by `ripplekv eval`")
+    recorded = run_ceilings(config)
+    return recorded if recorded is not None else frozenset(m for m in frame["method"].unique() if is_ceiling(m))
 
 
 def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
@@ -107,10 +102,11 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         raise UserError(f"--resamples must be a positive number, got {resamples}")
     frame = rescore_rouge(load_predictions(run_dir), rouge)
     scores = task_scores(frame)
-    board, ranks = add_uncertainty(frame, leaderboard(scores), resamples, seed)
+    ceilings = ceilings_of(run_dir, frame)
+    board, ranks = add_uncertainty(frame, leaderboard(scores, ceilings), resamples, seed, ceilings)
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
-    allocation = allocation_table(frame, method_specs(run_dir), resamples, seed)
+    allocation = allocation_table(frame, method_specs(run_dir), resamples, seed, ceilings)
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": stats.CONFIDENCE}
     try:
         write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
@@ -123,12 +119,13 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             write_csv(run_dir / "allocation_only.csv", allocation, float_format=FLOAT_FORMAT)
             write_text(run_dir / "allocation_only.md", allocation_markdown(allocation))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
-        plot_score_vs_budget(board, run_dir / "score_vs_budget.png")
-        plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png")
+        plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings)
+        plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings)
         plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-        plot_forest(board, run_dir / "kl_forest.png", "kl")
-        plot_forest(board, run_dir / "score_forest.png", "score")
-        write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings))
+        plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings)
+        plot_forest(board, run_dir / "score_forest.png", "score", ceilings)
+        write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings,
+                                                            ceilings))
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths,

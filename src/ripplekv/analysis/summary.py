@@ -71,7 +71,7 @@ def differences_view(board: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
 
 def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFrame, run_dir: Path,
                      ranks: pd.DataFrame | None = None, lengths: pd.DataFrame | None = None,
-                     settings: dict | None = None) -> str:
+                     settings: dict | None = None, ceilings=()) -> str:
     samples = frame.drop_duplicates(["task", "id"])
     settings = settings or {}
     lines = ["# ripplekv eval summary", ""]
@@ -101,6 +101,13 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
         markdown_table(leaderboard_view(board)),
         "",
     ]
+    marked = [m for m in dict.fromkeys(board["method"]) if m in set(ceilings or ())]
+    if marked:
+        lines += [f"Ceilings, not methods: {', '.join(f'`{m}`' for m in marked)} "
+                  f"{'know' if len(marked) > 1 else 'knows'} the full cache's answer (a part of "
+                  f"{'each' if len(marked) > 1 else 'it'} reads it), so "
+                  f"{'they are' if len(marked) > 1 else 'it is'} left out of ranks; `headroom` is how far above the "
+                  "best ranked method at its budget.", ""]
     if ranks is not None:
         lines += [
             "## Differences to the uniform baseline",

@@ -63,8 +63,9 @@ def task_scores(frame: pd.DataFrame) -> pd.DataFrame:
     return _sort(table, methods, tasks)
 
 
-def leaderboard(scores: pd.DataFrame) -> pd.DataFrame:
-    """leaderboard.csv: per method and budget, average over tasks, per-category averages, fidelity, rank."""
+def leaderboard(scores: pd.DataFrame, ceilings=None) -> pd.DataFrame:
+    """leaderboard.csv: per method and budget, average over tasks, per-category averages, fidelity, rank.
+    `ceilings`: the labels that know the answer (`runs.files.is_ceiling`), left out of ranks."""
     tasks, categories, methods = _orders(scores)
     rows = []
     for (method, budget), group in scores.groupby(["method", "budget"], dropna=False, sort=False):
@@ -81,7 +82,7 @@ def leaderboard(scores: pd.DataFrame) -> pd.DataFrame:
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].astype("Int64")
-    ceiling = table["method"].map(is_ceiling).astype(bool)
+    ceiling = table["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)
     ranked = (table["method"] != REFERENCE) & ~ceiling
     table.loc[ranked, "rank"] = table[ranked].groupby("budget")["avg"].rank(method="min", ascending=False)
     table["rank"] = table["rank"].astype("Int64")
@@ -119,7 +120,7 @@ def baseline_of(methods) -> str | None:
 
 
 def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = stats.RESAMPLES,
-                    seed: int = stats.SEED) -> tuple[pd.DataFrame, pd.DataFrame]:
+                    seed: int = stats.SEED, ceilings=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Leaderboard with 95% intervals, differences to the uniform baseline and p-values; and ranks.csv.
 
     Score intervals are widened to 2 decimals (down / up) and always contain the rounded value shown,
@@ -144,7 +145,7 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
     delta = np.full((4, len(board)), np.nan)  # delta, low, high, p
     kl_delta = np.full((4, len(board)), np.nan)  # the same for KL to the full cache (lower is better)
     ranks = []
-    compressed = board[(board["method"] != REFERENCE) & ~board["method"].map(is_ceiling).astype(bool)]
+    compressed = board[(board["method"] != REFERENCE) & ~board["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)]
     for budget, group in compressed.groupby("budget", sort=True):
         rows = group.index.to_numpy()
         base = baseline_of(group["method"])

@@ -159,7 +159,7 @@ def report_command(
     from ripplekv.runs.safeio import exclusive
 
     check_rouge(rouge)
-    with exclusive(report.check_run_folder(run_dir), "report"):  # an eval still writing this run would change it under us
+    with exclusive(report.check_run_folder(run_dir), "report", elsewhere=None):  # an eval still writing this run would change it under us
         tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
     Console().print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
 

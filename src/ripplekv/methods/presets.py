@@ -287,13 +287,17 @@ def collapse_aliases(methods: list) -> tuple[list, list[str]]:
 
 def degenerate_notes(methods, budgets) -> list[str]:
     """One `note:` line per method whose options leave it no choice at a budget (README, "Method
-    options"): it still runs, and its numbers are those of what it turns into, so the user is told."""
+    options"): it still runs, and its numbers are those of what it turns into, so the user is told;
+    and one per ceiling (a method with a part that knows the answer), which reports leave out of ranks."""
     notes = []
     for method in methods:
         whys = {b: method.degenerate(b) for b in budgets}
         hit = [b for b, why in whys.items() if why]
         if hit:
             notes.append(f"note: {method.label} at B={','.join(map(str, hit))}: {whys[hit[-1]]}")
+        if getattr(method, "knows_answer", False):
+            notes.append(f"note: {method.label} reads the full cache's answer: a ceiling, reported beside the methods "
+                         "and left out of ranks")
     return notes
 
 

@@ -65,6 +65,10 @@ class Router(Scorer):
 
     routable = False  # a route names scorers; a router cannot be one of them
 
+    @property
+    def knows_answer(self) -> bool:  # a route with one answer-aware layer makes a ceiling
+        return any(s.knows_answer for s in self.scorers)
+
     def requirements(self) -> Requirements:
         return Requirements.of_all(self.scorers)
 

@@ -131,8 +131,11 @@ def write_allocation(path: Path, sensitivity, mult, mapping: str = "exponential"
     write_csv(path, table, float_format="%.10g")
 
 
+SWEEP_ANSWER_TOKENS = 32  # the full answer each sweep prompt decodes, the KL reference
+
+
 @torch.inference_mode()
-def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens: int = 32, progress=None,
+def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens: int = SWEEP_ANSWER_TOKENS, progress=None,
                 log=None) -> pd.DataFrame:
     """Teacher-forced KL(full || ripplekv@R) and agreement on calibration prompts, for each ratio.
 
@@ -241,6 +244,18 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
     if mapping == "proportional":
         mult = proportional_multipliers(values, floor, cap)  # bounds that cannot hold fail before anything is said
+    elif len(ratios) > 1:  # the sweep's prompts and answers must fit a sliding window: said before the model loads
+        from ripplekv.engine.models import load_tokenizer
+        from ripplekv.pipeline.samples import check_calibration_window, model_window
+        from ripplekv.tasks.calibration import calibration_prompts
+
+        if model_window(model_spec) is not None:
+            tokenizer = load_tokenizer(model_spec)
+
+            def build(target: int):
+                return calibration_prompts(tokenizer, calib_samples, 1, target)
+
+            check_calibration_window(model_spec, build(target_tokens), build, target_tokens, reserve=SWEEP_ANSWER_TOKENS)
     if announce is not None:  # every input checked: bad input stays one line
         announce()
     if mapping == "proportional":

@@ -84,15 +84,39 @@ def resolve_address(address: str) -> str:
     return plain
 
 
+# An HTTP/2 client's opening (the preface and an empty SETTINGS frame): a gRPC server, as Ray's GCS and
+# its client server are, answers with a SETTINGS frame of its own; anything else is not Ray.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
 def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """A cluster address must resolve and answer now: Ray itself would wait for minutes before failing."""
+    """A cluster address must resolve and answer as Ray (gRPC) now: Ray itself would retry for minutes
+    before failing, also where another kind of server (a web server) listens."""
     plain = resolve_address(address)
     host, _, port = plain.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as err:
         raise UserError(f"no Ray cluster answers at {address} ({err.strerror or err}); start one there with "
                         "`ray start --head`, or leave out --ray-address for a local one") from None
+    reply = b""
+    with conn:
+        try:
+            conn.sendall(_HTTP2_HELLO)
+            while len(reply) < 9:
+                chunk = conn.recv(9 - len(reply))
+                if not chunk:
+                    break
+                reply += chunk
+        except TimeoutError:
+            reply = None
+        except OSError:  # reset by a server that does not speak HTTP/2
+            pass
+    if reply is None or len(reply) < 9 or reply[3] != _SETTINGS:
+        what = f"nothing answered within {timeout:g} s" if reply is None else "it answers, but not as Ray (gRPC)"
+        raise UserError(f"{address} is not a Ray cluster ({what}); pass the address `ray start --head` printed "
+                        "(its port is 6379 unless set), or leave out --ray-address for a local one")
 
 
 class UnitWorker:

@@ -18,6 +18,7 @@ from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, PROTOCOLS
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget
+from ripplekv.runs.files import ANSWER_AWARE
 
 DEFAULT_COMPRESS_EVERY = 8  # ours: re-scoring methods (SnapKV's scorer) score the held entries again every 8 steps
 DEFAULT_METHODS = DEFAULT_EVAL_METHODS
@@ -140,6 +141,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "budgets": list(settings.budgets),
         "methods": list(names),
         "method_specs": {label: method.describe() for label, method in methods.items()},
+        ANSWER_AWARE: [label for label, method in methods.items() if method.knows_answer],
         "suite": settings.suite,
         "tasks": [task.name for task in tasks],
         "limit": settings.limit,

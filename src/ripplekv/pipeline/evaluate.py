@@ -26,9 +26,10 @@ from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, plan_eval
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
+from ripplekv.pipeline.samples import check_eval_window
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES
 from ripplekv.runs.resume import append_rows, existing_lines, variant_keys
-from ripplekv.runs.safeio import exclusive, write_json
+from ripplekv.runs.safeio import exclusive, open_append, write_json
 
 # --------------------------------------------------------------------------- one sample
 
@@ -271,6 +272,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     check_model_fits(plan)
     tokenizer = load_tokenizer(settings.model)
     work = load_all_samples(plan, tokenizer)
+    check_eval_window(settings.model, work, tokenizer, settings.max_length)  # a sliding window: refused before any model work
     config = {**plan.config, "samples": {}}
     for task, sid, _ in work:
         config["samples"].setdefault(task.name, []).append(sid)
@@ -347,7 +349,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
         finished = 0
         try:
             with Progress(*columns, console=console, transient=False) as progress, \
-                    (out / PREDICTIONS).open("a", encoding="utf-8") as fh:
+                    open_append(out / PREDICTIONS) as fh:
                 bar = progress.add_task("eval", total=prefill_left + decode_left,
                                         samples=f"0/{len(jobs)} samples", deadline=None)
 

@@ -29,6 +29,7 @@ from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.probe import ProbeRunner
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.pipeline.samples import check_calibration_window
 from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
@@ -266,6 +267,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     tokenizer = load_tokenizer(model_spec)
     prompts = calibration_prompts(tokenizer, calib_samples, settings.probe_tokens, target_tokens,
                                   with_answer=with_answer)
+    check_calibration_window(model_spec, prompts, lambda target: calibration_prompts(
+        tokenizer, calib_samples, settings.probe_tokens, target, with_answer=with_answer), target_tokens)
     if announce is not None:
         announce()
     header = {"model": source.label, "model_location": source.location, **settings.record(),

@@ -34,7 +34,7 @@ from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget, uniform_budgets
-from ripplekv.runs.files import ROUTE_FILES, is_ceiling
+from ripplekv.runs.files import ROUTE_FILES
 from ripplekv.runs.safeio import check_output, other_files, save_figure, write_csv, write_text
 
 DEFAULT_CANDIDATES = DEFAULT_ROUTE_CANDIDATES
@@ -74,7 +74,7 @@ def candidate_methods(specs) -> list:
             raise UserError(f"candidate method {spec!r} is not registered in this version; "
                             "pass --methods with methods from `ripplekv methods`")
         method = make_method(spec)
-        if is_ceiling(spec):
+        if method.knows_answer:
             raise UserError(f"candidate {spec!r} is a ceiling that needs the full cache's answer, not a method to route to")
         if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
             raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
@@ -245,6 +245,26 @@ def check_route_dir(out: Path, model: str | None = None) -> Path:
         raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}), not a route; "
                         "pass a new or empty directory")
     return out
+
+
+def check_route_window(model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
+                       target_tokens: int, with_answer: bool) -> None:
+    """A sliding-window model: the calibration prompts (and the answers placements decode) must fit it,
+    said before the model loads or the route folder is made, with a --target-tokens that fits."""
+    from ripplekv.engine.models import load_tokenizer
+    from ripplekv.pipeline.samples import check_calibration_window, model_window
+    from ripplekv.tasks.calibration import calibration_prompts
+
+    if model_window(model) is None:
+        return
+    tokenizer = load_tokenizer(model)
+
+    def build(target: int):
+        return calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target,
+                                   with_answer=with_answer)
+
+    check_calibration_window(model, build(target_tokens), build, target_tokens,
+                             reserve=settings.max_new_tokens if placement_samples else 0)
 
 
 def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,

@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 
 from ripplekv.errors import UserError
-from ripplekv.runs.files import CONFIG, EVAL_FILES, PREDICTIONS
+from ripplekv.runs.files import ANSWER_AWARE, CONFIG, EVAL_FILES, PREDICTIONS, is_ceiling, run_ceilings
 from ripplekv.runs.safeio import check_output, other_files
 
 # config.json keys a run may grow in: a rerun adds the missing lines and the union is recorded.
-GROWABLE = ("budgets", "methods", "method_specs", "tasks", "limit", "samples")
+GROWABLE = ("budgets", "methods", "method_specs", ANSWER_AWARE, "tasks", "limit", "samples")
 # config.json keys that do not change results, so a rerun may differ in them (the allocation's hash
 # is compared only when both runs have a method that reads --allocation; method specs, which hold the
 # files' contents, are compared method by method; the capture window follows the methods, and queries
@@ -75,6 +75,10 @@ def merge_config(old: dict | None, new: dict) -> dict:
     merged["budgets"] = sorted(set(old["budgets"]) | set(new["budgets"]))
     merged["methods"] = list(dict.fromkeys([*old["methods"], *new["methods"]]))
     merged["method_specs"] = {**old.get("method_specs", {}), **new.get("method_specs", {})}
+    known = run_ceilings(old)  # a run written before the record: its ceilings by name
+    known = known if known is not None else {m for m in old["methods"] if is_ceiling(m)}
+    aware = {*known, *new.get(ANSWER_AWARE, ())} - {m for m in new["methods"] if m not in new.get(ANSWER_AWARE, ())}
+    merged[ANSWER_AWARE] = [m for m in merged["methods"] if m in aware]
     merged["tasks"] = list(dict.fromkeys([*old["tasks"], *new["tasks"]]))
     limits = (old.get("limit"), new.get("limit"))
     merged["limit"] = None if None in limits else max(limits)

@@ -1,7 +1,8 @@
 """One prompt to look at: a sample of a suite's task exactly as `eval` builds it, or a text file.
 
 `ripplekv inspect` and the Python API (`ripplekv.sample_prompt`) share this, so a prompt compressed from
-Python is token for token the one `eval` scored.
+Python is token for token the one `eval` scored. The commands' prompts are also checked here against a
+sliding-window model's window (`check_window`), before any model work, with advice the command can take.
 """
 
 from __future__ import annotations
@@ -50,3 +51,90 @@ def file_prompt(tokenizer, path: str | Path) -> Prompt:
         raise UserError(f"prompt file {path} does not exist")
     ids = list(tokenizer(path.read_text(encoding="utf-8", errors="replace")).input_ids)
     return Prompt(ids, len(ids), [], path.name)
+
+
+def model_window(model_spec) -> int | None:
+    """The attention window a model's layers are limited to (sliding window), from its config alone."""
+    from ripplekv.engine.adapter import sliding_window
+    from ripplekv.engine.models import load_config
+
+    return sliding_window(load_config(model_spec))
+
+
+def check_window(window: int | None, longest, option: str, value: int, lowest: int) -> None:
+    """Refuse, before any model work, prompts a sliding-window model cannot attend to whole (ripplekv computes
+    full attention): `longest(v)` is the longest prompt plus answer, chat template included, that the command
+    builds with `option` set to v. The refusal names the largest value that fits, found by building again."""
+    if window is None:
+        return
+    room = window - 1  # transformers' sliding cache keeps window - 1 prefilled entries: a prompt of `window` loses one
+    total = longest(value)
+    if total <= room:
+        return
+    why = (f"prompt plus answer is {total} tokens (chat template included) but this model attends only to its last "
+           f"{window} (sliding_window={window}); ripplekv computes full attention, so")
+    fit = value - (total - room)
+    while fit >= lowest:
+        built = longest(fit)
+        if built <= room:
+            raise UserError(f"{why} pass {option} {fit} or less")
+        fit -= built - room
+    shortest = longest(lowest)
+    raise UserError(f"{why} no {option} fits (even {lowest} builds {shortest} tokens); use a model without a "
+                    f"sliding window, or with one of at least {shortest} tokens")
+
+
+def check_eval_window(model_spec, work, tokenizer, max_length: int) -> None:
+    """`eval`'s samples (task, id, record) against a sliding window, before the model loads or the run
+    folder is made; the advice is a --max-length that fits every sample with its task's answer."""
+    from ripplekv.tasks import build_prompt_ids
+
+    window = model_window(model_spec)
+    if window is None:
+        return
+
+    def longest(length: int) -> int:
+        return max(len(build_prompt_ids(task, record, tokenizer, length)) + task.max_new_tokens for task, _, record in work)
+
+    check_window(window, longest, "--max-length", max_length, 2)
+
+
+def check_calibration_window(model_spec, prompts, build, target_tokens: int, reserve: int = 0) -> None:
+    """Calibration prompts (context + probe, plus `reserve` tokens decoded after them) against a sliding
+    window; `build(target)` rebuilds them at another --target-tokens to find the largest that fits."""
+    import contextlib
+    import io
+
+    from ripplekv.tasks.offline import MIN_TARGET_TOKENS
+
+    window = model_window(model_spec)
+    if window is None:
+        return
+
+    def longest(target: int) -> int:
+        if target == target_tokens:
+            built = prompts
+        else:
+            with contextlib.redirect_stderr(io.StringIO()):  # notes about trial builds are not the user's
+                built = build(target)
+        return max(len(p.context) + len(p.probe) for p in built) + reserve
+
+    check_window(window, longest, "--target-tokens", target_tokens, MIN_TARGET_TOKENS)
+
+
+def check_inspect_window(model_spec, task: str, index: int, *, suite: str, data_dir, target_tokens: int,
+                         max_length: int, answer: bool) -> None:
+    """`inspect --task`'s prompt (and, with `answer`, the answer it decodes) against a sliding window,
+    before the model loads or the folder is made; the advice is a --max-length that fits."""
+    from ripplekv.engine.models import load_tokenizer
+
+    if model_window(model_spec) is None:
+        return
+    tokenizer = load_tokenizer(model_spec)
+
+    def longest(length: int) -> int:
+        prompt = sample_prompt(tokenizer, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
+                               max_length=length)
+        return len(prompt.ids) + (prompt.task.max_new_tokens if answer else 0)
+
+    check_window(model_window(model_spec), longest, "--max-length", max_length, 2)

@@ -9,17 +9,29 @@ from __future__ import annotations
 from pathlib import Path
 
 from ripplekv.defaults import CEILINGS
-from ripplekv.runs.jsonl import read_jsonl
+from ripplekv.runs.jsonl import read_jsonl, torn_fields
 
 PREDICTIONS = "predictions.jsonl"
 CONFIG = "config.json"
 REFERENCE = "full"
-# Bounds, not methods (the answer-aware oracle): reports mark them and leave them out of ranks.
+# Bounds, not methods: variants with a part that knows the full cache's answer (`Scorer.knows_answer`).
+# Reports mark them and leave them out of ranks. config.json lists their labels under this key, since
+# reports read result lines, not methods; runs written before it fall back to the names in CEILINGS.
+ANSWER_AWARE = "answer_aware"
 
 
-def is_ceiling(label) -> bool:
-    """Whether a method label (`oracle`, `oracle:window=32`) names a ceiling."""
+def is_ceiling(label, ceilings=None) -> bool:
+    """Whether a method label is a ceiling: one of `ceilings` (a run's recorded labels, `run_ceilings`), or
+    when a run records none, a label whose preset is named in `defaults.CEILINGS` (`oracle:window=32`)."""
+    if ceilings is not None:
+        return str(label) in ceilings
     return str(label).split(":", 1)[0].strip() in CEILINGS
+
+
+def run_ceilings(config) -> frozenset[str] | None:
+    """The labels a run's config.json records as knowing the answer; None for runs that predate the record."""
+    recorded = config.get(ANSWER_AWARE) if isinstance(config, dict) else None
+    return frozenset(map(str, recorded)) if isinstance(recorded, list) else None
 
 
 # What each kind of run folder holds. A folder is a run of a kind when it holds one of its markers;
@@ -58,3 +70,20 @@ def read_lines(path: Path) -> tuple[list[dict], bool]:
     """Parsed lines of a predictions file and whether a trailing partial line (a kill mid-write) was seen."""
     lines = read_jsonl(path)
     return lines.objects, bool(lines.torn)
+
+
+def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
+    """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
+    line's sample, as `eval` cuts it when it resumes); says which on stderr."""
+    import sys
+
+    found = torn_fields(torn)
+    last = rows[-1] if rows else {}
+    task, sid = found.get("task", last.get("task") if "id" not in found else None), found.get("id", last.get("id"))
+    variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
+    kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
+    sample = f"{task}/{sid}" if task is not None else str(sid)
+    print(f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
+          f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
+          "with the same options to finish it", file=sys.stderr)
+    return kept

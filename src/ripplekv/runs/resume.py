@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ripplekv.errors import UserError
 from ripplekv.runs.files import PREDICTIONS, REFERENCE, read_lines
+from ripplekv.runs.safeio import append_bytes, write_failure
 
 
 def variant_keys(config: dict) -> set[tuple[str, int | None]]:
@@ -42,10 +43,13 @@ def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
         while rows and (rows[-1]["task"], rows[-1]["id"]) == last:
             rows.pop()
             keep = keep[: keep.rstrip(b"\n").rfind(b"\n") + 1]
-        with path.open("r+b") as fh:
-            fh.truncate(len(keep))
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with path.open("r+b") as fh:
+                fh.truncate(len(keep))
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as err:
+            raise write_failure(path, err, "rerun the same command") from None
     have: dict[tuple[str, str], dict] = {}
     for row in rows:
         entry = have.setdefault((row["task"], row["id"]), {"variants": set(), "prompt_tokens": row.get("prompt_tokens")})
@@ -54,7 +58,6 @@ def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
 
 
 def append_rows(fh, rows: list[dict]) -> None:
-    """One sample's lines in one write, flushed to disk before the next sample starts."""
-    fh.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    fh.flush()
-    os.fsync(fh.fileno())
+    """One sample's lines in one write, flushed to disk before the next sample starts; a write that fails
+    (a full disk) leaves the file as it was before the sample and raises one line (`safeio.append_bytes`)."""
+    append_bytes(fh, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8"))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from ripplekv.errors import UserError
+from ripplekv.errors import UserError, write_failure
 from ripplekv.runs.files import RUNS, run_kind
 from ripplekv.runs.jsonl import read_jsonl
 
@@ -87,6 +87,14 @@ def other_files(folder: Path, own: Iterable[str]) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name not in own and not p.name.startswith("."))
 
 
+def open_append(path: Path):
+    """`path` opened for appending bytes (`append_bytes`), or the one-line error."""
+    try:
+        return Path(path).open("ab")
+    except OSError as err:
+        raise write_failure(path, err) from None
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` fills a temporary file beside `path`, which then replaces `path` in one step."""
     path = Path(path)
@@ -98,11 +106,37 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
+        _discard(tmp)
+        raise write_failure(path, err) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:  # a read-only file system: there is nothing to remove
+        pass
+
+
+def append_bytes(handle, data: bytes) -> None:
+    """Append `data` to an open file in one fsynced step: on a failure (a full disk) the file is cut back
+    to where it was, so it never ends in part of a record, and the one-line error names it."""
+    handle.flush()
+    fd = handle.fileno()
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError as err:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass
+        raise write_failure(handle.name, err) from None
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -126,15 +160,32 @@ def save_figure(fig, path: str | Path, **kwargs) -> None:
 
 
 @contextmanager
-def exclusive(folder: Path, what: str):
-    """Hold `folder/.lock` while writing: two runs appending to one log would duplicate lines."""
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = (folder / ".lock").open("w")
+def exclusive(folder: Path, what: str, elsewhere: str | None = "use another --out"):
+    """Hold `folder/.lock` while writing: two runs appending to one log would duplicate lines. The holder
+    writes its command and pid into the lock, so a refused command names who holds it; `elsewhere` is
+    the other way out the refused command offers (None: it has no --out, it can only wait)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = (folder / ".lock").open("a+")
+    except OSError as err:
+        raise write_failure(folder / ".lock", err, "rerun the same command") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().split()
         handle.close()
-        raise UserError(f"another ripplekv {what} is writing to {folder}; wait for it to finish or use another --out") from None
+        who = f"another ripplekv {holder[0]}" if holder else f"another ripplekv {what}"
+        pid = f" (pid {holder[1]})" if len(holder) > 1 else ""
+        raise UserError(f"{who} is writing to {folder}{pid}; wait for it to finish"
+                        f"{f' or {elsewhere}' if elsewhere else ''}") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{what} {os.getpid()}\n")
+        handle.flush()
+    except OSError:  # the lock holds without its note
+        pass
     try:
         yield
     finally:
@@ -175,8 +226,6 @@ class UnitLog:
         return lines, bool(read.torn)
 
     def append(self, key: str, value) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"key": key, "value": value}) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        with open_append(self.path) as handle:
+            append_bytes(handle, (json.dumps({"key": key, "value": value}) + "\n").encode("utf-8"))
         self.done[key] = value

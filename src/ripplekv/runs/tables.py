@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ripplekv.errors import UserError
-from ripplekv.runs.files import CONFIG, PREDICTIONS, read_lines
+from ripplekv.runs.files import CONFIG, PREDICTIONS, without_torn_sample
+from ripplekv.runs.jsonl import read_jsonl
 
 SCORES = "scores.csv"
 LEADERBOARD = "leaderboard.csv"
@@ -61,12 +62,17 @@ def load_run(path: str | Path) -> Run:
         raise UserError(f"run directory {folder} does not exist; pass a folder written by `ripplekv eval`")
     if not (folder / PREDICTIONS).is_file():
         raise UserError(f"{folder} has no {PREDICTIONS}; pass a folder written by `ripplekv eval`")
-    rows, _ = read_lines(folder / PREDICTIONS)
+    lines = read_jsonl(folder / PREDICTIONS)
+    rows = lines.objects
+    if lines.torn.strip():  # as `report` reads it: the torn sample is left out, and named
+        rows = without_torn_sample(folder / PREDICTIONS, rows, lines.torn)
     config: dict = {}
     if (folder / CONFIG).is_file():
         try:
             config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
         except ValueError:
             raise UserError(f"{folder / CONFIG} is not valid JSON; use a run folder written by `ripplekv eval`") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{folder / CONFIG} is not a JSON object; use a run folder written by `ripplekv eval`")
     predictions = _integers(pd.DataFrame(rows))
     return Run(folder, config, predictions, _csv(folder / SCORES), _csv(folder / LEADERBOARD))

@@ -16,7 +16,8 @@ Rules that hold for every task:
   page, as in HotpotQA itself).
 - Length: the filler (extra passages, haystack sentences, preceding code lines) grows until the full
   prompt - template and chat template included, counted with the caller's tokenizer - is as close to
-  `target_tokens` as whole units allow (usually within 2%, within 4% at the default length). One
+  `target_tokens` as whole units allow (usually within 2%, within 4% at the default length; an eval
+  sample further than 5% off, at a short target, is said on stderr with the lengths built). One
   exact tokenization of a guessed prompt, plus token counts of the few units added or removed
   after it, keeps the build at about one tokenization per sample.
 
@@ -30,7 +31,7 @@ from itertools import accumulate
 from random import Random
 
 from ripplekv.errors import UserError
-from ripplekv.tasks.offline_fit import DEFAULT_SIZES, _Builder, _enough, _take
+from ripplekv.tasks.offline_fit import DEFAULT_SIZES, MARGIN, TOLERANCE, _Builder, _enough, _take
 from ripplekv.tasks.offline_sources import (
     _code_file,
     _code_files,
@@ -100,13 +101,21 @@ def _hotpotqa(b: _Builder, n: int) -> list[dict]:
                     fill.append((title, "".join(sents).strip()))
                     chars += len(fill[-1][1])
 
-        def compose(k, i=i, own=own, fill=fill, q=q):
-            passages = own + fill[:k]
-            b.rng(i, k).shuffle(passages)
+        # The question's own distractors are the first units to go when even its 10 passages overshoot the
+        # target (the gold passages always stay); at longer targets all 10 are in, as they always were.
+        gold = {title for title, _ in q["supporting_facts"]}
+        others = [(title, text) for title, text in own if title not in gold]
+        rank = {title: r for r, (title, _) in enumerate(others)}
+
+        def compose(k, i=i, own=own, fill=fill, q=q, rank=rank, extra=len(others)):
+            passages = [p for p in own if rank.get(p[0], -1) < k] + fill[: max(0, k - extra)]
+            b.rng(i, k - extra).shuffle(passages)
             context = "\n".join(f"Passage {p + 1}:\n{title}\n{text}" for p, (title, text) in enumerate(passages))
             return b.record(i, context, q["question"], [q["answer"]])
 
-        samples.append(b.fit(compose, [f"Passage 10:\n{title}\n{text}\n" for title, text in fill]))
+        units = [f"Passage 10:\n{title}\n{text}\n" for title, text in others + fill]
+        whole = b.measure(compose(len(others))) <= (1 + TOLERANCE) * b.target
+        samples.append(b.fit(compose, units, k_min=len(others) if whole else 0))
     return samples
 
 
@@ -364,4 +373,12 @@ def build_samples(task, tokenizer, *, split: str = "eval", limit: int | None = N
         raise UserError(f"the offline suite builds at most {MAX_SAMPLES} samples per task; "
                         f"ask for {MAX_SAMPLES} or fewer, got {n}")
     builder = _Builder(task, tokenizer, split, target_tokens, seed)
-    return task.builder(builder, n)
+    samples = task.builder(builder, n)
+    off = [length for length in builder.lengths if abs(length - target_tokens) > MARGIN * target_tokens]
+    if off and split == "eval":  # whole units too coarse for this target: say what the benchmark's samples are
+        import sys
+
+        print(f"note: offline {task.name} ({split}): {len(off)} of {len(samples)} prompts are more than "
+              f"{MARGIN:.0%} from the {target_tokens}-token target (about {min(off)}-{max(off)} tokens): its whole "
+              "units are too coarse at this length; a longer target fits closer", file=sys.stderr)
+    return samples
