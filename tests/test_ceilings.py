@@ -63,11 +63,11 @@ def test_eval_ranks_only_the_real_method_and_marks_the_composition_a_ceiling(tin
     assert code == 0, err
     old = pd.read_csv(out / "leaderboard.csv")
     assert old.loc[old["method"] == "snapkv:scorer=oracle", "rank"].notna().all() and "headroom" not in old
-    code, _, err = run_cli("eval", "--model", tiny_model_dir, "--methods", "snapkv,snapkv:scorer=oracle,oracle",
+    code, _, err = run_cli("eval", "--model", tiny_model_dir, "--methods", "snapkv,snapkv:scorer=oracle,allocation-ceiling",
                            "--tasks", "niah", "--limit", "2", "--target-tokens", "300", "--budget", "48,64",
                            "--out", out)
     assert code == 0, err
-    assert json.loads((out / "config.json").read_text())["answer_aware"] == ["snapkv:scorer=oracle", "oracle"]
+    assert json.loads((out / "config.json").read_text())["answer_aware"] == ["snapkv:scorer=oracle", "allocation-ceiling"]
     board = pd.read_csv(out / "leaderboard.csv")
     assert board.loc[board["method"] != "snapkv", "rank"].isna().all()
 

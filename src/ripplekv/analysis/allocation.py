@@ -67,8 +67,8 @@ def allocation_table(frame: pd.DataFrame, specs: dict, resamples: int = stats.RE
         if (base, budget) not in index:
             continue
         b = index[(base, budget)]
-        ceilings = [index[(m, budget)] for m in chosen if is_ceiling(m, ceilings) and (m, budget) in index]
-        c = ceilings[0] if ceilings else None
+        bounds = [index[(m, budget)] for m in chosen if is_ceiling(m, ceilings) and (m, budget) in index]
+        c = bounds[0] if bounds else None
         for method in chosen:
             if (method, budget) not in index:
                 continue
