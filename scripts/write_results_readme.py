@@ -121,6 +121,15 @@ def route_lines(out: Path) -> list[str]:
     placement = (f"Among {scored} random placements with the same method counts, scored by teacher-forced KL on "
                  f"{len(route['placement_ids'])} other calibration prompts at B={route['budget']}, the profile-guided "
                  f"route ranks **{rank} of {scored + 1}** (1 = lowest KL)." if rank is not None else "No placement study was run.")
+    study = route.get("placement_study")
+    if study:  # the paired bootstrap against the route (pipeline.route): rank intervals and significant shares
+        low, high = study["rank_interval"]
+        first, last = study["rank_range_by_significance"]
+        placement += (f" Paired bootstrap over those {study['samples']} prompts ({study['confidence']:.0%}): rank interval "
+                      f"{low:g}-{high:g}; {study['significantly_better']} placements significantly better "
+                      f"({study['share_better']:.0%}) and {study['significantly_worse']} significantly worse "
+                      f"({study['share_worse']:.0%}), so the rank lies in {first}-{last} "
+                      f"(per placement: route/placements.csv). The routing paper's route ranks 2 of 100.")
     return [
         "",
         "## Layer-wise routing",

@@ -179,8 +179,10 @@ def route_command(
     calib_samples: CalibSamples = 8,
     placements: int = typer.Option(100, "--placements", metavar="N",
                                    help="Random placements (same method counts) to rank the route among; 0 skips."),
-    placement_samples: int = typer.Option(4, "--placement-samples", metavar="N",
-                                          help="Further calibration prompts (held out from the preferences) that score placements."),
+    placement_samples: int = typer.Option(8, "--placement-samples", metavar="N",
+                                          help="Further calibration prompts (held out from the preferences) that score "
+                                               "placements; each placement is compared with the route by a paired "
+                                               "bootstrap over them (at least 2 for an interval)."),
     max_share: list[str] = typer.Option([], "--max-share", help="Cap a method's share of layers: snapkv=0.5 (or 0.5 for all); repeatable."),
     probe_tokens: ProbeTokens = DEFAULT_PROBE_TOKENS,
     with_answer: WithAnswer = False,
@@ -230,6 +232,9 @@ def _route_locked(out, model, settings, calib_samples, placement_samples, placem
     counts = ", ".join(f"{label} x{count}" for label, count in meta["method_counts"].items())
     rank = meta["placement_rank"]
     console.print(f"route over {layers} layers: {counts}; wrote {out}/ROUTE.csv")
-    if rank is not None:
+    if meta.get("placement_summary"):
+        console.print(f"placement study (teacher-forced KL on {scored} held-out calibration prompts, B={budget}): "
+                      f"{meta['placement_summary']}")
+    elif rank is not None:
         console.print(f"placement study: route ranks {rank} of {meta['placements_scored'] + 1} "
-                      f"(teacher-forced KL on {scored} held-out calibration prompts, B={budget})")
+                      f"(teacher-forced KL on {scored} held-out calibration prompt, B={budget}; no interval from one)")
