@@ -154,3 +154,46 @@ def test_infonce_profile_summary_reads_the_bound_as_sensitivity():
     table = profile.summary()
     assert list(table.columns) == ["layer", "infonce_mean", "infonce_std", "infonce_median", "n_samples", "sensitivity"]
     assert np.allclose(table["sensitivity"], np.maximum(bound, 0))
+
+
+def write_fake_profile(folder, signal, column, values, ids, measure=None):
+    """A profile folder as `write_profile` leaves it: per_sample.csv (one seed) and profile.json."""
+    import json
+
+    import pandas as pd
+
+    folder.mkdir()
+    rows = [{"sample_id": sid, "seed": 0, "layer": layer, column: float(values[i, layer])}
+            for i, sid in enumerate(ids) for layer in range(values.shape[1])]
+    pd.DataFrame(rows).to_csv(folder / "per_sample.csv", index=False)
+    meta = {"signal": signal, "calibration_ids": list(ids), **({"measure": measure} if measure else {})}
+    (folder / "profile.json").write_text(json.dumps(meta))
+    return folder
+
+
+def test_predictor_table_ranks_signals_against_the_drop(tmp_path):
+    from scipy.stats import spearmanr
+
+    from ripplekv.analysis.predictors import predictor_table
+
+    rng = np.random.default_rng(0)
+    layers, ids = 8, [f"c{i}" for i in range(10)]
+    truth = np.linspace(0.0, 0.7, layers)
+    drop = truth + rng.normal(0, 0.05, size=(10, layers))
+    good = 2 * truth + rng.normal(0, 0.02, size=(10, layers))  # ranks layers as the drop does
+    infonce = 3 - truth + rng.normal(0, 0.02, size=(10, layers))  # a loss: lower where the drop is higher
+    noise = rng.normal(0, 1, size=(10, layers))
+    drop_dir = write_fake_profile(tmp_path / "drop", "evict", "drop", drop, ids, measure="task-drop")
+    folders = [write_fake_profile(tmp_path / "kl", "evict", "kl", good, ids),
+               write_fake_profile(tmp_path / "infonce", "infonce", "infonce", infonce, ids[:6]),
+               write_fake_profile(tmp_path / "noise", "noise", "kl", noise, [f"other{i}" for i in range(10)])]
+    table = predictor_table(drop_dir, folders, resamples=300)
+    assert list(table["signal"]) == ["evict (kl)", "infonce", "noise"]
+    assert table["spearman"][0] == pytest.approx(spearmanr(good.mean(0), drop.mean(0)).statistic)
+    assert table["spearman"][0] > 0.9 and table["low"][0] > 0.5
+    assert bool(table["paired"][1]) and table["samples_drop"][1] == 6  # only the shared samples, paired
+    assert table["spearman"][1] == pytest.approx(spearmanr(-infonce.mean(0), drop[:6].mean(0)).statistic) and table["spearman"][1] > 0.9
+    assert not table["paired"][2] and table["low"][2] < table["spearman"][2] < table["high"][2]
+    assert table["low"][2] < 0.5  # an unrelated signal's interval is wide
+    with pytest.raises(UserError, match="not a task-drop profile"):
+        predictor_table(folders[0], [drop_dir])
