@@ -98,7 +98,9 @@ def test_kept_count_and_bad_ratios():
     with pytest.raises(UserError, match="unknown measure"):
         ProfileSettings(signal="evict", measure="f1").check()
     assert "measure" not in ProfileSettings().record()  # a noise profile records no eviction settings
-    assert ProfileSettings(signal="evict", measure="kl").record().get("prune_ratio") is None
+    kl = ProfileSettings(signal="evict", measure="kl").record()  # as a KL profile was recorded before the task drop
+    assert "prune_ratio" not in kl and "measure" not in kl and kl["evict_budget"] == 128
+    assert ProfileSettings(signal="evict", measure="kl", prune_ratio=0.5).record()["measure"] == "kl"
 
 
 def test_anchor_losses_equal_a_plain_loop():

@@ -78,7 +78,8 @@ class ProfileSettings:
         if self.signal != "evict":
             for name in ("evict_method", "measure", "prune_ratio"):
                 settings.pop(name)
-        elif self.kind == "evict-kl" and self.prune_ratio is None:
+        elif self.kind == "evict-kl" and self.prune_ratio is None:  # recorded as before the task drop existed
+            settings.pop("measure")
             settings.pop("prune_ratio")
         else:
             settings["prune_ratio"] = self.ratio()
