@@ -55,6 +55,8 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
         (["allocate", "{bad}", "--out", "{tmp}/a.csv"], "has 2 layers but the model has 4"),
         (["profile", "--signal", "prune", "--out", "{tmp}/p"], "'prune' is not one of 'noise', 'evict', 'infonce'"),
         (["profile", "--calib-samples", "0", "--out", "{tmp}/p"], "--calib-samples must be at least 1"),
+        (["profile", "--signal", "infonce", "--calib-samples", "1", "--out", "{tmp}/p"], "--calib-samples 2 or more"),
+        (["profile", "--signal", "evict", "--prune-ratio", "1", "--out", "{tmp}/p"], "--prune-ratio must be a share"),
         (["budgets", "--methods", "ripplekv"], "run `ripplekv profile`"),
         (["budgets", "--pooling", "median"], "'median' is not one of 'max', 'avg', 'none'"),
         (["budgets", "--budget", "0"], "budget must be a positive integer"),

@@ -361,6 +361,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     from ripplekv.engine.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
 
     settings.check()
+    if settings.kind == "infonce" and calib_samples < 2:
+        raise UserError("--signal infonce contrasts prompts with each other: pass --calib-samples 2 or more")
     device, dtype = resolve_device_dtype(device, dtype)
     source = resolve_model(model_spec)
     check_profile_dir(out, inputs=[source.location] if source.kind == "gguf" else [])
