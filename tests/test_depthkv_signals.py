@@ -146,7 +146,7 @@ def test_infonce_profile_summary_reads_the_bound_as_sensitivity():
     settings = ProfileSettings(signal="infonce")
     prompts = [sample(seed) for seed in range(4)]
     values = np.stack([profile_unit(settings, (model, None), (i, p)) for i, p in enumerate(prompts)])
-    from ripplekv.pipeline.profile import FINISHERS
+    from ripplekv.pipeline.signals import FINISHERS
 
     per_seed, extra = FINISHERS["infonce"](values)
     assert per_seed.shape == (4, 1, 4)

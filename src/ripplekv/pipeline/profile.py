@@ -14,9 +14,10 @@ its own H2O-like pruner) while every other layer stays full, and measures (`meas
 - `kl`: the KL at the probe tokens, the layer evicted to `evict_budget` (or by `prune_ratio` when given).
 `infonce` (`pipeline.representation`) is the representation predictor: each layer's InfoNCE loss between
 two views of the calibration prompts; the allocation reads its normalised form (a lower bound on mutual
-information, clipped at 0) as the sensitivity. A new signal is one more entry in `SAMPLE_MEASURES` (what one
-calibration sample gives) and, when it needs every sample at once, in `FINISHERS`.
+information, clipped at 0) as the sensitivity. A new signal is one more entry in `signals.SAMPLE_MEASURES` (what
+one calibration sample gives) and, when it needs every sample at once, in `signals.FINISHERS`.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,6 +35,7 @@ from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.probe import ProbeRunner
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.pipeline.signals import FINISHERS, SAMPLE_MEASURES
 from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
@@ -73,7 +75,8 @@ class ProfileSettings:
 
     def record(self) -> dict:
         """The settings written to profile.json; the noise and infonce profiles leave out the evict pruner they
-        never use, and only the task drop records the measure (so older KL profiles read as before)."""
+        never use, and a KL evict profile without a prune ratio is recorded as before the measure existed (so an
+        earlier profile resumes)."""
         settings = asdict(self)
         if self.signal != "evict":
             for name in ("evict_method", "measure", "prune_ratio"):
@@ -272,47 +275,6 @@ def plot_profile(summary: pd.DataFrame, meta: dict, path: Path, per_sample: np.n
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)
-
-
-def _task_drop_sample(model, tokenizer, prompt, settings: ProfileSettings, index: int) -> np.ndarray:
-    """[1, 1 + L]: the full cache's score, then the drop with each layer pruned alone."""
-    from ripplekv.pipeline.taskdrop import task_drop
-
-    full, drops = task_drop(model, tokenizer, prompt, settings.evict_pruner(), settings.ratio(), settings.batch_size)
-    return np.concatenate([[full], drops])[None]
-
-
-def _infonce_sample(model, tokenizer, prompt, settings: ProfileSettings, index: int) -> np.ndarray:
-    """[2, L, d]: the pooled layers of the prompt's two views (the InfoNCE needs every prompt: `FINISHERS`)."""
-    from ripplekv.pipeline.representation import prompt_views
-
-    return prompt_views(model, list(prompt.context) + list(prompt.probe), index)
-
-
-# What one calibration sample gives, by `ProfileSettings.kind`: f(model, tokenizer, prompt, settings, index).
-SAMPLE_MEASURES = {
-    "noise": lambda model, tokenizer, prompt, settings, index: profile_prompt(model, prompt, settings, index),
-    "evict-kl": lambda model, tokenizer, prompt, settings, index: profile_prompt(model, prompt, settings, index),
-    "evict-task-drop": _task_drop_sample,
-    "infonce": _infonce_sample,
-}
-
-
-def _finish_task_drop(values: np.ndarray) -> tuple[np.ndarray, dict]:
-    return values[:, :, 1:], {"full_scores": values[:, 0, 0].tolist()}
-
-
-def _finish_infonce(values: np.ndarray) -> tuple[np.ndarray, dict]:
-    from ripplekv.pipeline.representation import TEMPERATURE, anchor_losses, mutual_information_bound
-
-    losses = anchor_losses(values)
-    bound = mutual_information_bound(losses.mean(0), len(losses))
-    return losses[:, None, :], {"temperature": TEMPERATURE, "infonce_mi_bound": [float(b) for b in bound]}
-
-
-# From every sample's logged value [samples, ...] to (per-seed values [samples, seeds, layers], extra profile.json
-# fields); kinds not listed log that matrix already.
-FINISHERS = {"evict-task-drop": _finish_task_drop, "infonce": _finish_infonce}
 
 
 def profile_unit(settings: ProfileSettings, loaded: tuple, unit: tuple[int, CalibrationPrompt]) -> np.ndarray:
