@@ -70,8 +70,11 @@ if [ -n "${EVICT_CALIB_SAMPLES:-}" ]; then
   run_stage profile-evict "$OUT/profile-evict/sensitivity.csv" \
     "$RKV" profile "${model_args[@]}" --signal evict --measure task-drop --prune-ratio "${PRUNE_RATIO:-0.6}" \
     --calib-samples "$EVICT_CALIB_SAMPLES" --target-tokens "$TARGET_TOKENS" --out "$OUT/profile-evict"
+  floor_args=()
+  [ -n "${DEPTHKV_FLOOR:-}" ] && floor_args=(--floor "$DEPTHKV_FLOOR")
   run_stage allocate-depthkv "$OUT/depthkv.csv" \
-    "$RKV" allocate "$OUT/profile-evict/sensitivity.csv" "${model_args[@]}" --map proportional --out "$OUT/depthkv.csv"
+    "$RKV" allocate "$OUT/profile-evict/sensitivity.csv" "${model_args[@]}" --map proportional "${floor_args[@]}" \
+    --out "$OUT/depthkv.csv"
   run_stage profile-evict-kl "$OUT/profile-evict-kl/sensitivity.csv" \
     "$RKV" profile "${model_args[@]}" --signal evict --measure kl --evict-budget "$SWEEP_BUDGET" \
     --calib-samples "$EVICT_CALIB_SAMPLES" --probe-tokens "$PROBE_TOKENS" --target-tokens "$TARGET_TOKENS" \

@@ -101,13 +101,18 @@ def depthkv_lines(out: Path) -> list[str]:
     else:
         what = (f"the KL at {profile['probe_tokens']} probe tokens with each layer alone evicted to "
                 f"B={profile.get('evict_budget', '?')} by `{profile.get('evict_method', 'snapkv')}`")
+    allocation = out / "depthkv.csv"
+    maps = set(pd.read_csv(allocation)["map"]) if allocation.is_file() and "map" in pd.read_csv(allocation) else set()
+    bounded = next((m for m in maps if ":" in str(m)), None)
+    bound = (f" bounded as `{bounded}` (ours: a layer whose drop was 0 keeps that share of B, not H2O's floor of 1 "
+             "entry)") if bounded else ""
     return [
         "",
         "## DepthKV profile and allocation",
         "",
         f"- Signal `{profile['signal']}` ({what}), {len(profile['calibration_ids'])} calibration samples; split-half "
-        f"Spearman rho = {_rho(profile)}; budgets proportional to the sensitivity (`allocate --map proportional`), "
-        "H2O scores inside layers.",
+        f"Spearman rho = {_rho(profile)}; budgets proportional to the sensitivity (`allocate --map proportional`)"
+        f"{bound}, H2O scores inside layers.",
         *predictor_lines(out),
         *headline_ratio_lines(out),
         "",

@@ -85,6 +85,7 @@ PLACEMENTS=3
 PLACEMENT_SAMPLES=1
 METHODS=full,snapkv,ripplekv,depthkv,routed
 HEADLINE_METHODS=full,h2o,depthkv
+DEPTHKV_FLOOR=0.25
 """
 
 
@@ -124,6 +125,7 @@ def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
     assert "## DepthKV profile and allocation" in readme
     assert "route ranks **2 of 4**" in readme and "snapkv 1, h2o 0" in readme
     assert "--measure task-drop --prune-ratio 0.6" in readme and "pruned by 60%" in readme
+    assert "--map proportional --floor 0.25" in readme
     predictors = (results / "predictors.csv").read_text()
     assert predictors.count("\n") == 4 and "infonce" in predictors and "Spearman rho with the drop" in readme
     assert "--budget 800 --methods full,h2o,depthkv:allocation=results/depthkv.csv" in readme  # 0.4 x 2000 tokens
