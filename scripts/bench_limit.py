@@ -143,7 +143,7 @@ def calibration_limits(model, tokenizer, stages, args) -> None:
     from ripplekv.tasks.calibration import calibration_prompts
 
     noise = ProfileSettings(seeds=2, eta=0.3, probe_tokens=16)
-    evict = ProfileSettings(seeds=1, signal="evict", evict_budget=128, probe_tokens=16)
+    evict = ProfileSettings(seeds=1, signal="evict", evict_budget=128, probe_tokens=16, measure="kl")
     route = RouteSettings(budget=128, probe_tokens=16, placements=100)
     candidates = candidate_methods(route.methods)
     labels = [method.label for method in candidates]

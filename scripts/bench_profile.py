@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ripplekv.defaults import PROBE_TOKENS, PROFILE_SEEDS, SIGNALS
+from ripplekv.defaults import PROBE_TOKENS, PROFILE_SEEDS
 from ripplekv.engine.models import load_model
 from ripplekv.pipeline.profile import ProfileSettings, profile_prompt
 from ripplekv.tasks.calibration import calibration_prompts
@@ -30,13 +30,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--target-tokens", type=int, default=2000)
     parser.add_argument("--seeds", type=int, default=PROFILE_SEEDS)
-    parser.add_argument("--signal", default="noise", choices=SIGNALS)
+    parser.add_argument("--signal", default="noise", choices=("noise", "evict"))  # the KL signals it times
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
     model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
-    settings = ProfileSettings(seeds=args.seeds, signal=args.signal, probe_tokens=PROBE_TOKENS)
+    settings = ProfileSettings(seeds=args.seeds, signal=args.signal, probe_tokens=PROBE_TOKENS, measure="kl")
     prompts = calibration_prompts(tokenizer, args.samples, settings.probe_tokens, args.target_tokens)
     profile_prompt(model, prompts[0], settings, 0)  # warm-up: first-call overheads out of both timings
     batched_time = naive_time = 0.0

@@ -59,16 +59,35 @@ run_stage allocate "$OUT/allocation.csv" \
   "$RKV" allocate "$OUT/profile/sensitivity.csv" "${model_args[@]}" "${ratio_args[@]}" \
   --budget "$SWEEP_BUDGET" --calib-samples "$SWEEP_SAMPLES" --target-tokens "$TARGET_TOKENS" --out "$OUT/allocation.csv"
 
-# DepthKV (optional, EVICT_CALIB_SAMPLES): eviction sensitivity, budgets proportional to it. A `depthkv` in
-# METHODS is then evaluated with this allocation (its label names the file, depthkv.csv).
+# DepthKV (optional, EVICT_CALIB_SAMPLES): its sensitivity as published, the task-score drop with each layer
+# alone pruned by PRUNE_RATIO (profile --signal evict, --measure task-drop), budgets proportional to it. A
+# `depthkv` in METHODS (and HEADLINE_METHODS) is then evaluated with this allocation (its label names the
+# file, depthkv.csv). Beside it, the signals that might predict the drop on the same samples (the eviction KL
+# at SWEEP_BUDGET and InfoNCE), and how well each one, and RippleKV's noise KL, ranks layers as the drop does.
 methods=$METHODS
+headline_methods=${HEADLINE_METHODS:-}
 if [ -n "${EVICT_CALIB_SAMPLES:-}" ]; then
   run_stage profile-evict "$OUT/profile-evict/sensitivity.csv" \
-    "$RKV" profile "${model_args[@]}" --signal evict --evict-budget "$SWEEP_BUDGET" --calib-samples "$EVICT_CALIB_SAMPLES" \
-    --probe-tokens "$PROBE_TOKENS" --target-tokens "$TARGET_TOKENS" --out "$OUT/profile-evict"
+    "$RKV" profile "${model_args[@]}" --signal evict --measure task-drop --prune-ratio "${PRUNE_RATIO:-0.6}" \
+    --calib-samples "$EVICT_CALIB_SAMPLES" --target-tokens "$TARGET_TOKENS" --out "$OUT/profile-evict"
+  floor_args=()
+  [ -n "${DEPTHKV_FLOOR:-}" ] && floor_args=(--floor "$DEPTHKV_FLOOR")
   run_stage allocate-depthkv "$OUT/depthkv.csv" \
-    "$RKV" allocate "$OUT/profile-evict/sensitivity.csv" "${model_args[@]}" --map proportional --out "$OUT/depthkv.csv"
-  methods=$(printf ',%s,' "$METHODS" | sed "s|,depthkv:|,depthkv:allocation=$OUT/depthkv.csv:|; s|,depthkv,|,depthkv:allocation=$OUT/depthkv.csv,|; s|^,||; s|,\$||")
+    "$RKV" allocate "$OUT/profile-evict/sensitivity.csv" "${model_args[@]}" --map proportional "${floor_args[@]}" \
+    --out "$OUT/depthkv.csv"
+  run_stage profile-evict-kl "$OUT/profile-evict-kl/sensitivity.csv" \
+    "$RKV" profile "${model_args[@]}" --signal evict --measure kl --evict-budget "$SWEEP_BUDGET" \
+    --calib-samples "$EVICT_CALIB_SAMPLES" --probe-tokens "$PROBE_TOKENS" --target-tokens "$TARGET_TOKENS" \
+    --out "$OUT/profile-evict-kl"
+  run_stage profile-infonce "$OUT/profile-infonce/sensitivity.csv" \
+    "$RKV" profile "${model_args[@]}" --signal infonce --calib-samples "$EVICT_CALIB_SAMPLES" \
+    --target-tokens "$TARGET_TOKENS" --out "$OUT/profile-infonce"
+  run_stage predictors "$OUT/predictors.csv" \
+    .venv/bin/python scripts/signal_vs_drop.py "$OUT/profile-evict" "$OUT/profile" "$OUT/profile-evict-kl" \
+    "$OUT/profile-infonce" --out "$OUT/predictors.csv"
+  with_depthkv() { printf ',%s,' "$1" | sed "s|,depthkv:|,depthkv:allocation=$OUT/depthkv.csv:|; s|,depthkv,|,depthkv:allocation=$OUT/depthkv.csv,|; s|^,||; s|,\$||"; }
+  methods=$(with_depthkv "$METHODS")
+  [ -n "$headline_methods" ] && headline_methods=$(with_depthkv "$headline_methods")
 fi
 
 # CompressKV (optional, COMPRESSKV_CALIB_SAMPLES): its offline layer error profile from calibration prompts
@@ -97,6 +116,17 @@ eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --
   --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" "${route_args[@]}" --out "$OUT/eval")
 run_eval eval "eval" "${eval_cmd[@]}"
 
+# DepthKV's headline ratio (optional, HEADLINE_METHODS): budgets count entries, not a share of the prompt, so
+# 60% pruned is B = (1 - PRUNE_RATIO) x TARGET_TOKENS, which the offline suite's prompts (built to TARGET_TOKENS,
+# +-2%) turn into 60% +-1% pruned; into OUT/eval-headline.
+if [ -n "$headline_methods" ]; then
+  headline_budget=$(awk -v r="${PRUNE_RATIO:-0.6}" -v n="$TARGET_TOKENS" 'BEGIN { printf "%d", (1 - r) * n + 0.5 }')
+  headline_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" --budget "$headline_budget" --methods "$headline_methods"
+    --limit "${HEADLINE_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv"
+    --out "$OUT/eval-headline")
+  run_eval eval-headline "eval at DepthKV's headline ratio (B=$headline_budget)" "${headline_cmd[@]}"
+fi
+
 # The context-only protocol (optional, CONTEXT_METHODS): the same samples' first CONTEXT_LIMIT per task.
 if [ -n "${CONTEXT_METHODS:-}" ]; then
   context_budget_args=()
@@ -122,7 +152,7 @@ if [ -n "${LONG_TASKS:-}" ]; then
 fi
 
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"
-rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-context-only/.lock" "$OUT/long/prompt/.lock" "$OUT/long/total/.lock"
+rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-headline/.lock" "$OUT/eval-context-only/.lock" "$OUT/long/prompt/.lock" "$OUT/long/total/.lock"
 if [ -e "$FINAL" ]; then
   previous="runs/previous-$(basename "$FINAL")-$(date +%Y%m%d-%H%M%S)"
   mv "$FINAL" "$previous"

@@ -124,18 +124,57 @@ def depthkv_lines(out: Path) -> list[str]:
     if not path.is_file():
         return []
     profile = json.loads(path.read_text())
+    if profile.get("measure") == "task-drop":
+        what = (f"the drop in the task score of the greedy answer with each layer alone pruned by "
+                f"{profile['prune_ratio']:.0%} by `{profile.get('evict_method')}`, DepthKV's measure")
+    else:
+        what = (f"the KL at {profile['probe_tokens']} probe tokens with each layer alone evicted to "
+                f"B={profile.get('evict_budget', '?')} by `{profile.get('evict_method', 'snapkv')}`")
+    allocation = out / "depthkv.csv"
+    maps = set(pd.read_csv(allocation)["map"]) if allocation.is_file() and "map" in pd.read_csv(allocation) else set()
+    bounded = next((m for m in maps if ":" in str(m)), None)
+    bound = (f" bounded as `{bounded}` (ours: a layer whose drop was 0 keeps that share of B, not H2O's floor of 1 "
+             "entry)") if bounded else ""
     return [
         "",
         "## DepthKV profile and allocation",
         "",
-        f"- Signal `{profile['signal']}` (each layer alone evicted to B={profile.get('evict_budget', '?')} by "
-        f"`{profile.get('evict_method', 'snapkv')}`), {len(profile['calibration_ids'])} calibration samples, "
-        f"{profile['probe_tokens']} probe tokens; split-half Spearman rho = {_rho(profile)}; budgets "
-        "proportional to the sensitivity (`allocate --map proportional`), H2O scores inside layers.",
+        f"- Signal `{profile['signal']}` ({what}), {len(profile['calibration_ids'])} calibration samples; split-half "
+        f"Spearman rho = {_rho(profile)}; budgets proportional to the sensitivity (`allocate --map proportional`)"
+        f"{bound}, H2O scores inside layers.",
+        *predictor_lines(out),
+        *headline_ratio_lines(out),
         "",
         "![eviction sensitivity](profile-evict/sensitivity.png)",
         "![DepthKV allocation](depthkv.png)",
     ]
+
+
+def predictor_lines(out: Path) -> list[str]:
+    """How well each signal ranks layers as DepthKV's measured drop does (scripts/signal_vs_drop.py)."""
+    path = out / "predictors.csv"
+    if not path.is_file():
+        return []
+    table = pd.read_csv(path)
+    rows = [{"signal": row.signal, "Spearman rho with the drop [95% CI]": f"{row.spearman:.3f} [{row.low:.3f}, {row.high:.3f}]",
+             "samples": f"{row.samples_drop}" + (" (paired)" if row.paired else "")} for row in table.itertuples()]
+    return ["", "Which signal predicts the drop: Spearman rank correlation across layers between each signal's mean "
+            "and the mean drop, bootstrap interval over calibration samples (InfoNCE enters as its mutual-information "
+            "bound, so a positive rho always means the signal ranks layers as the drop does):", "",
+            pd.DataFrame(rows).to_markdown(index=False)]
+
+
+def headline_ratio_lines(out: Path) -> list[str]:
+    """The eval at DepthKV's headline ratio (60% pruned), when the run made it."""
+    path = out / "eval-headline" / "leaderboard.csv"
+    if not path.is_file():
+        return []
+    board = pd.read_csv(path)
+    columns = [c for c in ("method", "budget", "avg", "avg_ci_low", "avg_ci_high", "kl", "agreement",
+                           "delta_vs_uniform", "delta_ci_low", "delta_ci_high") if c in board]
+    return ["", "At DepthKV's headline ratio (60% of the prompt pruned: one budget of 0.4 x the prompts' target "
+            "length; the paper compares DepthKV with uniform H2O there). Full table: `eval-headline/`.", "",
+            board[columns].to_markdown(index=False, floatfmt=".4g")]
 
 
 def route_lines(out: Path) -> list[str]:
@@ -150,6 +189,15 @@ def route_lines(out: Path) -> list[str]:
     placement = (f"Among {scored} random placements with the same method counts, scored by teacher-forced KL on "
                  f"{len(route['placement_ids'])} other calibration prompts at B={route['budget']}, the profile-guided "
                  f"route ranks **{rank} of {scored + 1}** (1 = lowest KL)." if rank is not None else "No placement study was run.")
+    study = route.get("placement_study")
+    if study:  # the paired bootstrap against the route (pipeline.route): rank intervals and significant shares
+        low, high = study["rank_interval"]
+        first, last = study["rank_range_by_significance"]
+        placement += (f" Paired bootstrap over those {study['samples']} prompts ({study['confidence']:.0%}): rank interval "
+                      f"{low:g}-{high:g}; {study['significantly_better']} placements significantly better "
+                      f"({study['share_better']:.0%}) and {study['significantly_worse']} significantly worse "
+                      f"({study['share_worse']:.0%}), so the rank lies in {first}-{last} "
+                      f"(per placement: route/placements.csv). The routing paper's route ranks 2 of 100.")
     return [
         "",
         "## Layer-wise routing",
@@ -216,8 +264,9 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         for line in summary.splitlines()
         if not line.startswith("# ") and not line.startswith("![")
     )
-    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "compresskv-profile", "route", "eval", "eval-context-only",
-              "long-prompt", "long-total")
+    stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "profile-evict-kl", "profile-infonce",
+              "predictors", "compresskv-profile", "route", "eval", "eval-headline", "eval-context-only", "long-prompt",
+              "long-total")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")

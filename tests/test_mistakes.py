@@ -164,7 +164,7 @@ CASES = [
     ([*PROFILE, "--out", "{d}/p", "--eta", "inf"], "--eta must be a number"),
     ([*PROFILE, "--out", "{d}/p", "--seeds", "0"], "must be positive integers"),
     ([*PROFILE, "--out", "{d}/p", "--seeds", "1000000000"], "--seeds must be at most"),
-    ([*PROFILE, "--out", "{d}/p", "--signal", "prune"], "Invalid value for '--signal': 'prune' is not one of 'noise', 'evict'."),
+    ([*PROFILE, "--out", "{d}/p", "--signal", "prune"], "Invalid value for '--signal': 'prune' is not one of 'noise', 'evict', 'infonce'."),
     ([*PROFILE, "--out", "{d}/p", "--calib-samples", "0"], "--calib-samples must be at least 1"),
     ([*PROFILE, "--out", "{d}/p", "--calib-samples", "100000"], "at most 1000 samples"),
     ([*PROFILE, "--out", "{d}/README.md"], "is a file; pass a directory"),

@@ -30,7 +30,7 @@ def test_batched_profile_equals_one_layer_at_a_time(build, signal, pruner):
     model = build()
     prompt = calibration()
     settings = ProfileSettings(eta=1.0, seeds=2, signal=signal, probe_tokens=12, evict_budget=24, batch_size=3,
-                               evict_method=pruner)
+                               evict_method=pruner, measure="kl")
     batched = profile_prompt(model, prompt, settings, 0)
     naive = profile_prompt_one_layer_at_a_time(model, prompt, settings, 0)
     assert batched.shape == naive.shape == ((2 if signal == "noise" else 1), 4)

@@ -53,8 +53,10 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
         (["allocate", "{sens}", "--ratio", "0.5", "--out", "{tmp}/a.csv"], "--ratio must be a number >= 1"),
         (["allocate", "{tmp}/missing.csv", "--out", "{tmp}/a.csv"], "does not exist"),
         (["allocate", "{bad}", "--out", "{tmp}/a.csv"], "has 2 layers but the model has 4"),
-        (["profile", "--signal", "prune", "--out", "{tmp}/p"], "'prune' is not one of 'noise', 'evict'"),
+        (["profile", "--signal", "prune", "--out", "{tmp}/p"], "'prune' is not one of 'noise', 'evict', 'infonce'"),
         (["profile", "--calib-samples", "0", "--out", "{tmp}/p"], "--calib-samples must be at least 1"),
+        (["profile", "--signal", "infonce", "--calib-samples", "1", "--out", "{tmp}/p"], "--calib-samples 2 or more"),
+        (["profile", "--signal", "evict", "--prune-ratio", "1", "--out", "{tmp}/p"], "--prune-ratio must be a share"),
         (["budgets", "--methods", "ripplekv"], "run `ripplekv profile`"),
         (["budgets", "--pooling", "median"], "'median' is not one of 'max', 'avg', 'none'"),
         (["budgets", "--budget", "0"], "budget must be a positive integer"),
@@ -121,3 +123,42 @@ def test_allocate_without_a_profile_says_what_to_run(tmp_path):
     result = run("allocate", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == "error: no profile at runs/profile/sensitivity.csv: run `ripplekv profile` first, or pass a sensitivity.csv\n"
+
+
+def test_depthkv_task_drop_profile_then_a_proportional_allocation(tiny_model_dir, tmp_path):
+    """The default `--signal evict` measure is the task drop at 60% pruned; `allocate --map proportional` reads
+    its `sensitivity` column (the mean drop clipped at 0)."""
+    out = tmp_path / "drop"
+    result = run("profile", "--model", tiny_model_dir, "--signal", "evict", "--calib-samples", 3, "--target-tokens", 300,
+                 "--out", out)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((out / "profile.json").read_text())
+    assert meta["measure"] == "task-drop" and meta["prune_ratio"] == 0.6 and meta["evict_method"] == "h2o"
+    assert len(meta["full_scores"]) == 3 and all(0 <= s <= 1 for s in meta["full_scores"])
+    table = pd.read_csv(out / "sensitivity.csv")
+    assert list(table.columns) == ["layer", "drop_mean", "drop_std", "drop_median", "n_samples", "sensitivity"]
+    assert (table["sensitivity"] == table["drop_mean"].clip(lower=0)).all()
+    per_sample = pd.read_csv(out / "per_sample.csv")
+    assert list(per_sample.columns) == ["sample_id", "seed", "layer", "drop"] and len(per_sample) == 3 * 4
+    alloc = tmp_path / "depthkv.csv"
+    result = run("allocate", out / "sensitivity.csv", "--model", tiny_model_dir, "--map", "proportional", "--out", alloc)
+    assert result.returncode == 0, result.stderr
+    multipliers = pd.read_csv(alloc)["multiplier"]
+    assert multipliers.mean() == pytest.approx(1.0)
+    sensitivity = table["sensitivity"].to_numpy()
+    if sensitivity.sum() > 0:
+        assert multipliers.to_numpy() == pytest.approx(sensitivity / sensitivity.mean())
+    result = run("profile", "--model", tiny_model_dir, "--signal", "evict", "--with-answer", "--out", tmp_path / "x")
+    assert result.returncode == 2 and "--measure kl" in result.stderr
+
+
+def test_infonce_profile_writes_its_bound(tiny_model_dir, tmp_path):
+    out = tmp_path / "infonce"
+    result = run("profile", "--model", tiny_model_dir, "--signal", "infonce", "--calib-samples", 3, "--target-tokens", 300,
+                 "--out", out)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((out / "profile.json").read_text())
+    assert "measure" not in meta and len(meta["infonce_mi_bound"]) == 4 and meta["temperature"] == 0.1
+    table = pd.read_csv(out / "sensitivity.csv")
+    assert (table["infonce_mean"] > 0).all()
+    assert table["sensitivity"].to_numpy() == pytest.approx(pd.Series(meta["infonce_mi_bound"]).clip(lower=0).to_numpy())

@@ -25,8 +25,14 @@ if stage == "profile":
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.csv").write_text("layer,kl_mean\n0,1\n")
     signal = args[args.index("--signal") + 1] if "--signal" in args else "noise"
+    measure = args[args.index("--measure") + 1] if "--measure" in args else None
+    column = {"task-drop": "drop"}.get(measure, "infonce" if signal == "infonce" else "kl")
+    (out / "per_sample.csv").write_text(f"sample_id,seed,layer,{column}\n" + "".join(
+        f"{sid},0,{layer},{(layer + 1) * (2 if sid == 'a' else 1) + (sid == 'b') * layer ** 2}\n"
+        for sid in ("a", "b") for layer in range(3)))
     (out / "profile.json").write_text(json.dumps({"model": "m", "signal": signal, "eta": 0.3, "seeds": 1,
-        "probe_tokens": 16, "calibration_ids": ["a"], "split_half_spearman": None, "evict_budget": 128}))
+        "probe_tokens": 16, "calibration_ids": ["a", "b"], "split_half_spearman": None, "evict_budget": 128,
+        **({"measure": measure, "prune_ratio": 0.6, "evict_method": "h2o"} if measure else {})}))
 elif stage == "allocate":
     out.write_text("layer,multiplier\n0,1\n")
 elif stage == "route":
@@ -78,6 +84,8 @@ ROUTE_BUDGET=128
 PLACEMENTS=3
 PLACEMENT_SAMPLES=1
 METHODS=full,snapkv,ripplekv,depthkv,routed
+HEADLINE_METHODS=full,h2o,depthkv
+DEPTHKV_FLOOR=0.25
 """
 
 
@@ -116,6 +124,12 @@ def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
     assert "--route results/route/ROUTE.csv" in readme and "--signal evict" in readme and "--map proportional" in readme
     assert "## DepthKV profile and allocation" in readme
     assert "route ranks **2 of 4**" in readme and "snapkv 1, h2o 0" in readme
+    assert "--measure task-drop --prune-ratio 0.6" in readme and "pruned by 60%" in readme
+    assert "--map proportional --floor 0.25" in readme
+    predictors = (results / "predictors.csv").read_text()
+    assert predictors.count("\n") == 4 and "infonce" in predictors and "Spearman rho with the drop" in readme
+    assert "--budget 800 --methods full,h2o,depthkv:allocation=results/depthkv.csv" in readme  # 0.4 x 2000 tokens
+    assert (results / "eval-headline" / "predictions.jsonl").is_file()
     # Without the optional settings the stages are skipped and eval gets neither flag.
     config.write_text(CONFIG)
     shutil.rmtree(results)

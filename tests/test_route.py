@@ -239,7 +239,7 @@ def routed(tiny_model_dir, tmp_path_factory):
     for name in ("first", "again"):
         out = tmp_path_factory.mktemp(name)
         result = run("route", "--model", tiny_model_dir, "--methods", ",".join(CANDIDATES), "--calib-samples", 2,
-                     "--placements", 6, "--placement-samples", 1, "--target-tokens", 300, "--budget", 48,
+                     "--placements", 6, "--placement-samples", 2, "--target-tokens", 300, "--budget", 48,
                      "--max-new-tokens", 8, "--max-share", "streamingllm=0.5", "--out", out)
         assert result.returncode == 0, result.stderr
         outs.append((out, result))
@@ -263,9 +263,19 @@ def test_route_cli_writes_every_output_deterministically(routed):
     assert meta["placement_rank"] == 1 + int((placements["kl"][1:] < placements["kl"][0]).sum())
     assert not set(meta["calibration_ids"]) & set(meta["placement_ids"])
     assert f"route ranks {meta['placement_rank']} of 7" in result.stderr
+    assert list(placements.columns) == ["placement", "is_route", "kl", "agreement", "kl_minus_route", "diff_low",
+                                        "diff_high", "p_value", "verdict", "methods"]
+    study = meta["placement_study"]
+    assert study["samples"] == 2 and study["placements"] == 6 and study["rank"] == meta["placement_rank"]
+    assert study["significantly_better"] == (placements["verdict"] == "better").sum()
+    assert study["rank_range_by_significance"][0] <= meta["placement_rank"] <= study["rank_range_by_significance"][1]
+    per_sample = pd.read_csv(out / "placements_per_sample.csv")
+    assert len(per_sample) == 2 * 7
+    assert per_sample.groupby("placement")["kl"].mean().to_numpy() == pytest.approx(placements["kl"].to_numpy())
+    assert f"{study['significantly_better']} of 6 placements significantly better" in " ".join(result.stderr.split())
     for name in ("preferences.png", "ROUTE.png", "placements.png"):
         assert (out / name).stat().st_size > 1000
-    for name in ("ROUTE.csv", "preferences.csv", "placements.csv"):
+    for name in ("ROUTE.csv", "preferences.csv", "placements.csv", "placements_per_sample.csv"):
         assert (out / name).read_bytes() == (again / name).read_bytes()
 
 
@@ -304,3 +314,31 @@ def test_route_cli_errors_are_one_line(tiny_model_dir, tmp_path):
         result = run("route", "--model", tiny_model_dir, *args, "--out", tmp_path / "r")
         assert result.returncode == 2 and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_placement_verdict_on_synthetic_kls():
+    """12 samples; placement KLs = the route's + a shift + noise: clearly lower, clearly higher, or equal."""
+    from ripplekv.analysis.placement import placement_verdict
+
+    rng = np.random.default_rng(0)
+    route = rng.uniform(1.0, 2.0, size=12)
+    shifts = [-0.5] * 3 + [0.5] * 10 + [0.0] * 5
+    columns = [route] + [route + shift + rng.normal(0, 0.05, size=12) * (shift != 0) for shift in shifts]
+    kl = np.stack(columns, axis=1)
+    verdict = placement_verdict(kl)
+    assert verdict.verdict == ["route"] + ["better"] * 3 + ["worse"] * 10 + ["tie"] * 5
+    assert (verdict.better, verdict.worse, verdict.placements) == (3, 10, 18)
+    assert verdict.rank == 4 and verdict.rank_low == verdict.rank_high == 4  # the three better ones in every resample
+    summary = verdict.summary()
+    assert summary["rank_range_by_significance"] == [4, 9] and summary["share_worse"] == pytest.approx(10 / 18)
+    assert np.allclose(verdict.difference, kl.mean(0) - kl.mean(0)[0])
+    assert (verdict.low <= verdict.difference + 1e-12).all() and (verdict.difference <= verdict.high + 1e-12).all()
+    assert "route ranks 4 of 19" in verdict.line() and "3 of 18 placements significantly better" in verdict.line()
+    # A noisy placement whose mean sits near the route's gets an interval around 0 and a rank interval that spans it.
+    noise = rng.normal(0, 0.5, size=12)
+    noisy = np.stack([route, route + noise - noise.mean()], axis=1)
+    near = placement_verdict(noisy)
+    assert near.low[1] < 0 < near.high[1] and near.verdict[1] == "tie" and near.rank_low == 1 and near.rank_high == 2
+    # The same data and seed give the same verdict (the bootstrap is seeded).
+    again = placement_verdict(kl)
+    assert np.array_equal(again.low, verdict.low) and again.rank_low == verdict.rank_low

@@ -29,7 +29,8 @@ METHOD_FAMILIES = {
 PROTOCOLS = ("with-question", "context-only")  # `eval --protocol`, ripplekv.generate(protocol=)
 SUITES = ("offline", "longbench", "longbench-e")  # `--suite`
 DECODE_BUDGETS = ("prompt", "total")  # `eval --decode-budget`: what B counts (prompt entries, or prompt + decoded)
-SIGNALS = ("noise", "evict")  # `profile --signal`
+SIGNALS = ("noise", "evict", "infonce")  # `profile --signal`
+MEASURES = ("task-drop", "kl")  # `profile --signal evict --measure`: DepthKV's task-metric drop, or KL at probe tokens
 MAPS = ("exponential", "proportional")  # `allocate --map`
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # `--dtype`
 ROUGE_CHOICES = ("official", "rouge-score")  # `report/score --rouge`
@@ -40,3 +41,4 @@ FORMATS = ("table", "csv")  # `budgets --format`
 PROFILE_SEEDS = 1  # noise draws per calibration sample (`make reproduce` uses 2)
 PROFILE_ETA = 0.3  # noise scale relative to each value vector's RMS
 PROBE_TOKENS = 16  # final prompt tokens used as probes (profile and route)
+PRUNE_RATIO = 0.6  # `profile --measure task-drop`: the share of a layer's prompt entries pruned (DepthKV's headline)

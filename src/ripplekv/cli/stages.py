@@ -36,14 +36,27 @@ from ripplekv.cli.options import (
     seed_option,
     worker_settings,
 )
-from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES, EVICTION_METHOD, MAPS, PROFILE_ETA, PROFILE_SEEDS, SIGNALS
+from ripplekv.defaults import (
+    DEFAULT_ROUTE_CANDIDATES,
+    EVICTION_METHOD,
+    MAPS,
+    MEASURES,
+    PROFILE_ETA,
+    PROFILE_SEEDS,
+    PRUNE_RATIO,
+    SIGNALS,
+)
 from ripplekv.errors import UserError
 
 ProfileOut = out_option("Directory for sensitivity.csv, per_sample.csv, profile.json, sensitivity.png", DEFAULT_PROFILE)
 AllocationOut = out_option("Allocation CSV to write (layer,sensitivity,multiplier)", DEFAULT_ALLOCATION, "CSV")
 RouteOut = out_option("Directory for ROUTE.csv, preferences.csv, placements.csv, route.json and plots", DEFAULT_ROUTE)
 Signal = Annotated[Literal[SIGNALS], typer.Option(
-    "--signal", help="noise (RippleKV) or evict (DepthKV: evict one layer with --evict-method).")]
+    "--signal", help="noise (RippleKV), evict (DepthKV: prune one layer with --evict-method) or infonce "
+                     "(InfoNCE of each layer's pooled representations of two views of each prompt).")]
+Measure = Annotated[Literal[MEASURES], typer.Option(
+    "--measure", help="With --signal evict: task-drop (DepthKV as published: the drop in the task metric of the "
+                      "greedy answer) or kl (KL at the probe tokens).")]
 Mapping = Annotated[Literal[MAPS], typer.Option(
     "--map", help="exponential (RippleKV: ratio-bounded) or proportional (DepthKV: budgets proportional to sensitivity).")]
 RouteSeed = seed_option("the random placements")
@@ -62,6 +75,10 @@ def profile(
                                      help="Budget a layer is evicted to with --signal evict (the global ratio: the evaluation budget)."),
     evict_method: str = typer.Option(EVICTION_METHOD, "--evict-method", metavar="SPEC",
                                      help="Method whose selection evicts the layer with --signal evict (DepthKV: h2o)."),
+    measure: Measure = "task-drop",
+    prune_ratio: float | None = typer.Option(
+        None, "--prune-ratio", metavar="R", help=f"With --signal evict: prune this share of a layer's prompt entries "
+        f"(default {PRUNE_RATIO} with --measure task-drop, DepthKV's headline; with kl, --evict-budget unless given)."),
     probe_tokens: ProbeTokens = DEFAULT_PROBE_TOKENS,
     with_answer: WithAnswer = False,
     target_tokens: TargetTokens = TARGET_TOKENS,
@@ -71,7 +88,7 @@ def profile(
     workers: Workers = 1,
     ray_address: RayAddress = None,
 ) -> None:
-    """Measure each layer's sensitivity: perturb its value cache, KL at the output.
+    """Measure each layer's sensitivity: perturb or prune its cache, KL or task-score drop at the output.
 
     Rerunning the same command resumes an interrupted profile (finished samples are kept)."""
     from rich.console import Console
@@ -80,7 +97,11 @@ def profile(
     from ripplekv.methods.budgets import check_budget
     from ripplekv.pipeline.profile import ProfileSettings, profile_into
 
-    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size, evict_method)
+    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size, evict_method,
+                               measure, prune_ratio)
+    if signal == "evict" and measure == "task-drop" and with_answer:
+        raise UserError("--with-answer feeds the answer as probe tokens (a KL measure); the task-drop measure "
+                        "scores the model's own answer: drop --with-answer or pass --measure kl")
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     scale = worker_settings(workers, ray_address)
@@ -158,8 +179,10 @@ def route_command(
     calib_samples: CalibSamples = 8,
     placements: int = typer.Option(100, "--placements", metavar="N",
                                    help="Random placements (same method counts) to rank the route among; 0 skips."),
-    placement_samples: int = typer.Option(4, "--placement-samples", metavar="N",
-                                          help="Further calibration prompts (held out from the preferences) that score placements."),
+    placement_samples: int = typer.Option(8, "--placement-samples", metavar="N",
+                                          help="Further calibration prompts (held out from the preferences) that score "
+                                               "placements; each placement is compared with the route by a paired "
+                                               "bootstrap over them (at least 2 for an interval)."),
     max_share: list[str] = typer.Option([], "--max-share", help="Cap a method's share of layers: snapkv=0.5 (or 0.5 for all); repeatable."),
     probe_tokens: ProbeTokens = DEFAULT_PROBE_TOKENS,
     with_answer: WithAnswer = False,
@@ -217,6 +240,9 @@ def _route_locked(out, model, settings, calib_samples, placement_samples, placem
     counts = ", ".join(f"{label} x{count}" for label, count in meta["method_counts"].items())
     rank = meta["placement_rank"]
     console.print(f"route over {layers} layers: {counts}; wrote {out}/ROUTE.csv")
-    if rank is not None:
+    if meta.get("placement_summary"):
+        console.print(f"placement study (teacher-forced KL on {scored} held-out calibration prompts, B={budget}): "
+                      f"{meta['placement_summary']}")
+    elif rank is not None:
         console.print(f"placement study: route ranks {rank} of {meta['placements_scored'] + 1} "
-                      f"(teacher-forced KL on {scored} held-out calibration prompts, B={budget})")
+                      f"(teacher-forced KL on {scored} held-out calibration prompt, B={budget}; no interval from one)")

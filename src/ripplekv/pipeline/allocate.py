@@ -29,18 +29,29 @@ from ripplekv.runs.safeio import UnitLog, check_output, save_figure, write_csv, 
 
 
 def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
-    """kl_mean by layer from sensitivity.csv, checked against the model's layer count."""
+    """Sensitivity by layer from sensitivity.csv, checked against the model's layer count: its `sensitivity`
+    column when it has one (a task-drop or InfoNCE profile), else `kl_mean` (a KL profile)."""
     from ripplekv.methods.tables import read_numbers
 
-    values = np.asarray(read_numbers(path, "kl_mean", "sensitivity", "run `ripplekv profile --out DIR` first"))
+    column = "sensitivity" if "sensitivity" in _header(path) else "kl_mean"
+    values = np.asarray(read_numbers(path, column, "sensitivity", "run `ripplekv profile --out DIR` first"))
     if (values < 0).any():
-        raise UserError(f"sensitivity file {path} has negative kl_mean values; a KL divergence is never negative")
+        raise UserError(f"sensitivity file {path} has negative {column} values; a sensitivity is never negative")
     if num_layers is not None and len(values) != num_layers:
         raise UserError(
             f"sensitivity file {path} has {len(values)} layers but the model has {num_layers}; "
             "profile the same model you allocate for"
         )
     return values
+
+
+def _header(path: str | Path) -> list[str]:
+    """The column names of a CSV's first line ([] when it cannot be read: the strict reader then says why)."""
+    try:
+        with Path(path).open(encoding="utf-8-sig") as handle:
+            return [cell.strip() for cell in handle.readline().split(",")]
+    except (OSError, UnicodeDecodeError):
+        return []
 
 
 def check_ratio(ratio: float) -> float:

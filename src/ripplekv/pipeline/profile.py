@@ -1,15 +1,21 @@
-"""RippleKV sensitivity: how much does perturbing one layer's value cache move the model's output?
+"""Layer sensitivity: how much does changing one layer's cache move the model's output?
 
 For each calibration sample the prompt is split into a compressible context and the final probe tokens
 (the question; optionally the reference answer, teacher-forced). The context is prefilled once; then
 every layer's perturbed variant (plus the clean one) runs the probe tokens in one batch over the shared
 cache. Only the perturbed layer of each variant differs, stored as a per-variant override, so no K/V is
-copied. The signal is KL(p_clean || p_perturbed) of next-token distributions, averaged over probe positions.
+copied. The KL measure is KL(p_clean || p_perturbed) of next-token distributions, averaged over probe positions.
 
-Signals: `noise` adds norm-adaptive Gaussian noise to layer l's values, v + eta * ||v|| / sqrt(d) * eps;
-`evict` (DepthKV) evicts layer l alone down to `evict_budget` with `evict_method`'s selection (default
-`h2o`: DepthKV prunes with its own H2O-like pruner; `snapkv` was our earlier choice) while every other
-layer stays full. Set `--evict-budget` to the evaluation budget so the layer is pruned at the global ratio.
+Signals: `noise` (RippleKV) adds norm-adaptive Gaussian noise to layer l's values, v + eta * ||v|| / sqrt(d) * eps;
+`evict` (DepthKV) prunes layer l alone with `evict_method`'s selection (default `h2o`: DepthKV prunes with
+its own H2O-like pruner) while every other layer stays full, and measures (`measure`)
+- `task-drop` (the default, DepthKV as published, `pipeline.taskdrop`): the drop in the task metric of the
+  whole prompt's greedy answer, the layer pruned by `prune_ratio` (default 0.6, the paper's headline);
+- `kl`: the KL at the probe tokens, the layer evicted to `evict_budget` (or by `prune_ratio` when given).
+`infonce` (`pipeline.representation`) is the representation predictor: each layer's InfoNCE loss between
+two views of the calibration prompts; the allocation reads its normalised form (a lower bound on mutual
+information, clipped at 0) as the sensitivity. A new signal is one more entry in `signals.SAMPLE_MEASURES` (what
+one calibration sample gives) and, when it needs every sample at once, in `signals.FINISHERS`.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ripplekv.defaults import EVICTION_METHOD, PROBE_TOKENS, PROFILE_ETA, PROFILE_SEEDS, SIGNALS
+from ripplekv.defaults import EVICTION_METHOD, MEASURES, PROBE_TOKENS, PROFILE_ETA, PROFILE_SEEDS, PRUNE_RATIO, SIGNALS
 from ripplekv.engine.cache import VariantOverride
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.probe import ProbeRunner
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.pipeline.samples import check_calibration_window
+from ripplekv.pipeline.signals import FINISHERS, SAMPLE_MEASURES
 from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
@@ -50,12 +57,36 @@ class ProfileSettings:
     evict_budget: int = 128
     batch_size: int = 32
     evict_method: str = EVICTION_METHOD
+    measure: str = "task-drop"
+    prune_ratio: float | None = None  # evict: prune this share of a layer's prompt (None: evict to evict_budget)
+
+    @property
+    def kind(self) -> str:
+        """What one calibration sample measures: noise, evict-kl, evict-task-drop or infonce."""
+        return f"evict-{self.measure}" if self.signal == "evict" else self.signal
+
+    @property
+    def value_name(self) -> str:
+        """The name of the measured value in the tables: kl, drop or infonce (a loss)."""
+        return {"evict-task-drop": "drop", "infonce": "infonce"}.get(self.kind, "kl")
+
+    def ratio(self) -> float | None:
+        """The share of a layer pruned: `prune_ratio`, DepthKV's 0.6 for the task drop when none is given."""
+        return PRUNE_RATIO if self.prune_ratio is None and self.kind == "evict-task-drop" else self.prune_ratio
 
     def record(self) -> dict:
-        """The settings written to profile.json; a noise profile leaves out the evict pruner it never uses."""
+        """The settings written to profile.json; the noise and infonce profiles leave out the evict pruner they
+        never use, and a KL evict profile without a prune ratio is recorded as before the measure existed (so an
+        earlier profile resumes)."""
         settings = asdict(self)
-        if self.signal == "noise":
-            settings.pop("evict_method")
+        if self.signal != "evict":
+            for name in ("evict_method", "measure", "prune_ratio"):
+                settings.pop(name)
+        elif self.kind == "evict-kl" and self.prune_ratio is None:  # recorded as before the task drop existed
+            settings.pop("measure")
+            settings.pop("prune_ratio")
+        else:
+            settings["prune_ratio"] = self.ratio()
         return settings
 
     def evict_pruner(self):
@@ -67,6 +98,11 @@ class ProfileSettings:
             raise UserError(f"unknown signal {self.signal!r}; choose one of {', '.join(SIGNALS)}")
         if self.signal == "evict" and self.evict_pruner().is_full:
             raise UserError("--evict-method must be a compressing method (e.g. h2o or snapkv), not full")
+        if self.measure not in MEASURES:
+            raise UserError(f"unknown measure {self.measure!r}; choose one of {', '.join(MEASURES)}")
+        ratio = self.prune_ratio
+        if ratio is not None and not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and 0 < ratio < 1):
+            raise UserError(f"--prune-ratio must be a share in (0, 1) of a layer's prompt entries to prune, got {ratio}")
         if not math.isfinite(self.eta) or self.eta <= 0 or self.eta > MAX_ETA:
             raise UserError(f"--eta must be a number in (0, {MAX_ETA:g}] (noise relative to each value vector's RMS; "
                             f"0 would perturb nothing), got {self.eta}")
@@ -96,11 +132,19 @@ def profile_requirements(settings: ProfileSettings) -> Requirements:
     return needs.union(settings.evict_pruner().requirements()) if settings.signal == "evict" else needs
 
 
+def evict_count(settings: ProfileSettings, length: int) -> int:
+    """Entries per KV head an evicted layer keeps: by the prune ratio when there is one, else `evict_budget`."""
+    from ripplekv.pipeline.taskdrop import kept_count
+
+    ratio = settings.ratio()
+    return settings.evict_budget if ratio is None else kept_count(length, ratio)
+
+
 def layer_overrides(state, settings: ProfileSettings, seed: int, sample_index: int) -> list[VariantOverride]:
     """One override per layer: layer l's perturbation, to be applied in variant l."""
     overrides = []
     if settings.signal == "evict":
-        keep = settings.evict_pruner().select(state, settings.evict_budget)
+        keep = settings.evict_pruner().select(state, evict_count(settings, state.length))
     for layer in range(state.num_layers):
         if settings.signal == "noise":
             delta = noise_delta(state.values[layer], settings.eta, _generator(seed, sample_index, layer))
@@ -141,16 +185,25 @@ class Profile:
     extra: dict = field(default_factory=dict)
 
     def summary(self) -> pd.DataFrame:
-        data = self.per_sample
-        return pd.DataFrame(
+        """Per layer: the measured value's mean, std and median over samples (`kl_*`, `drop_*` or `infonce_*`);
+        a measure that is not a KL adds `sensitivity`, what `allocate` reads: the mean drop clipped at 0, or
+        InfoNCE's mutual-information bound clipped at 0 (higher: the layer matters more)."""
+        data, name = self.per_sample, self.settings.value_name
+        table = pd.DataFrame(
             {
                 "layer": np.arange(data.shape[1]),
-                "kl_mean": data.mean(0),
-                "kl_std": data.std(0, ddof=1) if data.shape[0] > 1 else np.zeros(data.shape[1]),
-                "kl_median": np.median(data, 0),
+                f"{name}_mean": data.mean(0),
+                f"{name}_std": data.std(0, ddof=1) if data.shape[0] > 1 else np.zeros(data.shape[1]),
+                f"{name}_median": np.median(data, 0),
                 "n_samples": data.shape[0],
             }
         )
+        if name == "drop":
+            table["sensitivity"] = np.maximum(data.mean(0), 0.0)
+        elif name == "infonce":
+            bound = np.asarray(self.extra.get("infonce_mi_bound", np.full(data.shape[1], np.nan)), dtype=float)
+            table["sensitivity"] = np.maximum(np.nan_to_num(bound, nan=0.0), 0.0)
+        return table
 
     def split_half_rho(self) -> float | None:
         """Spearman rho between the profiles of two disjoint halves (even / odd samples)."""
@@ -159,6 +212,8 @@ class Profile:
         if self.per_sample.shape[0] < 2:
             return None
         first, second = self.per_sample[0::2].mean(0), self.per_sample[1::2].mean(0)
+        if np.ptp(first) == 0 or np.ptp(second) == 0:  # a constant half (no drop anywhere) ranks nothing
+            return None
         rho = spearmanr(first, second).statistic
         return None if np.isnan(rho) else float(rho)
 
@@ -168,7 +223,7 @@ def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path)
     summary = profile.summary()
     write_csv(out / "sensitivity.csv", summary)
     rows = [
-        {"sample_id": sid, "seed": seed, "layer": layer, "kl": float(profile.per_seed[i, seed, layer])}
+        {"sample_id": sid, "seed": seed, "layer": layer, profile.settings.value_name: float(profile.per_seed[i, seed, layer])}
         for i, sid in enumerate(profile.sample_ids)
         for seed in range(profile.per_seed.shape[1])
         for layer in range(profile.per_seed.shape[2])
@@ -189,7 +244,7 @@ def write_profile(profile: Profile, prompts: list[CalibrationPrompt], out: Path)
 
 
 def plot_profile(summary: pd.DataFrame, meta: dict, path: Path, per_sample: np.ndarray | None = None) -> None:
-    """Mean KL per layer on a log axis; bars span the lowest to highest sample (mean +- std would
+    """Mean value per layer (KL on a log axis); bars span the lowest to highest sample (mean +- std would
     reach below zero, off a log axis)."""
     import matplotlib
 
@@ -197,19 +252,26 @@ def plot_profile(summary: pd.DataFrame, meta: dict, path: Path, per_sample: np.n
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    mean = summary["kl_mean"].to_numpy()
+    name = next(column[: -len("_mean")] for column in summary.columns if column.endswith("_mean"))
+    mean = summary[f"{name}_mean"].to_numpy()
     bars = None
     if per_sample is not None and per_sample.shape[0] > 1:
         bars = np.vstack([mean - per_sample.min(0), per_sample.max(0) - mean])
     ax.errorbar(summary["layer"], mean, yerr=bars, marker="o", ms=3, capsize=2,
                 label="mean" + (" (bars: lowest to highest sample)" if bars is not None else ""))
-    ax.set_yscale("log")
+    if name == "kl":
+        ax.set_yscale("log")
     ax.set_xlabel("layer")
-    ax.set_ylabel("KL(clean || perturbed)")
+    ax.set_ylabel({"kl": "KL(clean || perturbed)", "drop": "task score drop (full - one layer pruned)",
+                   "infonce": "InfoNCE loss (two views)"}[name])
     ax.legend(fontsize=8)
     rho = meta.get("split_half_spearman")
     rho_text = f", split-half rho {rho:.2f}" if rho is not None else ""
-    ax.set_title(f"{meta['model']}: {meta['signal']} sensitivity, eta={meta['eta']}, {meta['calibration_ids'].__len__()} samples{rho_text}", fontsize=9)
+    what = f"eta={meta['eta']}" if meta["signal"] == "noise" else meta.get("measure", "")
+    if meta.get("prune_ratio") is not None:
+        what += f", {meta['prune_ratio']:.0%} pruned"
+    ax.set_title(f"{meta['model']}: {meta['signal']} sensitivity, {what}, {len(meta['calibration_ids'])} samples{rho_text}",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
@@ -217,9 +279,10 @@ def plot_profile(summary: pd.DataFrame, meta: dict, path: Path, per_sample: np.n
 
 
 def profile_unit(settings: ProfileSettings, loaded: tuple, unit: tuple[int, CalibrationPrompt]) -> np.ndarray:
-    """One unit of work: KL per (seed, layer) of calibration prompt number `index` (its noise seeds follow the index)."""
-    (model, _), (index, prompt) = loaded, unit
-    return profile_prompt(model, prompt, settings, index)
+    """One unit of work: calibration prompt number `index`'s value (KL per (seed, layer) for the KL measures;
+    its noise seeds follow the index)."""
+    (model, tokenizer), (index, prompt) = loaded, unit
+    return SAMPLE_MEASURES[settings.kind](model, tokenizer, prompt, settings, index)
 
 
 def worker_runner(spec: str | None, device: str, dtype: str, settings: ProfileSettings, workers):
@@ -261,6 +324,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     from ripplekv.engine.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
 
     settings.check()
+    if settings.kind == "infonce" and calib_samples < 2:
+        raise UserError("--signal infonce contrasts prompts with each other: pass --calib-samples 2 or more")
     device, dtype = resolve_device_dtype(device, dtype)
     source = resolve_model(model_spec)
     check_profile_dir(out, inputs=[source.location] if source.kind == "gguf" else [])
@@ -280,8 +345,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
             if workers is not None and workers.uses_ray:
                 results = worker_runner(model_spec, device, dtype, settings, workers)(todo)
             else:
-                model, _, _ = load_model(model_spec, device=device, dtype=dtype)
-                results = ((unit, profile_unit(settings, (model, None), unit)) for unit in todo)
+                model, loaded_tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
+                results = ((unit, profile_unit(settings, (model, loaded_tokenizer), unit)) for unit in todo)
             context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
             with context, closing(results):
                 for (index, prompt), kl in results:
@@ -289,6 +354,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
                     if advance is not None:
                         advance(index)
         stacked = np.array([log.done[p.sample_id] for p in prompts], dtype=np.float64)
+        finish = FINISHERS.get(settings.kind)
+        stacked, extra = finish(stacked) if finish else (stacked, {})
         profile = Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, source.label,
-                          extra={"device": device, "dtype": dtype, **runtime_info(device)})
+                          extra={**extra, "device": device, "dtype": dtype, **runtime_info(device)})
         return len(prompts), write_profile(profile, prompts, out)

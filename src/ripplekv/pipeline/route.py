@@ -14,7 +14,10 @@ Placement study: random assignments with the same method counts as the route (pe
 scored by teacher-forced KL along the full cache's greedy answer at budget B, every placement batched
 from one prefill per prompt. The route's rank among them asks whether the profile put each method in the
 right layers, not only picked a good mix. Placements are scored on calibration samples held out from
-the preferences, so the rank is not measured on the data the route was chosen on.
+the preferences, so the rank is not measured on the data the route was chosen on. Each placement is
+compared with the route by a paired bootstrap over those samples (`analysis.placement`): placements.csv
+gives every placement's difference to the route with its interval and verdict, route.json the route's
+rank with its intervals and the shares of placements significantly better and worse.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ripplekv.analysis.placement import placement_verdict
 from ripplekv.analysis.plots import pyplot
 from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES, PROBE_TOKENS
 from ripplekv.engine import entries
@@ -202,6 +206,13 @@ class RouteResult:
         mean = self.placement_kl.mean(0)
         return 1 + int((mean[1:] < mean[0]).sum())
 
+    def verdict(self):
+        """The paired-bootstrap comparison of every placement with the route (None under 2 samples: one
+        sample has no spread to resample)."""
+        if self.rank() is None or self.placement_kl.shape[0] < 2:
+            return None
+        return placement_verdict(self.placement_kl, self.placement_ids)
+
 
 def run_route(model, preference_prompts, placement_prompts, settings: RouteSettings, progress=None) -> RouteResult:
     """Preferences on `preference_prompts`, the route, then the placement study on `placement_prompts`."""
@@ -311,16 +322,26 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
     for index, label in enumerate(result.labels):
         route[f"kl_{label}"] = mean[:, index]
     write_csv(out / "ROUTE.csv", route, float_format="%.8g")
-    rank = result.rank()
+    rank, verdict = result.rank(), result.verdict()
     if result.assignments:
         placements = pd.DataFrame({
             "placement": np.arange(len(result.assignments)),
             "is_route": [True] + [False] * (len(result.assignments) - 1),
             "kl": result.placement_kl.mean(0),
             "agreement": result.placement_agreement.mean(0),
-            "methods": [";".join(a) for a in result.assignments],
         })
+        if verdict is not None:
+            placements = placements.assign(kl_minus_route=verdict.difference, diff_low=verdict.low,
+                                           diff_high=verdict.high, p_value=verdict.p, verdict=verdict.verdict)
+        placements["methods"] = [";".join(a) for a in result.assignments]
         write_csv(out / "placements.csv", placements, float_format="%.8g")
+        count = len(result.assignments)
+        write_csv(out / "placements_per_sample.csv", pd.DataFrame({
+            "sample_id": np.repeat(result.placement_ids, count),
+            "placement": np.tile(np.arange(count), len(result.placement_ids)),
+            "kl": result.placement_kl.reshape(-1),
+            "agreement": result.placement_agreement.reshape(-1),
+        }), float_format="%.8g")
         plot_placements(placements, rank, out / "placements.png")
     counts = {label: result.route.count(label) for label in result.labels}
     meta = {
@@ -334,6 +355,8 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
         "placement_ids": result.placement_ids,
         "placement_rank": rank,
         "placements_scored": max(len(result.assignments) - 1, 0),
+        "placement_study": verdict.summary() if verdict is not None else None,
+        "placement_summary": verdict.line() if verdict is not None else None,
     }
     write_text(out / "route.json", json.dumps(meta, indent=2) + "\n")
     plot_preferences(mean, result.labels, result.route, out / "preferences.png")

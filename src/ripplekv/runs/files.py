@@ -44,7 +44,8 @@ OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.
 EVAL_FILES = (PREDICTIONS, CONFIG, *REPORT_FILES)
 SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
 PROFILE_FILES = ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png", SAMPLES_LOG)
-ROUTE_FILES = ("ROUTE.csv", "preferences.csv", "preferences_per_sample.csv", "placements.csv", "route.json",
+ROUTE_FILES = ("ROUTE.csv", "preferences.csv", "preferences_per_sample.csv", "placements.csv",
+               "placements_per_sample.csv", "route.json",
                "preferences.png", "ROUTE.png", "placements.png")
 INSPECT_FILES = ("kept.npz", "kept.png")
 RUNS = {  # kind: (how it is named to the user, marker files, every file it writes)

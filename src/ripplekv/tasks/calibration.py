@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,11 +15,15 @@ from ripplekv.errors import UserError
 
 @dataclass
 class CalibrationPrompt:
-    """One calibration sample: its id, the context to compress, and the probe tokens after it."""
+    """One calibration sample: its id, the context to compress, and the probe tokens after it; from the offline
+    suite also its task's name and gold answers, so a measure can score the model's answer (DepthKV's task drop)."""
 
     sample_id: str
     context: list[int]
     probe: list[int]
+    task: str | None = None
+    answers: list[str] = field(default_factory=list)
+    all_classes: list[str] | None = None
 
 
 def split_prompt(sample_id: str, prompt_ids: list[int], probe_tokens: int, answer_ids=None) -> CalibrationPrompt:
@@ -71,5 +75,8 @@ def calibration_prompts(
                 record = records[index]
                 ids = build_prompt_ids(task, record, tokenizer, max_length)
                 answer = tokenizer(record["answers"][0], add_special_tokens=False).input_ids if with_answer else None
-                prompts.append(split_prompt(record["_id"], ids, probe_tokens, answer))
+                prompt = split_prompt(record["_id"], ids, probe_tokens, answer)
+                prompt.task, prompt.answers = task.name, list(record["answers"])
+                prompt.all_classes = list(record["all_classes"]) if record.get("all_classes") else None
+                prompts.append(prompt)
     return prompts
