@@ -48,13 +48,23 @@ class LayerTokens:
     def sums(self, idx, nid, nodes: int) -> Sums:
         """Sums of nodes `nid` over tokens `idx` as [1, nodes] (the layout `prototypes` takes)."""
         def add(x):
-            out = torch.zeros((nodes, *x.shape[1:]), device=x.device, dtype=x.dtype)
-            return out.index_add_(0, nid, x)[None]
+            return segment_sum(nid, x, nodes)[None]
 
         keys, unrot, values, rel = self.keys[idx], self.unrotated[idx], self.values[idx], self.relevance[idx]
         ones = torch.ones(len(idx), device=keys.device)
         return Sums(add(ones), add(keys), add(unrot), add(unrot.norm(dim=-1)), add(self.positions[idx].float()),
                     add(rel), add(values), add(rel[:, None] * values))
+
+
+def segment_sum(nid: torch.Tensor, x: torch.Tensor, nodes: int) -> torch.Tensor:
+    """Sums of the rows of `x` [A] or [A, k] by node `nid` [A], as a sparse (nodes x A) one-hot product
+    (several times faster on a CPU than index_add_ or scatter_add_ over rows)."""
+    flat = x if x.dim() == 2 else x[:, None]
+    rows = torch.stack([nid, torch.arange(len(nid), device=nid.device)])
+    ones = torch.sparse_coo_tensor(rows, torch.ones(len(nid), device=x.device, dtype=x.dtype), (nodes, len(nid)),
+                                   is_coalesced=True, check_invariants=False)
+    out = torch.sparse.mm(ones, flat) if len(nid) else torch.zeros(nodes, flat.shape[1], device=x.device, dtype=x.dtype)
+    return out if x.dim() == 2 else out[:, 0]
 
 
 @dataclass
@@ -79,12 +89,12 @@ def node_costs(lay: LayerTokens, idx, nid, nodes: int, rope, beta: float):
     logits = logits.gather(1, head[:, None, None].expand(-1, 1, queries))[:, 0] * lay.scaling
     proto_mass = torch.exp(logits - lay.shift[head] + proto.log_weights[0][:, None])
     attn = lay.attn[idx]
-    true_mass = torch.zeros(nodes, queries, device=idx.device).index_add_(0, nid, attn)
+    true_mass = segment_sum(nid, attn, nodes)
     mass_error = ((proto_mass - true_mass).abs() / true_mass.clamp(min=TINY)).clamp(max=LARGE)
     values = lay.values[idx]
     far = (values - proto.values[0][nid]).norm(dim=-1)
-    spread = torch.zeros(nodes, queries, device=idx.device).index_add_(0, nid, attn * far[:, None])
-    scale = torch.zeros(nodes, queries, device=idx.device).index_add_(0, nid, attn * values.norm(dim=-1)[:, None])
+    spread = segment_sum(nid, attn * far[:, None], nodes)
+    scale = segment_sum(nid, attn * values.norm(dim=-1)[:, None], nodes)
     output_error = (spread / scale.clamp(min=TINY)).clamp(max=LARGE)
     distortion = torch.where(count > 1, (mass_error + output_error).mean(-1) * 0.5, torch.zeros_like(count))
     return count, relevance, lay.omega[head] * relevance * distortion, head
@@ -164,5 +174,5 @@ def grow(lay: LayerTokens, roots: torch.Tensor, num_roots: int, opts, rope) -> t
         level.gain, level.kind = gain.tolist(), kind.tolist()
         idx, nid = aidx, 2 * children[anid] + side.long()
         nodes = 2 * int(multi.sum())
-        count = torch.zeros(nodes, device=idx.device).index_add_(0, nid, torch.ones(len(idx), device=idx.device))
+        count = segment_sum(nid, torch.ones(len(idx), device=idx.device), nodes)
         cost = next_cost if next_cost is not None else torch.zeros(nodes, device=idx.device)
