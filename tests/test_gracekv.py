@@ -340,3 +340,17 @@ def test_eval_runs_gracekv_and_records_its_prompt_dependent_counts(tiny_model_di
     counts = np.array(grace["head_budgets"])
     assert counts.shape == (4, 2) and counts.sum() == 4 * 2 * 48 and len(np.unique(counts)) > 1
     check_fidelity(rows)
+
+
+def test_inspect_reports_the_split_kinds_gracekv_used(tiny_model_dir, tmp_path, run_cli):
+    import json
+
+    out = tmp_path / "inspect"
+    code, printed, err = run_cli("inspect", "--model", str(tiny_model_dir), "--suite", "offline", "--task", "niah",
+                                 "--index", "0", "--method", "gracekv", "--budget", "48", "--target-tokens", "400",
+                                 "--out", str(out))
+    assert code == 0, err
+    kept = np.load(out / "kept.npz")
+    build = json.loads(str(kept["meta"]))["build"]
+    assert build["splits"]["bisect"] > 0 and build["splits"]["pull"] > 0
+    assert int(kept["counts"].sum()) == 4 * 2 * 48

@@ -24,6 +24,19 @@ from ripplekv.methods.gracekv_split import BISECT, MIDDLE, PULL, LayerTokens, Le
 from ripplekv.methods.gracekv_trees import RopeTable, prototypes
 
 
+def all_tokens(state: PrefillState, sinks: int, window: int, relevance, omega, boundary, rope) -> LayerTokens:
+    """Every layer's compressible tokens side by side (unit = layer x H_kv + head), so one tree-growing pass
+    serves all layers: the build holds every layer's probe exp-logits at once (L x H_kv x n x g x w floats)."""
+    parts = [layer_tokens(state, layer, sinks, window, relevance[layer], omega[layer], boundary, rope)
+             for layer in range(state.num_layers)]
+    per = parts[0].keys.shape[0]
+    units = torch.cat([part.head + layer * state.num_kv_heads for layer, part in enumerate(parts)])
+    return LayerTokens(*(torch.cat([getattr(part, name) for part in parts]) for name in
+                         ("keys", "unrotated", "values", "positions")), units,
+                       *(torch.cat([getattr(part, name) for part in parts]) for name in
+                         ("relevance", "boundary", "attn", "queries", "shift", "omega")), state.scaling) if per else parts[0]
+
+
 def layer_tokens(state: PrefillState, layer: int, sinks: int, window: int, relevance, omega, boundary, rope) -> LayerTokens:
     n, heads = state.length, state.num_kv_heads
     keys = state.keys[layer].float()[:, sinks : n - window]  # [H, P, d]
@@ -59,22 +72,22 @@ def build(state: PrefillState, budget: int, opts, rope: RopeTable, sinks: int, w
     in_floor[order] = True
     in_floor = in_floor.reshape(layers, heads * width)
     actions = layers * heads * spare - floor
-    forests = []
-    for layer in range(layers):
-        lay = layer_tokens(state, layer, sinks, window, relevance[layer], omega[layer], boundary, rope)
-        roots = (slot[None] + num_slots * torch.arange(heads, device=slot.device)[:, None]).reshape(-1)
-        forests.append(Forest(lay, roots.masked_fill(in_floor[layer], -1), heads * num_slots, opts, rope))
-    popped = greedy(forests, actions)
-    built, counts, kinds = [], np.zeros((layers, heads), dtype=np.int64), {"bisect": 0, "pull": 0, "middle": 0}
+    tokens = all_tokens(state, sinks, window, relevance, omega, boundary, rope)
+    units = torch.arange(layers * heads, device=slot.device)[:, None]
+    roots = (slot[None] + num_slots * units).reshape(-1).masked_fill(in_floor.reshape(-1), -1)
+    forest = Forest(tokens, roots, layers * heads * num_slots, opts, rope)
+    popped = greedy([forest], actions)
+    kinds = {"bisect": 0, "pull": 0, "middle": 0}
     names = {BISECT: "bisect", PULL: "pull", MIDDLE: "middle"}
-    for layer, forest in enumerate(forests):
-        for levels, _, split in forest.batches:
-            for level, gone in zip(levels, split):
-                for i in np.nonzero(gone)[0]:
-                    kinds[names[level.kind[i]]] += 1
-        layer_built = layer_entries(state, layer, forest, in_floor[layer], sinks, window, opts.beta, rope)
-        built.append(layer_built)
-        counts[layer] = layer_built.counts.cpu().numpy()
+    for levels, _, split in forest.batches:
+        for level, gone in zip(levels, split):
+            for i in np.nonzero(gone)[0]:
+                kinds[names[level.kind[i]]] += 1
+    entry = kept_nodes(forest, in_floor.reshape(-1))
+    span = heads * width
+    built = [layer_entries(state, layer, tokens, entry, layer * span, span, sinks, window, opts.beta, rope)
+             for layer in range(layers)]
+    counts = np.stack([layer_built.counts.cpu().numpy() for layer_built in built]).astype(np.int64)
     lengths = torch.bincount(slot).cpu().numpy() if width else np.zeros(1, dtype=np.int64)
     notes = {"slots": num_slots, "slot_lengths": [int(lengths.min()), int(np.median(lengths)), int(lengths.max())],
              "floor": floor, "roots_added": popped, "splits": kinds}
@@ -113,7 +126,7 @@ class Forest:
                              [np.zeros(len(level.count), dtype=bool) for level in levels]))
 
 
-BATCH = 64  # slots priced together at least
+BATCH = 256  # slots priced together at least
 
 
 def greedy(forests: list[Forest], actions: int) -> int:
@@ -150,13 +163,11 @@ def greedy(forests: list[Forest], actions: int) -> int:
     return roots
 
 
-def layer_entries(state, layer: int, forest: Forest, in_floor, sinks: int, window: int, beta: float,
-                  rope) -> entries.LayerEntries:
-    """Sinks, floor, the kept (present, not split) nodes and the window, in position order per head."""
-    n, heads = state.length, state.num_kv_heads
-    lay = forest.lay
-    device = lay.keys.device
-    entry = torch.full((lay.keys.shape[0],), -1, dtype=torch.long, device=device)
+def kept_nodes(forest: Forest, in_floor: torch.Tensor) -> torch.Tensor:
+    """Per token, the id of the entry it goes to (a kept node: present and not split, or a floor token);
+    -1 for tokens of slots never added."""
+    device = forest.lay.keys.device
+    entry = torch.full((forest.lay.keys.shape[0],), -1, dtype=torch.long, device=device)
     offset = 0
     for levels, present, split in forest.batches:
         for level, here, gone in zip(levels, present, split):
@@ -165,11 +176,21 @@ def layer_entries(state, layer: int, forest: Forest, in_floor, sinks: int, windo
             entry[level.idx[mask]] = offset + level.nid[mask]
             offset += len(level.count)
     entry[in_floor] = offset + torch.arange(int(in_floor.sum()), device=device)  # floor tokens: one node each
-    used = entry >= 0
-    ids, nid = torch.unique(entry[used], return_inverse=True)
-    idx = torch.nonzero(used)[:, 0]
-    nodes = prototypes(rope, lay.sums(idx, nid, len(ids)), beta)
-    node_head = torch.zeros(len(ids), dtype=torch.long, device=device).index_put_((nid,), lay.head[idx])
+    return entry
+
+
+def layer_entries(state, layer: int, tokens: LayerTokens, entry, start: int, span: int, sinks: int, window: int,
+                  beta: float, rope) -> entries.LayerEntries:
+    """Sinks, floor, the kept nodes and the window of one layer (its tokens start..start + span), in
+    position order per head."""
+    n, heads = state.length, state.num_kv_heads
+    device = tokens.keys.device
+    mine = entry[start : start + span]
+    used = mine >= 0
+    ids, nid = torch.unique(mine[used], return_inverse=True)
+    idx = torch.nonzero(used)[:, 0] + start
+    nodes = prototypes(rope, tokens.sums(idx, nid, len(ids)), beta)
+    node_head = torch.zeros(len(ids), dtype=torch.long, device=device).index_put_((nid,), tokens.head[idx] - layer * heads)
     keys, values = state.keys[layer], state.values[layer]
     ends = torch.cat([torch.arange(sinks, device=device), torch.arange(n - window, n, device=device)])
     head = torch.cat([node_head, torch.arange(heads, device=device).repeat_interleave(len(ends))])

@@ -30,30 +30,36 @@ BISECT, PULL, MIDDLE = 0, 1, 2
 
 @dataclass
 class LayerTokens:
-    """One layer's compressible tokens, flat over heads (index h x P + p)."""
+    """Compressible tokens, flat over units (index unit x P + p; one layer's heads, or every layer's)."""
 
     keys: torch.Tensor  # [T, d] float32, rotated
     unrotated: torch.Tensor  # [T, d]
     values: torch.Tensor  # [T, d]
     positions: torch.Tensor  # [T] long, prompt positions
-    head: torch.Tensor  # [T] long
+    head: torch.Tensor  # [T] long: the token's unit (layer x H_kv + KV head)
     relevance: torch.Tensor  # [T]
     boundary: torch.Tensor  # [T] boundary score at the token's position
     attn: torch.Tensor  # [T, Q] probe exp-logits, shifted per (head, query)
-    queries: torch.Tensor  # [H, Q, d]
-    shift: torch.Tensor  # [H, Q]
-    omega: torch.Tensor  # [H]
+    queries: torch.Tensor  # [U, Q, d] per unit
+    shift: torch.Tensor  # [U, Q]
+    omega: torch.Tensor  # [U]
     scaling: float
 
-    def sums(self, idx, nid, nodes: int) -> Sums:
-        """Sums of nodes `nid` over tokens `idx` as [1, nodes] (the layout `prototypes` takes)."""
-        def add(x):
-            return segment_sum(nid, x, nodes)[None]
-
+    def sums(self, idx, nid, nodes: int, exact_keys: bool = True) -> Sums:
+        """Sums of nodes `nid` over tokens `idx` as [1, nodes] (the layout `prototypes` takes), in one product.
+        Without `exact_keys` the rotated keys are not summed (a one-token node's key is then wrong: pricing
+        never reads it, since a single token has no distortion)."""
         keys, unrot, values, rel = self.keys[idx], self.unrotated[idx], self.values[idx], self.relevance[idx]
-        ones = torch.ones(len(idx), device=keys.device)
-        return Sums(add(ones), add(keys), add(unrot), add(unrot.norm(dim=-1)), add(self.positions[idx].float()),
-                    add(rel), add(values), add(rel[:, None] * values))
+        ones = torch.ones(len(idx), 1, device=keys.device)
+        scalars = torch.cat([ones, unrot.norm(dim=-1, keepdim=True), self.positions[idx, None].float(), rel[:, None]], 1)
+        vectors = [keys, unrot, values, rel[:, None] * values] if exact_keys else [unrot, values, rel[:, None] * values]
+        total = segment_sum(nid, torch.cat([scalars, *vectors], 1), nodes)[None]
+        d = keys.shape[1]
+        count, norms, positions, relevance = total[..., 0], total[..., 1], total[..., 2], total[..., 3]
+        parts = [total[..., 4 + i * d : 4 + (i + 1) * d] for i in range(len(vectors))]
+        if not exact_keys:
+            parts = [parts[0], *parts]
+        return Sums(count, parts[0], parts[1], norms, positions, relevance, parts[2], parts[3])
 
 
 def segment_sum(nid: torch.Tensor, x: torch.Tensor, nodes: int) -> torch.Tensor:
@@ -80,21 +86,24 @@ class Level:
 
 def node_costs(lay: LayerTokens, idx, nid, nodes: int, rope, beta: float):
     """(count [N], relevance [N], E [N], head [N]) of nodes `nid` over tokens `idx`."""
-    sums = lay.sums(idx, nid, nodes)
+    sums = lay.sums(idx, nid, nodes, exact_keys=False)
     proto = prototypes(rope, sums, beta)
     count, relevance = sums.count[0], sums.relevance[0]
     head = torch.zeros(nodes, dtype=torch.long, device=idx.device).index_put_((nid,), lay.head[idx])
-    heads, queries = lay.queries.shape[0], lay.queries.shape[1]
-    logits = (proto.keys[0] @ lay.queries.reshape(heads * queries, -1).T).view(nodes, heads, queries)
-    logits = logits.gather(1, head[:, None, None].expand(-1, 1, queries))[:, 0] * lay.scaling
+    queries = lay.queries.shape[1]
+    order = torch.argsort(head, stable=True)  # each node against its own unit's probe queries, unit by unit
+    sizes = torch.bincount(head, minlength=lay.queries.shape[0]).tolist()
+    blocks = torch.split(proto.keys[0][order], sizes)
+    logits = torch.empty(nodes, queries, device=idx.device)
+    logits[order] = torch.cat([block @ lay.queries[u].T for u, block in enumerate(blocks) if len(block)])
+    logits = logits * lay.scaling
     proto_mass = torch.exp(logits - lay.shift[head] + proto.log_weights[0][:, None])
     attn = lay.attn[idx]
-    true_mass = segment_sum(nid, attn, nodes)
-    mass_error = ((proto_mass - true_mass).abs() / true_mass.clamp(min=TINY)).clamp(max=LARGE)
     values = lay.values[idx]
     far = (values - proto.values[0][nid]).norm(dim=-1)
-    spread = segment_sum(nid, attn * far[:, None], nodes)
-    scale = segment_sum(nid, attn * values.norm(dim=-1)[:, None], nodes)
+    masses = segment_sum(nid, torch.cat([attn, attn * far[:, None], attn * values.norm(dim=-1)[:, None]], 1), nodes)
+    true_mass, spread, scale = masses[:, :queries], masses[:, queries : 2 * queries], masses[:, 2 * queries :]
+    mass_error = ((proto_mass - true_mass).abs() / true_mass.clamp(min=TINY)).clamp(max=LARGE)
     output_error = (spread / scale.clamp(min=TINY)).clamp(max=LARGE)
     distortion = torch.where(count > 1, (mass_error + output_error).mean(-1) * 0.5, torch.zeros_like(count))
     return count, relevance, lay.omega[head] * relevance * distortion, head

@@ -55,7 +55,7 @@ class GraceKVOptions:
     mix: float = 0.5
     seeds: int = 8
     hops: int = 1
-    depth: int = 16
+    depth: int = 10
     ends: str = "charged"
 
     def __post_init__(self):
