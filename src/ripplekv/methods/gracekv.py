@@ -1,4 +1,9 @@
-"""GraceKV (our reading): prototype trees of every (layer, KV head, slot) compete for one global budget.
+"""GraceKV: prototype trees of every (layer, KV head, slot) compete for one global budget.
+
+Two forms share this Method. The default (`slots=curvature`) is the published one, built in
+`methods.gracekv_global` (slots from `gracekv_slots`, relevance and head weights from `gracekv_signals`, trees
+with two split kinds from `gracekv_split`). `slots=fixed` is our earlier reading, described below and built
+here with `methods.gracekv_trees`:
 
 The compressible prompt of each (layer, KV head) (all but `sinks` first tokens and the `window` last ones)
 loses its `singletons` share of exact top-scored tokens first; the rest is cut into slots of at most
