@@ -354,3 +354,19 @@ def test_inspect_reports_the_split_kinds_gracekv_used(tiny_model_dir, tmp_path, 
     build = json.loads(str(kept["meta"]))["build"]
     assert build["splits"]["bisect"] > 0 and build["splits"]["pull"] > 0
     assert int(kept["counts"].sum()) == 4 * 2 * 48
+
+
+def test_lazy_pricing_keeps_the_order_of_pricing_every_tree_first(monkeypatch):
+    """Slot trees are grown in batches when the heap first adds their root; one batch of every slot gives
+    the same entries, so laziness only saves work."""
+    from ripplekv.methods import gracekv_global
+
+    state = fake_state(2, 400, kv_heads=2, query_heads=4)
+    built = {}
+    for batch in (1, 10**9):
+        monkeypatch.setattr(gracekv_global, "BATCH", batch)
+        state.scores.clear()
+        built[batch] = make_method("gracekv:min_slot=8:slot=16:max_slot=32").compress(state, 60)
+    for lazy, eager in zip(built[1], built[10**9]):
+        assert torch.equal(lazy.positions, eager.positions) and torch.equal(lazy.keys, eager.keys)
+        assert torch.equal(lazy.log_weights, eager.log_weights)
