@@ -1,4 +1,5 @@
-"""GraceKV: RoPE alignment, exact prototypes, the global greedy's order, exact totals, full cache at B >= n."""
+"""GraceKV: RoPE alignment, exact prototypes, the global greedy's order, exact totals, full cache at B >= n;
+the published form's slot DP (against brute force), curvature and both split kinds."""
 
 import heapq
 import math
@@ -15,6 +16,7 @@ from ripplekv.engine.prefill import prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.methods.gracekv import greedy_order
+from ripplekv.methods.gracekv_slots import curvature, robust_z, segment, segment_value
 from ripplekv.methods.gracekv_trees import RopeTable, distortion, summarize, unrotate
 from tests.conftest import check_fidelity, tiny_llama
 from tests.test_budgets import fake_state
@@ -135,7 +137,27 @@ def test_greedy_order_with_wide_gain_ranges_matches_the_heap():
 )
 def test_totals_are_exact_for_any_budget(num_layers, kv_heads, length, budget, slot, singletons):
     state = fake_state(num_layers, length, kv_heads=kv_heads, query_heads=2 * kv_heads)
-    method = make_method(f"gracekv:slot={slot}:singletons={singletons}")
+    method = make_method(f"gracekv:slots=fixed:slot={slot}:singletons={singletons}")
+    check_exact_totals(state, method, budget)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_layers=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    length=st.integers(1, 200),
+    budget=st.integers(1, 220),
+    singletons=st.sampled_from([0.0, 0.2, 1.0]),
+    depth=st.sampled_from([1, 16]),
+)
+def test_published_totals_are_exact_for_any_budget(num_layers, kv_heads, length, budget, singletons, depth):
+    state = fake_state(num_layers, length, kv_heads=kv_heads, query_heads=2 * kv_heads)
+    method = make_method(f"gracekv:singletons={singletons}:depth={depth}:min_slot=4:slot=8:max_slot=16")
+    check_exact_totals(state, method, budget)
+
+
+def check_exact_totals(state, method, budget):
+    num_layers, kv_heads, length = state.num_layers, state.num_kv_heads, state.length
     counts = method.budgets(state, budget)
     built = method.compress(state, budget)
     kept = torch.stack([layer.counts for layer in built])
@@ -175,6 +197,13 @@ def test_prototypes_span_a_slot_and_spend_the_budget_across_heads(tiny_model):
     built = method.compress(state, 64)
     merged = sum(int((layer.log_weights > 0).sum()) for layer in built)
     assert merged > 0
+    # The published form uses both split kinds on a real prefill, and cuts slots of several lengths.
+    notes = method.build_notes(state, 64)
+    assert notes["splits"]["bisect"] > 0 and notes["splits"]["pull"] > 0
+    assert 16 <= notes["slot_lengths"][0] < notes["slot_lengths"][2] <= 128
+    fixed = make_method("gracekv:slots=fixed")
+    assert fixed.budgets(state, 64).sum() == counts.sum()
+    assert fixed.build_notes(state, 64)["splits"]["pull"] == 0
 
 
 def test_deterministic():
@@ -192,7 +221,11 @@ def test_deterministic():
 def test_bad_options_and_swapped_components_are_one_line_errors():
     state = fake_state(1, 200)
     for spec, message in (
-        ("gracekv:slot=48", "power of two"),
+        ("gracekv:slots=fixed:slot=48", "power of two"),
+        ("gracekv:slots=wavy", "curvature or fixed"),
+        ("gracekv:min_slot=80", "min_slot <= slot"),
+        ("gracekv:slots=fixed:ends=free", "needs slots=curvature"),
+        ("gracekv:widths=2/0.5", "positive integers"),
         ("gracekv:singletons=2", "share"),
         ("gracekv:sinks=-1", "non-negative"),
     ):
@@ -206,6 +239,60 @@ def test_bad_options_and_swapped_components_are_one_line_errors():
     with pytest.raises(UserError, match="unknown allocator 'gracekv'"):
         make_method("snapkv:allocator=gracekv")
     assert make_method("gracekv:window=16").budgets(state, 40).sum() == 2 * 40  # one layer, two KV heads
+    assert make_method("gracekv:slot=48").budgets(state, 40).sum() == 2 * 40  # any target in min_slot..max_slot
+
+
+def test_free_ends_keep_sinks_and_window_beside_the_budget():
+    state = fake_state(2, 300)
+    method = make_method("gracekv:ends=free")
+    assert method.budgets(state, 40).sum() == 2 * 2 * (40 + 32 + 4)
+    assert make_method("gracekv:ends=free").budgets(state, 264).sum() == 2 * 2 * 300  # all of it: the full cache
+
+
+def brute_force(scores, lo, hi, target, shape):
+    """The best objective over every cut of len(scores) tokens into slots of lo..hi tokens."""
+    best = -math.inf
+
+    def walk(start, starts):
+        nonlocal best
+        if start == len(scores):
+            best = max(best, segment_value(scores, starts, target, shape))
+            return
+        for length in range(lo, hi + 1):
+            if start + length <= len(scores):
+                walk(start + length, [*starts, start])
+
+    walk(0, [])
+    return best
+
+
+@settings(max_examples=80, deadline=None)
+@given(m=st.integers(3, 16), lo=st.integers(1, 3), extra=st.integers(0, 3), shape=st.sampled_from([0.0, 0.7, 3.0]),
+       seed=st.integers(0, 10_000))
+def test_slot_dp_matches_brute_force(m, lo, extra, shape, seed):
+    hi = 2 * lo - 1 + extra
+    target = (lo + hi) // 2
+    scores = np.random.default_rng(seed).normal(size=m)
+    starts = segment(scores, lo, hi, target, shape)
+    if m <= lo:
+        assert starts == [0]
+        return
+    ends = [*starts[1:], m]
+    assert starts[0] == 0 and all(lo <= e - s <= hi for s, e in zip(starts, ends))
+    assert segment_value(scores, starts, target, shape) == pytest.approx(brute_force(scores, lo, hi, target, shape), abs=1e-9)
+
+
+def test_curvature_peaks_where_the_trajectory_turns():
+    # Straight along x for 12 steps, then straight along y: a right-angle turn at token 12.
+    steps = torch.cat([torch.tensor([[1.0, 0.0]]).expand(12, -1), torch.tensor([[0.0, 1.0]]).expand(12, -1)])
+    trajectory = torch.cat([torch.zeros(1, 2), steps.cumsum(0)])
+    for width in (2, 4):
+        kappa = curvature(trajectory, width)
+        assert int(kappa.argmax()) == 12 and kappa[12] > 0.5
+        assert torch.allclose(kappa[width : 12 - width + 1], torch.zeros(13 - 2 * width), atol=1e-6)
+        assert bool((kappa[:width] == 0).all())  # no window there
+    z = robust_z(torch.tensor([0.0, 1.0, 2.0, 3.0, 100.0]))
+    assert z[2] == 0 and z[4] > 10
 
 
 def test_distortion_matches_a_direct_computation():
@@ -253,3 +340,33 @@ def test_eval_runs_gracekv_and_records_its_prompt_dependent_counts(tiny_model_di
     counts = np.array(grace["head_budgets"])
     assert counts.shape == (4, 2) and counts.sum() == 4 * 2 * 48 and len(np.unique(counts)) > 1
     check_fidelity(rows)
+
+
+def test_inspect_reports_the_split_kinds_gracekv_used(tiny_model_dir, tmp_path, run_cli):
+    import json
+
+    out = tmp_path / "inspect"
+    code, printed, err = run_cli("inspect", "--model", str(tiny_model_dir), "--suite", "offline", "--task", "niah",
+                                 "--index", "0", "--method", "gracekv", "--budget", "48", "--target-tokens", "400",
+                                 "--out", str(out))
+    assert code == 0, err
+    kept = np.load(out / "kept.npz")
+    build = json.loads(str(kept["meta"]))["build"]
+    assert build["splits"]["bisect"] > 0 and build["splits"]["pull"] > 0
+    assert int(kept["counts"].sum()) == 4 * 2 * 48
+
+
+def test_lazy_pricing_keeps_the_order_of_pricing_every_tree_first(monkeypatch):
+    """Slot trees are grown in batches when the heap first adds their root; one batch of every slot gives
+    the same entries, so laziness only saves work."""
+    from ripplekv.methods import gracekv_global
+
+    state = fake_state(2, 400, kv_heads=2, query_heads=4)
+    built = {}
+    for batch in (1, 10**9):
+        monkeypatch.setattr(gracekv_global, "BATCH", batch)
+        state.scores.clear()
+        built[batch] = make_method("gracekv:min_slot=8:slot=16:max_slot=32").compress(state, 60)
+    for lazy, eager in zip(built[1], built[10**9]):
+        assert torch.equal(lazy.positions, eager.positions) and torch.equal(lazy.keys, eager.keys)
+        assert torch.equal(lazy.log_weights, eager.log_weights)

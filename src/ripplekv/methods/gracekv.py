@@ -1,4 +1,9 @@
-"""GraceKV (our reading): prototype trees of every (layer, KV head, slot) compete for one global budget.
+"""GraceKV: prototype trees of every (layer, KV head, slot) compete for one global budget.
+
+Two forms share this Method. The default (`slots=curvature`) is the published one, built in
+`methods.gracekv_global` (slots from `gracekv_slots`, relevance and head weights from `gracekv_signals`, trees
+with two split kinds from `gracekv_split`). `slots=fixed` is our earlier reading, described below and built
+here with `methods.gracekv_trees`:
 
 The compressible prompt of each (layer, KV head) (all but `sinks` first tokens and the `window` last ones)
 loses its `singletons` share of exact top-scored tokens first; the rest is cut into slots of at most
@@ -33,6 +38,7 @@ import torch
 from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
+from ripplekv.methods import gracekv_global as published
 from ripplekv.methods.base import options_of
 from ripplekv.methods.budgets import check_budget
 from ripplekv.methods.gracekv_trees import (
@@ -87,6 +93,11 @@ class GraceKV:
     def compress(self, state, budget):
         return build(state, budget, self.options).entries
 
+    def build_notes(self, state, budget) -> dict | None:
+        """What the build for this prompt and budget did: slots, floor and splits of each kind (None when
+        nothing was merged: B >= n or B below sinks + window)."""
+        return build(state, budget, self.options).notes
+
 # --------------------------------------------------------------------------- the global greedy
 
 
@@ -136,6 +147,7 @@ def greedy_order(levels: list[torch.Tensor]) -> torch.Tensor:
 class Build:
     counts: np.ndarray  # [L, H_kv] entries per (layer, head)
     entries: list[entries.LayerEntries]
+    notes: dict | None = None  # what the build did (slots, floor, splits of each kind), for `ripplekv inspect`
 
 
 def build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
@@ -149,10 +161,11 @@ def build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
 
 def _build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
     layers, heads, n = state.num_layers, state.num_kv_heads, state.length
-    if n <= budget:
+    free = min(opts.window, n) + min(opts.sinks, n - min(opts.window, n)) if opts.ends == "free" else 0
+    if n <= budget + free:  # under ends=free, sinks and window beside the budget
         return Build(np.full((layers, heads), n, dtype=np.int64), [state.full_entries(l) for l in range(layers)])
     plan = layout(n, budget, opts, layers * heads)
-    if plan is None:  # B < sinks + window: the window's last entries, then the first sinks
+    if plan is None and opts.ends == "charged":  # B < sinks + window: the window's last entries, then the first sinks
         mask = torch.zeros(heads, n, dtype=torch.bool, device=state.device)
         window = min(opts.window, budget)
         mask[:, n - window :] = True
@@ -162,6 +175,10 @@ def _build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
     if state.model is None:
         raise UserError("gracekv needs the model's RoPE: build its entries from a prefill of the model")
     rope = RopeTable(state.model, n, state.keys[0].float())
+    if opts.slots == "curvature":
+        window = min(opts.window, n)
+        counts, built, notes = published.build(state, budget, opts, rope, min(opts.sinks, n - window), window)
+        return Build(counts, built, notes)
     gains = [layer_gains(state, layer, plan, opts, rope) for layer in range(layers)]
     levels = [torch.stack([g[a] for g in gains]).reshape(layers * heads * plan.slots, -1) for a in range(len(gains[0]))]
     order = greedy_order(levels)[: plan.actions]
@@ -172,7 +189,9 @@ def _build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
     wins = sum(part.sum(-1) for part in chosen)
     counts = (wins + plan.window + plan.sinks + plan.singles).cpu().numpy().astype(np.int64)
     built = [layer_entries(state, layer, plan, opts, rope, [part[layer] for part in chosen]) for layer in range(layers)]
-    return Build(counts, built)
+    return Build(counts, built, {"slots": plan.slots, "slot_lengths": [plan.slot] * 3, "floor": plan.singles * layers * heads,
+                                 "roots_added": int(chosen[0].sum()),
+                                 "splits": {"bisect": int(sum(part.sum() for part in chosen[1:])), "pull": 0, "middle": 0}})
 
 
 def layer_entries(state, layer: int, plan: Layout, opts: GraceKVOptions, rope: RopeTable,

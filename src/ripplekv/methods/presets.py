@@ -71,8 +71,8 @@ preset("cake", "cake", "snapkv", "CAKE: layer budgets from window attention's en
 preset("depthkv", "file", "h2o", "DepthKV: budgets proportional to eviction sensitivity (--allocation), H2O scores")
 preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--route), uniform budgets")
 preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
-preset("gracekv", None, None, "GraceKV (our reading): prototype trees of every layer, head and slot "
-       "compete for one global budget", own=GraceKV)
+preset("gracekv", None, None, "GraceKV as published: curvature-cut slots, a singleton floor, prototype trees "
+       "split by bisection or pull-out, one global heap (gracekv:slots=fixed: our earlier fixed-slot reading)", own=GraceKV)
 preset("criticalkv", "uniform", "criticalkv", "CriticalKV: SnapKV attention x ||v W_o||_1 in two stages (kvpress CriticalKVPress)")
 preset("criticaladakv", "adakv", "criticalkv", "CriticalAdaKV: AdaKV's head split by SnapKV scores, CriticalKV's "
        "two-stage selection (kvpress CriticalAdaKVPress)")

@@ -36,6 +36,7 @@ def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: 
     loaded, _, source = load_model(model, device=device, dtype=dtype)
     state = prefill_for(loaded, ids, Requirements.of_all([chosen]))
     built = chosen.compress(state, budget)
+    notes = chosen.build_notes(state, budget) if hasattr(chosen, "build_notes") else None  # e.g. GraceKV's split kinds
     decoded = None
     if decode_budget == "total":
         decoded, built = decode_held(loaded, tokenizer, state, chosen, budget, built, prompt.task, compress_every)
@@ -43,6 +44,8 @@ def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: 
     needles = answer_positions(ids, tokenizer, answers, question)
     meta = {"method": chosen.label, "spec": chosen.describe(), "budget": budget, "prompt_tokens": state.length,
             "question_start": question, "answer_positions": needles, "sample": label, "model": source.label}
+    if notes:
+        meta["build"] = notes
     if decoded is not None:  # absent under prompt budgets: those files stay as before the option
         meta.update(decode_budget=decode_budget, compress_every=compress_every, decoded_tokens=decoded)
     buffer = io.BytesIO()  # np.savez would add .npz to a temporary name: write the bytes ourselves
@@ -53,6 +56,8 @@ def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: 
     slots = len(needles) * arrays["counts"].size
     title = (f"{source.label}: {chosen.label} at B={budget} on {label} ({state.length} tokens, "
              f"{int(arrays['counts'].sum())} entries); answer tokens kept in {kept_needles} of {slots} (token, layer, head) slots")
+    if notes:
+        title += "; " + ", ".join(f"{key} {value}" for key, value in notes.items())
     if decoded is not None:
         title += f"; held after decoding {decoded} tokens under a total budget (decoded entries not drawn)"
     plot_kept(folder / "kept.png", arrays, state.length, question, needles, title)
