@@ -94,14 +94,17 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_cache_shape(self) -> int:  # the same question under its older name (abstract in transformers 5.2)
         return -1
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep (or reorder, or repeat) the variants in `indices`: finished variants leave the batch."""
+    def batch_select_indices(self, indices: torch.Tensor, in_place: bool = False) -> None:
+        """Keep (or reorder, or repeat) the variants in `indices`: finished variants leave the batch.
+
+        `in_place`: `indices` only drop variants (increasing), and this layer owns its prompt entries, so their
+        rows move down in place instead of being copied (no second copy of the largest tensors)."""
         index = torch.as_tensor(indices, dtype=torch.long, device=self.prompt_keys.device)
         if self.prompt_keys.shape[0] > 1:
-            self.prompt_keys = self.prompt_keys.index_select(0, index)
-            self.prompt_values = self.prompt_values.index_select(0, index)
+            self.prompt_keys = _keep_rows(self.prompt_keys, index, in_place)
+            self.prompt_values = _keep_rows(self.prompt_values, index, in_place)
         if self.prompt_bias is not None and self.prompt_bias.shape[0] > 1:
-            self.prompt_bias = self.prompt_bias.index_select(0, index)
+            self.prompt_bias = _keep_rows(self.prompt_bias, index, in_place)
         if self.keys is not None:
             self.keys = self.keys.index_select(0, index)
             self.values = self.values.index_select(0, index)
@@ -144,8 +147,11 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.num_variants = num_variants
 
-    def select_variants(self, index: torch.Tensor) -> None:
-        self.batch_select_indices(index)
+    def select_variants(self, index: torch.Tensor, in_place: bool = False) -> None:
+        """Keep the variants `index`; `in_place` as `CompressedLayer.batch_select_indices` says."""
+        for layer in self.layers:
+            layer.batch_select_indices(index, in_place)
+        self.num_variants = len(index)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append decoded tokens, and hand this cache to our attention function.
@@ -235,6 +241,18 @@ def _put(slot: list, row: int, entry: LayerEntries) -> None:
     if slot[3] is not None:
         slot[3][row, :, : entry.capacity] = 0.0 if bias is None else bias
         slot[3][row, :, entry.capacity :] = float("-inf")
+
+
+def _keep_rows(tensor: torch.Tensor, index: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """Rows `index` of `tensor`: copied, or (`in_place`, `index` increasing) moved down within it."""
+    if not in_place:
+        return tensor.index_select(0, index)
+    for target, source in enumerate(index.tolist()):
+        if source < target:
+            raise ValueError("an in-place selection keeps variants in order")
+        if source != target:
+            tensor[target].copy_(tensor[source])
+    return tensor[: len(index)]
 
 
 def _unsqueeze(bias):

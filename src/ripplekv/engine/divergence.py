@@ -111,8 +111,8 @@ def decode_by_divergence(
             visible[len(prefix) + split :] = float("-inf")
             hidden.append(visible)
         if keep:
-            if len(keep) < len(picked):
-                cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device))
+            if len(keep) < len(picked):  # the group's cache is its own: rows move down, never copied
+                cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device), in_place=True)
             mask = torch.stack(hidden)
             for layer in cache.layers:
                 layer.hidden = mask
@@ -158,7 +158,7 @@ def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> No
             if not active:
                 break
             index = torch.tensor(still, dtype=torch.long, device=device)
-            cache.select_variants(index)
+            cache.select_variants(index, in_place=True)
             positions = positions.index_select(0, index)
         positions = positions + 1
 
