@@ -1,67 +1,128 @@
-"""Peak memory of the engine on a random-weight model shaped like Llama-3-8B (few layers), on any device.
+"""Peak memory of `ripplekv eval`'s sample loop under --memory-budget, at two prompt lengths.
 
-One prefill of a long random prompt, every method x budget built as entries, all variants decoded
-together for a few tokens. Peak memory is the CUDA allocator's peak on a GPU, the process's peak RSS on
-a CPU. The last line is `memory peak X GiB (weights Y GiB) for L layers, n tokens, V variants`.
+A random-weight model with Llama-3.1-8B's attention geometry (32 query / 8 KV heads, head dim 128; few
+layers, a small MLP), one offline-suite prompt per length, and 89 variants at B=2048 through the real
+`evaluate_sample` (divergence decoding): SnapKV, PyramidKV and AdaKV in many window/kernel/pooling forms,
+DefensiveKV, Layer-DefensiveKV (a global split), CAKE and more, plus RippleKV with an allocation that keeps
+layer 0 whole. Each length runs in a fresh process. Peak = the process's resident high-water mark (VmHWM,
+reset at the sample's start, as the prediction line's `peak_memory_bytes`) less the resident size before the
+model existed (interpreter and libraries); "not weights" also less the weights' bytes. It prints, per length,
+what building every variant at once would hold (their padded entries alone), `peak/bound`, and last the
+16k/8k ratio of everything but the weights.
 
-    python scripts/bench_memory.py --device cuda [--layers 4] [--tokens 8000]
+    PYTHONPATH=src python scripts/bench_memory.py [--tokens 8192,16384] [--memory-budget 3GiB] [--layers 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import dataclasses
+import json
+import subprocess
+import sys
 import time
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from ripplekv.engine.decode import greedy_decode
-from ripplekv.engine.models import resolve_device_dtype
-from ripplekv.engine.prefill import prefill
-from ripplekv.methods import make_method
-
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
+BUDGET = 2048
 
 
-def peak_gib(device: str) -> float:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(torch.device(device)) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+def specs() -> list[str]:
+    """88 method specs at one budget (head splits, a global split, many scorer settings)."""
+    chosen = []
+    for window in (16, 32, 64):
+        for kernel in (1, 3, 5, 7):
+            for pooling in ("max", "avg"):
+                chosen.append(f"snapkv:window={window}:kernel={kernel}:pooling={pooling}")
+        for kernel in (1, 3, 5, 7):
+            for pooling in ("max", "avg"):
+                chosen.append(f"adakv:window={window}:kernel={kernel}:pooling={pooling}")
+        for kernel in (1, 5, 7):
+            chosen.append(f"pyramidkv:window={window}:kernel={kernel}")
+            chosen.append(f"pyramidkv:window={window}:kernel={kernel}:split=adakv")
+        chosen += [f"defensivekv:window={window}", f"layer-defensivekv:window={window}", f"cake:window={window}",
+                   f"criticalkv:window={window}", f"criticaladakv:window={window}"]
+    chosen += ["streamingllm", "random", "tova", "knorm", "keydiff", "snapkv", "uniform"]
+    return chosen
+
+
+def one_length(args) -> dict:
+    """Run one sample at `args.one` tokens in this process; returns the measured figures."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ripplekv.engine.memory import format_bytes, parse_bytes, resident_peak, tensor_bytes
+    from ripplekv.engine.models import load_tokenizer
+    from ripplekv.methods import make_method
+    from ripplekv.pipeline.evaluate import evaluate_sample
+    from ripplekv.tasks import get_tasks, load_samples
+
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer()
+    task = dataclasses.replace(get_tasks("offline", ["niah"])[0], max_new_tokens=args.new_tokens)
+    record = load_samples(task, tokenizer, limit=1, target_tokens=args.one)[0]
+    base = resident_peak()  # interpreter, libraries and the tokenizer: before any weight exists
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=4 * args.one, rope_theta=500000.0)
+    model = LlamaForCausalLM(config).eval()
+    weights = tensor_bytes(model)
+    allocation = f"/tmp/bench_memory_whole_{args.layers}.csv"
+    with open(allocation, "w", encoding="ascii") as fh:
+        fh.write("layer,multiplier\n" + "".join(f"{i},{10.0 if i == 0 else 1.0}\n" for i in range(args.layers)))
+    labels = specs()
+    methods = {"full": make_method("full"), **{label: make_method(label) for label in labels}}
+    methods["ripplekv"] = make_method("ripplekv", shared={"allocation": allocation})
+    whole = int(0.6 * args.one)  # with layer 0 weighted 10x, it is clamped at the prompt: kept whole
+    variants = [(label, BUDGET) for label in labels] + [("ripplekv", whole)]
+    bound = parse_bytes(args.memory_budget)
+    started = time.perf_counter()
+    rows = evaluate_sample(model, tokenizer, task, record, methods, (BUDGET, whole), sid="bench", max_length=4 * args.one,
+                           variants=variants, memory_budget=bound)
+    seconds = time.perf_counter() - started
+    entry = config.num_key_value_heads * 2 * 128 * 4
+    at_once = sum(entry * sum(max(h) for h in row.get("head_budgets", [[b] * 8 for b in row["layer_budgets"]]))
+                  for row in rows if row["method"] != "full")
+    kept_whole = [r for r in rows if r["method"] == "ripplekv"][0]["layer_budgets"][0] == rows[0]["compressed_tokens"]
+    peak = rows[0]["peak_memory_bytes"] - base
+    figures = {"tokens": rows[0]["prompt_tokens"], "variants": len(rows) - 1, "peak": peak, "bound": bound,
+               "not_weights": peak - weights, "weights": weights, "all_at_once": at_once, "seconds": seconds,
+               "layer_kept_whole": kept_whole}
+    print(f"  {figures['tokens']} tokens, {figures['variants']} variants (one keeps layer 0 whole: {kept_whole}): "
+          f"peak {format_bytes(peak)} of --memory-budget {format_bytes(bound)} (peak/bound {peak / bound:.3f}); "
+          f"weights {format_bytes(weights)}; building all variants at once: {format_bytes(at_once)} of entries; "
+          f"{seconds:.0f} s", file=sys.stderr)
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=8000)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=None, help="override the hidden size (a CPU smoke run)")
+    parser.add_argument("--tokens", default="8192,16384")
+    parser.add_argument("--memory-budget", default="3GiB")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child process: one length
     args = parser.parse_args()
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    shape = dict(LLAMA3_8B, num_hidden_layers=args.layers)
-    if args.hidden:
-        shape.update(hidden_size=args.hidden, intermediate_size=args.hidden * 3, vocab_size=32000)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**shape)).to(getattr(torch, dtype)).eval()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    ids = torch.randint(0, shape["vocab_size"], (args.tokens,), generator=torch.Generator().manual_seed(1))
-    start = time.perf_counter()
-    state = prefill(model, ids)
-    methods = [make_method(n) for n in ("snapkv", "pyramidkv", "streamingllm", "adakv")]
-    variants = [m.compress(state, b) for m in methods for b in (128, 256, 512, 1024)]
-    greedy_decode(model, state, None, args.new_tokens, num_variants=1)
-    greedy_decode(model, state, variants, args.new_tokens)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    print(f"{device} {dtype}: {args.layers} layers x {shape['num_key_value_heads']} KV heads, {args.tokens} tokens, "
-          f"{len(variants)} variants + full, {args.new_tokens} new tokens each, {elapsed:.1f} s")
-    print(f"memory peak {peak_gib(device):.2f} GiB (weights {weights:.2f} GiB) for {args.layers} layers, "
-          f"{args.tokens} tokens, {len(variants) + 1} variants")
+    if args.one is not None:
+        print(json.dumps(one_length(args)))
+        return
+    results = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        command = [sys.executable, __file__, "--one", str(tokens), "--memory-budget", args.memory_budget,
+                   "--layers", str(args.layers), "--hidden", str(args.hidden), "--new-tokens", str(args.new_tokens),
+                   "--threads", str(args.threads)]
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for one in results:
+        print(f"{one['tokens']} tokens: peak/bound {one['peak'] / one['bound']:.3f} "
+              f"({one['peak'] / 2**30:.2f} / {one['bound'] / 2**30:.2f} GiB; all variants at once would hold "
+              f"{one['all_at_once'] / 2**30:.2f} GiB of entries)")
+    if len(results) >= 2:
+        ratio = results[-1]["not_weights"] / results[0]["not_weights"]
+        print(f"not-weights ratio {results[-1]['tokens']}/{results[0]['tokens']} tokens: {ratio:.2f} "
+              f"({'PASS' if ratio <= 2.1 and all(r['peak'] <= r['bound'] for r in results) else 'FAIL'}: "
+              "peak under the bound, ratio at most 2.1)")
 
 
 if __name__ == "__main__":

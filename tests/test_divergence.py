@@ -60,8 +60,12 @@ def test_a_small_memory_bound_splits_the_batch_without_changing_tokens(tmp_path)
     assert split.tokens == whole.tokens == greedy_decode(tiny_model, state, built, 10)
 
 
-def test_decoding_groups_split_off_long_caches_when_padding_costs_more_than_a_forward():
-    from ripplekv.engine.divergence import decoding_groups
+def test_groups_split_off_long_caches_when_padding_costs_more_than_a_forward():
+    from ripplekv.engine.memory import plan_groups
+
+    def decoding_groups(lengths, remaining, each, fixed, memory_bytes, most=None):
+        return plan_groups(lengths, remaining, lambda k, padded: k * (sum(e * p for e, p in zip(each, padded)) + fixed),
+                           memory_bytes, most)
 
     layers, short, long = 30, 64, 2000
     lengths = [[short] * layers] * 10 + [[long] * layers] * 2
@@ -76,6 +80,9 @@ def test_decoding_groups_split_off_long_caches_when_padding_costs_more_than_a_fo
     capped = decoding_groups([[short] * layers] * 12, remaining, [1] * layers, 0, memory_bytes=short * layers * 5)
     assert max(len(g) for g in capped) <= 5 and sum(len(g) for g in capped) == 12
     assert decoding_groups([[long] * layers] * 3, [30] * 3, [1] * layers, 0, memory_bytes=1) == [[0], [1], [2]]
+    # ... and a count cap (--batch-size).
+    most = decoding_groups([[short] * layers] * 12, remaining, [1] * layers, 0, 2**40, most=5)
+    assert max(len(g) for g in most) <= 5 and sorted(i for g in most for i in g) == list(range(12))
 
 
 def test_entry_bytes_is_what_one_more_kept_entry_adds_to_a_variant(tiny_model, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -59,7 +60,9 @@ def base_run(tmp_path_factory, eval_args) -> Path:
 
 
 def lines(run: Path) -> list[str]:
-    return (run / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+    """The run's lines without their measured peak memory (the one field that differs between equal runs)."""
+    text = (run / "predictions.jsonl").read_text(encoding="utf-8")
+    return re.sub(r', "peak_memory_bytes": \d+', "", text).splitlines()
 
 
 def rows(run: Path) -> list[dict]:
@@ -176,6 +179,19 @@ def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_pa
     assert lines(out) == lines(base_run) and (out / "config.json").read_text() == config
     for name in CSVS:
         assert (out / name).read_text() == (base_run / name).read_text()
+
+
+def test_a_memory_budget_no_variant_fits_stops_in_one_line_and_loses_nothing(base_run, eval_args, tmp_path, run_cli):
+    """Growing a run by a budget under a --memory-budget too small for any variant: a UserError naming the
+    variant and what to raise, before it decodes; the lines already written stay as they were."""
+    out = copy_run(base_run, tmp_path / "run")
+    before = (out / "predictions.jsonl").read_bytes()
+    code, _, err = run_cli(*eval_args(out, "--budget", "48", "--memory-budget", "1MB"))
+    assert code == 2 and "Traceback" not in err
+    assert "at budget 48 needs" in err and "raise --memory-budget to at least" in err
+    assert (out / "predictions.jsonl").read_bytes() == before
+    code, _, err = run_cli(*eval_args(tmp_path / "other", "--memory-budget", "lots"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--memory-budget must be a size with a unit" in err
 
 
 def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path, tokenizer, run_cli):

@@ -254,13 +254,14 @@ def generate(model, tokenizer, context: str, question: str | None = None,
              methods: str | Sequence[str] = ("snapkv", "ripplekv"), budgets: int | Sequence[int] = (128,), *,
              max_new_tokens: int = 64, protocol: str = "with-question", answers: Sequence[str] | None = None,
              score_as: str = "squad", chat: bool = True, allocation: str | None = None, batch_size: int = 16,
-             **options) -> list[Answer]:
+             memory_budget: str | int | None = None, **options) -> list[Answer]:
     """Answers of `full` and every (method, budget) from ONE prefill, decoded together, as eval does.
 
     The prompt is the context, then the question (in the chat template unless `chat=False`).
     `protocol="context-only"` compresses the context alone and reads the question through each compressed
     cache (a cache reused across questions); the default compresses the whole prompt. Each answer says
     how many entries it kept and its KL/agreement to the full cache's answer; with `answers`, its score.
+    `memory_budget` ('40GiB', '500MB' or bytes) bounds what the sample holds, as eval's --memory-budget.
     """
     from ripplekv.methods.budgets import check_budget
     from ripplekv.pipeline.eval_plan import PROTOCOLS, parse_budgets, parse_names
@@ -277,6 +278,9 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     batch_size = positive_integer(batch_size, "batch_size")
     if answers is not None and (isinstance(answers, str) or not all(isinstance(a, str) for a in answers)):
         raise UserError("answers must be a list of strings (the gold answers), e.g. ['Paris']")
+    from ripplekv.engine.memory import parse_bytes
+
+    limit = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
     specs = parse_names(methods, "--methods")
     if isinstance(budgets, (Integral, str)):
         budgets = [budgets]
@@ -291,7 +295,7 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     task = _text_task(question, max_new_tokens, score_as, chat)
     record = {"_id": "text", "context": context, "input": question or "", "answers": list(answers or [])}
     rows = evaluate_sample(model, tokenizer, task, record, built, chosen_budgets, sid="text", max_length=NO_TRUNCATION,
-                           batch_size=batch_size, protocol=protocol)
+                           batch_size=batch_size, protocol=protocol, memory_budget=limit)
     return [Answer(row["method"], row["budget"], row["prediction"], row["new_tokens"], row["kept_entries"],
                    row["layer_budgets"], row["kl"], row["agreement"], row["score"] if answers else None)
             for row in rows]

@@ -29,6 +29,7 @@ from ripplekv.cli.options import (
     Dtype,
     Kernel,
     MaxLength,
+    MemoryBudget,
     Model,
     Pooling,
     Protocol,
@@ -73,7 +74,7 @@ def eval_command(
     data_dir: DataDir = None,
     target_tokens: TargetTokens = TARGET_TOKENS,
     max_length: MaxLength = MAX_LENGTH,
-    batch_size: int = typer.Option(16, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); decoding after a variant's divergence batches running variants of similar kept length, within a memory bound."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); variants of similar kept length go together, within --memory-budget; after its divergence a variant decodes on in its group."),
     window: Window = None,
     kernel: Kernel = None,
     pooling: Pooling = None,
@@ -81,6 +82,7 @@ def eval_command(
     protocol: Protocol = "with-question",
     decode_budget: DecodeBudget = "prompt",
     compress_every: CompressEvery = None,
+    memory_budget: MemoryBudget = None,
     seed: EvalSeed = 0,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -91,6 +93,7 @@ def eval_command(
     from rich.console import Console
 
     from ripplekv.analysis import summary
+    from ripplekv.engine.memory import parse_bytes
     from ripplekv.pipeline import eval_plan, evaluate
     from ripplekv.tasks.registry import default_suite
 
@@ -124,6 +127,7 @@ def eval_command(
         seed=seed,
         decode_budget=decode_budget,
         compress_every=compress_every,
+        memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
     )
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
                                workers=worker_settings(workers, ray_address))

@@ -186,3 +186,8 @@ COMPRESS_EVERY_HELP = ("With --decode-budget total: the SnapKV-scored methods sc
 DecodeBudgetChoice = Literal[DECODE_BUDGETS]
 DecodeBudget = Annotated[DecodeBudgetChoice, typer.Option("--decode-budget", help=DECODE_BUDGET_HELP)]
 CompressEvery = Annotated[int | None, typer.Option("--compress-every", metavar="N", help=COMPRESS_EVERY_HELP)]
+MemoryBudget = Annotated[str | None, typer.Option(
+    "--memory-budget", metavar="SIZE",
+    help="Bytes a sample may hold, e.g. 40GiB or 500MB: the variants decoded together (built when their group "
+         "decodes) are sized by a byte model to fit beside the weights and the prefill. Default: most of the free "
+         "GPU memory, or of the available RAM. Never changes results.")]

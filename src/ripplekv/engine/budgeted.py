@@ -17,26 +17,36 @@ import torch
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import Fidelity, Reference, forward_tokens, kl_per_variant
 from ripplekv.engine.evict import DecodePolicy, attach, per_variant
+from ripplekv.engine.memory import DEFAULT_GROUP_BYTES, LazyVariants, StepCosts, plan_groups
 from ripplekv.engine.prefill import PrefillState
 
 
-def decode_in_budget(model, state: PrefillState, variants: list, policy: DecodePolicy | list[DecodePolicy],
+def decode_in_budget(model, state: PrefillState, variants, policy: DecodePolicy | list[DecodePolicy],
                      caps: list[np.ndarray], reference: Reference, max_new_tokens: int, stop_ids: Iterable[int] = (),
-                     batch_size: int = 16) -> tuple[list[list[int]], list[Fidelity]]:
+                     batch_size: int = 16, memory_bytes: int | None = None) -> tuple[list[list[int]], list[Fidelity]]:
     """Greedy tokens and fidelity of variants held at their capacities `caps[v]` [L, H].
 
-    `policy`: one for all, or variant v's at v (several methods decode in one batch). Each variant runs twice in
-    the same batch, one row decoding greedily and one fed the full answer (its fidelity), `batch_size`
-    variants at a time; both evict exactly as decoding alone would."""
-    policies = per_variant(policy, len(variants))
-    tokens: list[list[int]] = []
-    quality: list[Fidelity] = []
-    for start in range(0, len(variants), batch_size):
-        part = slice(start, start + batch_size)
-        got, fid = _decode_and_force(model, state, variants[part], policies[part], caps[part], reference,
-                                     max_new_tokens, set(int(t) for t in stop_ids))
-        tokens.extend(got)
-        quality.extend(fid)
+    `variants`: built entries per variant, or `LazyVariants` (built when their batch runs). `policy`: one for
+    all, or variant v's at v (several methods decode in one batch). Each variant runs twice in the same batch,
+    one row decoding greedily and one fed the full answer (its fidelity), at most `batch_size` variants of
+    similar length at a time, under `memory_bytes` (`memory.plan_groups`: both rows' caches and the built
+    entries they were copied from); both evict exactly as decoding alone would."""
+    source = LazyVariants.of(variants)
+    policies = per_variant(policy, len(source))
+    tokens: list = [None] * len(source)
+    quality: list = [None] * len(source)
+    costs = StepCosts.of(model, state)
+    held = max_new_tokens + len(reference.tokens)
+    groups = plan_groups(source.lengths, [max_new_tokens] * len(source),
+                         lambda size, padded: costs.group(2 * size, padded, 1, held) + size * sum(padded) * costs.entry,
+                         memory_bytes or DEFAULT_GROUP_BYTES, most=batch_size)
+    for picked in groups:
+        built = [source.build(i) for i in picked]
+        got, fid = _decode_and_force(model, state, built, [policies[i] for i in picked], [caps[i] for i in picked],
+                                     reference, max_new_tokens, set(int(t) for t in stop_ids))
+        del built
+        for i, one, measured in zip(picked, got, fid):
+            tokens[i], quality[i] = one, measured
     return tokens, quality
 
 

@@ -94,14 +94,17 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_cache_shape(self) -> int:  # the same question under its older name (abstract in transformers 5.2)
         return -1
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep (or reorder, or repeat) the variants in `indices`: finished variants leave the batch."""
+    def batch_select_indices(self, indices: torch.Tensor, in_place: bool = False) -> None:
+        """Keep (or reorder, or repeat) the variants in `indices`: finished variants leave the batch.
+
+        `in_place`: `indices` only drop variants (increasing), and this layer owns its prompt entries, so their
+        rows move down in place instead of being copied (no second copy of the largest tensors)."""
         index = torch.as_tensor(indices, dtype=torch.long, device=self.prompt_keys.device)
         if self.prompt_keys.shape[0] > 1:
-            self.prompt_keys = self.prompt_keys.index_select(0, index)
-            self.prompt_values = self.prompt_values.index_select(0, index)
+            self.prompt_keys = _keep_rows(self.prompt_keys, index, in_place)
+            self.prompt_values = _keep_rows(self.prompt_values, index, in_place)
         if self.prompt_bias is not None and self.prompt_bias.shape[0] > 1:
-            self.prompt_bias = self.prompt_bias.index_select(0, index)
+            self.prompt_bias = _keep_rows(self.prompt_bias, index, in_place)
         if self.keys is not None:
             self.keys = self.keys.index_select(0, index)
             self.values = self.values.index_select(0, index)
@@ -144,8 +147,11 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.num_variants = num_variants
 
-    def select_variants(self, index: torch.Tensor) -> None:
-        self.batch_select_indices(index)
+    def select_variants(self, index: torch.Tensor, in_place: bool = False) -> None:
+        """Keep the variants `index`; `in_place` as `CompressedLayer.batch_select_indices` says."""
+        for layer in self.layers:
+            layer.batch_select_indices(index, in_place)
+        self.num_variants = len(index)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append decoded tokens, and hand this cache to our attention function.
@@ -192,57 +198,61 @@ def build_cache(state, variants: list[list[LayerEntries]] | None, num_variants: 
     return CompressedCache(layers, count)
 
 
-def gather_rows(caches: list[CompressedCache], rows: list[tuple[int, int]], lengths: list[int]) -> CompressedCache:
-    """One cache of the variants `rows` ((cache, variant) pairs, in order) of several caches of one prompt
-    with the same decoded tokens, so they decode as one batch: layer l's prompt entries padded (bias -inf,
-    hence zero weight) or cut to `lengths[l]`, which must cover each row's own kept entries (a cache pads
-    its variants at the end, so cutting drops padding only)."""
-    runs: list[tuple[int, list[int]]] = []  # consecutive rows of one cache, gathered by one index_select
-    for owner, local in rows:
-        if runs and runs[-1][0] == owner:
-            runs[-1][1].append(local)
+def build_lazily(state, builds, lengths: list[list[int]]) -> CompressedCache:
+    """`build_cache` for variants built one at a time: `builds` yields each variant's entries in turn (a
+    generator), `lengths[v]` variant v's entries per layer (padded across heads). Each variant's entries are copied into the cache as soon as
+    they are built and then dropped, so the cache and one variant's entries are all that exist at once. A
+    layer that every variant keeps whole (the prefill's own entries object) is stored once, as there."""
+    count = len(lengths)
+    layers: list[list] = [[None, None, None, None] for _ in range(state.num_layers)]  # shared, keys, values, bias
+    for row, variant in enumerate(builds):
+        for layer_idx, entry in enumerate(variant):
+            slot = layers[layer_idx]
+            if slot[1] is None and (row == 0 or entry is slot[0]):
+                slot[0] = entry
+                continue
+            if slot[1] is None:  # the first variant that differs: stack the shared rows before it
+                longest = max(length[layer_idx] for length in lengths)
+                slot[1] = entry.keys.new_zeros(count, entry.num_heads, longest, entry.keys.shape[-1])
+                slot[2] = torch.zeros_like(slot[1])
+                for earlier in range(row):
+                    _put(slot, earlier, slot[0])
+            _put(slot, row, entry)
+    built = []
+    for shared, keys, values, bias in layers:
+        if keys is None:
+            built.append(CompressedLayer(shared.keys[None], shared.values[None], _unsqueeze(shared.bias()), state.length))
         else:
-            runs.append((owner, [local]))
-    layers = []
-    for layer_idx, length in enumerate(lengths):
-        parts = [cache.layers[layer_idx] for cache in caches]
-        if any(part.override is not None for part in parts):
-            raise ValueError("caches with a variant override cannot be gathered")
-        heads, dim = parts[0].prompt_keys.shape[1], parts[0].prompt_keys.shape[3]
-        keys = parts[0].prompt_keys.new_zeros(len(rows), heads, length, dim)
-        values = torch.zeros_like(keys)
-        bias = torch.full((len(rows), heads, length), float("-inf"), dtype=torch.float32, device=keys.device)
-        decoded_keys, decoded_values, hidden = [], [], []
-        start = 0
-        for owner, locals_ in runs:
-            part, end = parts[owner], start + len(locals_)
-            index = torch.tensor(locals_, dtype=torch.long, device=keys.device)
-            take = min(length, part.prompt_keys.shape[2])
-            keys[start:end, :, :take] = _rows(part.prompt_keys[:, :, :take], index)
-            values[start:end, :, :take] = _rows(part.prompt_values[:, :, :take], index)
-            bias[start:end, :, :take] = 0.0 if part.prompt_bias is None else _rows(part.prompt_bias[:, :, :take], index)
-            if part.keys is not None:
-                decoded_keys.append(part.keys.index_select(0, index))
-                decoded_values.append(part.values.index_select(0, index))
-            if part.hidden is not None:
-                hidden.append(part.hidden.index_select(0, index))
-            start = end
-        layer = CompressedLayer(keys, values, bias, parts[0].original_length)
-        if decoded_keys:
-            if len(decoded_keys) < len(runs):
-                raise ValueError("every cache gathered must hold the same decoded tokens")
-            layer.keys, layer.values = torch.cat(decoded_keys), torch.cat(decoded_values)
-        if hidden:
-            if len(hidden) < len(runs):
-                raise ValueError("every cache gathered must hide decoded tokens, or none")
-            layer.hidden = torch.cat(hidden)
-        layers.append(layer)
-    return CompressedCache(layers, len(rows))
+            built.append(CompressedLayer(keys, values, bias, state.length))
+    return CompressedCache(built, count)
 
 
-def _rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Variants `index` of a per-variant tensor, or of a shared one (first dimension 1)."""
-    return tensor.expand(len(index), *tensor.shape[1:]) if tensor.shape[0] == 1 else tensor.index_select(0, index)
+def _put(slot: list, row: int, entry: LayerEntries) -> None:
+    """Copy one variant's entries into row `row` of a stacked layer, padded as `entries.pad_variants` pads
+    (bias -inf past its entries; no bias tensor while every row is unpadded plain tokens)."""
+    keys = slot[1]
+    if entry.capacity > keys.shape[2]:
+        raise ValueError(f"a variant built {entry.capacity} entries in a layer planned for {keys.shape[2]}")
+    keys[row, :, : entry.capacity] = entry.keys
+    slot[2][row, :, : entry.capacity] = entry.values
+    bias = entry.bias()
+    if slot[3] is None and (bias is not None or entry.capacity < keys.shape[2]):
+        slot[3] = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    if slot[3] is not None:
+        slot[3][row, :, : entry.capacity] = 0.0 if bias is None else bias
+        slot[3][row, :, entry.capacity :] = float("-inf")
+
+
+def _keep_rows(tensor: torch.Tensor, index: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """Rows `index` of `tensor`: copied, or (`in_place`, `index` increasing) moved down within it."""
+    if not in_place:
+        return tensor.index_select(0, index)
+    for target, source in enumerate(index.tolist()):
+        if source < target:
+            raise ValueError("an in-place selection keeps variants in order")
+        if source != target:
+            tensor[target].copy_(tensor[source])
+    return tensor[: len(index)]
 
 
 def _unsqueeze(bias):

@@ -14,6 +14,7 @@ import torch
 
 from ripplekv.engine.cache import CompressedCache, build_cache
 from ripplekv.engine.entries import LayerEntries
+from ripplekv.engine.memory import DEFAULT_GROUP_BYTES, StepCosts, plan_groups
 from ripplekv.engine.prefill import PrefillState
 
 Variants = list[list[LayerEntries]] | None  # per variant, entries per layer; None = the full cache
@@ -144,10 +145,6 @@ def fidelity(reference_logprobs: torch.Tensor, variant_logprobs: torch.Tensor, t
     return [Fidelity(float(k), float(a)) for k, a in zip(kl.tolist(), agree.tolist())]
 
 
-# Teacher-forced log-probs are [V, T, vocab] floats; keep one chunk of them under this many bytes.
-LOGPROB_BYTES = 256 * 2**20
-
-
 @dataclass(frozen=True)
 class Reference:
     """The full cache's greedy answer and its log-probs: what every variant's fidelity is measured against."""
@@ -163,22 +160,27 @@ def full_reference(model, state: PrefillState, max_new_tokens: int, stop_ids: It
     return Reference(tokens, teacher_forced_logprobs(model, state, None, tokens, prefix=prefix)[0])
 
 
-def fidelity_chunks(variants: list, reference: Reference, batch_size: int, prefix: list[int] | None = None) -> list[list[int]]:
-    """The variants' indices in the chunks a teacher-forced pass reads together: at most `batch_size`, and few
-    enough that their log-probs stay under LOGPROB_BYTES; variants of similar kept length side by side (ties
-    in the order given), so a chunk pads its caches little."""
-    per_variant = max(1, (len(reference.tokens) + len(prefix or [])) * int(reference.logprobs.shape[-1]) * 4)
-    chunk = max(1, min(batch_size, LOGPROB_BYTES // per_variant))
-    order = sorted(range(len(variants)), key=lambda i: sum(layer.capacity for layer in variants[i]))
-    return [order[start : start + chunk] for start in range(0, len(order), chunk)]
+def fidelity_groups(model, state: PrefillState, lengths: list[list[int]], reference: Reference, batch_size: int,
+                    prefix: list[int] | None = None, memory_bytes: int | None = None,
+                    max_new_tokens: int | None = None) -> list[list[int]]:
+    """The variants' indices (`lengths[i]`: variant i's kept entries per layer) in the groups a teacher-forced
+    pass reads together: at most `batch_size`, of similar kept length (`memory.plan_groups`), each group under
+    `memory_bytes` (default `memory.DEFAULT_GROUP_BYTES`) as `memory.StepCosts.group` counts it: the forced
+    answer read in one forward, then decoding on to `max_new_tokens` in the same cache."""
+    fed = max(1, len(prefix or []) + len(reference.tokens) - 1)
+    held = fed + (max_new_tokens or len(reference.tokens))
+    costs = StepCosts.of(model, state)
+    return plan_groups(lengths, [fed] * len(lengths), lambda size, padded: costs.group(size, padded, fed, held),
+                       memory_bytes or DEFAULT_GROUP_BYTES, most=batch_size)
 
 
 @torch.inference_mode()
 def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16,
-                     prefix: list[int] | None = None) -> list[Fidelity]:
-    """Fidelity of every variant to the reference, in `fidelity_chunks`, in the order of `variants`."""
+                     prefix: list[int] | None = None, memory_bytes: int | None = None) -> list[Fidelity]:
+    """Fidelity of every variant to the reference, in `fidelity_groups`, in the order of `variants`."""
     result: list[Fidelity | None] = [None] * len(variants)
-    for picked in fidelity_chunks(variants, reference, batch_size, prefix):
+    lengths = [[layer.capacity for layer in variant] for variant in variants]
+    for picked in fidelity_groups(model, state, lengths, reference, batch_size, prefix, memory_bytes):
         logprobs = teacher_forced_logprobs(model, state, [variants[i] for i in picked], reference.tokens, prefix=prefix)
         for i, one in zip(picked, fidelity(reference.logprobs, logprobs, reference.tokens)):
             result[i] = one

@@ -5,8 +5,9 @@ greedy choice at every answer position. Up to its first disagreement a variant's
 answer; at that position its own choice is known too. So a variant that never disagrees needs no decoding,
 and one that does continues from the cache the teacher-forced pass filled: the forced tokens past its
 divergence are hidden from it (`CompressedLayer.hidden`), its new tokens take the positions right after its
-own answer so far, and the variants still running decode in batches of similar kept length
-(`decoding_groups`), within a memory bound.
+own answer so far, and the variants of a group still running decode on, in that same cache (never copied).
+Groups are cut by kept length within a byte bound (`memory.plan_groups`); a group's entries are built
+only when it runs (`memory.LazyVariants`), so memory holds the fixed part and one group at a time.
 
 Greedy outputs equal plain greedy decoding (`decode.greedy_decode`) up to floating-point ties: the forced
 pass computes the shared prefix's keys in one forward instead of one token at a time.
@@ -19,13 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.engine.cache import CompressedCache, build_cache, gather_rows
-from ripplekv.engine.decode import Fidelity, Reference, fidelity, fidelity_chunks, forward_tokens
+from ripplekv.engine.cache import CompressedCache, build_lazily
+from ripplekv.engine.decode import Fidelity, Reference, fidelity, fidelity_groups, forward_tokens
+from ripplekv.engine.memory import LazyVariants
 from ripplekv.engine.prefill import PrefillState
-
-# Keep the caches of the variants decoded together under this many bytes (kept entries, decoded tokens,
-# one step's attention scores).
-DECODE_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -66,37 +64,37 @@ def _divergence(choices: list[int], answer: list[int]) -> int | None:
 def decode_by_divergence(
     model,
     state: PrefillState,
-    variants: list,
+    variants,
     reference: Reference,
     max_new_tokens: int,
     stop_ids: Iterable[int] = (),
     prefix: list[int] | None = None,
     fidelity_batch: int = 16,
-    memory_bytes: int = DECODE_BYTES,
+    memory_bytes: int | None = None,
 ) -> DivergenceResult:
     """Greedy tokens and fidelity of every variant from one teacher-forced pass along the full answer.
 
-    The forced pass runs in the chunks of `decode.fidelity_chunks` (at most `fidelity_batch` variants of
-    similar length, exactly as `decode.measure_fidelity`, so KL and agreement are the same numbers); the
-    variants still running after their divergence are then decoded in the batches `decoding_groups` picks.
+    `variants`: built entries per variant, or `LazyVariants` (built when their group runs). The forced pass
+    runs in the groups of `decode.fidelity_groups` (at most `fidelity_batch` variants of similar length,
+    together under `memory_bytes`, exactly as `decode.measure_fidelity`, so KL and agreement are the same
+    numbers); a group's variants still running after their divergence then decode on in its own cache.
     """
+    source = LazyVariants.of(variants)
     stop = {int(t) for t in stop_ids}
     prefix = list(prefix or [])
     answer = list(reference.tokens)
     fed = prefix + answer[:-1]  # what the forced pass reads through each variant's cache
     base = state.length + len(prefix)  # position of the first answer token
-    result = DivergenceResult(tokens=[None] * len(variants), fidelity=[None] * len(variants))
-    running: list[CompressedCache] = []  # per forced chunk with variants still running: its cache of them
-    rows: list[int] = []  # the running variants, in the order of those caches
-    starts: list[int] = []  # per running variant: the position of the token it feeds next
-    for picked in fidelity_chunks(variants, reference, fidelity_batch, prefix):
-        cache = build_cache(state, [variants[i] for i in picked])
+    result = DivergenceResult(tokens=[None] * len(source), fidelity=[None] * len(source))
+    for picked in fidelity_groups(model, state, source.lengths, reference, fidelity_batch, prefix, memory_bytes,
+                                  max_new_tokens):
+        cache = build_lazily(state, (source.build(i) for i in picked), [source.lengths[i] for i in picked])
         logprobs = _forced_logprobs(model, state, cache, fed, len(prefix))
         for i, one in zip(picked, fidelity(reference.logprobs, logprobs, answer)):
             result.fidelity[i] = one
         choices = logprobs.argmax(-1).tolist()  # [V, T]
         del logprobs
-        keep, hidden = [], []
+        keep, hidden, rows, starts = [], [], [], []
         for row, (variant, own) in enumerate(zip(picked, choices)):
             split = _divergence(own, answer)
             if split is None:  # agrees everywhere, so it also stops where the full answer stops
@@ -113,16 +111,15 @@ def decode_by_divergence(
             visible[len(prefix) + split :] = float("-inf")
             hidden.append(visible)
         if keep:
-            cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device))
+            if len(keep) < len(picked):  # the group's cache is its own: rows move down, never copied
+                cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device), in_place=True)
             mask = torch.stack(hidden)
             for layer in cache.layers:
                 layer.hidden = mask
-            running.append(cache)
-    result.decoded = len(rows)
-    if not rows:
-        return result
-    lengths = [[layer.capacity for layer in variants[v]] for v in rows]
-    _decode_rows(model, running, rows, starts, result, max_new_tokens, stop, memory_bytes, lengths)
+            result.decoded += len(rows)
+            result.batches += 1
+            _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop)
+        del cache
     return result
 
 
@@ -138,62 +135,6 @@ def _forced_logprobs(model, state: PrefillState, cache: CompressedCache, fed: li
     tokens = torch.tensor(fed, dtype=torch.long, device=state.device)[None].expand(cache.num_variants, -1)
     rest = torch.log_softmax(forward_tokens(model, cache, tokens, state.length), -1)
     return torch.cat([first, rest], dim=1)
-
-
-def _decode_rows(model, caches, rows, starts, result, max_new_tokens, stop, memory_bytes, lengths) -> None:
-    """Greedy decoding of the running variants (`rows`; `caches` hold them in order; `lengths`: each one's
-    kept entries per layer), in the batches `decoding_groups` picks, each padded to its own longest layers."""
-    owners = [(c, local) for c, cache in enumerate(caches) for local in range(cache.num_variants)]
-    remaining = [max_new_tokens - len(result.tokens[v]) for v in rows]
-    fixed = variant_bytes(caches[0], max_new_tokens, [0] * len(lengths[0]))  # decoded tokens only
-    for picked in decoding_groups(lengths, remaining, entry_bytes(caches[0]), fixed, memory_bytes):
-        padded = [max(lengths[i][layer] for i in picked) for layer in range(len(lengths[0]))]
-        batch = gather_rows(caches, [owners[i] for i in picked], padded)
-        result.batches += 1
-        _greedy_rows(model, batch, [rows[i] for i in picked], [starts[i] for i in picked], result,
-                     max_new_tokens, stop)
-        del batch
-
-
-# Cost of one decoding step on a 2-core CPU (scripts/bench_batch.py, bundled model, milliseconds): a fixed
-# part per forward (reading every weight), a part per variant (its linear layers), and a part per variant and
-# prompt entry it attends to, summed over layers, padding included (memory-bound attention).
-STEP_MS, VARIANT_MS, ENTRY_MS = 100.0, 5.0, 3.1e-4
-
-
-def decoding_groups(lengths: list[list[int]], remaining: list[int], entry_bytes: list[int], fixed_bytes: int,
-                    memory_bytes: int) -> list[list[int]]:
-    """Split running variants into decoding batches at the least modelled cost.
-
-    One batch pays one forward per step but pads every variant to the longest kept layer of any; more
-    batches pad less and pay more forwards. Variants are ordered by their total kept length and cut into
-    contiguous groups by dynamic programming over the cost model above (steps bounded by each variant's
-    remaining tokens). A group of k variants padded to P_l entries in layer l takes
-    k * (sum_l entry_bytes[l] * P_l + fixed_bytes) and stays under `memory_bytes`; one variant always fits.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (sum(lengths[i]), i))
-    count = len(order)
-    best = [0.0] + [float("inf")] * count
-    cut = [0] * (count + 1)
-    for first in range(count):
-        padded = [0] * len(lengths[0])
-        steps = variant_steps = 0
-        for last in range(first, count):
-            row = order[last]
-            padded = [max(p, q) for p, q in zip(padded, lengths[row])]
-            steps = max(steps, remaining[row])
-            variant_steps += remaining[row]
-            size = last - first + 1
-            if size > 1 and size * (sum(e * p for e, p in zip(entry_bytes, padded)) + fixed_bytes) > memory_bytes:
-                break
-            cost = best[first] + steps * STEP_MS + variant_steps * (VARIANT_MS + ENTRY_MS * sum(padded))
-            if cost < best[last + 1]:
-                best[last + 1], cut[last + 1] = cost, first
-    groups, end = [], count
-    while end:
-        groups.append(sorted(order[cut[end] : end]))
-        end = cut[end]
-    return groups[::-1]
 
 
 def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> None:
@@ -217,7 +158,7 @@ def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> No
             if not active:
                 break
             index = torch.tensor(still, dtype=torch.long, device=device)
-            cache.select_variants(index)
+            cache.select_variants(index, in_place=True)
             positions = positions.index_select(0, index)
         positions = positions + 1
 
@@ -225,21 +166,28 @@ def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> No
 DECODINGS = ("divergence", "plain")
 
 
-def decode_variants(model, state: PrefillState, variants: list, reference: Reference, max_new_tokens: int,
+def decode_variants(model, state: PrefillState, variants, reference: Reference, max_new_tokens: int,
                     stop_ids: Iterable[int] = (), prefix: list[int] | None = None, batch_size: int = 16,
-                    decoding: str = "divergence") -> tuple[list[list[int]], list[Fidelity]]:
-    """Greedy tokens and fidelity of every variant: by divergence from the full answer (the default), or
-    "plain": each batch of `batch_size` decoded from its first token, then a separate forced pass (the
-    reference divergence decoding is checked against)."""
+                    decoding: str = "divergence", memory_bytes: int | None = None) -> tuple[list[list[int]], list[Fidelity]]:
+    """Greedy tokens and fidelity of every variant (built entries or `LazyVariants`): by divergence from the
+    full answer (the default), or "plain": each group decoded from its first token, then a separate forced
+    pass (the reference divergence decoding is checked against; it holds a group's entries beside its cache)."""
     from ripplekv.engine.decode import greedy_decode, measure_fidelity
 
     if decoding == "divergence":
-        result = decode_by_divergence(model, state, variants, reference, max_new_tokens, stop_ids, prefix, batch_size)
+        result = decode_by_divergence(model, state, variants, reference, max_new_tokens, stop_ids, prefix, batch_size,
+                                      memory_bytes)
         return result.tokens, result.fidelity
     if decoding != "plain":
         raise ValueError(f"decoding must be one of {DECODINGS}, got {decoding!r}")
-    tokens: list[list[int]] = []
-    for start in range(0, len(variants), batch_size):
-        tokens.extend(greedy_decode(model, state, variants[start : start + batch_size], max_new_tokens, stop_ids,
-                                    prefix=prefix))
-    return tokens, measure_fidelity(model, state, variants, reference, batch_size, prefix=prefix)
+    source = LazyVariants.of(variants)
+    tokens: list = [None] * len(source)
+    quality: list = [None] * len(source)
+    for picked in fidelity_groups(model, state, source.lengths, reference, batch_size, prefix, memory_bytes,
+                                  max_new_tokens):
+        built = [source.build(i) for i in picked]
+        decoded = greedy_decode(model, state, built, max_new_tokens, stop_ids, prefix=prefix)
+        measured = measure_fidelity(model, state, built, reference, batch_size, prefix=prefix, memory_bytes=memory_bytes)
+        for i, one, fid in zip(picked, decoded, measured):
+            tokens[i], quality[i] = one, fid
+    return tokens, quality

@@ -47,6 +47,9 @@ class EvalSettings:
     protocol: str = "with-question"
     decode_budget: str = "prompt"
     compress_every: int | None = None  # None: DEFAULT_COMPRESS_EVERY under a total budget
+    # Bytes a sample may hold (None: `engine.memory.default_budget`); it never changes results, so config.json
+    # does not record it and a resumed run may use another.
+    memory_budget: int | None = None
 
 
 def parse_names(text: str | Sequence[str] | None, option: str | None = None) -> tuple[str, ...]:
@@ -113,6 +116,9 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError("give at least one --budget, e.g. --budget 128")
     if settings.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {settings.batch_size}")
+    if settings.memory_budget is not None and (isinstance(settings.memory_budget, bool)
+                                               or not isinstance(settings.memory_budget, int) or settings.memory_budget < 1):
+        raise UserError(f"--memory-budget must be a positive number of bytes, got {settings.memory_budget!r}")
     if settings.protocol not in PROTOCOLS:
         raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {settings.protocol!r}")
     if not settings.methods:

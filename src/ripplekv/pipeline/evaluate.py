@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.engine.evict import capacities, peak_entries
+from ripplekv.engine.memory import LazyVariants, PeakMemory, default_budget, held_bytes, variant_room
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, plan_eval
@@ -57,6 +58,7 @@ def evaluate_sample(
     decoding: str = "divergence",
     decode_budget: str = "prompt",
     compress_every: int = DEFAULT_COMPRESS_EVERY,
+    memory_budget: int | None = None,
 ) -> list[dict]:
     """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
 
@@ -79,8 +81,16 @@ def evaluate_sample(
     (layer, KV head) at its count while decoding (`engine.evict`, step by step: `engine.budgeted`), each
     method evicting by its own `decode_policy(compress_every)`; then every line records `decode_budget`
     and `peak_entries` (the most entries a head held after a step, averaged over layers and KV heads).
+
+    `memory_budget`: bytes the sample may hold (default: `engine.memory.default_budget`). Variants are built
+    when their group decodes, in groups sized to what weights, prefill and reference leave (`memory.variant_room`;
+    a variant that cannot fit alone is a UserError before any decodes). Every line records `peak_memory_bytes`,
+    as `memory.PeakMemory` measures it (CUDA: tensor bytes; CPU: the process's resident high-water mark).
     """
     report = progress or (lambda kind, units: None)
+    device = next(model.parameters()).device
+    meter = PeakMemory(device)
+    memory_budget = memory_budget or default_budget(device, held_bytes(device, model))
     from ripplekv.engine.decode import full_reference, stop_tokens
     from ripplekv.engine.divergence import decode_variants
     from ripplekv.metrics.scoring import score_sample
@@ -107,16 +117,27 @@ def evaluate_sample(
     variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
                 if wanted is None or (label, budget) in wanted]
     counts = [method.budgets(state, budget) for _, budget, method in variants]
-    built = [method.compress(state, budget) for _, budget, method in variants]
-    total = decode_budget == "total"
+    lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
+    room = variant_room(model, state, reference, [f"{name} at budget {budget}" for name, budget, _ in variants],
+                        lengths, len({id(m) for _, _, m in variants}), memory_budget, len(question), task.max_new_tokens)
+
+    def built(index: int):  # a variant's entries, when its group decodes
+        name, budget, method = variants[index]
+        entry_list = method.compress(state, budget)
+        kept = np.array([[int(c) for c in layer.counts.tolist()] for layer in entry_list], dtype=np.int64)
+        assert (kept == counts[index]).all(), f"{name}@{budget}: built entries differ from the allocated budgets"
+        return entry_list
+
+    lazy, total = LazyVariants(lengths, built), decode_budget == "total"
     if total:
         caps = [capacities(c, budget) for c, (_, budget, _) in zip(counts, variants)]
-        tokens, quality = decode_per_method(model, state, variants, built, caps, reference, task.max_new_tokens,
-                                            stops, batch_size, compress_every)
+        tokens, quality = decode_per_method(model, state, variants, lazy, caps, reference, task.max_new_tokens,
+                                            stops, batch_size, compress_every, room)
     else:
-        tokens, quality = decode_variants(model, state, built, reference, task.max_new_tokens, stops,
-                                          prefix=question, batch_size=batch_size, decoding=decoding)
-    report("decode", len(built) * task.max_new_tokens)
+        tokens, quality = decode_variants(model, state, lazy, reference, task.max_new_tokens, stops,
+                                          prefix=question, batch_size=batch_size, decoding=decoding, memory_bytes=room)
+    report("decode", len(variants) * task.max_new_tokens)
+    peak = meter.peak()
 
     base = {
         "id": sid,
@@ -147,6 +168,7 @@ def evaluate_sample(
             "agreement": float(agreement),
             # Entries per KV head in each layer (the mean over heads when heads differ; then head_budgets too).
             "layer_budgets": [int(t) // heads if t % heads == 0 else round(float(t) / heads, 3) for t in per_layer],
+            "peak_memory_bytes": peak,
         }
         if bool((entry_counts != entry_counts[:, :1]).any()):
             fields["head_budgets"] = entry_counts.tolist()
@@ -157,20 +179,19 @@ def evaluate_sample(
 
     full_counts = np.full((layers, heads), n, dtype=np.int64)
     rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)] if with_full else []
-    for index, ((name, budget, _), entry_counts, entry_list, out_tokens, fid) in enumerate(
-            zip(variants, counts, built, tokens, quality)):
-        kept = np.array([[int(c) for c in layer.counts.tolist()] for layer in entry_list], dtype=np.int64)
-        assert (kept == entry_counts).all(), f"{name}@{budget}: built entries differ from the allocated budgets"
-        rows.append(row(name, budget, out_tokens, kept, fid.kl, fid.agreement, caps[index] if total else None))
+    for index, ((name, budget, _), entry_counts, out_tokens, fid) in enumerate(zip(variants, counts, tokens, quality)):
+        rows.append(row(name, budget, out_tokens, entry_counts, fid.kl, fid.agreement, caps[index] if total else None))
     return rows
 
 
-def decode_per_method(model, state, variants, built, caps, reference, max_new_tokens, stops, batch_size, every):
-    """Under a total budget: every variant decodes with its own method's eviction policy, all in one batch."""
+def decode_per_method(model, state, variants, built, caps, reference, max_new_tokens, stops, batch_size, every,
+                      memory_bytes=None):
+    """Under a total budget: every variant decodes with its own method's eviction policy, in shared batches."""
     from ripplekv.engine.budgeted import decode_in_budget
 
     policies = [method.decode_policy(every) for _, _, method in variants]
-    return decode_in_budget(model, state, built, policies, caps, reference, max_new_tokens, stops, batch_size)
+    return decode_in_budget(model, state, built, policies, caps, reference, max_new_tokens, stops, batch_size,
+                            memory_bytes)
 
 
 def prefill(model, ids, needs: Requirements, reserve: int = 0):
@@ -221,7 +242,8 @@ def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, j
                            max_length=settings.max_length, batch_size=settings.batch_size,
                            variants=job.variants, with_full=job.with_full,
                            progress=progress, protocol=settings.protocol, decode_budget=settings.decode_budget,
-                           compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY)
+                           compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY,
+                           memory_budget=settings.memory_budget)
 
 
 def run_samples(plan: Plan, jobs: list, budgets, tokenizer, workers, console, advance):

@@ -1,0 +1,125 @@
+"""The memory bound: variants built when their group decodes, groups within the bytes the budget leaves,
+and the same predictions, KL and agreement however tight the bound."""
+
+import pytest
+import torch
+
+from ripplekv.engine import memory
+from ripplekv.engine.cache import build_cache, build_lazily
+from ripplekv.engine.prefill import prefill
+from ripplekv.errors import UserError
+from tests.conftest import every_method
+
+
+def test_sizes_parse_with_their_units():
+    assert memory.parse_bytes("8GiB") == 8 * 2**30
+    assert memory.parse_bytes("500MB") == 500 * 10**6
+    assert memory.parse_bytes("1.5 gib") == 3 * 2**29
+    assert memory.parse_bytes("4096") == 4096
+    for bad in ("", "lots", "8 GiBs", "-1GB", "0", "1e3"):
+        with pytest.raises(UserError, match="--memory-budget must be a size with a unit"):
+            memory.parse_bytes(bad)
+
+
+def test_lazy_building_gives_the_cache_built_from_all_variants(tmp_path):
+    """Shared whole layers, padding across variants and heads, merged prototypes: tensor for tensor."""
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    state = prefill(model, torch.randint(0, 101, (90,), generator=torch.Generator().manual_seed(2)),
+                    capture_window=32, accumulate=True)
+    methods = every_method(state.num_layers, tmp_path)
+    for names in (("snapkv", "adakv", "gracekv", "pyramidkv"), ("full", "full"), ("full", "snapkv")):
+        built = [methods[name].compress(state, budget) for name in names for budget in (8, 40)]
+        lengths = [[layer.capacity for layer in variant] for variant in built]
+        lazy, whole = build_lazily(state, iter(built), lengths), build_cache(state, built)
+        for a, b in zip(lazy.layers, whole.layers):
+            assert a.prompt_keys.shape == b.prompt_keys.shape and torch.equal(a.prompt_keys, b.prompt_keys)
+            assert torch.equal(a.prompt_values, b.prompt_values)
+            assert (a.prompt_bias is None) == (b.prompt_bias is None)
+            assert a.prompt_bias is None or torch.equal(a.prompt_bias, b.prompt_bias)
+
+
+def test_step_costs_count_what_a_group_holds():
+    costs = memory.StepCosts(layers=2, kv_heads=2, query_heads=4, head_dim=8, element=4, hidden=32,
+                             intermediate=64, vocab=100)
+    assert costs.entry == 2 * (2 * 8 * 4 + 4)
+    one = costs.group(1, [10, 30], fed=5, decoded=9)
+    assert costs.group(3, [10, 30], fed=5, decoded=9) == 3 * one
+    # One more entry in the longest layer: its bytes, and one more float32 score per query head and fed token
+    # for the four intermediates (the attention, 4 x 5 x 39 x 16, outweighs the log-probs, 5 x 100 x 16).
+    assert costs.group(1, [10, 31], fed=5, decoded=9) == one + costs.entry + 4 * 5 * 16
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    from ripplekv.engine.models import load_model
+
+    model, tokenizer, _ = load_model(str(tiny_model_dir))
+    return model, tokenizer
+
+
+def sample_methods(folder):
+    """A mix: a head split (AdaKV), a global competition, a merge (GraceKV), and one layer kept whole."""
+    from ripplekv.methods import make_method
+
+    allocation = folder / "whole-first.csv"
+    allocation.write_text("layer,multiplier\n0,3.6\n1,0.2\n2,0.1\n3,0.1\n")
+    names = ("full", "snapkv", "adakv", "layer-defensivekv", "gracekv", "ripplekv")
+    return {name: make_method(name, shared={"allocation": str(allocation)}) for name in names}
+
+
+def run_sample(loaded, methods, monkeypatch=None, tight: float | None = None, **options):
+    from ripplekv.pipeline import evaluate
+    from ripplekv.tasks import get_tasks, load_samples
+
+    model, tokenizer = loaded
+    task = get_tasks("offline", ["niah"])[0]
+    record = load_samples(task, tokenizer, limit=1, target_tokens=256)[0]
+    if tight is not None:  # the real bound, set just above what the largest variant needs alone
+        real = memory.variant_room
+
+        def squeezed(model, state, reference, labels, lengths, count, budget, prefix, max_new):
+            fixed = budget - real(model, state, reference, labels, lengths, count, budget, prefix, max_new)
+            costs = memory.StepCosts.of(model, state)
+            fed = max(1, prefix + len(reference.tokens) - 1)
+            alone = max(costs.group(1, length, fed, fed + max_new) for length in lengths)
+            return real(model, state, reference, labels, lengths, count, fixed + int(tight * alone), prefix, max_new)
+
+        monkeypatch.setattr(evaluate, "variant_room", squeezed)
+    return evaluate.evaluate_sample(model, tokenizer, task, record, methods, (24, 160), sid="s", **options)
+
+
+def test_a_tight_memory_bound_changes_no_prediction_kl_or_agreement(loaded, tmp_path, monkeypatch):
+    """Groups of one or two variants (the bound) against groups of up to 16 (no bound to speak of)."""
+    from ripplekv.engine import decode
+
+    methods = sample_methods(tmp_path)
+    sizes = []
+    plan = decode.plan_groups
+    monkeypatch.setattr(decode, "plan_groups", lambda *a, **k: [g for g in plan(*a, **k) if not sizes.append(len(g))])
+    free = run_sample(loaded, methods, memory_budget=2**40)
+    loose, sizes[:] = list(sizes), []
+    bounded = run_sample(loaded, methods, monkeypatch, tight=1.5)
+    assert max(loose) > 3 and max(sizes) <= 2 and len(sizes) > len(loose)
+    kept_whole = [r for r in free if r["method"] == "ripplekv" and r["budget"] == 160]
+    assert kept_whole[0]["layer_budgets"][0] == kept_whole[0]["compressed_tokens"]  # one layer kept whole
+    assert [(r["method"], r["budget"]) for r in free] == [(r["method"], r["budget"]) for r in bounded]
+    for a, b in zip(free, bounded):
+        assert (a["prediction"], a["new_tokens"], a["agreement"], a["kept_entries"]) == \
+            (b["prediction"], b["new_tokens"], b["agreement"], b["kept_entries"]), (a["method"], a["budget"])
+        assert a["kl"] == pytest.approx(b["kl"], abs=1e-6, rel=1e-4)
+        assert a["peak_memory_bytes"] > 0 and b["peak_memory_bytes"] > 0
+
+
+def test_a_variant_that_cannot_fit_alone_is_one_line_naming_it(loaded, tmp_path):
+    with pytest.raises(UserError, match=r"(?s)at budget \d+ needs .* raise --memory-budget to at least"):
+        run_sample(loaded, sample_methods(tmp_path), memory_budget=2**20)
+
+
+def test_the_peak_meter_sees_a_new_allocation():
+    meter = memory.PeakMemory("cpu")
+    before = meter.peak()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert meter.peak() >= before + 60 * 2**20
+    del block
