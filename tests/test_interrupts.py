@@ -78,7 +78,9 @@ def test_profile_interrupted_after_one_sample_resumes_byte_identical(tiny_model_
             "--target-tokens", "300"]
     code, _, err = run_cli(*args, "--out", str(tmp_path / "reference"))
     assert code == 0, err
-    real, calls = profile.profile_prompt, []
+    from ripplekv.pipeline import layer_kl
+
+    real, calls = layer_kl.profile_prompt, []
 
     def interrupt_second(*a, **k):
         calls.append(1)
@@ -86,12 +88,12 @@ def test_profile_interrupted_after_one_sample_resumes_byte_identical(tiny_model_
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(profile, "profile_prompt", interrupt_second)
+    monkeypatch.setattr(layer_kl, "profile_prompt", interrupt_second)
     out = tmp_path / "run"
     code, _, err = run_cli(*args, "--out", str(out))
     assert code == 130 and "interrupted" in err
     assert (out / profile.SAMPLES_LOG).read_text().count("\n") == 2  # header + the finished sample
-    monkeypatch.setattr(profile, "profile_prompt", real)
+    monkeypatch.setattr(layer_kl, "profile_prompt", real)
     code, _, err = run_cli(*args, "--out", str(out))
     assert code == 0, err
     assert files(out) == files(tmp_path / "reference")

@@ -13,7 +13,7 @@ import numpy as np
 
 def _kl_sample(model, tokenizer, prompt, settings, index: int) -> np.ndarray:
     """[seeds, L]: KL at the probe tokens with each layer perturbed (noise) or evicted (evict, --measure kl)."""
-    from ripplekv.pipeline.profile import profile_prompt
+    from ripplekv.pipeline.layer_kl import profile_prompt
 
     return profile_prompt(model, prompt, settings, index)
 
