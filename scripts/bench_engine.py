@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from dataclasses import replace
 
 import torch
 
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import DEFAULT_CAPTURE_WINDOW, Requirements, prefill
+from ripplekv.engine.recorders import SampleContext
 from ripplekv.methods import make_method
 
 FRONTIER = ("criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv", "layer-defensivekv", "kvzip")
@@ -115,8 +117,7 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, budget: i
         method.compress(prefill(model, ids[:256], requirements=needs), 64)  # warm-up
         if needs not in prefill_extra:
             prefill_extra[needs] = _requirements_extra(model, ids, needs, reps) if records_more(needs) else 0.0
-        state = prefill(model, ids, requirements=needs)
-        state.tokenizer = tokenizer
+        state = prefill(model, ids, requirements=needs, context=SampleContext(tokenizer))
         selection = []
         for _ in range(1 if name == "kvzip" else 2):  # KVzip's reconstruction pass is too long to repeat
             state.scores.clear()
@@ -136,9 +137,10 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, budget: i
 
 
 def records_more(needs: Requirements) -> bool:
-    """Whether a prefill with `needs` does more than a plain one (which captures DEFAULT_CAPTURE_WINDOW queries)."""
+    """Whether a prefill with `needs` does more than a plain one (which captures DEFAULT_CAPTURE_WINDOW queries);
+    keeping the sample's tokenizer or answer costs nothing."""
     plain = Requirements(capture_window=DEFAULT_CAPTURE_WINDOW)
-    return needs.union(plain) != plain
+    return replace(needs.union(plain), tokenizer=False, reference_answer=False) != plain
 
 
 def _requirements_extra(model, ids, needs, reps: int) -> float:

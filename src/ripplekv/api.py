@@ -160,6 +160,7 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     """
     from ripplekv.engine.cache import build_cache
     from ripplekv.engine.prefill import prefill_for
+    from ripplekv.engine.recorders import SampleContext
     from ripplekv.methods.budgets import check_budget
 
     _check_model(model)
@@ -168,7 +169,7 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     chosen = list(_methods(model, [method], allocation, options).values())[-1]
     check_budget(budget)
     ids = _token_ids(tokenizer, prompt, chat)
-    state = prefill_for(model, ids, chosen.requirements())
+    state = prefill_for(model, ids, chosen.requirements(), context=SampleContext(tokenizer))
     built = chosen.compress(state, budget)
     counts = np.array([[int(c) for c in layer.counts.tolist()] for layer in built], dtype=np.int64)
     cache = build_cache(state, [built])

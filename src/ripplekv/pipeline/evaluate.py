@@ -23,6 +23,7 @@ import numpy as np
 
 from ripplekv.engine.evict import capacities, peak_entries
 from ripplekv.engine.prefill import Requirements
+from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.errors import UserError
 from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, plan_eval
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
@@ -93,13 +94,13 @@ def evaluate_sample(
         cut = question_start(task, record, tokenizer, max_length)
         ids, question = ids[:cut], list(ids[cut:])
     needs = Requirements.of_all(methods.values()) if needs is None else needs
-    state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens)
+    state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens,
+                    context=SampleContext(tokenizer, tuple(question)))
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
     stops = stop_tokens(model, tokenizer, task.stop_at_newline)
     reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
-    state.answer, state.prefix = list(reference.tokens), list(question)  # for the answer-aware oracle only
-    state.tokenizer = tokenizer  # for scorers that phrase a request to the model (KVzip)
+    record_reference(state, reference.tokens)  # kept only where a method declared it needs the answer
     report("decode", task.max_new_tokens)
 
     wanted = None if variants is None else set(variants)
@@ -172,11 +173,11 @@ def decode_per_method(model, state, variants, built, caps, reference, max_new_to
     return decode_in_budget(model, state, built, policies, caps, reference, max_new_tokens, stops, batch_size)
 
 
-def prefill(model, ids, needs: Requirements, reserve: int = 0):
+def prefill(model, ids, needs: Requirements, reserve: int = 0, context: SampleContext | None = None):
     """The engine's prefill (a module-level name so tests can prove a resumed run never calls it)."""
     from ripplekv.engine.prefill import prefill_for
 
-    return prefill_for(model, ids, needs, reserve=reserve)
+    return prefill_for(model, ids, needs, reserve=reserve, context=context)
 
 
 # --------------------------------------------------------------------------- the run
