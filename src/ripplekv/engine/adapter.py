@@ -105,13 +105,13 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
-def check_length(config, prompt_tokens: int, answer_tokens: int = 0) -> None:
+def check_length(config, prompt_tokens: int, answer_tokens: int = 0, fits: int | None = None) -> None:
     """A prompt plus its answer must fit the model's positions and attention window (ours has no sliding window).
 
     Mistral-7B-v0.1's config carries `sliding_window=4096`: within 4096 tokens sliding and full attention
     are the same thing, so such prompts run; a 7.5k prompt is refused, with the fix in the message. Beyond
     `max_position_embeddings` the model's RoPE was never trained: refused too, naming the --max-length
-    (prompt tokens) that leaves room for the answer.
+    that leaves room for the answer (`fits` when the caller measured it through its prompt template).
     """
     total_tokens = prompt_tokens + answer_tokens
     window = sliding_window(config)
@@ -125,7 +125,7 @@ def check_length(config, prompt_tokens: int, answer_tokens: int = 0) -> None:
     if positions and total_tokens > positions:
         raise UserError(
             f"prompt plus answer is {total_tokens} tokens ({prompt_tokens} + {answer_tokens}) but this model has "
-            f"max_position_embeddings={positions}: pass --max-length {max(1, positions - answer_tokens)} or less"
+            f"max_position_embeddings={positions}: pass --max-length {fits or max(1, positions - answer_tokens)} or less"
         )
 
 
