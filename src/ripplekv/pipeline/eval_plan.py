@@ -189,3 +189,37 @@ def check_decode_budget(settings: EvalSettings, methods) -> dict:
             raise UserError(f"{method.label} cannot compress while decoding (no decoding-phase eviction): "
                             "drop it from --methods or use --decode-budget prompt")
     return {"decode_budget": "total", "compress_every": every}
+
+
+def check_prompts_fit(plan: Plan, work, tokenizer) -> None:
+    """Every prompt plus its answer within the model's positions, before any weights load or line is written:
+    else one line naming the --max-length that makes every prompt fit (measured through the prompt template)."""
+    from ripplekv.engine.adapter import check_length
+    from ripplekv.engine.models import load_config
+    from ripplekv.tasks import build_prompt_ids
+
+    config = load_config(plan.settings.model)
+    limit = getattr(config, "max_position_embeddings", None) or 0
+    fits, worst = None, None
+    for task, _, record in work:
+        prompt = len(build_prompt_ids(task, record, tokenizer, plan.settings.max_length))
+        if worst is None or prompt + task.max_new_tokens > sum(worst):
+            worst = (prompt, task.max_new_tokens)
+        if limit and prompt + task.max_new_tokens > limit:
+            length = fitting_max_length(task, record, tokenizer, min(plan.settings.max_length, prompt), limit)
+            fits = length if fits is None else min(fits, length)
+    if worst is not None:
+        check_length(config, *worst, fits=fits)
+
+
+def fitting_max_length(task, record, tokenizer, start: int, limit: int) -> int:
+    """The --max-length (searched down from `start`) at which this prompt plus its answer fits `limit` tokens."""
+    from ripplekv.tasks import build_prompt_ids
+
+    length = start
+    while length > 1:
+        total = len(build_prompt_ids(task, record, tokenizer, length)) + task.max_new_tokens
+        if total <= limit:
+            return length
+        length = max(1, length - (total - limit))
+    return 1

@@ -25,7 +25,7 @@ from ripplekv.engine.evict import capacities, peak_entries
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.errors import UserError
-from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, plan_eval
+from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, check_prompts_fit, plan_eval
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES
 from ripplekv.runs.resume import append_rows, existing_lines, variant_keys
@@ -212,40 +212,6 @@ def check_model_fits(plan: Plan) -> None:
     for method in plan.methods.values():
         if not method.prompt_dependent:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
-
-
-def check_prompts_fit(plan: Plan, work, tokenizer) -> None:
-    """Every prompt plus its answer within the model's positions, before any weights load or line is written:
-    else one line naming the --max-length that makes every prompt fit (measured through the prompt template)."""
-    from ripplekv.engine.adapter import check_length
-    from ripplekv.engine.models import load_config
-    from ripplekv.tasks import build_prompt_ids
-
-    config = load_config(plan.settings.model)
-    limit = getattr(config, "max_position_embeddings", None) or 0
-    fits, worst = None, None
-    for task, _, record in work:
-        prompt = len(build_prompt_ids(task, record, tokenizer, plan.settings.max_length))
-        if worst is None or prompt + task.max_new_tokens > sum(worst):
-            worst = (prompt, task.max_new_tokens)
-        if limit and prompt + task.max_new_tokens > limit:
-            length = fitting_max_length(task, record, tokenizer, min(plan.settings.max_length, prompt), limit)
-            fits = length if fits is None else min(fits, length)
-    if worst is not None:
-        check_length(config, *worst, fits=fits)
-
-
-def fitting_max_length(task, record, tokenizer, start: int, limit: int) -> int:
-    """The --max-length (searched down from `start`) at which this prompt plus its answer fits `limit` tokens."""
-    from ripplekv.tasks import build_prompt_ids
-
-    length = start
-    while length > 1:
-        total = len(build_prompt_ids(task, record, tokenizer, length)) + task.max_new_tokens
-        if total <= limit:
-            return length
-        length = max(1, length - (total - limit))
-    return 1
 
 
 def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, job: Job, progress=None) -> list[dict]:
