@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from dataclasses import replace
 
 import torch
 
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import DEFAULT_CAPTURE_WINDOW, Requirements, prefill
+from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.methods import make_method
 
 FRONTIER = ("criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv", "layer-defensivekv", "kvzip")
@@ -124,11 +126,10 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, names=FRO
     for name in names:
         method = make_method(name, **(options or {}).get(name, {}))
         needs = method.requirements()
-        method.compress(with_answer(prefill(model, ids[:256], requirements=needs)), 64)  # warm-up
+        method.compress(with_answer(prefill(model, ids[:256], requirements=needs, context=SampleContext(tokenizer))), 64)  # warm-up
         if needs not in prefill_extra:
             prefill_extra[needs] = _requirements_extra(model, ids, needs, reps) if records_more(needs) else 0.0
-        state = with_answer(prefill(model, ids, requirements=needs))
-        state.tokenizer = tokenizer
+        state = with_answer(prefill(model, ids, requirements=needs, context=SampleContext(tokenizer)))
         selection = []
         for _ in range(1 if name == "kvzip" else 2):  # KVzip's reconstruction pass is too long to repeat
             state.scores.clear()
@@ -148,8 +149,8 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, names=FRO
 
 
 def with_answer(state, tokens: int = 16):
-    """The state with a stand-in answer (its last prompt tokens), for the answer-aware allocation ceiling."""
-    state.answer, state.prefix = state.input_ids[-tokens:].tolist(), []
+    """The state with a stand-in answer (its last prompt tokens) recorded, for the answer-aware methods."""
+    record_reference(state, state.input_ids[-tokens:].tolist())
     return state
 
 
@@ -165,9 +166,10 @@ def compresskv_profile_cost(model, ids, plain: float, budget: int = 128) -> str:
 
 
 def records_more(needs: Requirements) -> bool:
-    """Whether a prefill with `needs` does more than a plain one (which captures DEFAULT_CAPTURE_WINDOW queries)."""
+    """Whether a prefill with `needs` does more than a plain one (which captures DEFAULT_CAPTURE_WINDOW queries);
+    keeping the sample's tokenizer or answer costs nothing."""
     plain = Requirements(capture_window=DEFAULT_CAPTURE_WINDOW)
-    return needs.union(plain) != plain
+    return replace(needs.union(plain), tokenizer=False, reference_answer=False) != plain
 
 
 def _requirements_extra(model, ids, needs, reps: int) -> float:

@@ -118,9 +118,14 @@ class StubTokenizer:
 
 
 def satisfy(state, tokenizer=None):
-    """Give a prefilled state what the answer-aware and request-phrasing scorers need (oracle, KVzip)."""
-    state.answer, state.prefix = [7, 8, 9], [3]
-    state.tokenizer = tokenizer or StubTokenizer()
+    """Give a prefilled state what the answer-aware and request-phrasing scorers need (oracle, KVzip), as the
+    engine records them: a question [3] read after the prompt, then the full cache's answer [7, 8, 9]."""
+    from ripplekv.engine.prefill import Requirements
+    from ripplekv.engine.recorders import SampleContext, record_context, record_reference
+
+    needs = Requirements(tokenizer=True, reference_answer=True)
+    record_context(state, needs, SampleContext(tokenizer or StubTokenizer(), (3,)))
+    record_reference(state, [7, 8, 9])
     return state
 
 

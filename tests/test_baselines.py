@@ -48,9 +48,9 @@ def test_accumulated_attention_is_the_column_sums_of_the_eager_attention_map(tin
         expected = attention[0].sum(1).view(kv_heads, heads // kv_heads, 50).mean(1)
         assert state.accumulated[layer].dtype == torch.float32
         assert torch.allclose(state.accumulated[layer], expected, atol=1e-5)
-        # The accumulating pass computes the same layer outputs as the stock kernel.
-        assert torch.allclose(state.keys[layer], plain.keys[layer], atol=1e-5)
-    assert torch.allclose(state.last_logits, plain.last_logits, atol=1e-4)
+        # The sums are recorded beside the stock kernel, which still computes every layer's output.
+        assert torch.equal(state.keys[layer], plain.keys[layer])
+    assert torch.equal(state.last_logits, plain.last_logits)
     assert torch.allclose(sum(a.sum(-1) for a in state.accumulated) / len(maps), torch.full((kv_heads,), 50.0))
 
 
@@ -60,15 +60,14 @@ def test_accumulated_attention_applies_an_extra_mask_per_query_head(monkeypatch,
     monkeypatch.setattr(accumulate, "QUERY_ROWS", 5)
     gen = torch.Generator().manual_seed(2)
     n, dim = 23, 8
-    query, key, value = (torch.randn(1, h, n, dim, generator=gen) for h in (4, 2, 2))
+    query, key = (torch.randn(1, h, n, dim, generator=gen) for h in (4, 2))
     visible = torch.rand(1, mask_heads, n, n, generator=gen) > 0.3
     visible |= torch.eye(n, dtype=torch.bool)  # every query sees itself
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")) if additive else visible
-    output, columns = accumulate.attention_with_column_sums(query, key, value, 0.5, mask)
+    columns = accumulate.column_sums(query, key, 0.5, mask)
     allowed = visible & torch.ones(n, n, dtype=torch.bool).tril()
     scores = (query @ key.repeat_interleave(2, 1).transpose(-1, -2) * 0.5).masked_fill(~allowed, float("-inf"))
     weights = scores.softmax(-1)
-    assert torch.allclose(output, (weights @ value.repeat_interleave(2, 1)).transpose(1, 2), atol=1e-5)
     assert torch.allclose(columns, weights[0].sum(1).view(2, 2, n).mean(1), atol=1e-5)
 
 

@@ -129,13 +129,51 @@ def test_rope_inverse_round_trips_at_every_position():
     assert torch.allclose(adapter.apply_rope(plain, cos, sin), state.keys[0], atol=1e-5)
 
 
+LONG_ROPE = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                 "original_max_position_embeddings": 1024, "rope_theta": 10000.0},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LONG_ROPE))
+def test_unrotated_keys_and_queries_are_the_models_own_under_long_context_rope(kind):
+    """YaRN and longrope scale cos and sin by attention_scaling (!= 1): un-rotating must divide it out, so
+    un-rotated keys are the model's pre-RoPE keys and the query statistics its pre-RoPE queries'."""
+    from ripplekv.engine.prefill import Requirements
+
+    model = tiny_llama(vocab_size=101, rope_parameters=LONG_ROPE[kind])
+    scale = adapter.rope_scale(model)
+    assert abs(scale - 1.0) > 0.05
+    ids = prompt(60)
+    state = prefill(model, ids, capture_window=16, requirements=Requirements(query_statistics=True))
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[None]))
+        plain_keys = attention.k_proj(hidden).view(1, 60, -1, 16)[0].transpose(0, 1)  # [H_kv, n, d] before RoPE
+        plain_queries = attention.q_proj(hidden).view(1, 60, -1, 16)[0].transpose(0, 1)
+    cos, sin = adapter.rope_at(model, torch.arange(60), state.keys[0])
+    assert torch.allclose(adapter.invert_rope(state.keys[0], cos, sin, scale), plain_keys, atol=1e-5)
+    assert not torch.allclose(adapter.invert_rope(state.keys[0], cos, sin), plain_keys, atol=1e-3)  # the bug it fixes
+    stats = state.query_stats[0]
+    assert torch.allclose(stats.total / stats.count, plain_queries.mean(1), atol=1e-5)
+    assert torch.allclose(stats.first, plain_queries[:, : stats.first.shape[1]], atol=1e-5)
+
+
 def test_sliding_window_models_refuse_prompts_beyond_their_window():
     mistral = MistralConfig(sliding_window=4096)
     adapter.check_length(mistral, 4000)  # within the window sliding and full attention agree
     with pytest.raises(UserError, match="sliding_window=4096.*--max-length"):
         adapter.check_length(mistral, 7500)
     adapter.check_length(MistralConfig(sliding_window=None), 7500)
-    adapter.check_length(LlamaConfig(), 100_000)
+    adapter.check_length(LlamaConfig(max_position_embeddings=131072), 100_000)
+
+
+def test_prompt_and_answer_beyond_the_models_positions_are_refused_with_the_max_length_that_fits():
+    config = LlamaConfig(max_position_embeddings=2048)
+    adapter.check_length(config, 2000, 48)  # exactly fits
+    with pytest.raises(UserError, match=r"2049 tokens \(2001 \+ 48\).*max_position_embeddings=2048.*--max-length 2000 or less"):
+        adapter.check_length(config, 2001, 48)
 
 
 def test_logit_soft_capping_is_refused():

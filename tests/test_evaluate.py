@@ -511,3 +511,27 @@ def test_aliases_run_once_and_are_named(tiny_model_dir, tmp_path, run_cli):
     assert "note: uniform is another name for snapkv" in err
     assert "note: snapkv:split=adakv is another name for adakv" in err
     assert json.loads((out / "config.json").read_text())["methods"] == ["full", "snapkv", "adakv"]
+
+
+def test_prompts_beyond_the_models_positions_are_one_line_before_loading_weights(tiny_model_dir, tmp_path, monkeypatch,
+                                                                                 run_cli):
+    short = tmp_path / "short-model"
+    shutil.copytree(tiny_model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    monkeypatch.setattr("ripplekv.engine.models.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code, _, err = run_cli("eval", "--model", str(short), "--suite", "offline", "--tasks", "niah", "--limit", "1",
+                           "--target-tokens", "300", "--methods", "snapkv", "--budget", "64", "--out", str(tmp_path / "run"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "max_position_embeddings=256" in err and "--max-length" in err
+    fits = int(err.split("--max-length ")[1].split()[0])
+    assert not (tmp_path / "run" / "predictions.jsonl").exists()
+
+    def reached(*args, **kwargs):
+        raise UserError("reached the model")
+
+    monkeypatch.setattr("ripplekv.engine.models.load_model", reached)  # with the --max-length named, it fits
+    code, _, err = run_cli("eval", "--model", str(short), "--suite", "offline", "--tasks", "niah", "--limit", "1",
+                           "--target-tokens", "300", "--max-length", str(fits), "--methods", "snapkv", "--budget", "64",
+                           "--out", str(tmp_path / "run2"))
+    assert code == 2 and "reached the model" in err, err

@@ -15,6 +15,7 @@ from ripplekv.engine import continuation as probe
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.methods.oracle import reference_answer
 from tests.conftest import StubTokenizer, satisfy, tiny_llama
 
 N = 120
@@ -176,11 +177,12 @@ def test_oracle_scores_are_the_attention_the_answer_pays(setup, piece, monkeypat
     monkeypatch.setattr(probe, "PIECE", piece)
     state.scores.clear()
     scorer = make_method("oracle").scorer
-    tail = state.prefix + state.answer
+    question, answer = reference_answer(state)
+    tail = question + answer
     with torch.no_grad():
         whole = eager(input_ids=torch.cat([ids, torch.tensor(tail)])[None], output_attentions=True)
     for layer in range(LAYERS):
-        maps = whole.attentions[layer][0, :, N + len(state.prefix):, :N].float()  # answer rows over the prompt
+        maps = whole.attentions[layer][0, :, N + len(question):, :N].float()  # answer rows over the prompt
         expected = maps.sum(1).view(KV, GROUP, N).mean(1)
         assert torch.allclose(scorer.scores(state, layer), expected, atol=1e-5)
 

@@ -210,6 +210,7 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     """
     from ripplekv.engine.cache import build_cache
     from ripplekv.engine.prefill import prefill_for
+    from ripplekv.engine.recorders import SampleContext
     from ripplekv.methods.budgets import check_budget
 
     _check_model(model)
@@ -218,7 +219,7 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     chosen = list(_methods(model, [method], allocation, options).values())[-1]
     budget = check_budget(int(budget) if isinstance(budget, Integral) and not isinstance(budget, bool) else budget)
     ids = _token_ids(tokenizer, prompt, chat, _vocabulary(model))
-    state = prefill_for(model, ids, chosen.requirements())
+    state = prefill_for(model, ids, chosen.requirements(), context=SampleContext(tokenizer))
     built = chosen.compress(state, budget)
     counts = np.array([[int(c) for c in layer.counts.tolist()] for layer in built], dtype=np.int64)
     cache = build_cache(state, [built])

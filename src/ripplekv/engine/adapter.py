@@ -69,9 +69,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo `apply_rope` at the same positions: the key as it was before rotation (position 0)."""
-    return x * cos - _rotate_half(x) * sin
+def rope_scale(model) -> float:
+    """The rotary's `attention_scaling`: long-context RoPE (YaRN, longrope) multiplies cos and sin by it."""
+    return float(getattr(inner(model).rotary_emb, "attention_scaling", 1.0))
+
+
+def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Undo `apply_rope` at the same positions: the key as it was before rotation (position 0).
+
+    `cos`/`sin` as the model made them, scaled by `scale` (`rope_scale`): rotating back with them multiplies
+    by scale^2, which is divided out (scale 1: the plain rotation, untouched).
+    """
+    plain = x * cos - _rotate_half(x) * sin
+    return plain if scale == 1.0 else plain / (scale * scale)
 
 
 def check_supported(config) -> None:
@@ -95,18 +105,27 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
-def check_length(config, total_tokens: int) -> None:
-    """A prompt plus its answer must fit the model's attention window (ours has no sliding window).
+def check_length(config, prompt_tokens: int, answer_tokens: int = 0, fits: int | None = None) -> None:
+    """A prompt plus its answer must fit the model's positions and attention window (ours has no sliding window).
 
     Mistral-7B-v0.1's config carries `sliding_window=4096`: within 4096 tokens sliding and full attention
-    are the same thing, so such prompts run; a 7.5k prompt is refused, with the fix in the message.
+    are the same thing, so such prompts run; a 7.5k prompt is refused, with the fix in the message. Beyond
+    `max_position_embeddings` the model's RoPE was never trained: refused too, naming the --max-length
+    that leaves room for the answer (`fits` when the caller measured it through its prompt template).
     """
+    total_tokens = prompt_tokens + answer_tokens
     window = sliding_window(config)
     if window is not None and total_tokens >= window:  # its sliding cache keeps window - 1 prefilled entries
         raise UserError(
             f"prompt plus answer is {total_tokens} tokens but this model attends only to its last {window} "
             f"(sliding_window={window}); ripplekv computes full attention, so pass --max-length "
             f"{max(1, window - 256)} or less"
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and total_tokens > positions:
+        raise UserError(
+            f"prompt plus answer is {total_tokens} tokens ({prompt_tokens} + {answer_tokens}) but this model has "
+            f"max_position_embeddings={positions}: pass --max-length {fits or max(1, positions - answer_tokens)} or less"
         )
 
 

@@ -22,9 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ripplekv.engine import entries
-from ripplekv.engine.accumulate import attention_with_column_sums
 from ripplekv.engine.entries import LayerEntries
-from ripplekv.engine.querystats import query_statistics
 
 ATTENTION_NAME = "ripplekv"
 
@@ -321,27 +319,16 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
 def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The registered attention: compressed attention when a CompressedCache is active, else sdpa.
 
-    During prefill it also records the observation-window queries (post-RoPE) that SnapKV scoring needs,
-    and, when the prefill asks (`capture["accumulated"]`, for H2O), each key's attention summed over all
-    prompt queries, computed in the same pass (`ripplekv.engine.accumulate`).
+    The recorders passed as `ripplekv_recorders` (`engine.recorders`: the prefill's window queries, H2O's
+    column sums, query statistics, a scoring pass's probe) each read this layer's post-RoPE queries, keys
+    and values; none changes the output, which is always the model's own attention.
     """
     cache = kwargs.pop("ripplekv_cache", None)
-    capture = kwargs.pop("ripplekv_capture", None)
-    probe = kwargs.pop("ripplekv_probe", None)
-    if probe is not None:  # queries and keys (post-RoPE) for a scoring pass (`engine.continuation`)
-        probe(module.layer_idx, query, key)
+    for recorder in kwargs.pop("ripplekv_recorders", ()):
+        recorder.layer(module.layer_idx, query, key, value, attention_mask, scaling or module.scaling)
     if cache is not None:
         layer = cache.layers[module.layer_idx]
         return compressed_attention(query, layer, key, value, scaling or module.scaling), None
-    if capture is not None:
-        capture[module.layer_idx] = query[0, :, -capture["window"] :, :].detach().clone()
-        if "query_stats" in capture:
-            cos, sin = capture["query_stats"]["rope"]
-            capture["query_stats"][module.layer_idx] = query_statistics(query[0], cos, sin)
-        if "accumulated" in capture:
-            output, columns = attention_with_column_sums(query, key, value, scaling or module.scaling, attention_mask)
-            capture["accumulated"][module.layer_idx] = columns
-            return output, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
+from ripplekv.engine import recorders
 from ripplekv.engine.cache import install
 from ripplekv.engine.prefill import PrefillState
 
@@ -38,14 +39,12 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe,
         cache.update(state.keys[layer][None], state.values[layer][None], layer)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=state.device)[None]
     piece = piece or PIECE
-
-    def report(layer, query, key):  # the cache hands attention the prompt's keys followed by the new ones
-        callback(layer, query[0], key[0, :, state.length:])
-
+    # the cache hands attention the prompt's keys followed by the new ones
+    probe = [recorders.Probe(lambda layer, query, key: callback(layer, query[0], key[0, :, state.length:]))]
     for start in range(0, ids.shape[1], piece):
         chunk = ids[:, start:start + piece]
         positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
-        model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_probe=report,
+        model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_recorders=probe,
               logits_to_keep=1)
 
 

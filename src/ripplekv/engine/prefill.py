@@ -2,19 +2,22 @@
 
 Compressing after a full-attention prefill is what SnapKV, PyramidKV and StreamingLLM do, so one prefill
 serves every method and budget: per layer the full K/V (post-RoPE keys, as the model stores them) and the
-observation-window queries; on request (`accumulate=True`, for H2O) also the attention every prompt query
-gave each key. Full attention maps are never materialized (tens of GB at 8k tokens).
+observation-window queries; on request whatever else the methods declared (`Requirements`), each recorded
+by its own recorder beside the model's attention (`engine.recorders`), so the prefill itself is the same
+whichever methods run. Full attention maps are never materialized (tens of GB at 8k tokens).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
 from ripplekv.engine.querystats import QueryStatistics
+from ripplekv.engine.recorders import SampleContext, recorders_for
+from ripplekv.errors import UserError
 
 DEFAULT_CAPTURE_WINDOW = 64
 
@@ -29,13 +32,12 @@ class Requirements:
     capture_window: int = 0  # the last w prompt tokens' queries (observation windows)
     accumulated_attention: bool = False  # every prompt query's attention summed per key (H2O)
     query_statistics: bool = False  # mean and second moment of every prompt query before RoPE (Expected Attention)
+    tokenizer: bool = False  # the prompt's tokenizer, to phrase a request to the model (KVzip)
+    reference_answer: bool = False  # the full cache's answer, once decoded (the answer-aware oracle)
 
     def union(self, other: Requirements) -> Requirements:
-        return Requirements(
-            capture_window=max(self.capture_window, other.capture_window),
-            accumulated_attention=self.accumulated_attention or other.accumulated_attention,
-            query_statistics=self.query_statistics or other.query_statistics,
-        )
+        """Each field's larger value (True over False): what either needs."""
+        return Requirements(**{f.name: max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
     @staticmethod
     def of_all(items) -> Requirements:
@@ -63,12 +65,16 @@ class PrefillState:
     accumulated: list[torch.Tensor] | None = None
     # per layer, pre-RoPE query statistics (only when prefilled with query_statistics): see QueryStatistics
     query_stats: list[QueryStatistics] | None = None
-    # the full cache's answer tokens (after `prefix`, the question read in the context-only protocol);
-    # set by `ripplekv eval` after the full decode, for the answer-aware oracle only
-    answer: list[int] | None = None
-    prefix: list[int] | None = None
-    tokenizer: object = field(default=None, repr=False)  # the prompt's tokenizer, for scorers that phrase a request (KVzip)
+    # further signals by their `Requirements` field, recorded only when a method declared them
+    # (`engine.recorders`: "tokenizer", "reference_answer"); read them with `signal`
+    signals: dict = field(default_factory=dict, repr=False)
     _full: dict = field(default_factory=dict, repr=False)
+
+    def signal(self, name: str, why: str = ""):
+        """The recorded signal `name` (a `Requirements` field); one clear line when this prefill has none."""
+        if name not in self.signals:
+            raise UserError(why or f"this prefill did not record {name!r}: declare Requirements({name}=True)")
+        return self.signals[name]
 
     def full_entries(self, layer: int) -> entries.LayerEntries:
         """Every token of `layer` as entries: one shared object, so caches store it once."""
@@ -100,44 +106,40 @@ class PrefillState:
 @torch.inference_mode()
 def prefill(
     model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0, accumulate: bool = False,
-    requirements: Requirements | None = None,
+    requirements: Requirements | None = None, context: SampleContext | None = None,
 ) -> PrefillState:
     """Run the prompt once with full attention; keep K/V, window queries and the last logits.
 
     `reserve`: tokens that will follow the prompt (the answer), checked against the model's window.
-    `accumulate`: also sum each key's attention over all prompt queries (`PrefillState.accumulated`);
-    only methods that need it (H2O) should ask, since it replaces the fused attention kernel.
+    `accumulate`: also sum each key's attention over all prompt queries (`PrefillState.accumulated`).
     `requirements`: what the methods to be run need (`Requirements.of_all`); it widens the captured window
-    and turns on accumulation and the query statistics (Expected Attention) where asked.
+    and turns on each recorder asked for (`engine.recorders`). `context`: what the sample brings beside
+    its tokens (tokenizer, question), kept only where `requirements` asks.
+    Whatever is recorded, the model's own attention computes the prefill: K/V and logits do not change.
     """
-    if requirements is not None:
-        capture_window = max(capture_window, requirements.capture_window)
-        accumulate = accumulate or requirements.accumulated_attention
-    statistics = requirements is not None and requirements.query_statistics
+    needs = requirements or Requirements()
+    needs = needs.union(Requirements(capture_window=capture_window, accumulated_attention=accumulate))
     kvcache.install(model)
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
-    adapter.check_length(model.config, len(ids) + reserve)
-    capture: dict = {"window": min(capture_window, len(ids))}
-    if accumulate:
-        capture["accumulated"] = {}
-    if statistics:
-        probe = torch.zeros(1, device=ids.device, dtype=adapter.dtype(model))
-        capture["query_stats"] = {"rope": adapter.rope_at(model, torch.arange(len(ids)), probe)}
-    out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_capture=capture)
+    adapter.check_length(model.config, len(ids), reserve)
+    recorders = recorders_for(needs, model, len(ids), needs.capture_window, context)
+    out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_recorders=recorders)
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
     keys = [dyn.layers[i].keys[0] for i in range(num_layers)]
     values = [dyn.layers[i].values[0] for i in range(num_layers)]
+    recorded = {recorder.requirement: recorder.result(num_layers) for recorder in recorders}
     return PrefillState(
         input_ids=ids,
         keys=keys,
         values=values,
-        window_queries=[capture[i] for i in range(num_layers)],
+        window_queries=recorded.pop("capture_window"),
         last_logits=out.logits[0, -1].float(),
         scaling=adapter.attention_scaling(model),
         model=model,
-        accumulated=[capture["accumulated"][i] for i in range(num_layers)] if accumulate else None,
-        query_stats=[capture["query_stats"][i] for i in range(num_layers)] if statistics else None,
+        accumulated=recorded.pop("accumulated_attention", None),
+        query_stats=recorded.pop("query_statistics", None),
+        signals=recorded,
     )
 
 
@@ -147,6 +149,8 @@ def captured_window(needs: Requirements) -> int:
     return max(DEFAULT_CAPTURE_WINDOW, needs.capture_window)
 
 
-def prefill_for(model, input_ids, needs: Requirements, reserve: int = 0) -> PrefillState:
-    """The one prefill of a prompt, recording what the run's methods need (`Requirements.of_all(methods)`)."""
-    return prefill(model, input_ids, capture_window=captured_window(needs), reserve=reserve, requirements=needs)
+def prefill_for(model, input_ids, needs: Requirements, reserve: int = 0, context: SampleContext | None = None) -> PrefillState:
+    """The one prefill of a prompt, recording what the run's methods need (`Requirements.of_all(methods)`)
+    and, of what the sample brings (`context`), what they declared."""
+    return prefill(model, input_ids, capture_window=captured_window(needs), reserve=reserve, requirements=needs,
+                   context=context)

@@ -36,8 +36,9 @@ class QueryStatistics:
         return mean, second - mean[:, :, None] * mean[:, None, :]
 
 
-def query_statistics(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> QueryStatistics:
-    """Statistics of one layer's prompt queries [H_q, n, d] (post-RoPE, as attention sees them) before RoPE."""
-    plain = adapter.invert_rope(queries.float(), cos, sin)
+def query_statistics(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> QueryStatistics:
+    """Statistics of one layer's prompt queries [H_q, n, d] (post-RoPE, as attention sees them) before RoPE
+    (`scale`: the rotary's attention_scaling, `adapter.rope_scale`)."""
+    plain = adapter.invert_rope(queries.float(), cos, sin, scale)
     return QueryStatistics(count=int(plain.shape[1]), total=plain.sum(1), outer=torch.einsum("hni,hnj->hij", plain, plain),
                            first=plain[:, :FIRST_QUERIES].clone())

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import DEFAULT_HEAD_ALPHA, HEAD_SPLITS, Allocator, register_allocator
+from ripplekv.methods.base import DEFAULT_HEAD_ALPHA, HEAD_SPLITS, Allocator, register_allocator, top_indices
 
 
 def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int) -> np.ndarray:
@@ -37,7 +37,7 @@ def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int)
     if spare <= 0 or candidates <= taken:
         return counts
     ranked = torch.sort(scores.float(), dim=-1, descending=True).values[:, taken:]  # what's left per head
-    chosen = torch.topk(ranked.reshape(-1), min(spare, ranked.numel())).indices
+    chosen = top_indices(ranked.reshape(-1), min(spare, ranked.numel()))  # ties: the lower head
     counts += np.bincount((chosen // ranked.shape[1]).cpu().numpy(), minlength=heads)
     return counts
 
@@ -48,7 +48,7 @@ def ffy0_split(scores: torch.Tensor, base: int, alpha: float) -> np.ndarray:
     `scores` [H, m] rank each head's m prefix candidates (m > base).
     """
     heads, candidates = scores.shape
-    chosen = torch.topk(scores.float().reshape(-1), heads * base).indices
+    chosen = top_indices(scores.float().reshape(-1), heads * base)  # ties: the lower head, then position
     selected = np.bincount((chosen // candidates).cpu().numpy(), minlength=heads)
     targets = (1 - alpha) * selected.astype(np.float64) + alpha * base
     counts = np.floor(targets).astype(np.int64)

@@ -318,6 +318,14 @@ def recent_mask(num_heads: int, length: int, count: int, device=None) -> torch.T
     return mask
 
 
+def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` highest scores along the last dimension, highest first; among equal scores the
+    lowest index wins. Every selection goes through here: a stable sort makes the choice a function of the
+    scores alone, where `torch.topk` leaves ties to its kernel (CPU and CUDA keep different tied entries,
+    and max-pooled scores tie often)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
+
+
 def top_scored_mask(scores: torch.Tensor, length: int, window: int, count: int) -> torch.Tensor:
     """Keep the window (or its last `count` entries) plus the top `count - window` prefix entries per head.
 
@@ -327,8 +335,7 @@ def top_scored_mask(scores: torch.Tensor, length: int, window: int, count: int) 
     mask = recent_mask(scores.shape[0], length, kept_window, scores.device)
     extra = count - kept_window
     if extra > 0:
-        top = torch.topk(scores, extra, dim=-1).indices
-        mask.scatter_(1, top, True)
+        mask.scatter_(1, top_indices(scores, extra), True)
     return mask
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ripplekv.engine import adapter
 from ripplekv.errors import UserError
-from ripplekv.methods.base import per_head, recent_mask, register_scorer
+from ripplekv.methods.base import per_head, recent_mask, register_scorer, top_indices
 from ripplekv.methods.snapkv import SnapKVScorer
 
 
@@ -77,11 +77,11 @@ class CriticalKVScorer(SnapKVScorer):
             first = min(max(int(count * self.first_stage_ratio) - window, 0), extra)
             ranked = critical[heads].clone()
             if first > 0:
-                chosen = torch.topk(base[heads], first, dim=-1).indices
+                chosen = top_indices(base[heads], first)
                 mask.scatter_(1, chosen, True)
                 ranked.scatter_(1, chosen, float("-inf"))
             if extra > first:
-                mask.scatter_(1, torch.topk(ranked, extra - first, dim=-1).indices, True)
+                mask.scatter_(1, top_indices(ranked, extra - first), True)
             return mask
 
         return per_head(counts, build)

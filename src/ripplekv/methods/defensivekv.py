@@ -55,7 +55,7 @@ def defensive_scores(state, layer: int, window: int, kernel: int, threshold: flo
     average = prefix.mean((1, 2))
     share = average / average.sum(-1, keepdim=True).clamp_min(1e-30)
     bias = float(prefix[..., -window:].sum(-1).mean())
-    order = torch.sort(share, dim=-1, descending=True)
+    order = torch.sort(share, dim=-1, descending=True, stable=True)  # ties: the lower position first
     reached = order.values.cumsum(-1) >= threshold - bias
     counts = reached.int().argmax(-1)  # the first rank that reaches it (0 when none does, as the reference)
     first = torch.arange(share.shape[1], device=share.device)[None, :] < counts[:, None]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import COMPOSITION, Allocator, register_allocator
+from ripplekv.methods.base import COMPOSITION, Allocator, register_allocator, top_indices
 from ripplekv.methods.budgets import check_budget, integer_budgets
 
 
@@ -49,7 +49,7 @@ class GlobalBudgets(Allocator):
         ranked = [torch.sort(s, dim=-1, descending=True).values[:, max(floor - (length - s.shape[1]), 0):] for s in scores]
         flat = torch.cat([r.reshape(-1) for r in ranked])
         owner = torch.cat([torch.full((r.numel(),), layer, dtype=torch.long) for layer, r in enumerate(ranked)])
-        chosen = torch.topk(flat, min(spare, flat.numel())).indices if spare > 0 else flat.new_zeros(0, dtype=torch.long)
+        chosen = top_indices(flat, min(spare, flat.numel())) if spare > 0 else flat.new_zeros(0, dtype=torch.long)
         won = np.bincount(owner[chosen.cpu()].numpy(), minlength=layers)
         weights = [floor + won[layer] / heads for layer in range(layers)]
         return integer_budgets(weights, budget, length, floor)

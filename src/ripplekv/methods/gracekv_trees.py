@@ -17,7 +17,7 @@ import torch
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import PrefillState
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, check_positive
+from ripplekv.methods.base import check_integers, check_positive, top_indices
 from ripplekv.methods.snapkv import window_scores
 
 TINY = 1e-30  # keeps relative errors finite where a node's true attention underflows to zero
@@ -151,6 +151,7 @@ class RopeTable:
 
     def __init__(self, model, length: int, like: torch.Tensor):
         self.cos, self.sin = adapter.rope_at(model, torch.arange(max(length, 1), device=like.device), like)
+        self.scale = adapter.rope_scale(model)  # long-context RoPE scales cos and sin: undone when unrotating
 
     def at(self, positions: torch.Tensor):
         return self.cos[positions], self.sin[positions]
@@ -158,7 +159,7 @@ class RopeTable:
 
 def unrotate(rope: RopeTable, keys, positions):
     """Keys as they were before RoPE (position 0): the inverse rotation at each key's own position."""
-    return adapter.invert_rope(keys, *rope.at(positions))
+    return adapter.invert_rope(keys, *rope.at(positions), rope.scale)
 
 
 FIELDS = ("keys", "unrotated", "norms", "positions", "relevance", "values", "weighted_values")
@@ -300,7 +301,7 @@ def layer_trees(state: PrefillState, layer: int, plan: Layout, rope: RopeTable) 
     keys, values = state.keys[layer].float(), state.values[layer].float()
     relevance = window_scores(state, layer, plan.window, 1, "none")[:, plan.sinks :]  # [H, n_c]
     heads, compressible = relevance.shape
-    singles = torch.topk(relevance, plan.singles, dim=-1).indices if plan.singles else relevance[:, :0].long()
+    singles = top_indices(relevance, plan.singles) if plan.singles else relevance[:, :0].long()
     chosen = torch.zeros(heads, compressible, dtype=torch.bool, device=relevance.device)
     chosen.scatter_(1, singles, True)
     rest = torch.argsort(chosen.to(torch.int8), dim=-1, stable=True)[:, : plan.remaining]  # ascending positions
@@ -308,7 +309,7 @@ def layer_trees(state: PrefillState, layer: int, plan: Layout, rope: RopeTable) 
     index = rest[:, token.to(rest.device)]  # [H, P]
     positions = index + plan.sinks
     rows = torch.arange(heads, device=keys.device)[:, None]
-    unrotated = adapter.invert_rope(keys, rope.cos[: keys.shape[1]], rope.sin[: keys.shape[1]])  # each at its own position
+    unrotated = adapter.invert_rope(keys, rope.cos[: keys.shape[1]], rope.sin[: keys.shape[1]], rope.scale)  # each at its own position
     return LayerTrees(keys[rows, positions], unrotated[rows, positions], values[rows, positions], positions,
                       relevance[rows, index], torch.sort(singles, dim=-1).values + plan.sinks, has.to(keys.device))
 

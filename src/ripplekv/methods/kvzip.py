@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ripplekv.engine.continuation import causal_attention_rows, probe_tokens
+from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, check_positive, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
@@ -38,9 +39,10 @@ _TOKENIZERS: dict = {}
 
 
 def tokenizer_of(state):
-    """The prompt's tokenizer: `state.tokenizer` when the caller set it, else the one beside the model's weights."""
-    if state.tokenizer is not None:
-        return state.tokenizer
+    """The prompt's tokenizer as the engine recorded it (`Requirements.tokenizer`), else the one beside the
+    model's weights."""
+    if "tokenizer" in state.signals:
+        return state.signals["tokenizer"]
     where = getattr(getattr(state.model, "config", None), "name_or_path", "") or ""
     if not where:
         raise UserError("kvzip needs the model's tokenizer to phrase its reconstruction request; this model has none")
@@ -107,6 +109,9 @@ class KVzipScorer(WindowScorer):
     def __post_init__(self):
         check_positive(window=self.window, chunk=self.chunk)
         check_integers({"n_sink": self.n_sink}, minimum=0)
+
+    def requirements(self) -> Requirements:
+        return super().requirements().union(Requirements(tokenizer=True))
 
     def scores(self, state, layer):
         window = min(self.window, state.length)

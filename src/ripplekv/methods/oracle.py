@@ -5,31 +5,45 @@ tokens (after the question, in the context-only protocol) are fed through the fu
 score is the attention all answer queries pay it (softmax over every prompt entry and the tokens before
 them), summed over answer tokens and averaged over the query heads of its KV head. Budgets are the
 same exact ones as SnapKV's (uniform, L x H_kv x B), with no window forced (`oracle:window=32` keeps one).
-It needs the answer, so only `ripplekv eval` can run it, after the full-cache decode (it sets
-`PrefillState.answer`); it bounds what a token selection could reach on that sample and budget, is
+It needs the answer (it declares `Requirements(reference_answer=True)`; the engine records the full
+cache's answer once decoded), so only `ripplekv eval` can run it; it bounds what a token selection could reach on that sample and budget, is
 reported as a ceiling and is left out of ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ripplekv.engine.continuation import causal_attention_rows, probe_tokens
+from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
 
+NO_ANSWER = "oracle needs the full cache's answer, so it runs only in `ripplekv eval` (after the full decode)"
 
-def answer_attention(state) -> torch.Tensor:
-    """Attention [L, H_kv, n] the full-cache answer pays each prompt entry (computed once per prefill)."""
-    if state.answer is None:
-        raise UserError("oracle needs the full cache's answer, so it runs only in `ripplekv eval` (after the full decode)")
-    key = ("oracle", tuple(state.prefix or ()), tuple(state.answer))
+
+def reference_answer(state) -> tuple[list[int], list[int]]:
+    """(question tokens read first, the full cache's answer) as the engine recorded them for this prefill."""
+    reference = state.signals.get("reference_answer")
+    if reference is None or reference.tokens is None:
+        raise UserError(NO_ANSWER)
+    return list(reference.question), list(reference.tokens)
+
+
+def answer_attention(state, answer: Sequence[int] | None = None, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """Attention [L, H_kv, n] that `answer`, read after the prompt and `prefix`, pays each prompt entry
+    (computed once per prefill and answer). Without `answer`: the full cache's, as recorded for the prefill
+    (`Requirements(reference_answer=True)`), after its question."""
+    if answer is None:
+        prefix, answer = reference_answer(state)
+    prefix, answer = [int(t) for t in prefix], [int(t) for t in answer]
+    key = ("oracle", tuple(prefix), tuple(answer))
     if key in state.scores:
         return state.scores[key]
-    prefix = list(state.prefix or [])
     scores = torch.zeros(state.num_layers, state.num_kv_heads, state.length, dtype=torch.float32, device=state.device)
 
     def reduce(layer, queries, new_keys):
@@ -37,7 +51,7 @@ def answer_attention(state) -> torch.Tensor:
             answer_rows = max(0, len(prefix) - start)  # rows before the answer (question tokens) do not count
             scores[layer] += block[:, :, answer_rows:].sum(2).mean(1)
 
-    probe_tokens(state.model, state, prefix + list(state.answer), reduce)
+    probe_tokens(state.model, state, prefix + answer, reduce)
     state.scores[key] = scores
     return scores
 
@@ -50,6 +64,9 @@ class OracleScorer(WindowScorer):
 
     def __post_init__(self):
         check_integers({"window": self.window}, minimum=0)
+
+    def requirements(self) -> Requirements:
+        return super().requirements().union(Requirements(reference_answer=True))
 
     def scores(self, state, layer):
         return answer_attention(state)[layer, :, : state.length - min(self.window, state.length)]

@@ -18,7 +18,8 @@ from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, PROTOCOLS
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget
-from ripplekv.runs.files import ANSWER_AWARE
+from ripplekv.runs.files import ANSWER_AWARE, REFERENCE
+from ripplekv.runs.resume import variant_keys
 
 DEFAULT_COMPRESS_EVERY = 8  # ours: re-scoring methods (SnapKV's scorer) score the held entries again every 8 steps
 DEFAULT_METHODS = DEFAULT_EVAL_METHODS
@@ -199,3 +200,71 @@ def check_decode_budget(settings: EvalSettings, methods) -> dict:
             raise UserError(f"{method.label} cannot compress while decoding (no decoding-phase eviction): "
                             "drop it from --methods or use --decode-budget prompt")
     return {"decode_budget": "total", "compress_every": every}
+
+
+def check_prompts_fit(plan: Plan, work, tokenizer) -> None:
+    """Every prompt plus its answer within the model's positions, before any weights load or line is written:
+    else one line naming the --max-length that makes every prompt fit (measured through the prompt template)."""
+    from ripplekv.engine.adapter import check_length
+    from ripplekv.engine.models import load_config
+    from ripplekv.tasks import build_prompt_ids
+
+    config = load_config(plan.settings.model)
+    limit = getattr(config, "max_position_embeddings", None) or 0
+    fits, worst = None, None
+    for task, _, record in work:
+        prompt = len(build_prompt_ids(task, record, tokenizer, plan.settings.max_length))
+        if worst is None or prompt + task.max_new_tokens > sum(worst):
+            worst = (prompt, task.max_new_tokens)
+        if limit and prompt + task.max_new_tokens > limit:
+            length = fitting_max_length(task, record, tokenizer, min(plan.settings.max_length, prompt), limit)
+            fits = length if fits is None else min(fits, length)
+    if worst is not None:
+        check_length(config, *worst, fits=fits)
+
+
+def fitting_max_length(task, record, tokenizer, start: int, limit: int) -> int:
+    """The --max-length (searched down from `start`) at which this prompt plus its answer fits `limit` tokens."""
+    from ripplekv.tasks import build_prompt_ids
+
+    length = start
+    while length > 1:
+        total = len(build_prompt_ids(task, record, tokenizer, length)) + task.max_new_tokens
+        if total <= limit:
+            return length
+        length = max(1, length - (total - limit))
+    return 1
+
+
+@dataclass
+class Job:
+    """One sample's missing work: which variants, whether its full row is new, its prompt length."""
+
+    task: object
+    sid: str
+    record: dict
+    variants: list[tuple[str, int]]
+    with_full: bool
+    prompt_tokens: int
+    old_prompt_tokens: int | None
+
+    @property
+    def decode_units(self) -> int:
+        # The full cache is decoded again even when its row exists: it is the fidelity reference.
+        return (1 + len(self.variants)) * self.task.max_new_tokens
+
+
+def plan_jobs(plan: Plan, config: dict, work, have: dict, tokenizer) -> list[Job]:
+    """What is missing from the run directory for this command's samples and variants."""
+    from ripplekv.tasks import build_prompt_ids
+
+    wanted = sorted(variant_keys(config) - {(REFERENCE, None)})
+    jobs = []
+    for task, sid, record in work:
+        entry = have.get((task.name, sid), {"variants": set(), "prompt_tokens": None})
+        missing = [key for key in wanted if key not in entry["variants"]]
+        with_full = (REFERENCE, None) not in entry["variants"]
+        if missing or with_full:
+            n = len(build_prompt_ids(task, record, tokenizer, plan.settings.max_length))
+            jobs.append(Job(task, sid, record, missing, with_full, n, entry["prompt_tokens"]))
+    return jobs

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import closing
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +23,21 @@ import numpy as np
 from ripplekv.engine.evict import capacities, peak_entries
 from ripplekv.engine.memory import LazyVariants, PeakMemory, default_budget, held_bytes, variant_room
 from ripplekv.engine.prefill import Requirements
+from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.errors import UserError
-from ripplekv.pipeline.eval_plan import DEFAULT_COMPRESS_EVERY, EvalSettings, Plan, plan_eval
+from ripplekv.pipeline.eval_plan import (
+    DEFAULT_COMPRESS_EVERY,
+    EvalSettings,
+    Job,
+    Plan,
+    check_prompts_fit,
+    plan_eval,
+    plan_jobs,
+)
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.samples import check_eval_window
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES
-from ripplekv.runs.resume import append_rows, existing_lines, variant_keys
+from ripplekv.runs.resume import append_rows, existing_lines
 from ripplekv.runs.safeio import exclusive, open_append, write_json
 
 # --------------------------------------------------------------------------- one sample
@@ -104,13 +112,13 @@ def evaluate_sample(
         cut = question_start(task, record, tokenizer, max_length)
         ids, question = ids[:cut], list(ids[cut:])
     needs = Requirements.of_all(methods.values()) if needs is None else needs
-    state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens)
+    state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens,
+                    context=SampleContext(tokenizer, tuple(question)))
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
     stops = stop_tokens(model, tokenizer, task.stop_at_newline)
     reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
-    state.answer, state.prefix = list(reference.tokens), list(question)  # for the answer-aware oracle only
-    state.tokenizer = tokenizer  # for scorers that phrase a request to the model (KVzip)
+    record_reference(state, reference.tokens)  # kept only where a method declared it needs the answer
     report("decode", task.max_new_tokens)
 
     wanted = None if variants is None else set(variants)
@@ -194,11 +202,11 @@ def decode_per_method(model, state, variants, built, caps, reference, max_new_to
                             memory_bytes)
 
 
-def prefill(model, ids, needs: Requirements, reserve: int = 0):
+def prefill(model, ids, needs: Requirements, reserve: int = 0, context: SampleContext | None = None):
     """The engine's prefill (a module-level name so tests can prove a resumed run never calls it)."""
     from ripplekv.engine.prefill import prefill_for
 
-    return prefill_for(model, ids, needs, reserve=reserve)
+    return prefill_for(model, ids, needs, reserve=reserve, context=context)
 
 
 # --------------------------------------------------------------------------- the run
@@ -295,6 +303,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     tokenizer = load_tokenizer(settings.model)
     work = load_all_samples(plan, tokenizer)
     check_eval_window(settings.model, work, tokenizer, settings.max_length)  # a sliding window: refused before any model work
+    check_prompts_fit(plan, work, tokenizer)
     config = {**plan.config, "samples": {}}
     for task, sid, _ in work:
         config["samples"].setdefault(task.name, []).append(sid)
@@ -304,40 +313,6 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
         for note in notes:
             console.print(note, soft_wrap=True, markup=False)
         return _run_locked(settings, out, plan, config, old, work, tokenizer, console, workers)
-
-
-@dataclass
-class Job:
-    """One sample's missing work: which variants, whether its full row is new, its prompt length."""
-
-    task: object
-    sid: str
-    record: dict
-    variants: list[tuple[str, int]]
-    with_full: bool
-    prompt_tokens: int
-    old_prompt_tokens: int | None
-
-    @property
-    def decode_units(self) -> int:
-        # The full cache is decoded again even when its row exists: it is the fidelity reference.
-        return (1 + len(self.variants)) * self.task.max_new_tokens
-
-
-def plan_jobs(plan: Plan, config: dict, work, have: dict, tokenizer) -> list[Job]:
-    """What is missing from the run directory for this command's samples and variants."""
-    from ripplekv.tasks import build_prompt_ids
-
-    wanted = sorted(variant_keys(config) - {(REFERENCE, None)})
-    jobs = []
-    for task, sid, record in work:
-        entry = have.get((task.name, sid), {"variants": set(), "prompt_tokens": None})
-        missing = [key for key in wanted if key not in entry["variants"]]
-        with_full = (REFERENCE, None) not in entry["variants"]
-        if missing or with_full:
-            n = len(build_prompt_ids(task, record, tokenizer, plan.settings.max_length))
-            jobs.append(Job(task, sid, record, missing, with_full, n, entry["prompt_tokens"]))
-    return jobs
 
 
 def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console, workers=None) -> dict:

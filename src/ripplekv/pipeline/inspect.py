@@ -23,6 +23,7 @@ def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: 
     from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
     from ripplekv.engine.models import load_model, load_tokenizer
     from ripplekv.engine.prefill import Requirements, prefill_for
+    from ripplekv.engine.recorders import SampleContext
     from ripplekv.pipeline.samples import file_prompt, sample_prompt
     from ripplekv.runs.safeio import atomic_write
 
@@ -34,7 +35,7 @@ def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: 
                                max_length=max_length)
     ids, question, answers, label = prompt.ids, prompt.question_start, prompt.answers, prompt.label
     loaded, _, source = load_model(model, device=device, dtype=dtype)
-    state = prefill_for(loaded, ids, Requirements.of_all([chosen]))
+    state = prefill_for(loaded, ids, Requirements.of_all([chosen]), context=SampleContext(tokenizer))
     built = chosen.compress(state, budget)
     notes = chosen.build_notes(state, budget) if hasattr(chosen, "build_notes") else None  # e.g. GraceKV's split kinds
     decoded = None
