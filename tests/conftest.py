@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +165,17 @@ def check_fidelity(rows) -> None:
             assert (r["prediction"], r["new_tokens"]) == (reference["prediction"], reference["new_tokens"]), r
         else:
             assert r["kl"] > 0.0, r
+
+
+def without_peak_memory(text):
+    """A predictions file (str or bytes) without its measured `peak_memory_bytes` fields: the one value that
+    differs between two runs that are otherwise byte-identical."""
+    if isinstance(text, bytes):
+        return re.sub(rb', "peak_memory_bytes": \d+', b"", text)
+    return re.sub(r', "peak_memory_bytes": \d+', "", text)
+
+
+def run_files(folder: Path) -> dict[str, bytes]:
+    """A run folder's files by name (the lock left out), predictions without their peak memory."""
+    return {p.name: without_peak_memory(p.read_bytes()) if p.name == "predictions.jsonl" else p.read_bytes()
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != ".lock"}

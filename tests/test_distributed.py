@@ -16,6 +16,7 @@ import pytest
 
 from ripplekv.errors import UserError
 from ripplekv.pipeline import distributed, evaluate
+from tests.conftest import without_peak_memory
 
 pytest.importorskip("ray")
 
@@ -63,7 +64,7 @@ def one_process(tmp_path_factory, eval_args) -> Path:
 
 
 def sorted_lines(run: Path) -> list[str]:
-    return sorted((run / "predictions.jsonl").read_text(encoding="utf-8").splitlines())
+    return sorted(without_peak_memory((run / "predictions.jsonl").read_text(encoding="utf-8")).splitlines())
 
 
 def test_two_workers_write_the_same_predictions_as_one_process(one_process, eval_args, tmp_path, ray_cluster, run_cli):

@@ -18,6 +18,7 @@ import pytest
 from ripplekv.errors import UserError
 from ripplekv.pipeline import allocate, profile
 from ripplekv.runs.safeio import UnitLog
+from tests.conftest import run_files
 
 TASKS, LIMIT = ("niah", "squad"), 2
 VARIANTS = 1 + 2 * 2  # full + (snapkv, streamingllm) x 2 budgets
@@ -30,7 +31,7 @@ def eval_args(model: Path, out: Path) -> list[str]:
 
 
 def files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != ".lock"}
+    return run_files(folder)
 
 
 def complete_samples(out: Path) -> int:
