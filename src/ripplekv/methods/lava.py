@@ -33,7 +33,7 @@ from ripplekv.errors import UserError
 from ripplekv.methods.adakv import DEFAULT_ALPHA
 from ripplekv.methods.base import COMPOSITION, Allocator, check_positive, register_allocator, register_scorer
 from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.snapkv import WindowScorer, window_attention
+from ripplekv.methods.snapkv import SnapKVScorer, window_attention
 
 
 def lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -66,17 +66,8 @@ def normalized_entropy(scores: torch.Tensor) -> float:
 
 @register_scorer("lava")
 @dataclass(frozen=True)
-class LAVaScorer(WindowScorer):
-    kernel: int = 7
-    pooling: str = "max"
-
-    def __post_init__(self):
-        if self.pooling not in POOLINGS:
-            raise UserError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(POOLINGS)}")
-        check_positive(window=self.window, kernel=self.kernel)
-
-    def requirements(self) -> Requirements:
-        return Requirements(capture_window=self.window)
+class LAVaScorer(SnapKVScorer):
+    """SnapKV's options and checks (window, kernel, pooling), LAVa's scores."""
 
     def scores(self, state, layer):
         return lava_scores(state, layer, min(self.window, state.length), self.kernel, self.pooling)
