@@ -98,7 +98,7 @@ DEFAULT_HEAD_ALPHA["adakv"] = DEFAULT_ALPHA
 class AdaKV(Allocator):
     alpha: float = DEFAULT_ALPHA
     rule: str = "ffy0"
-    needs_prompt = True
+    prompt_dependent = True
 
     def __post_init__(self):
         self.check_heads()

@@ -26,7 +26,7 @@ from ripplekv.methods.oracle import OracleScorer, answer_attention
 @dataclass(frozen=True)
 class AnswerBudgets(Allocator):
     knows_answer = True
-    prompt_layers = True
+    prompt_dependent = True
     prompt_note = "`ripplekv eval` records its per-layer and per-head counts per sample"
 
     def requirements(self):

@@ -118,7 +118,9 @@ class Allocator:
 
     name = "allocator"
     knows_answer: ClassVar[bool] = False  # True: its budgets read the full cache's answer (a ceiling, as for scorers)
-    prompt_layers = False  # True when the per-layer budgets themselves depend on the prompt (CAKE, global)
+    # True when its budgets depend on the prompt's scores, not only its length (AdaKV, CAKE, the global
+    # competitions): the one flag for it; a method is prompt-dependent when its allocator is or splits heads.
+    prompt_dependent: ClassVar[bool] = False
     prompt_note = "its per-layer totals are uniform, and its per-head counts are recorded per sample by `ripplekv eval`"
     split: str | None = field(default=None, metadata=COMPOSITION)
     head_alpha: float | None = field(default=None, metadata=COMPOSITION)
@@ -140,11 +142,6 @@ class Allocator:
     @property
     def splits_heads(self) -> bool:
         return self.split not in (None, "even")
-
-    @property
-    def needs_prompt(self) -> bool:
-        """True when budgets depend on the prompt's scores (not only its length)."""
-        return self.splits_heads or self.prompt_layers
 
     def layer_weights(self, num_layers: int, budget: int, floor: int) -> list[float]:
         """Real-valued per-layer weights; only proportions matter."""
@@ -242,7 +239,7 @@ class AllocatorScorer:
     @property
     def prompt_dependent(self) -> bool:
         """Whether budgets depend on the prompt's scores (not only its length)."""
-        return bool(self.allocator.needs_prompt)
+        return bool(self.allocator.prompt_dependent or self.allocator.splits_heads)
 
     @property
     def knows_answer(self) -> bool:

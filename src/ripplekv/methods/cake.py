@@ -50,7 +50,7 @@ class CAKE(Allocator):
     tau1: float = 1.0
     tau2: float = 1.0
     window: int = 32
-    needs_prompt = True
+    prompt_dependent = True
 
     def __post_init__(self):
         self.check_heads()
@@ -75,8 +75,6 @@ class CAKE(Allocator):
     def layer_budgets(self, num_layers, budget, length, floor):
         raise UserError("cake's per-layer budgets depend on each prompt's attention; `ripplekv eval` records "
                         "them per sample (layer_budgets in predictions.jsonl)")
-
-    prompt_layers = True
 
     def prompt_budgets(self, state, budget, scorer):
         check_budget(budget)

@@ -76,7 +76,7 @@ class DynamicKV(Allocator):
     kernel: int = 7
     pooling: str = "avg"
     ratio_max: float = 10.0
-    prompt_layers = True
+    prompt_dependent = True
     prompt_note = "`ripplekv eval` records them per sample (layer_budgets in predictions.jsonl)"
 
     def __post_init__(self):

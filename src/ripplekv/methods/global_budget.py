@@ -27,7 +27,7 @@ from ripplekv.methods.budgets import check_budget, integer_budgets
 @dataclass(frozen=True)
 class GlobalBudgets(Allocator):
     split: str | None = field(default="adakv", metadata=COMPOSITION)
-    prompt_layers = True
+    prompt_dependent = True
     prompt_note = ("its per-layer and per-head counts come from ranking every layer's scores together, "
                    "recorded per sample by `ripplekv eval`")
 

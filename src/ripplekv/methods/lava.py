@@ -80,7 +80,7 @@ class LAVa(Allocator):
     kernel: int = 7
     pooling: str = "max"
     split: str | None = field(default="adakv", metadata=COMPOSITION)
-    prompt_layers = True
+    prompt_dependent = True
     prompt_note = "`ripplekv eval` records them per sample (layer_budgets in predictions.jsonl)"
 
     def __post_init__(self):

@@ -75,7 +75,7 @@ def squeeze_weights(cosines, p: float) -> list[float]:
 class SqueezeAttention(Allocator):
     p: float = 0.38
     tokens: int = 64
-    prompt_layers = True
+    prompt_dependent = True
     prompt_note = "`ripplekv eval` records them per sample (layer_budgets in predictions.jsonl)"
 
     def __post_init__(self):
