@@ -27,12 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ripplekv.defaults import POOLINGS
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Allocator, check_integers, register_allocator, register_scorer
 from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.snapkv import SnapKVScorer, window_attention
+from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, window_attention
 
 
 def pooled_head_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -82,8 +81,7 @@ class DynamicKV(Allocator):
     def __post_init__(self):
         self.check_heads()
         check_integers({"window": self.window, "kernel": self.kernel})
-        if self.pooling not in POOLINGS:
-            raise UserError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(POOLINGS)}")
+        check_pooling(self.pooling)
         if not self.ratio_max >= 1:
             raise UserError(f"option ratio_max must be a number >= 1, got {self.ratio_max!r}")
 

@@ -27,13 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ripplekv.defaults import POOLINGS
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.adakv import DEFAULT_ALPHA
 from ripplekv.methods.base import COMPOSITION, Allocator, check_positive, register_allocator, register_scorer
 from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.snapkv import SnapKVScorer, window_attention
+from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, window_attention
 
 
 def lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -86,8 +85,7 @@ class LAVa(Allocator):
     def __post_init__(self):
         self.check_heads()
         check_positive(window=self.window, kernel=self.kernel)
-        if self.pooling not in POOLINGS:
-            raise UserError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(POOLINGS)}")
+        check_pooling(self.pooling)
 
     def split_alpha(self):
         return DEFAULT_ALPHA if self.head_alpha is None else self.head_alpha

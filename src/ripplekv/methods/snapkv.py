@@ -27,6 +27,12 @@ from ripplekv.errors import UserError
 from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
 
 
+def check_pooling(pooling: str) -> None:
+    """The one check of a `pooling=` option (SnapKV's scorer and the allocators that pool its way)."""
+    if pooling not in POOLINGS:
+        raise UserError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+
+
 def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:
     """Attention [H_kv, group, window, n] (float32) of the last `window` prompt queries over all keys."""
     if window > state.window_queries[layer].shape[1]:
@@ -97,8 +103,7 @@ class SnapKVScorer(WindowScorer):
     pooling: str = "max"
 
     def __post_init__(self):
-        if self.pooling not in POOLINGS:
-            raise UserError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(POOLINGS)}")
+        check_pooling(self.pooling)
         check_positive(window=self.window, kernel=self.kernel)
 
     def requirements(self) -> Requirements:
