@@ -88,7 +88,9 @@ def allocation_lines(eval_dir: Path) -> list[str]:
     return ["", "## Allocation only (one scorer, every allocator)", "",
             "Every method here uses the uniform baseline's scorer, so rows differ only in how the L x H_kv x B entries "
             "are spread over layers and heads; differences are paired bootstrap intervals against uniform at the same "
-            "budget; 'gap closed' is the share of the uniform-to-ceiling gap (a point estimate).", "",
+            "budget; 'gap closed' is the share of the uniform-to-ceiling gap (a point estimate). The ceiling, "
+            "`best-of-allocations`, is per sample the lowest KL (and highest score) any allocation here reached, picked in "
+            "hindsight: a bound on the allocations tried, so the gap to the best possible allocation is at least this.", "",
             *headline, "", allocation_markdown(table)]
 
 

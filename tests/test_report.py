@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from ripplekv.analysis import figures, report
+from ripplekv.analysis.allocation import HINDSIGHT, hindsight_rows
 
 # task -> category; two categories so category averages differ from the overall average.
 TASKS = {"niah": "Synthetic", "passage_count": "Synthetic", "squad": "Single-Doc QA"}
@@ -332,11 +333,13 @@ def test_allocation_table_pairs_every_allocator_with_the_baselines_scorer_agains
     run = write(tmp_path / "run", records)
     (run / "config.json").write_text(json.dumps({"method_specs": specs}))
     table = report.render(run, resamples=300)["allocation"]
-    assert set(table["method"]) == {"uniform", "pyramidkv", "lava:scorer=snapkv", "allocation-ceiling"}
-    assert len(table) == 8 and table.loc[table.method == "allocation-ceiling", "ceiling"].all()
+    assert set(table["method"]) == {"uniform", "pyramidkv", "lava:scorer=snapkv", "allocation-ceiling", HINDSIGHT}
+    assert len(table) == 10 and table.loc[table.method.isin(["allocation-ceiling", HINDSIGHT]), "ceiling"].all()
     rows = table.set_index(["method", "budget"])
     for budget in (64, 128):
-        u, c = rows.loc[("uniform", budget)], rows.loc[("allocation-ceiling", budget)]
+        u, c = rows.loc[("uniform", budget)], rows.loc[(HINDSIGHT, budget)]
+        # here the answer-aware allocation is best on every sample, so the hindsight best is it
+        assert c.kl == pytest.approx(rows.loc[("allocation-ceiling", budget)].kl)
         lava = rows.loc[("lava:scorer=snapkv", budget)]
         assert pd.isna(u.delta_vs_uniform) and u.kl_gap_closed == pytest.approx(0.0)
         assert lava.kl_gap_closed == pytest.approx((u.kl - lava.kl) / (u.kl - c.kl)) == pytest.approx(0.75)
@@ -345,11 +348,23 @@ def test_allocation_table_pairs_every_allocator_with_the_baselines_scorer_agains
         assert lava.kl_delta_ci_low <= lava.kl_delta_vs_uniform <= lava.kl_delta_ci_high < 0  # every sample closer
         assert lava.delta_ci_low <= lava.delta_vs_uniform <= lava.delta_ci_high and lava.delta_vs_uniform > 0
     saved = pd.read_csv(run / "allocation_only.csv")
-    assert len(saved) == 8 and "kl_gap_closed" in saved.columns
+    assert len(saved) == 10 and "kl_gap_closed" in saved.columns
     text = (run / "allocation_only.md").read_text()
     assert "allocation-ceiling (ceiling)" in text and "75%" in text and "streamingllm" not in text and "| oracle" not in text
     (run / "config.json").write_text(json.dumps({"method_specs": {"full": specs["full"], "uniform": specs["uniform"]}}))
     assert report.render(run, resamples=50)["allocation"] is None  # one allocator alone: no table
+
+
+def test_the_hindsight_ceiling_takes_each_samples_best_allocation_so_no_allocator_closes_more_than_the_gap():
+    """Two allocators each best on half the samples: the ceiling is below both on average, per sample the minimum KL
+    and the maximum score (picked separately), and neither allocator's mean can pass it."""
+    rows = pd.DataFrame([{"task": "t", "id": i, "budget": 64, "method": m, "kl": kl, "score": score}
+                         for i in range(4)
+                         for m, kl, score in [("a", 0.2 if i % 2 else 0.6, 0.5), ("b", 0.6 if i % 2 else 0.2, 0.4 + 0.2 * (i % 2))]])
+    best = hindsight_rows(rows).set_index("id")
+    assert (best["method"] == HINDSIGHT).all() and best["kl"].tolist() == [0.2] * 4
+    assert best["score"].tolist() == pytest.approx([0.5, 0.6, 0.5, 0.6])
+    assert best["kl"].mean() < rows.groupby("method")["kl"].mean().min()
 
 
 def test_report_on_a_run_an_eval_is_writing_names_the_eval_and_offers_no_out(tmp_path, run_cli):
