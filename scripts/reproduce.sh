@@ -34,8 +34,18 @@ run_stage() {
     return
   fi
   echo "== $name: $wanted"
+  local began=$SECONDS
   "$@"
   echo "$wanted" > "$record"
+  stage_time "$name" $((SECONDS - began))
+}
+
+# stage_time NAME SECONDS: how long a stage took in this invocation, in OUT/stages.csv (the results page lists it;
+# a resumed run appends, so a stage run twice shows both).
+stage_time() {
+  [ -f "$OUT/stages.csv" ] || echo "stage,seconds" > "$OUT/stages.csv"
+  echo "$1,$2" >> "$OUT/stages.csv"
+  echo "== $1 took $2 s"
 }
 
 # run_eval NAME TITLE COMMAND...: an eval always runs (it resumes itself); its command is recorded in
@@ -43,7 +53,9 @@ run_stage() {
 run_eval() {
   local name=$1 title=$2 record; shift 2
   echo "== $title (resumes where it stopped): $*"
+  local began=$SECONDS
   "$@"
+  stage_time "$name" $((SECONDS - began))
   record=$(printf '%q ' "$@")
   echo "${record//"$OUT"/$FINAL}" > "$OUT/.$name.cmd"
 }

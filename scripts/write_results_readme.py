@@ -94,6 +94,42 @@ def allocation_lines(eval_dir: Path) -> list[str]:
             *headline, "", allocation_markdown(table)]
 
 
+# Methods compared head to head when a run holds both (the first against its earlier reading).
+HEAD_TO_HEAD = (("gracekv", "gracekv:slots=fixed"),)
+
+
+def head_to_head_lines(eval_dir: Path) -> list[str]:
+    """Paired differences of each HEAD_TO_HEAD pair present in the eval, per budget with intervals."""
+    board = eval_dir / "leaderboard.csv"
+    present = set(pd.read_csv(board)["method"]) if board.is_file() else set()
+    if not any(method in present and versus in present for method, versus in HEAD_TO_HEAD):
+        return []
+    from ripplekv.analysis.pairs import head_to_head, head_to_head_markdown
+    from ripplekv.analysis.report import load_predictions
+
+    frame = load_predictions(eval_dir)
+    lines = []
+    for method, versus in HEAD_TO_HEAD:
+        table = head_to_head(frame, method, versus)
+        if not table.empty:
+            lines += ["", f"## `{method}` against `{versus}`", "",
+                      f"Paired differences over the samples both ran (`{method}` minus `{versus}`; a positive score "
+                      "and a negative KL favour the first); an interval that holds 0 is no evidence either way.", "",
+                      head_to_head_markdown(table)]
+    return lines
+
+
+def time_lines(out: Path) -> list[str]:
+    """How long each stage of this run took (OUT/stages.csv, written by scripts/reproduce.sh)."""
+    path = out / "stages.csv"
+    if not path.is_file():
+        return []
+    stages = pd.read_csv(path)
+    table = stages.assign(minutes=(stages["seconds"] / 60).round(1))[["stage", "minutes"]]
+    return ["", "## Time", "", f"Stages as run (a resumed stage is listed once per run), {stages['seconds'].sum() / 60:.1f} "
+            "minutes in all:", "", table.to_markdown(index=False)]
+
+
 def context_only_lines(out: Path) -> list[str]:
     """The context-only protocol's leaderboard (its own eval folder), when the run made it."""
     eval_dir = out / "eval-context-only"
@@ -307,7 +343,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         ]
     lines += context_only_lines(out)
     lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out),
-              *long_lines(out)]
+              *head_to_head_lines(out / "eval"), *long_lines(out), *time_lines(out)]
     lines += [
         "",
         "## Exact commands",
