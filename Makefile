@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 RKV     := .venv/bin/ripplekv
 STAMP   := .venv/.installed
 
-.PHONY: install test reproduce reproduce-quick bench clean check-references
+.PHONY: install test reproduce reproduce-quick reproduce-full bench clean check-references
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ reproduce: install
 
 reproduce-quick: install
 	bash scripts/reproduce.sh configs/quick.env
+
+reproduce-full: install
+	# The whole zoo, both protocols, long answers, into results-full/ (hours on 2 cores; see configs/full.env).
+	bash scripts/reproduce.sh configs/full.env
 
 check-references: install
 	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing);

@@ -12,7 +12,7 @@ import pandas as pd
 from ripplekv.runs.files import REFERENCE, is_ceiling, run_ceilings
 
 # The make target behind each config, for the page title.
-TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick"}
+TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick", "full.env": "make reproduce-full"}
 
 
 def shell_line(recorded: str) -> str:
