@@ -21,7 +21,8 @@ Method sets (each at every budget, 2 by default):
 Both sides also run the full cache once per prompt. kvpress's time for a set is the sum of its runs (each
 variant is a separate run in its loop); ours is one eval of the set. Printed per set: `peer/ours` (total
 over repeats), and per method the share of (prompt, budget) whose greedy answers are the same text.
-Kept sets are compared by `make check-references`, not here. kvpress keeps AdaKV's and KVzip's unequal heads
+Kept sets are compared by `make check-references` (on its own prompts); its lines for these methods are
+printed from its output directory (`--kept-from`) when one is there. kvpress keeps AdaKV's and KVzip's unequal heads
 by masking a full-length cache, and its PyramidKVPress is uniform SnapKV below B = 640 (see UNLIKE): that is
 the peer's own cost and behaviour, measured as it is.
 
@@ -111,6 +112,23 @@ def cut_at_stop(tokens: list[int], stops) -> list[int]:
         if token in stops:
             return tokens[:index]
     return tokens
+
+
+def kept_lines(directory: Path) -> list[str]:
+    """check-references' kept-set lines for the methods both have, from the files a `make check-references`
+    left in `directory` (its prompts and budgets, not this run's: kept sets need its position trick)."""
+    import numpy as np
+    from check_references import PAIRS, compare
+
+    files = sorted(directory.glob("ours_prompt_*.npz"))
+    if not files or not list(directory.glob("reference_prompt_*.npz")):
+        return [f"kept sets: no check-references files in {directory} (run make check-references, or give --kept-from)"]
+    first = np.load(files[0])
+    budgets = sorted({int(key.split("/")[1]) for key in first.files if key.startswith("snapkv/")})
+    layers = first[f"snapkv/{budgets[0]}/positions"].shape[0]
+    lengths = [int(json.loads(str(np.load(path)["meta"]))["tokens"]) for path in files]
+    lines = [text for name, _, text in compare(directory, layers, lengths, budgets) if name in PAIRS]
+    return [f"kept sets (check-references in {directory}: {len(files)} prompts, B = {budgets}):", *lines]
 
 
 # --------------------------------------------------------------------------- the peer (reference venv)
@@ -235,6 +253,8 @@ def main() -> None:
     parser.add_argument("--methods", help="time only these methods (names, e.g. snapkv,tova) as one set")
     parser.add_argument("--venv", default=os.environ.get("RIPPLEKV_REFVENV", "/work/refvenv"))
     parser.add_argument("--out", default="runs/bench-peer/bench_peer.csv")
+    parser.add_argument("--kept-from", default="runs/check-references",
+                        help="a check-references output directory whose kept-set comparison is printed too")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads on both sides (default: torch's choice); 1 avoids oversubscription on a busy machine")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -352,6 +372,8 @@ def run(args) -> None:
     for name, why in UNLIKE.items():
         if (last["method"].map(base) == name).any():
             console.print(f"not like-for-like: {name}: {why}", soft_wrap=True)
+    for line in kept_lines(Path(args.kept_from)):
+        console.print(line, soft_wrap=True, markup=False)
     frame.merge(pd.DataFrame(times), on=["set", "repeat"]).to_csv(out, index=False)
     console.print(f"wrote {out}")
 

@@ -47,3 +47,9 @@ def test_ratios_sum_the_repeats_per_set_and_cut_at_stop_drops_the_stop(bench):
     assert set(rows) == {"a", "b"}
     assert rows["a"]["peer/ours"] == pytest.approx(3.0) and rows["a"]["range"] == "2.00-5.00"
     assert bench.cut_at_stop([5, 6, 2, 7], {2}) == [5, 6] and bench.cut_at_stop([5], {2}) == [5]
+
+
+def test_without_check_references_files_the_kept_sets_are_one_line_saying_where_to_get_them(bench, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script finds check_references beside itself
+    lines = bench.kept_lines(tmp_path)
+    assert len(lines) == 1 and "make check-references" in lines[0] and str(tmp_path) in lines[0]
