@@ -59,7 +59,7 @@ METHODS = {
 CHEAP = ("streamingllm", "snapkv", "pyramidkv", "tova")
 EAGER = ("ObservedAttentionPress",)  # presses that read the attention weights sdpa does not return
 # Methods whose answers are not expected to match, and why (left out of the overall agreement line).
-UNLIKE = {"pyramidkv": f"kvpress's PyramidKVPress falls back to uniform SnapKV below B = 20 x {WINDOW} (its min_num >= window)"}
+UNLIKE = {"pyramidkv": f"kvpress's PyramidKVPress is uniform SnapKV below B = 20 x {WINDOW} (its smallest layer must keep the window)"}
 
 
 def base(spec: str) -> str:
