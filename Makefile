@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 RKV     := .venv/bin/ripplekv
 STAMP   := .venv/.installed
 
-.PHONY: install test reproduce reproduce-quick reproduce-full bench clean check-references
+.PHONY: install test reproduce reproduce-quick reproduce-full bench clean check-references bench-peer
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ check-references: install
 	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing);
 	# REFARGS sizes the run, e.g. REFARGS="--prompts 2 --target-tokens 1000" on a busy machine.
 	bash scripts/check_references.sh --venv $(or $(REFVENV),/work/refvenv) $(REFARGS)
+
+bench-peer: install
+	# kvpress 0.5.5's own loop (each press x budget: prefill + greedy decode, batch 1) against `ripplekv eval`,
+	# kvpress in the check-references venv; PEERARGS sizes it, e.g. PEERARGS="--prompts 1 --methods snapkv,tova".
+	PYTHONPATH=src HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) scripts/bench_peer.py --venv $(or $(REFVENV),/work/refvenv) $(PEERARGS)
 
 clean:
 	rm -rf .venv build *.egg-info src/*.egg-info

@@ -1,0 +1,382 @@
+"""Timing against kvpress itself: its own loop per (press, budget) vs `ripplekv eval` for the same work.
+
+Two processes, as in `check_references.py`:
+- the peer (`--worker`, in the reference venv: kvpress 0.5.5, transformers 5.2.0, same CPU torch) loads the
+  bundled model's dequantized weights once (sdpa; eager for ObservedAttention, as kvpress's evaluation
+  does) and runs, for every prompt, the full cache and every press x budget as kvpress's pipeline does:
+  prefill under `with press(model)` through `model.model`, then greedy decoding at batch 1 over the
+  compressed cache. The whole prompt is the context, as our with-question protocol compresses it;
+  decoding stops at the same stop tokens as ours.
+- ours (this process, the project's venv): `ripplekv eval` in-process (`pipeline.evaluate.run_eval`, report
+  included) on the same prompts, methods and budgets, into a fresh directory each time.
+Model loading is outside the clock on both sides (ours is loaded once and handed to eval). Each repeat runs
+both, the order alternating, so a change in background load hits both.
+
+Method sets (each at every budget, 2 by default):
+- "22 variants": the 11 methods both have, configured alike: streamingllm (StreamingLLMPress), snapkv
+  (SnapKVPress), pyramidkv (PyramidKVPress), tova (TOVAPress), knorm (KnormPress), expected-attention
+  (ExpectedAttentionPress), keydiff (KeyDiffPress), criticalkv (CriticalKVPress over SnapKV), adakv
+  (AdaKVPress over SnapKV), kvzip (KVzipPress), h2o:norm=mean:recent=0 (ObservedAttentionPress).
+- "8 cheap variants": streamingllm, snapkv, pyramidkv, tova (the issue's 4 x 2).
+Both sides also run the full cache once per prompt. kvpress's time for a set is the sum of its runs (each
+variant is a separate run in its loop); ours is one eval of the set. Printed per set: `peer/ours` (total
+over repeats), and per method the share of (prompt, budget) whose greedy answers are the same text.
+Kept sets are compared by `make check-references` (on its own prompts); its lines for these methods are
+printed from its output directory (`--kept-from`) when one is there. kvpress keeps AdaKV's and KVzip's unequal heads
+by masking a full-length cache, and its PyramidKVPress is uniform SnapKV below B = 640 (see UNLIKE): that is
+the peer's own cost and behaviour, measured as it is.
+
+    PYTHONPATH=src .venv/bin/python scripts/bench_peer.py [--prompts 2] [--target-tokens 3500] [--repeats 2]
+        [--budgets 128,512] [--sets "22 variants,8 cheap variants"] [--methods snapkv,tova] [--out CSV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WINDOW, KERNEL = 32, 5  # SnapKV's window and pooling kernel, the same on both sides
+SNAP = ("SnapKVPress", {"window_size": WINDOW, "kernel_size": KERNEL})
+# our spec -> (kvpress press, its arguments; a nested tuple is a press it wraps), configured as the spec
+METHODS = {
+    "streamingllm": ("StreamingLLMPress", {"n_sink": 4}),
+    f"snapkv:kernel={KERNEL}:pooling=avg": SNAP,
+    f"pyramidkv:kernel={KERNEL}:pooling=avg": ("PyramidKVPress", {"window_size": WINDOW, "kernel_size": KERNEL}),
+    "tova": ("TOVAPress", {}),
+    "knorm": ("KnormPress", {}),
+    "expected-attention": ("ExpectedAttentionPress", {}),
+    "keydiff": ("KeyDiffPress", {}),
+    f"criticalkv:kernel={KERNEL}:pooling=avg": ("CriticalKVPress", {"press": SNAP}),
+    f"adakv:kernel={KERNEL}:pooling=avg": ("AdaKVPress", {"press": SNAP}),
+    "kvzip": ("KVzipPress", {}),
+    "h2o:norm=mean:recent=0": ("ObservedAttentionPress", {}),
+}
+CHEAP = ("streamingllm", "snapkv", "pyramidkv", "tova")
+EAGER = ("ObservedAttentionPress",)  # presses that read the attention weights sdpa does not return
+# Methods whose answers are not expected to match, and why (left out of the overall agreement line).
+UNLIKE = {"pyramidkv": f"kvpress's PyramidKVPress is uniform SnapKV below B = 20 x {WINDOW} (its smallest layer must keep the window)"}
+
+
+def base(spec: str) -> str:
+    """A spec's method name (`snapkv:kernel=5` -> `snapkv`)."""
+    return spec.split(":", 1)[0]
+
+
+SETS = {"22 variants": tuple(METHODS), "8 cheap variants": tuple(s for s in METHODS if base(s) in CHEAP)}
+
+
+def pick(names: str) -> tuple[str, ...]:
+    """Our specs for comma-separated method names (`snapkv,tova`); an unknown name is one clear line."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in {base(s) for s in METHODS}]
+    if unknown:
+        sys.exit(f"--methods: {', '.join(unknown)} not in both (choose from {', '.join(base(s) for s in METHODS)})")
+    return tuple(s for s in METHODS if base(s) in wanted)
+
+
+def variants(specs, budgets) -> list[tuple[str, int]]:
+    """The (method, budget) pairs of a set: every method at every budget."""
+    return [(spec, budget) for spec in specs for budget in budgets]
+
+
+def keep_ratio(budget: int, length: int) -> float:
+    """kvpress's compression_ratio that keeps `budget` entries per head of a `length`-token prompt: it keeps
+    int(length * (1 - ratio)) (PyramidKV in its mean layer, AdaKV and KVzip on average over heads)."""
+    return 1 - (budget + 0.5) / length
+
+
+def ratios(times, sets: dict) -> list[dict]:
+    """peer/ours per set from per-repeat timings: rows {set, repeat, peer_s, ours_s}; totals over repeats."""
+    import pandas as pd
+
+    frame = pd.DataFrame(times)
+    rows = []
+    for name in sets:
+        part = frame[frame["set"] == name]
+        if part.empty:
+            continue
+        peer, ours = part["peer_s"].sum(), part["ours_s"].sum()
+        rows.append({"set": name, "repeats": len(part), "peer_s": peer, "ours_s": ours, "peer/ours": peer / ours,
+                     "range": f"{(part['peer_s'] / part['ours_s']).min():.2f}-{(part['peer_s'] / part['ours_s']).max():.2f}"})
+    return rows
+
+
+def cut_at_stop(tokens: list[int], stops) -> list[int]:
+    """Tokens before the first stop token (the answer as text, whichever side kept the stop)."""
+    for index, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:index]
+    return tokens
+
+
+def kept_lines(directory: Path) -> list[str]:
+    """check-references' kept-set lines for the methods both have, from the files a `make check-references`
+    left in `directory` (its prompts and budgets, not this run's: kept sets need its position trick)."""
+    import numpy as np
+    from check_references import PAIRS, compare
+
+    files = sorted(directory.glob("ours_prompt_*.npz"))
+    if not files or not list(directory.glob("reference_prompt_*.npz")):
+        return [f"kept sets: no check-references files in {directory} (run make check-references, or give --kept-from)"]
+    first = np.load(files[0])
+    budgets = sorted({int(key.split("/")[1]) for key in first.files if key.startswith("snapkv/")})
+    layers = first[f"snapkv/{budgets[0]}/positions"].shape[0]
+    lengths = [int(json.loads(str(np.load(path)["meta"]))["tokens"]) for path in files]
+    lines = [text for name, _, text in compare(directory, layers, lengths, budgets) if name in PAIRS]
+    return [f"kept sets (check-references in {directory}: {len(files)} prompts, B = {budgets}):", *lines]
+
+
+# --------------------------------------------------------------------------- the peer (reference venv)
+
+
+def make_press(entry):
+    import kvpress
+
+    name, options = entry
+    options = {key: make_press(value) if isinstance(value, tuple) else value for key, value in options.items()}
+    return getattr(kvpress, name)(**options)
+
+
+def peer_run(model, ids, press, budget, max_new_tokens, stops) -> list[int]:
+    """One variant as kvpress's pipeline runs it: prefill under the press (model.model, no lm head over the
+    prompt), then greedy decoding at batch 1, positions continuing after the uncompressed prompt."""
+    import contextlib
+
+    import torch
+    from transformers import DynamicCache
+
+    n = ids.shape[1]
+    cache = DynamicCache()
+    with torch.no_grad():
+        if press is not None:
+            press.compression_ratio = keep_ratio(budget, n)
+        with press(model) if press is not None else contextlib.nullcontext():
+            hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
+        token = model.lm_head(hidden[:, -1]).argmax(-1)
+        tokens = [int(token)]
+        for step in range(max_new_tokens - 1):
+            if tokens[-1] in stops:
+                break
+            out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[n + step]]))
+            token = out.logits[0, -1].argmax(-1)
+            tokens.append(int(token))
+    return tokens
+
+
+def worker(model_dir: str, threads: int | None) -> None:
+    """Load once, then answer one JSON request a line on stdin: {prompt, press, budget, max_new_tokens, stops}."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    peer_run(model, torch.arange(100, 164)[None], None, 0, 2, set())  # warm-up, outside any clock
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        ids = torch.as_tensor(np.load(job["prompt"]), dtype=torch.long)[None]
+        entry = METHODS.get(job["press"])
+        press = None if entry is None else make_press(entry)
+        eager = entry is not None and entry[0] in EAGER
+        if eager:
+            model.set_attn_implementation("eager")
+        start = time.perf_counter()
+        tokens = peer_run(model, ids, press, job["budget"], job["max_new_tokens"], set(job["stops"]))
+        seconds = time.perf_counter() - start
+        if eager:
+            model.set_attn_implementation("sdpa")
+        print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+
+
+class Peer:
+    """The worker process, driven a run at a time."""
+
+    def __init__(self, python: Path, model_dir: str, threads: int | None):
+        env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+        command = [str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir]
+        self.process = subprocess.Popen(command + (["--threads", str(threads)] if threads else []),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.read()
+
+    def read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            sys.exit(f"the kvpress worker stopped (exit {self.process.wait()}); its error is above")
+        return json.loads(line)
+
+    def run(self, **job) -> dict:
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+# --------------------------------------------------------------------------- ours, and the driver
+
+
+def ours(settings, loaded, out: Path) -> tuple[float, list[dict]]:
+    """Wall time of `ripplekv eval` (report included) with the model already loaded, and its result lines."""
+    import io
+    from unittest import mock
+
+    from rich.console import Console
+
+    from ripplekv.pipeline.evaluate import run_eval
+
+    start = time.perf_counter()
+    with mock.patch("ripplekv.engine.models.load_model", return_value=loaded):
+        run_eval(settings, out, console=Console(file=io.StringIO()))
+    seconds = time.perf_counter() - start
+    return seconds, [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=2, help="offline-suite prompts (the first task's sample, ...)")
+    parser.add_argument("--target-tokens", type=int, default=3500)
+    parser.add_argument("--budgets", default="128,512")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sets", default=",".join(SETS), help="method sets to time, comma-separated")
+    parser.add_argument("--methods", help="time only these methods (names, e.g. snapkv,tova) as one set")
+    parser.add_argument("--venv", default=os.environ.get("RIPPLEKV_REFVENV", "/work/refvenv"))
+    parser.add_argument("--out", default="runs/bench-peer/bench_peer.csv")
+    parser.add_argument("--kept-from", default="runs/check-references",
+                        help="a check-references output directory whose kept-set comparison is printed too")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads on both sides (default: torch's choice); 1 avoids oversubscription on a busy machine")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.model_dir, args.threads)
+        return
+    run(args)
+
+
+def run(args) -> None:
+    import tempfile
+
+    import numpy as np
+    import pandas as pd
+    import torch
+    from check_references import ensure_venv
+    from rich.console import Console
+    from rich.table import Table
+
+    from ripplekv.engine.decode import stop_tokens
+    from ripplekv.engine.models import _source_and_location, load_model
+    from ripplekv.pipeline.eval_plan import EvalSettings, parse_budgets, plan_eval
+    from ripplekv.pipeline.evaluate import load_all_samples
+    from ripplekv.tasks import build_prompt_ids, get_tasks
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budgets = parse_budgets([args.budgets])
+    if any(b <= WINDOW for b in budgets):
+        sys.exit(f"--budgets must exceed the window ({WINDOW})")
+    if args.methods:
+        sets = {f"{len(pick(args.methods)) * len(budgets)} variants ({args.methods})": pick(args.methods)}
+    else:
+        chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
+        if [s for s in chosen if s not in SETS]:
+            sys.exit(f"--sets: choose from {', '.join(SETS)}")
+        sets = {name: SETS[name] for name in chosen}
+    python = ensure_venv(Path(args.venv))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tasks = tuple(task.name for task in get_tasks("offline")[: args.prompts])
+    settings = {name: EvalSettings(budgets=budgets, methods=specs, tasks=tasks, limit=1, target_tokens=args.target_tokens,
+                                   device="cpu", dtype="float32") for name, specs in sets.items()}
+    any_settings = next(iter(settings.values()))
+    loaded = load_model(None, device="cpu", dtype="float32")
+    model, tokenizer, _ = loaded
+    work = load_all_samples(plan_eval(any_settings), tokenizer)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    prompts = []
+    for index, (task, sid, record) in enumerate(work):
+        path = scratch / f"prompt_{index}.npy"
+        ids = build_prompt_ids(task, record, tokenizer, any_settings.max_length)
+        np.save(path, np.asarray(ids, dtype=np.int64))
+        prompts.append({"task": task.name, "sid": sid, "path": str(path), "tokens": len(ids),
+                        "max_new_tokens": task.max_new_tokens, "stops": stop_tokens(model, tokenizer, task.stop_at_newline)})
+    with torch.no_grad():  # our warm-up, as the worker's
+        model(torch.arange(100, 164)[None])
+    _, model_dir = _source_and_location(None)
+    peer = Peer(python, model_dir, args.threads)
+    union = list(dict.fromkeys(spec for specs in sets.values() for spec in specs))
+    console = Console(width=max(Console().width, 130))
+    console.print(f"{len(prompts)} prompts ({', '.join(str(p['tokens']) for p in prompts)} tokens), budgets "
+                  f"{list(budgets)}, {args.repeats} repeats, torch threads {torch.get_num_threads()}, load "
+                  f"{os.getloadavg()[0]:.1f}")
+    records, times = [], []
+    for repeat in range(args.repeats):
+        peer_first = repeat % 2 == 0
+        for side in ("peer", "ours") if peer_first else ("ours", "peer"):
+            if side == "peer":
+                answers = {}
+                for prompt in prompts:
+                    for spec, budget in [("full", None), *variants(union, budgets)]:
+                        result = peer.run(prompt=prompt["path"], press=spec, budget=budget,
+                                          max_new_tokens=prompt["max_new_tokens"], stops=prompt["stops"])
+                        text = tokenizer.decode(cut_at_stop(result["tokens"], prompt["stops"]), skip_special_tokens=True)
+                        answers[(prompt["sid"], spec, budget)] = (result["seconds"], text)
+                console.print(f"repeat {repeat}: kvpress {sum(s for s, _ in answers.values()):.1f} s (load {os.getloadavg()[0]:.1f})")
+            else:
+                ours_runs = {}
+                for name in sets:
+                    seconds, rows = ours(settings[name], loaded, scratch / f"eval-{repeat}-{len(ours_runs)}")
+                    ours_runs[name] = (seconds, rows)
+                    console.print(f"repeat {repeat}: ripplekv eval, {name}: {seconds:.1f} s (load {os.getloadavg()[0]:.1f})")
+        for name, specs in sets.items():
+            wanted = {("full", None), *variants(specs, budgets)}
+            peer_s = sum(s for (sid, spec, b), (s, _) in answers.items() if (spec, b) in wanted)
+            times.append({"set": name, "repeat": repeat, "peer_s": peer_s, "ours_s": ours_runs[name][0]})
+            for row in ours_runs[name][1]:
+                spec = next((s for s in specs if base(s) == base(row["method"])), "full")
+                seconds, text = answers[(row["id"], spec, row["budget"])]
+                records.append({"repeat": repeat, "set": name, "sample": row["id"],
+                                "method": spec, "budget": row["budget"], "kvpress_s": seconds,
+                                "same_answer": text.strip() == row["prediction"].strip(),
+                                "kvpress_answer": text, "ripplekv_answer": row["prediction"]})
+    peer.close()
+    summary = ratios(times, sets)
+    table = Table("set", "variants (+ full)", "prompts", "kvpress s", "ripplekv eval s", "peer/ours", "per repeat")
+    for row in summary:
+        table.add_row(row["set"], str(len(sets[row["set"]]) * len(budgets)), str(len(prompts)), f"{row['peer_s']:.1f}",
+                      f"{row['ours_s']:.1f}", f"{row['peer/ours']:.2f}", row["range"])
+    console.print(table)
+    frame = pd.DataFrame(records)
+    last = frame[frame["repeat"] == frame["repeat"].max()].drop_duplicates(["sample", "method", "budget"])
+    agree = last.groupby("method", sort=False)["same_answer"].agg(["mean", "count"])
+    table = Table("method", "same answer as kvpress", "of (prompt, budget)")
+    for method, row in agree.iterrows():
+        table.add_row(method, f"{row['mean']:.2f}", str(int(row["count"])))
+    console.print(table)
+    like = last[(last["method"] != "full") & ~last["method"].map(base).isin(UNLIKE)]
+    console.print(f"answers: {like['same_answer'].mean():.3f} of {len(like)} compressed (prompt, method, budget) of "
+                  f"like-for-like methods identical to kvpress's; full cache "
+                  f"{last[last['method'] == 'full']['same_answer'].mean():.3f}", soft_wrap=True)
+    for name, why in UNLIKE.items():
+        if (last["method"].map(base) == name).any():
+            console.print(f"not like-for-like: {name}: {why}", soft_wrap=True)
+    for line in kept_lines(Path(args.kept_from)):
+        console.print(line, soft_wrap=True, markup=False)
+    frame.merge(pd.DataFrame(times), on=["set", "repeat"]).to_csv(out, index=False)
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

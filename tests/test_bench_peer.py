@@ -1,0 +1,55 @@
+"""scripts/bench_peer.py without kvpress: its method sets, budgets-to-ratio rule and summary are what the issue asks."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from ripplekv.methods import make_method
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_peer.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_peer", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sets_count_22_and_8_variants_at_two_budgets_and_every_spec_is_ours(bench):
+    budgets = (128, 512)
+    assert len(bench.variants(bench.SETS["22 variants"], budgets)) == 22
+    cheap = bench.SETS["8 cheap variants"]
+    assert len(bench.variants(cheap, budgets)) == 8
+    assert {bench.base(s) for s in cheap} == {"streamingllm", "snapkv", "pyramidkv", "tova"}
+    for spec in bench.METHODS:
+        make_method(spec)  # a spec we could not build would fail eval, not the benchmark's own check
+
+
+def test_pick_keeps_the_table_order_and_refuses_unknown_names_in_one_line(bench):
+    assert bench.pick("tova, snapkv") == ("snapkv:kernel=5:pooling=avg", "tova")
+    with pytest.raises(SystemExit, match="ripplekv not in both"):
+        bench.pick("snapkv,ripplekv")
+
+
+def test_the_ratio_keeps_the_budget_as_kvpress_rounds_it(bench):
+    for length in (618, 3474):
+        for budget in (64, 128, 512):
+            assert int(length * (1 - bench.keep_ratio(budget, length))) == budget
+
+
+def test_ratios_sum_the_repeats_per_set_and_cut_at_stop_drops_the_stop(bench):
+    times = [{"set": "a", "repeat": 0, "peer_s": 10.0, "ours_s": 2.0}, {"set": "a", "repeat": 1, "peer_s": 8.0, "ours_s": 4.0},
+             {"set": "b", "repeat": 0, "peer_s": 3.0, "ours_s": 3.0}]
+    rows = {row["set"]: row for row in bench.ratios(times, {"a": (), "b": (), "c": ()})}
+    assert set(rows) == {"a", "b"}
+    assert rows["a"]["peer/ours"] == pytest.approx(3.0) and rows["a"]["range"] == "2.00-5.00"
+    assert bench.cut_at_stop([5, 6, 2, 7], {2}) == [5, 6] and bench.cut_at_stop([5], {2}) == [5]
+
+
+def test_without_check_references_files_the_kept_sets_are_one_line_saying_where_to_get_them(bench, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script finds check_references beside itself
+    lines = bench.kept_lines(tmp_path)
+    assert len(lines) == 1 and "make check-references" in lines[0] and str(tmp_path) in lines[0]
