@@ -139,6 +139,15 @@ if [ -n "$headline_methods" ]; then
   run_eval eval-headline "eval at DepthKV's headline ratio (B=$headline_budget)" "${headline_cmd[@]}"
 fi
 
+# Head-to-head comparisons (optional, COMPARE_METHODS): methods too costly for every eval sample, on the first
+# COMPARE_LIMIT per task at the same budgets, into OUT/eval-compare (the results page pairs them).
+if [ -n "${COMPARE_METHODS:-}" ]; then
+  compare_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$COMPARE_METHODS"
+    --limit "${COMPARE_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv"
+    --out "$OUT/eval-compare")
+  run_eval eval-compare "eval, head-to-head comparisons" "${compare_cmd[@]}"
+fi
+
 # The context-only protocol (optional, CONTEXT_METHODS): the same samples' first CONTEXT_LIMIT per task.
 if [ -n "${CONTEXT_METHODS:-}" ]; then
   context_budget_args=()
@@ -164,7 +173,7 @@ if [ -n "${LONG_TASKS:-}" ]; then
 fi
 
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"
-rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-headline/.lock" "$OUT/eval-context-only/.lock" "$OUT/long/prompt/.lock" "$OUT/long/total/.lock"
+rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-headline/.lock" "$OUT/eval-compare/.lock" "$OUT/eval-context-only/.lock" "$OUT/long/prompt/.lock" "$OUT/long/total/.lock"
 if [ -e "$FINAL" ]; then
   previous="runs/previous-$(basename "$FINAL")-$(date +%Y%m%d-%H%M%S)"
   mv "$FINAL" "$previous"

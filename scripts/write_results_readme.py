@@ -303,7 +303,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         if not line.startswith("# ") and not line.startswith("![")
     )
     stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "profile-evict-kl", "profile-infonce",
-              "predictors", "compresskv-profile", "route", "eval", "eval-headline", "eval-context-only", "long-prompt",
+              "predictors", "compresskv-profile", "route", "eval", "eval-headline", "eval-compare", "eval-context-only", "long-prompt",
               "long-total")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
@@ -343,7 +343,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         ]
     lines += context_only_lines(out)
     lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out),
-              *head_to_head_lines(out / "eval"), *long_lines(out), *time_lines(out)]
+              *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"), *long_lines(out), *time_lines(out)]
     lines += [
         "",
         "## Exact commands",
