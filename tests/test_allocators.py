@@ -268,7 +268,13 @@ def test_check_references_rules_for_dynamickv_and_lava_agree_with_ours_on_the_ea
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from check_references_allocators import compare_allocators, dynamickv_budgets, lava_budgets, signals
+    from check_references_allocators import (
+        compare_allocators,
+        dynamickv_budgets,
+        dynamickv_exact,
+        lava_budgets,
+        signals,
+    )
 
     from ripplekv.analysis.kept import kept_arrays
 
@@ -293,8 +299,10 @@ def test_check_references_rules_for_dynamickv_and_lava_agree_with_ours_on_the_ea
             arrays[f"{name}/{budget}/counts"] = kept_arrays(make_method(name).compress(state, budget))["counts"]
     np.savez(tmp_path / "ours_prompt_0.npz", **arrays, meta=json.dumps({"tokens": n}))
     scores = [reference[f"dynamickv_scores/{i}"] for i in range(layers)]
-    theirs = dynamickv_budgets(scores, 128, n)
-    assert theirs.sum() == layers * 128 and len(set(theirs.tolist())) > 1  # its remainder lands on the last layer
+    theirs, exact = dynamickv_budgets(scores, 128, n), dynamickv_exact(scores, 128, n)
+    assert theirs.sum() == exact.sum() == layers * 128 and len(set(exact.tolist())) > 1
+    assert theirs[-1] > exact[-1]  # its code piles the remainders of its truncations on the last layer
+    assert np.abs(arrays["dynamickv/128/counts"][:, 0] - exact).max() <= 1  # ours: the rule, largest remainder
     sparsity = np.asarray([float(reference[f"lava_sparsity/{i}"]) for i in range(layers)])
     assert lava_budgets(sparsity, 128).sum() <= layers * 128  # truncation: the reference keeps a few fewer
     assert len(set(lava_budgets(sparsity, 128).tolist())) > 2
@@ -302,3 +310,23 @@ def test_check_references_rules_for_dynamickv_and_lava_agree_with_ours_on_the_ea
                                layers, budgets)
     assert [name for name, _, _ in lines] == ["dynamickv", "lava"]
     assert all(ok for _, ok, _ in lines), [text for _, _, text in lines]
+
+
+def test_check_references_dynamickv_rule_caps_a_dominant_layer_and_spreads_its_excess():
+    """The check's exact DynamicKV rule when one layer holds every top score: capped at radio_max x base, the
+    excess spread over the other layers in proportion (as our integer budgets do), L x B in all."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from check_references_allocators import dynamickv_exact
+
+    layers, budget, length, window = 12, 40, 2000, 8
+    rng = np.random.default_rng(0)
+    scores = [rng.uniform(0, 0.1, (4, length - window)) for _ in range(layers)]
+    scores[0] += 1.0  # layer 0 wins the whole top-k: 12 x base hits, over the 10 x base cap
+    exact = dynamickv_exact(scores, budget, length)
+    cap = window + 10 * (budget - window)
+    assert exact[0] == cap and exact.sum() == layers * budget
+    expected = integer_budgets([window + layers * (budget - window) * (i == 0) for i in range(layers)], budget, cap, window)
+    assert np.abs(exact - np.asarray(expected)).max() <= 1 and exact[1:].min() > window

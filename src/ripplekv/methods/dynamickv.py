@@ -11,9 +11,12 @@ head of the layer keeps that many of its own top entries.
 Where ours differs:
 - The reference recomputes the competition every 4 layers during prefill, because layers not yet run
   cannot compete; with the whole prefill in hand we rank all L layers together once (what its every-4
-  recomputation approximates, and the same at its last recomputation).
-- Integer budgets are exact (L x H_kv x B in all); the reference truncates and puts the rounding remainder
-  on its last layer.
+  recomputation approximates, and the same at its last recomputation; when 4 does not divide L, as with
+  SmolLM2's 30 layers, its last recomputation misses the last L mod 4 layers, which keep up to 10 x (B - window)).
+- Integer budgets are exact (L x H_kv x B in all), rounded once by largest remainder. The reference
+  integer-divides the hits by L and truncates `budget_size x share` (steps of about L / H_q and
+  L / radio_max entries) and adds both truncations' remainders to its last layer, which then runs up to
+  tens of entries over the same rule in exact arithmetic (`make check-references` prints both).
 - Entries are stored per KV head: the `dynamickv` scorer (SnapKV's with window 8 and average pooling)
   averages a KV head's query heads before pooling, where the reference repeats K/V per query head. The
   allocation signal itself keeps every query head apart, as the reference's competition does.
