@@ -1,7 +1,8 @@
 """Where an eval run's time went, from its timings.csv: seconds and share per phase, over every job the run did.
 
-Each method's build is a row of its own (its scorer's passes and trees included); past the `TOP_BUILDS`
-costliest, the rest are summed in one row, so the table stays short with many methods.
+Each method's build is a row of its own (its scorer's passes and trees included; scores methods share, such
+as SnapKV's, count in the first build that computed them); past the `TOP_BUILDS` costliest, the rest are summed
+in one row, so the table stays short with many methods.
 """
 
 from __future__ import annotations
