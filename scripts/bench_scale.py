@@ -27,7 +27,7 @@ def timed_run(plan, samples: list, setup, workers: int) -> tuple[float, list[str
     work = partial(evaluate.sample_rows, plan.settings, plan.methods)
     start = time.perf_counter()
     results = distributed.run_units(samples, setup, work, distributed.Workers(workers, threads=1))
-    lines = sorted(json.dumps(row, sort_keys=True) for _, rows in results for row in rows)
+    lines = sorted(json.dumps(row, sort_keys=True) for _, (rows, _) in results for row in rows)
     return time.perf_counter() - start, lines
 
 

@@ -175,7 +175,16 @@ def without_peak_memory(text):
     return re.sub(r', "peak_memory_bytes": \d+', "", text)
 
 
+def unmeasured(name: str, data: bytes) -> bytes:
+    """A run file without what is measured: predictions' peak memory, summary.md's closing time section."""
+    if name == "predictions.jsonl":
+        return without_peak_memory(data)
+    if name == "summary.md":
+        return data.split(b"\n## Where the time went")[0]
+    return data
+
+
 def run_files(folder: Path) -> dict[str, bytes]:
-    """A run folder's files by name (the lock left out), predictions without their peak memory."""
-    return {p.name: without_peak_memory(p.read_bytes()) if p.name == "predictions.jsonl" else p.read_bytes()
-            for p in sorted(folder.iterdir()) if p.is_file() and p.name != ".lock"}
+    """A run folder's files by name (the lock and the measured timings.csv left out), without measured fields."""
+    return {p.name: unmeasured(p.name, p.read_bytes())
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name not in (".lock", "timings.csv")}

@@ -21,6 +21,7 @@ from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plo
 from ripplekv.analysis.forest import plot_forest
 from ripplekv.analysis.summary import summary_markdown
 from ripplekv.analysis.tables import add_uncertainty, leaderboard, leaderboard_wide, length_table, task_scores
+from ripplekv.analysis.time_spent import samples_timed, time_markdown, time_table
 from ripplekv.errors import UserError
 from ripplekv.metrics.rouge import check_rouge
 from ripplekv.metrics.scoring import metric_label, score_sample
@@ -95,7 +96,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
            seed: int = stats.SEED) -> dict[str, pd.DataFrame]:
     """Write scores.csv, leaderboard.csv, leaderboard_wide.csv, ranks.csv, lengths.csv (when samples have
     a length), allocation_only.csv and .md (when several methods share the uniform baseline's scorer), the plots,
-    summary.md and report.json (the settings) into `run_dir`."""
+    summary.md and report.json (the settings) into `run_dir`; with the run's timings.csv, where the time went
+    (`analysis.time_spent`) closes summary.md and is returned as "time"."""
     run_dir = Path(run_dir)
     check_rouge(rouge)
     if resamples < 1:
@@ -107,6 +109,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
     allocation = allocation_table(frame, method_specs(run_dir), resamples, seed, ceilings)
+    spent = time_table(run_dir)
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": stats.CONFIDENCE}
     try:
         write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
@@ -124,9 +127,11 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         plot_layer_budgets(frame, run_dir / "layer_budgets.png")
         plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings)
         plot_forest(board, run_dir / "score_forest.png", "score", ceilings)
-        write_text(run_dir / "summary.md", summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings,
-                                                            ceilings))
+        text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings)
+        if spent is not None:
+            text += "\n" + time_markdown(spent, samples_timed(run_dir))
+        write_text(run_dir / "summary.md", text)
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths,
-            "allocation": allocation}
+            "allocation": allocation, "time": spent}

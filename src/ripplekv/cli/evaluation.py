@@ -92,7 +92,6 @@ def eval_command(
     """Score every method at every budget: one prefill per sample, all variants decoded from it."""
     from rich.console import Console
 
-    from ripplekv.analysis import summary
     from ripplekv.engine.memory import parse_bytes
     from ripplekv.pipeline import eval_plan, evaluate
     from ripplekv.tasks.registry import default_suite
@@ -131,7 +130,7 @@ def eval_command(
     )
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
                                workers=worker_settings(workers, ray_address))
-    Console().print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {out_dir}"))
+    print_tables(tables, out_dir)
 
 
 def default_allocation(model: str | None) -> tuple[str | None, str | None]:
@@ -156,16 +155,26 @@ def report_command(
     seed: ReportSeed = 0,
 ) -> None:
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
-    from rich.console import Console
-
-    from ripplekv.analysis import report, summary
+    from ripplekv.analysis import report
     from ripplekv.metrics.rouge import check_rouge
     from ripplekv.runs.safeio import exclusive
 
     check_rouge(rouge)
     with exclusive(report.check_run_folder(run_dir), "report", elsewhere=None):  # an eval still writing this run would change it under us
         tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
-    Console().print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
+    print_tables(tables, run_dir)
+
+
+def print_tables(tables: dict, run_dir) -> None:
+    """The leaderboard and, when the run has timings, where its time went."""
+    from rich.console import Console
+
+    from ripplekv.analysis import summary, time_spent
+
+    console = Console()
+    console.print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
+    if tables.get("time") is not None:
+        console.print(time_spent.time_rich_table(tables["time"], title=f"where the time went: {run_dir}"))
 
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from ripplekv.engine import timings
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import Fidelity, Reference, forward_tokens, kl_per_variant
 from ripplekv.engine.evict import DecodePolicy, attach, per_variant
@@ -42,8 +43,10 @@ def decode_in_budget(model, state: PrefillState, variants, policy: DecodePolicy 
                          memory_bytes or DEFAULT_GROUP_BYTES, most=batch_size)
     for picked in groups:
         built = [source.build(i) for i in picked]
-        got, fid = _decode_and_force(model, state, built, [policies[i] for i in picked], [caps[i] for i in picked],
-                                     reference, max_new_tokens, set(int(t) for t in stop_ids))
+        with timings.phase(timings.BUDGETED_DECODE):
+            got, fid = _decode_and_force(model, state, built, [policies[i] for i in picked],
+                                         [caps[i] for i in picked], reference, max_new_tokens,
+                                         set(int(t) for t in stop_ids))
         del built
         for i, one, measured in zip(picked, got, fid):
             tokens[i], quality[i] = one, measured

@@ -13,6 +13,7 @@ into the query rows instead of copying keys V times.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ripplekv.engine import entries
+from ripplekv.engine import entries, timings
 from ripplekv.engine.entries import LayerEntries
 
 ATTENTION_NAME = "ripplekv"
@@ -325,7 +326,8 @@ def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, 
     """
     cache = kwargs.pop("ripplekv_cache", None)
     for recorder in kwargs.pop("ripplekv_recorders", ()):
-        recorder.layer(module.layer_idx, query, key, value, attention_mask, scaling or module.scaling)
+        with timings.phase(timings.RECORDER + recorder.requirement) if recorder.requirement else nullcontext():
+            recorder.layer(module.layer_idx, query, key, value, attention_mask, scaling or module.scaling)
     if cache is not None:
         layer = cache.layers[module.layer_idx]
         return compressed_attention(query, layer, key, value, scaling or module.scaling), None

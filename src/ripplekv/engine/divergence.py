@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ripplekv.engine import timings
 from ripplekv.engine.cache import CompressedCache, build_lazily
 from ripplekv.engine.decode import Fidelity, Reference, fidelity, fidelity_groups, forward_tokens
 from ripplekv.engine.memory import LazyVariants
@@ -88,12 +89,13 @@ def decode_by_divergence(
     result = DivergenceResult(tokens=[None] * len(source), fidelity=[None] * len(source))
     for picked in fidelity_groups(model, state, source.lengths, reference, fidelity_batch, prefix, memory_bytes,
                                   max_new_tokens):
-        cache = build_lazily(state, (source.build(i) for i in picked), [source.lengths[i] for i in picked])
-        logprobs = _forced_logprobs(model, state, cache, fed, len(prefix))
-        for i, one in zip(picked, fidelity(reference.logprobs, logprobs, answer)):
-            result.fidelity[i] = one
-        choices = logprobs.argmax(-1).tolist()  # [V, T]
-        del logprobs
+        with timings.phase(timings.TEACHER_FORCED):  # the builds inside count as their methods'
+            cache = build_lazily(state, (source.build(i) for i in picked), [source.lengths[i] for i in picked])
+            logprobs = _forced_logprobs(model, state, cache, fed, len(prefix))
+            for i, one in zip(picked, fidelity(reference.logprobs, logprobs, answer)):
+                result.fidelity[i] = one
+            choices = logprobs.argmax(-1).tolist()  # [V, T]
+            del logprobs
         keep, hidden, rows, starts = [], [], [], []
         for row, (variant, own) in enumerate(zip(picked, choices)):
             split = _divergence(own, answer)
@@ -111,14 +113,15 @@ def decode_by_divergence(
             visible[len(prefix) + split :] = float("-inf")
             hidden.append(visible)
         if keep:
-            if len(keep) < len(picked):  # the group's cache is its own: rows move down, never copied
-                cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device), in_place=True)
-            mask = torch.stack(hidden)
-            for layer in cache.layers:
-                layer.hidden = mask
-            result.decoded += len(rows)
-            result.batches += 1
-            _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop)
+            with timings.phase(timings.DIVERGENCE_DECODE):
+                if len(keep) < len(picked):  # the group's cache is its own: rows move down, never copied
+                    cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device), in_place=True)
+                mask = torch.stack(hidden)
+                for layer in cache.layers:
+                    layer.hidden = mask
+                result.decoded += len(rows)
+                result.batches += 1
+                _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop)
         del cache
     return result
 
@@ -186,8 +189,11 @@ def decode_variants(model, state: PrefillState, variants, reference: Reference, 
     for picked in fidelity_groups(model, state, source.lengths, reference, batch_size, prefix, memory_bytes,
                                   max_new_tokens):
         built = [source.build(i) for i in picked]
-        decoded = greedy_decode(model, state, built, max_new_tokens, stop_ids, prefix=prefix)
-        measured = measure_fidelity(model, state, built, reference, batch_size, prefix=prefix, memory_bytes=memory_bytes)
+        with timings.phase(timings.PLAIN_DECODE):
+            decoded = greedy_decode(model, state, built, max_new_tokens, stop_ids, prefix=prefix)
+        with timings.phase(timings.TEACHER_FORCED):
+            measured = measure_fidelity(model, state, built, reference, batch_size, prefix=prefix,
+                                        memory_bytes=memory_bytes)
         for i, one, fid in zip(picked, decoded, measured):
             tokens[i], quality[i] = one, fid
     return tokens, quality

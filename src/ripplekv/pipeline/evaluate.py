@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
+from time import perf_counter
 
 import numpy as np
 
+from ripplekv.engine import timings
 from ripplekv.engine.evict import capacities, peak_entries
 from ripplekv.engine.memory import LazyVariants, PeakMemory, default_budget, held_bytes, variant_room
 from ripplekv.engine.prefill import Requirements
@@ -36,9 +38,10 @@ from ripplekv.pipeline.eval_plan import (
 )
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.samples import check_eval_window
-from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES
+from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS
 from ripplekv.runs.resume import append_rows, existing_lines
 from ripplekv.runs.safeio import exclusive, open_append, write_json
+from ripplekv.runs.timings import TimingsLog
 
 # --------------------------------------------------------------------------- one sample
 
@@ -104,6 +107,8 @@ def evaluate_sample(
     from ripplekv.metrics.scoring import score_sample
     from ripplekv.tasks import build_prompt_ids
 
+    total = decode_budget == "total"
+    timings.declare(timings.PREFILL, timings.REFERENCE_DECODE, *timings.DECODES["total" if total else decoding])
     ids = build_prompt_ids(task, record, tokenizer, max_length)
     question: list[int] = []
     if protocol == "context-only":
@@ -112,31 +117,37 @@ def evaluate_sample(
         cut = question_start(task, record, tokenizer, max_length)
         ids, question = ids[:cut], list(ids[cut:])
     needs = Requirements.of_all(methods.values()) if needs is None else needs
-    state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens,
-                    context=SampleContext(tokenizer, tuple(question)))
+    with timings.phase(timings.PREFILL):  # its recorders count apart (`engine.timings`)
+        state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens,
+                        context=SampleContext(tokenizer, tuple(question)))
     n, layers, heads = state.length, state.num_layers, state.num_kv_heads
     report("prefill", n)
     stops = stop_tokens(model, tokenizer, task.stop_at_newline)
-    reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
+    with timings.phase(timings.REFERENCE_DECODE):
+        reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
     record_reference(state, reference.tokens)  # kept only where a method declared it needs the answer
     report("decode", task.max_new_tokens)
 
     wanted = None if variants is None else set(variants)
     variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
                 if wanted is None or (label, budget) in wanted]
-    counts = [method.budgets(state, budget) for _, budget, method in variants]
+    counts = []
+    for name, budget, method in variants:  # a method's allocation is part of its build
+        with timings.phase(timings.BUILD, name):
+            counts.append(method.budgets(state, budget))
     lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
     room = variant_room(model, state, reference, [f"{name} at budget {budget}" for name, budget, _ in variants],
                         lengths, len({id(m) for _, _, m in variants}), memory_budget, len(question), task.max_new_tokens)
 
     def built(index: int):  # a variant's entries, when its group decodes
         name, budget, method = variants[index]
-        entry_list = method.compress(state, budget)
+        with timings.phase(timings.BUILD, name):
+            entry_list = method.compress(state, budget)
         kept = np.array([[int(c) for c in layer.counts.tolist()] for layer in entry_list], dtype=np.int64)
         assert (kept == counts[index]).all(), f"{name}@{budget}: built entries differ from the allocated budgets"
         return entry_list
 
-    lazy, total = LazyVariants(lengths, built), decode_budget == "total"
+    lazy = LazyVariants(lengths, built)
     if total:
         caps = [capacities(c, budget) for c, (_, budget, _) in zip(counts, variants)]
         tokens, quality = decode_per_method(model, state, variants, lazy, caps, reference, task.max_new_tokens,
@@ -243,19 +254,23 @@ def check_model_fits(plan: Plan) -> None:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
 
 
-def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, job: Job, progress=None) -> list[dict]:
-    """One unit of work: a sample with all its missing (method, budget) variants, on `loaded` = (model, tokenizer)."""
+def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, job: Job,
+                progress=None) -> tuple[list[dict], list[tuple[str, str, float]]]:
+    """One unit of work: a sample with all its missing (method, budget) variants, on `loaded` = (model, tokenizer);
+    returns its result lines and the seconds each phase took (`engine.timings`)."""
     model, tokenizer = loaded
-    return evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, sid=job.sid,
-                           max_length=settings.max_length, batch_size=settings.batch_size,
-                           variants=job.variants, with_full=job.with_full,
-                           progress=progress, protocol=settings.protocol, decode_budget=settings.decode_budget,
-                           compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY,
-                           memory_budget=settings.memory_budget)
+    with timings.collect(next(model.parameters()).device) as spent:
+        rows = evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, sid=job.sid,
+                               max_length=settings.max_length, batch_size=settings.batch_size,
+                               variants=job.variants, with_full=job.with_full,
+                               progress=progress, protocol=settings.protocol, decode_budget=settings.decode_budget,
+                               compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY,
+                               memory_budget=settings.memory_budget)
+    return rows, spent.rows()
 
 
 def run_samples(plan: Plan, jobs: list, budgets, tokenizer, workers, console, advance):
-    """Yield `(job, rows)` for every job: in this process (progress inside each sample through `advance`),
+    """Yield `(job, (rows, phase seconds))` for every job: in this process (progress inside each sample through `advance`),
     or on Ray workers in finishing order (progress as each sample finishes)."""
     from functools import partial
 
@@ -274,12 +289,12 @@ def run_samples(plan: Plan, jobs: list, budgets, tokenizer, workers, console, ad
     def retry(job, reason):
         console.print(f"[yellow]a worker died on {job.task.name}/{job.sid} ({reason}); running it again[/yellow]")
 
-    for job, rows in distributed.run_units(jobs, setup, partial(sample_rows, s, plan.methods, budgets), workers,
+    for job, done in distributed.run_units(jobs, setup, partial(sample_rows, s, plan.methods, budgets), workers,
                                            device=device, on_retry=retry,
                                            label=lambda job: f"sample {job.task.name}/{job.sid}"):
         advance("prefill", job.prompt_tokens)
         advance("decode", job.decode_units)
-        yield job, rows
+        yield job, done
 
 
 def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Sequence[str] = (), workers=None) -> dict:
@@ -324,6 +339,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     from ripplekv.pipeline.progress import Throughput, WorkClock, _eta_column
 
     have = existing_lines(out)
+    times = TimingsLog(out / TIMINGS)  # a torn last row (a kill mid-write) is cut here
     jobs = plan_jobs(plan, config, work, have, tokenizer)
     write_json(out / CONFIG, merge_config(old, config))
     written = []
@@ -356,11 +372,12 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
                     progress.update(bar, advance=units, deadline=None if eta is None else clock.mark + eta)
 
                 with closing(run_samples(plan, jobs, config["budgets"], tokenizer, workers, console, advance)) as results:
-                    for job, rows in results:  # in finishing order when workers run them
+                    for job, (rows, spent) in results:  # in finishing order when workers run them
                         if job.old_prompt_tokens is not None and rows and rows[0]["prompt_tokens"] != job.old_prompt_tokens:
                             raise UserError(f"sample {job.task.name}/{job.sid} now has {rows[0]['prompt_tokens']} "
                                             f"prompt tokens, not {job.old_prompt_tokens} as in {out}; use a new --out directory")
                         append_rows(fh, rows)
+                        times.append(job.task.name, job.sid, spent)  # after its lines: a sample is timed once
                         finished += 1
                         progress.update(bar, samples=f"{finished}/{len(jobs)} samples",
                                         description=f"{job.task.name} [dim]{escape(job.sid)}[/dim] done")
@@ -371,7 +388,9 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
         written.append(out / PREDICTIONS)
     else:
         console.print(f"all {len(work)} samples already done in {out}; re-rendering the report")
+    start = perf_counter()
     tables = report.render(out)
-    written += [out / CONFIG, *(out / name for name in REPORT_FILES if (out / name).exists())]
+    times.append("", "", [(timings.REPORT, "", perf_counter() - start)])
+    written += [out / TIMINGS, out / CONFIG, *(out / name for name in REPORT_FILES if (out / name).exists())]
     console.print("wrote: " + ", ".join(str(path) for path in written), soft_wrap=True)
     return tables

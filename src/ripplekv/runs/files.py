@@ -41,7 +41,8 @@ REPORT_FILES = ("scores.csv", "leaderboard.csv", "leaderboard_wide.csv", "ranks.
                 "score_forest.png", "summary.md", "report.json")
 # written only when the run holds what they show (samples with a length; several allocators with one scorer)
 OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.md")
-EVAL_FILES = (PREDICTIONS, CONFIG, *REPORT_FILES)
+TIMINGS = "timings.csv"  # seconds per sample and phase, appended as samples finish (`runs.timings`)
+EVAL_FILES = (PREDICTIONS, CONFIG, TIMINGS, *REPORT_FILES)
 SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
 PROFILE_FILES = ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png", SAMPLES_LOG)
 ROUTE_FILES = ("ROUTE.csv", "preferences.csv", "preferences_per_sample.csv", "placements.csv",

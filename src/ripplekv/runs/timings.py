@@ -1,0 +1,80 @@
+"""timings.csv: the seconds each sample spent in each phase of `ripplekv eval`, one row per sample x phase.
+
+Rows are appended, fsynced, right after the sample's result lines, so a resumed run keeps the rows of the
+samples already done and never times a sample twice (a finished sample is not run again). A sample that
+a later run extends with more variants is prefilled again: those rows carry the next `job` number, as
+they are new work. A torn last row (a kill mid-write) is cut when the next run opens the file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from ripplekv.errors import UserError
+from ripplekv.runs.safeio import append_bytes, open_append, write_failure
+
+# method: "" for the phases every variant shares; task and sample_id: "" for the run's report
+COLUMNS = ("task", "sample_id", "job", "phase", "method", "seconds")
+
+
+def read_timings(path: str | Path) -> pd.DataFrame:
+    """The whole rows of a timings.csv (none when it is missing), seconds as floats."""
+    path = Path(path)
+    data = path.read_bytes() if path.is_file() else b""
+    whole = data[: data.rfind(b"\n") + 1]
+    if not whole.strip():
+        return pd.DataFrame(columns=list(COLUMNS))
+    try:
+        frame = pd.read_csv(io.BytesIO(whole), dtype=str, keep_default_na=False)
+    except (ValueError, pd.errors.ParserError):
+        raise UserError(f"{path} is not a timings table written by `ripplekv eval`; delete it to start it again") from None
+    if list(frame.columns) != list(COLUMNS):
+        raise UserError(f"{path} has columns {', '.join(frame.columns)}, not {', '.join(COLUMNS)}; delete it to "
+                        "start it again")
+    frame["seconds"] = pd.to_numeric(frame["seconds"], errors="coerce")
+    frame["job"] = pd.to_numeric(frame["job"], errors="coerce").astype("Int64")
+    return frame
+
+
+class TimingsLog:
+    """Appends a sample's phase seconds to timings.csv under the next job number of that sample."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._cut_torn_row()
+        frame = read_timings(self.path)
+        self.jobs = {key: int(job) for key, job in frame.groupby(["task", "sample_id"])["job"].max().items()}
+
+    def _cut_torn_row(self) -> None:
+        if not self.path.is_file():
+            return
+        data = self.path.read_bytes()
+        whole = data.rfind(b"\n") + 1
+        if whole == len(data):
+            return
+        try:
+            with self.path.open("r+b") as fh:
+                fh.truncate(whole)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as err:
+            raise write_failure(self.path, err, "rerun the same command") from None
+
+    def append(self, task: str, sample_id: str, spent: list[tuple[str, str, float]]) -> None:
+        """`spent`: (phase, method, seconds) of one job of the sample (`engine.timings.Timings.rows`)."""
+        key = (str(task), str(sample_id))
+        job = self.jobs.get(key, 0) + 1
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            writer.writerow(COLUMNS)
+        for phase, method, seconds in spent:
+            writer.writerow([task, sample_id, job, phase, method, f"{seconds:.6f}"])
+        with open_append(self.path) as fh:
+            append_bytes(fh, text.getvalue().encode("utf-8"))
+        self.jobs[key] = job

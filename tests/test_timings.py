@@ -1,0 +1,117 @@
+"""Per-phase timings: every eval sample's phases in timings.csv, kept once across resumes, and `report`'s
+"where the time went"."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pandas as pd
+import pytest
+
+from ripplekv.analysis import time_spent
+from ripplekv.engine import timings
+from ripplekv.runs.timings import COLUMNS, TimingsLog, read_timings
+from tests.conftest import invoke
+
+TASKS = ("niah", "squad")
+# h2o and expected-attention bring the prefill's two attention recorders beside the window queries
+METHODS = ("full", "snapkv", "h2o", "expected-attention", "streamingllm")
+RECORDERS = ("capture_window", "accumulated_attention", "query_statistics")
+SHARED = (timings.PREFILL, timings.REFERENCE_DECODE, timings.TEACHER_FORCED, timings.DIVERGENCE_DECODE, timings.OTHER)
+
+
+def eval_args(model, out, methods=METHODS):
+    return ["eval", "--model", str(model), "--suite", "offline", "--tasks", ",".join(TASKS), "--limit", "1",
+            "--target-tokens", "300", "--methods", ",".join(methods), "--budget", "32", "--batch-size", "4",
+            "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def timed_run(tiny_model_dir, tmp_path_factory):
+    """One eval run (shared: the tests below copy it before changing it), its wall time and what it printed."""
+    out = tmp_path_factory.mktemp("timed") / "run"
+    start = time.perf_counter()
+    result = invoke(*eval_args(tiny_model_dir, out))
+    wall = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    return out, wall, result.stdout
+
+
+def sample_rows(out):
+    frame = read_timings(out / "timings.csv")
+    return frame[frame["sample_id"] != ""]
+
+
+def samples_of(out) -> list[tuple[str, str]]:
+    config = json.loads((out / "config.json").read_text())
+    return [(task, sid) for task, ids in config["samples"].items() for sid in ids]
+
+
+def test_every_sample_times_every_phase_within_the_run_wall_time(timed_run):
+    out, wall, _ = timed_run
+    frame = read_timings(out / "timings.csv")
+    assert list(frame.columns) == list(COLUMNS) and (frame["seconds"] >= 0).all()
+    expected = {(phase, "") for phase in SHARED} | {(timings.RECORDER + name, "") for name in RECORDERS}
+    expected |= {(timings.BUILD, method) for method in METHODS if method != "full"}
+    for task, sid in samples_of(out):
+        rows = frame[(frame["task"] == task) & (frame["sample_id"] == sid)]
+        assert set(zip(rows["phase"], rows["method"])) == expected, (task, sid)
+        assert (rows["job"] == 1).all() and len(rows) == len(expected)  # each phase once: a sample's sum is its time
+        assert rows.loc[rows["phase"] == timings.PREFILL, "seconds"].iloc[0] > 0
+    assert sample_rows(out).groupby(["task", "sample_id"])["seconds"].sum().max() <= wall
+    assert frame["seconds"].sum() <= wall  # phases never overlap: nested ones count once
+    report = frame[frame["sample_id"] == ""]
+    assert report["phase"].tolist() == [timings.REPORT] and report["seconds"].iloc[0] > 0
+
+
+def test_a_resumed_run_keeps_its_rows_and_times_new_work_once(timed_run, tiny_model_dir, tmp_path, run_cli):
+    out = shutil.copytree(timed_run[0], tmp_path / "run")
+    first = sample_rows(out)
+    assert run_cli(*eval_args(tiny_model_dir, out))[0] == 0  # nothing to do: only the report is timed again
+    pd.testing.assert_frame_equal(sample_rows(out), first)
+    with (out / "timings.csv").open("ab") as fh:  # a kill mid-write leaves a torn row; the next run cuts it
+        fh.write(b"squad,squad-x,1,pre")
+    code, _, err = run_cli(*eval_args(tiny_model_dir, out, (*METHODS, "random")))
+    assert code == 0, err
+    grown = sample_rows(out)
+    keys = ["task", "sample_id", "job", "phase", "method"]
+    assert not grown.duplicated(keys).any() and "squad-x" not in set(grown["sample_id"])
+    pd.testing.assert_frame_equal(grown.iloc[: len(first)].reset_index(drop=True), first.reset_index(drop=True))
+    again = grown.iloc[len(first):]  # the new method's variants: every sample prefilled again, its second job
+    assert set(zip(again["task"], again["sample_id"])) == set(samples_of(out)) and (again["job"] == 2).all()
+    assert set(again.loc[again["phase"] == timings.BUILD, "method"]) == {"random"}
+    assert len(read_timings(out / "timings.csv").query("phase == 'report'")) == 3
+
+
+def test_report_prints_where_the_time_went(timed_run, tmp_path, run_cli):
+    assert "where the time went" in timed_run[2]
+    out = shutil.copytree(timed_run[0], tmp_path / "run")
+    code, printed, err = run_cli("report", str(out))
+    assert code == 0, err
+    assert "where the time went" in printed and "prefill" in printed
+    summary = (out / "summary.md").read_text()
+    assert time_spent.HEADING in summary and "| prefill |" in summary
+    assert summary.rstrip().endswith("|")  # the last section: run_files (conftest) cuts it when comparing runs
+
+
+def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(tmp_path):
+    with timings.collect() as spent:
+        with timings.phase("outer"):
+            time.sleep(0.02)
+            with timings.phase(timings.BUILD, "a"):
+                time.sleep(0.03)
+    seconds = {(phase, method): value for phase, method, value in spent.rows()}
+    assert seconds[("outer", "")] == pytest.approx(0.02, abs=0.015)
+    assert seconds[(timings.BUILD, "a")] == pytest.approx(0.03, abs=0.015)
+    assert sum(seconds.values()) == pytest.approx(0.05, abs=0.02)
+    with timings.phase("ignored"):  # outside `collect`: nothing is measured
+        pass
+    log = TimingsLog(tmp_path / "timings.csv")
+    builds = [(timings.BUILD, f"m{i}", float(i + 1)) for i in range(time_spent.TOP_BUILDS + 2)]
+    log.append("t", "s", [(timings.PREFILL, "", 100.0), *builds])
+    table = time_spent.time_table(tmp_path)
+    assert table["phase"].tolist()[:2] == [timings.PREFILL, "build m6"]
+    assert table["phase"].tolist()[-1] == "build (2 other methods)" and table["seconds"].iloc[-1] == 3.0
+    assert table["share"].sum() == pytest.approx(1.0)
