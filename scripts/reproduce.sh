@@ -124,7 +124,10 @@ fi
 
 budget_args=()
 for b in $BUDGETS; do budget_args+=(--budget "$b"); done
-eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$methods" --limit "$LIMIT"
+# TASKS (optional): the suite's tasks the evals run (default: all of them)
+task_args=()
+[ -n "${TASKS:-}" ] && task_args=(--tasks "$TASKS")
+eval_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${task_args[@]}" "${budget_args[@]}" --methods "$methods" --limit "$LIMIT"
   --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv" "${route_args[@]}" --out "$OUT/eval")
 run_eval eval "eval" "${eval_cmd[@]}"
 
@@ -133,7 +136,7 @@ run_eval eval "eval" "${eval_cmd[@]}"
 # +-2%) turn into 60% +-1% pruned; into OUT/eval-headline.
 if [ -n "$headline_methods" ]; then
   headline_budget=$(awk -v r="${PRUNE_RATIO:-0.6}" -v n="$TARGET_TOKENS" 'BEGIN { printf "%d", (1 - r) * n + 0.5 }')
-  headline_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" --budget "$headline_budget" --methods "$headline_methods"
+  headline_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${task_args[@]}" --budget "$headline_budget" --methods "$headline_methods"
     --limit "${HEADLINE_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv"
     --out "$OUT/eval-headline")
   run_eval eval-headline "eval at DepthKV's headline ratio (B=$headline_budget)" "${headline_cmd[@]}"
@@ -142,7 +145,7 @@ fi
 # Head-to-head comparisons (optional, COMPARE_METHODS): methods too costly for every eval sample, on the first
 # COMPARE_LIMIT per task at the same budgets, into OUT/eval-compare (the results page pairs them).
 if [ -n "${COMPARE_METHODS:-}" ]; then
-  compare_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${budget_args[@]}" --methods "$COMPARE_METHODS"
+  compare_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${task_args[@]}" "${budget_args[@]}" --methods "$COMPARE_METHODS"
     --limit "${COMPARE_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv"
     --out "$OUT/eval-compare")
   run_eval eval-compare "eval, head-to-head comparisons" "${compare_cmd[@]}"
