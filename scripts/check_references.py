@@ -11,7 +11,8 @@ Two halves, two environments:
   it kept. The hook leaves the cache alone; compression after prefill never changes prefill's outputs.
 
 For each method with reference code it prints the share of identical (layer, KV head) kept sets and the
-mean Jaccard over prompts x budgets x layers x heads; PyramidKV's and CAKE's per-layer budgets are
+mean Jaccard over prompts x budgets x layers x heads (for KnormPress also the share identical up to tied
+scores: equal key norms, where a top-k's choice among ties is unspecified, and that share is what passes); PyramidKV's and CAKE's per-layer budgets are
 compared with their formulas re-implemented here (PyramidKV paper's linear schedule; cakekv's
 `pref / sum(pref) * L * (B - w)` with its truncation and `adjust_budgets`), DynamicKV's and LAVa's with
 their code's rules (`check_references_allocators`). The AdaKV rule (FFY0's
@@ -113,6 +114,7 @@ def worker(args) -> None:
                     press.compression_ratio = 1 - (budget + 0.5) / n  # int(n * (1 - ratio)) == budget
                     _, kept = press.compress(module, kwargs["hidden_states"], keys, positions, attentions, kwargs)
                     record[f"{name}/{budget}/{layer}"] = np.sort(kept[0, :, :, 0].round().long().numpy(), axis=-1)
+            record[f"knorm_norms/{layer}"] = keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
             snap = presses["snapkv"].score(module, kwargs["hidden_states"], keys, values, attentions, kwargs)
             record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
             window = attentions[0, :, -WINDOW:, : n - WINDOW].float()
@@ -259,6 +261,16 @@ def kept_sets(positions: np.ndarray) -> list[list[set[int]]]:
     return [[set(int(p) for p in row if p >= 0) for row in layer] for layer in positions]
 
 
+def tied_swap(scores: np.ndarray | None, head: int, kept: set[int], theirs: set[int]) -> bool:
+    """Whether two kept sets of one head differ only by entries of equal score (which of tied entries a top-k keeps
+    is not specified: ours keeps the earliest, `methods.base.top_indices`). Key norms tie exactly where two positions
+    hold the same token's key in layer 0 (RoPE leaves norms unchanged)."""
+    if scores is None or len(kept) != len(theirs):
+        return False
+    row = scores[head]
+    return sorted(row[sorted(kept)].tolist()) == sorted(row[sorted(theirs)].tolist())
+
+
 def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> list[tuple[str, bool, str]]:
     lines = []
     ours_files = sorted(out.glob("ours_prompt_*.npz"))
@@ -281,9 +293,11 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
                             own_round_agree.extend((own + WINDOW == ours[f"{name}/{budget}/counts"][layer]).tolist())
                     else:
                         theirs = [set(row.tolist()) for row in ref[f"{key}/{budget}/{layer}"]]
+                    norms = ref[f"knorm_norms/{layer}"] if key == "knorm" and f"knorm_norms/{layer}" in ref else None
                     for head, kept in enumerate(mine[layer]):
                         union = kept | theirs[head]
-                        stats[name].append((kept == theirs[head], len(kept & theirs[head]) / max(len(union), 1)))
+                        stats[name].append((kept == theirs[head], len(kept & theirs[head]) / max(len(union), 1),
+                                            kept == theirs[head] or tied_swap(norms, head, kept, theirs[head])))
         for budget in budgets:
             length = int(json.loads(str(ours["meta"]))["tokens"])
             cake_ref = cakekv_budgets(ref["cake_prefs"], budget, WINDOW, length)
@@ -293,12 +307,14 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
     for name, values in stats.items():
         same = np.mean([v[0] for v in values])
         jaccard = np.mean([v[1] for v in values])
+        tied = np.mean([v[2] for v in values])
         extra = f"; FFY0's own per-head round gives the same counts in {np.mean(own_round_agree):.3f} of heads" if name == "adakv" else ""
         if name in EARLIER:
             lines.append((name, None, f"  (earlier default) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))
             continue
-        lines.append((name, same >= 0.99, f"{name:<14} identical kept sets {same:.4f} of {len(values)} (layer, KV head, prompt, budget); "
-                      f"mean Jaccard {jaccard:.4f}{extra}"))
+        ties = f"; identical up to tied scores {tied:.4f}" if tied > same else ""
+        lines.append((name, max(same, tied) >= 0.99, f"{name:<14} identical kept sets {same:.4f} of {len(values)} (layer, KV head, "
+                      f"prompt, budget){ties}; mean Jaccard {jaccard:.4f}{extra}"))
     worst = max(d[0] for d in cake_diffs)
     lines.append(("cake", worst <= 1 and all(d[1] for d in cake_diffs),
                   f"{'cake':<14} layer budgets vs cakekv's formula on the reference attention: max |diff| {worst} entries "
