@@ -1,1 +1,1 @@
-.venv/bin/ripplekv profile --signal evict --evict-budget 128 --calib-samples 6 --probe-tokens 16 --target-tokens 3500 --out results/profile-evict 
+.venv/bin/ripplekv profile --signal evict --measure task-drop --prune-ratio 0.6 --calib-samples 7 --target-tokens 1200 --out results/profile-evict 

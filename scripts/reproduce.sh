@@ -146,8 +146,7 @@ fi
 # COMPARE_LIMIT per task at the same budgets, into OUT/eval-compare (the results page pairs them).
 if [ -n "${COMPARE_METHODS:-}" ]; then
   compare_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${task_args[@]}" "${budget_args[@]}" --methods "$COMPARE_METHODS"
-    --limit "${COMPARE_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS" --allocation "$OUT/allocation.csv"
-    --out "$OUT/eval-compare")
+    --limit "${COMPARE_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS" --out "$OUT/eval-compare")
   run_eval eval-compare "eval, head-to-head comparisons" "${compare_cmd[@]}"
 fi
 

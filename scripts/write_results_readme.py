@@ -36,6 +36,8 @@ def headline_lines(eval_dir: Path, title: str) -> list[str]:
     for budget, group in board[board["method"] != REFERENCE].groupby("budget"):
         real = group[~aware[group.index]]
         snap, ceiling = real[real["method"] == "snapkv"], group[aware[group.index]]
+        if (ceiling["method"] == "oracle").any():  # the token ceiling, not the allocation ceiling beside it
+            ceiling = ceiling[ceiling["method"] == "oracle"]
         if real.empty or snap.empty:
             continue
         closest, best = real.loc[real["kl"].idxmin()], real.loc[real["avg"].idxmax()]

@@ -1,1 +1,0 @@
-.venv/bin/ripplekv eval --suite offline --budget 128 --budget 512 --methods full\,snapkv\,ripplekv\,criticalkv\,criticaladakv\,defensivekv\,layer-defensivekv\,expected-attention\,keydiff\,kvzip\,oracle\,ripplekv:split=adakv:scorer=criticalkv --limit 2 --target-tokens 3500 --protocol context-only --allocation results/allocation.csv --out results/eval-context-only 

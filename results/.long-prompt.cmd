@@ -1,1 +1,0 @@
-.venv/bin/ripplekv eval --suite offline --tasks paragraph_recall --budget 64 --methods full\,streamingllm\,snapkv\,h2o\,tova\,ripplekv --limit 2 --target-tokens 2000 --allocation results/allocation.csv --decode-budget prompt --out results/long/prompt 
