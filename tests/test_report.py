@@ -279,7 +279,7 @@ def test_inspect_writes_the_kept_entries_and_a_picture(tiny_model_dir, tmp_path,
 def test_forest_rows_sort_best_first_and_mark_ceilings_apart(tmp_path):
     """The forest plot's rows: paired differences to the baseline, best first; a ceiling is a line at its
     difference, never a ranked row; the full cache is no row."""
-    from ripplekv.analysis.forest import family_of, forest_rows, plot_forest
+    from ripplekv.analysis.forest import family_of, forest_rows, plot_forest, short_label
 
     board = pd.DataFrame({
         "method": ["full", "snapkv", "ripplekv", "knorm", "oracle"],
@@ -299,6 +299,8 @@ def test_forest_rows_sort_best_first_and_mark_ceilings_apart(tmp_path):
     rows, ceilings, _ = forest_rows(board, 64, "score")
     assert list(rows["method"]) == ["ripplekv", "snapkv", "knorm"] and ceilings == [("oracle", pytest.approx(9.0))]
     assert (family_of("ripplekv:split=adakv"), family_of("nosuch")) == ("RippleKV", "other")
+    assert short_label("depthkv:allocation=runs/a/depthkv.csv:scorer=snapkv") == "depthkv:scorer=snapkv"
+    assert short_label("compresskv:profile=compresskv.csv") == "compresskv" and short_label("snapkv:window=16") == "snapkv:window=16"
     for measure in ("kl", "score"):
         plot_forest(board, tmp_path / f"{measure}.png", measure)
         assert (tmp_path / f"{measure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

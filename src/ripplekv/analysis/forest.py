@@ -35,6 +35,13 @@ def family_of(label: str) -> str:
     return next((family for family, names in METHOD_FAMILIES.items() if preset in names), OTHER)
 
 
+def short_label(label: str) -> str:
+    """A method label without the options that name a run's file (`depthkv:allocation=depthkv.csv:scorer=snapkv`
+    reads `depthkv:scorer=snapkv`): the file is the run's own, and the full label stays in the tables."""
+    name, *options = str(label).split(":")
+    return ":".join([name, *(o for o in options if not o.partition("=")[2].endswith(".csv"))])
+
+
 def colours() -> dict[str, str]:
     return {family: PALETTE[i % (len(PALETTE) - 1)] for i, family in enumerate(METHOD_FAMILIES)} | {OTHER: PALETTE[-1]}
 
@@ -79,7 +86,7 @@ def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl", ceilings=N
         ax.axvline(0, color="black", linewidth=0.8)
         for name, offset in ceilings:
             seen[f"{name} (ceiling)"] = ax.axvline(offset, color="grey", linestyle="--", linewidth=1, label=f"{name} (ceiling)")
-        ax.set_yticks(y, list(rows["method"]), fontsize="small")
+        ax.set_yticks(y, [short_label(m) for m in rows["method"]], fontsize="small")
         ax.set_ylim(-0.7, max(len(rows), 1) - 0.3)
         ax.set_title(f"B={budget}" if budget is not None else "no baseline in this run", fontsize="medium")
         ax.set_xlabel(MEASURES[measure][4].format(base=base or "the baseline"), fontsize="small")
