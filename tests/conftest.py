@@ -21,6 +21,17 @@ TINY = dict(
 )
 
 
+def load_script(name: str):
+    """scripts/NAME.py imported as a module (scripts are not a package), for tests of its functions."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_llama(vocab_size: int = 101, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**TINY, **overrides})).eval()

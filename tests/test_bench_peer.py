@@ -1,21 +1,16 @@
 """scripts/bench_peer.py without kvpress: its method sets, budgets-to-ratio rule and summary are what the issue asks."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from ripplekv.methods import make_method
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_peer.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_peer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_peer")
 
 
 def test_the_sets_count_22_and_8_variants_at_two_budgets_and_every_spec_is_ours(bench):
@@ -50,6 +45,6 @@ def test_ratios_sum_the_repeats_per_set_and_cut_at_stop_drops_the_stop(bench):
 
 
 def test_without_check_references_files_the_kept_sets_are_one_line_saying_where_to_get_them(bench, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script finds check_references beside itself
+    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # the script finds check_references beside itself
     lines = bench.kept_lines(tmp_path)
     assert len(lines) == 1 and "make check-references" in lines[0] and str(tmp_path) in lines[0]

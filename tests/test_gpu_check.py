@@ -1,21 +1,16 @@
 """scripts/gpu_check.py: its small equalities hold here on CPU, and without CUDA the GPU run is one line."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA line")
