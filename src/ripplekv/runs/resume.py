@@ -8,12 +8,11 @@ one sample's lines in one fsynced write, so a killed run loses at most the sampl
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ripplekv.errors import UserError
 from ripplekv.runs.files import PREDICTIONS, REFERENCE, read_lines
-from ripplekv.runs.safeio import append_bytes, write_failure
+from ripplekv.runs.safeio import append_bytes, cut_to
 
 
 def variant_keys(config: dict) -> set[tuple[str, int | None]]:
@@ -43,13 +42,7 @@ def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
         while rows and (rows[-1]["task"], rows[-1]["id"]) == last:
             rows.pop()
             keep = keep[: keep.rstrip(b"\n").rfind(b"\n") + 1]
-        try:
-            with path.open("r+b") as fh:
-                fh.truncate(len(keep))
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError as err:
-            raise write_failure(path, err, "rerun the same command") from None
+        cut_to(path, len(keep))
     have: dict[tuple[str, str], dict] = {}
     for row in rows:
         entry = have.setdefault((row["task"], row["id"]), {"variants": set(), "prompt_tokens": row.get("prompt_tokens")})

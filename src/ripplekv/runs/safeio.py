@@ -120,6 +120,18 @@ def _discard(tmp: Path) -> None:
         pass
 
 
+def cut_to(path: Path, length: int) -> None:
+    """Cut a file back to its first `length` bytes, fsynced (a torn last record after a kill); a failure is the
+    one-line error that names the file."""
+    try:
+        with Path(path).open("r+b") as fh:
+            fh.truncate(length)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:
+        raise write_failure(path, err, "rerun the same command") from None
+
+
 def append_bytes(handle, data: bytes) -> None:
     """Append `data` to an open file in one fsynced step: on a failure (a full disk) the file is cut back
     to where it was, so it never ends in part of a record, and the one-line error names it."""

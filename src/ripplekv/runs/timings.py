@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from pathlib import Path
 
 import pandas as pd
 
 from ripplekv.errors import UserError
-from ripplekv.runs.safeio import append_bytes, open_append, write_failure
+from ripplekv.runs.safeio import append_bytes, cut_to, open_append
 
 # method: "" for the phases every variant shares; task and sample_id: "" for the run's report
 COLUMNS = ("task", "sample_id", "job", "phase", "method", "seconds")
@@ -55,15 +54,8 @@ class TimingsLog:
             return
         data = self.path.read_bytes()
         whole = data.rfind(b"\n") + 1
-        if whole == len(data):
-            return
-        try:
-            with self.path.open("r+b") as fh:
-                fh.truncate(whole)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError as err:
-            raise write_failure(self.path, err, "rerun the same command") from None
+        if whole < len(data):
+            cut_to(self.path, whole)
 
     def append(self, task: str, sample_id: str, spent: list[tuple[str, str, float]]) -> None:
         """`spent`: (phase, method, seconds) of one job of the sample (`engine.timings.Timings.rows`)."""
