@@ -77,16 +77,22 @@ def run_sample(loaded, methods, monkeypatch=None, tight: float | None = None, **
     task = get_tasks("offline", ["niah"])[0]
     record = load_samples(task, tokenizer, limit=1, target_tokens=256)[0]
     if tight is not None:  # the real bound, set just above what the largest variant needs alone
-        real = memory.variant_room
+        real, real_left = memory.variant_room, memory.room_left
+        squeezed_budget = []
 
-        def squeezed(model, state, reference, labels, lengths, count, budget, prefix, max_new):
-            fixed = budget - real(model, state, reference, labels, lengths, count, budget, prefix, max_new)
+        def squeezed(model, state, reference, labels, lengths, count, budget, prefix, max_new, **measured):
+            fixed = budget - real(model, state, reference, labels, lengths, count, budget, prefix, max_new, **measured)
             costs = memory.StepCosts.of(model, state)
             fed = max(1, prefix + len(reference.tokens) - 1)
             alone = max(costs.group(1, length, fed, fed + max_new) for length in lengths)
-            return real(model, state, reference, labels, lengths, count, fixed + int(tight * alone), prefix, max_new)
+            squeezed_budget.append(fixed + int(tight * alone))
+            return real(model, state, reference, labels, lengths, count, squeezed_budget[0], prefix, max_new, **measured)
+
+        def squeezed_left(model, state, reference, lengths, count, budget, held, building):  # the same bound later
+            return real_left(model, state, reference, lengths, count, squeezed_budget[0], held, building)
 
         monkeypatch.setattr(evaluate, "variant_room", squeezed)
+        monkeypatch.setattr(evaluate, "room_left", squeezed_left)
     return evaluate.evaluate_sample(model, tokenizer, task, record, methods, (24, 160), sid="s", **options)
 
 
@@ -128,3 +134,54 @@ def test_the_peak_meter_sees_a_new_allocation():
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
     assert meter.peak() >= before + 60 * 2**20
     del block
+
+
+def test_the_meter_tells_what_is_held_and_each_stretch_peak():
+    import gc
+
+    gc.collect()
+    meter = memory.PeakMemory("cpu")
+    block = torch.ones(48 * 2**20 // 4)  # 48 MiB, touched and held
+    assert meter.grown() >= 40 * 2**20
+    start = meter.current()
+    meter.mark()
+    passing = torch.ones(32 * 2**20 // 4)  # 32 MiB, freed before the mark: only the stretch's peak saw it
+    del passing
+    assert meter.mark() >= start + 28 * 2**20
+    assert meter.peak() >= start + 28 * 2**20  # the whole work's peak keeps every stretch's
+    del block
+
+
+def test_freed_blocks_leave_the_resident_set_once_malloc_is_told():
+    """What the CPU bound rests on: a group's tensors, freed, no longer count in the resident set."""
+    import gc
+
+    if not memory.return_freed_memory():
+        pytest.skip("not glibc: malloc cannot be told to return freed blocks")
+    gc.collect()
+    meter = memory.PeakMemory("cpu")
+    for _ in range(3):  # without the fixed threshold, glibc keeps blocks of this size resident after the first free
+        blocks = [torch.ones(20 * 2**20 // 4) for _ in range(4)]  # 80 MiB in 20 MiB blocks
+        del blocks
+    assert meter.grown() < 30 * 2**20
+
+
+def test_groups_are_planned_again_within_what_is_left_after_each():
+    """A sample that holds more after its first group (scores a build cached) decodes the rest in smaller groups."""
+    from ripplekv.engine import divergence
+    from ripplekv.engine.decode import Reference, fidelity_groups
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    state = prefill(model, torch.randint(0, 101, (90,), generator=torch.Generator().manual_seed(2)), capture_window=16)
+    reference = Reference([1, 2, 3], torch.zeros(3, 101))
+    lengths = [[40] * state.num_layers for _ in range(12)]
+    costs = memory.StepCosts.of(model, state)
+    one = costs.group(1, lengths[0], 2, 2 + 3)
+    roomy = 6 * one
+    planned = fidelity_groups(model, state, lengths, reference, 16, None, roomy, 3)
+    assert [len(g) for g in planned] == [6, 6]  # one plan: the same room throughout
+    rooms = iter([2 * one, 2 * one, 2 * one])
+    again = list(divergence._groups(model, state, lengths, reference, 16, None, roomy, 3, lambda: next(rooms)))
+    assert [len(g) for g in again] == [6, 2, 2, 2]
+    assert sorted(i for g in again for i in g) == list(range(12))

@@ -72,6 +72,7 @@ def decode_by_divergence(
     prefix: list[int] | None = None,
     fidelity_batch: int = 16,
     memory_bytes: int | None = None,
+    room_after=None,
 ) -> DivergenceResult:
     """Greedy tokens and fidelity of every variant from one teacher-forced pass along the full answer.
 
@@ -79,6 +80,8 @@ def decode_by_divergence(
     runs in the groups of `decode.fidelity_groups` (at most `fidelity_batch` variants of similar length,
     together under `memory_bytes`, exactly as `decode.measure_fidelity`, so KL and agreement are the same
     numbers); a group's variants still running after their divergence then decode on in its own cache.
+    `room_after()`, when given, is the bytes left once a group is done: the variants still to run are then
+    grouped again within it (what the sample holds can grow: scores a build caches, the allocator's keep).
     """
     source = LazyVariants.of(variants)
     stop = {int(t) for t in stop_ids}
@@ -87,8 +90,8 @@ def decode_by_divergence(
     fed = prefix + answer[:-1]  # what the forced pass reads through each variant's cache
     base = state.length + len(prefix)  # position of the first answer token
     result = DivergenceResult(tokens=[None] * len(source), fidelity=[None] * len(source))
-    for picked in fidelity_groups(model, state, source.lengths, reference, fidelity_batch, prefix, memory_bytes,
-                                  max_new_tokens):
+    for picked in _groups(model, state, source.lengths, reference, fidelity_batch, prefix, memory_bytes,
+                          max_new_tokens, room_after):
         with timings.phase(timings.TEACHER_FORCED):  # the builds inside count as their methods'
             cache = build_lazily(state, (source.build(i) for i in picked), [source.lengths[i] for i in picked])
             logprobs = _forced_logprobs(model, state, cache, fed, len(prefix))
@@ -124,6 +127,24 @@ def decode_by_divergence(
                 _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop)
         del cache
     return result
+
+
+def _groups(model, state, lengths, reference, batch_size, prefix, memory_bytes, max_new_tokens, room_after):
+    """`decode.fidelity_groups` in turn; with `room_after`, the variants left are grouped again after each."""
+    if room_after is None:
+        yield from fidelity_groups(model, state, lengths, reference, batch_size, prefix, memory_bytes, max_new_tokens)
+        return
+    pending = list(range(len(lengths)))
+    bound = memory_bytes
+    while pending:
+        first = fidelity_groups(model, state, [lengths[i] for i in pending], reference, batch_size, prefix, bound,
+                                max_new_tokens)[0]
+        picked = [pending[i] for i in first]
+        yield picked
+        taken = set(picked)
+        pending = [i for i in pending if i not in taken]
+        if pending:
+            bound = room_after()
 
 
 def _forced_logprobs(model, state: PrefillState, cache: CompressedCache, fed: list[int], prefix_length: int):
@@ -171,15 +192,17 @@ DECODINGS = ("divergence", "plain")
 
 def decode_variants(model, state: PrefillState, variants, reference: Reference, max_new_tokens: int,
                     stop_ids: Iterable[int] = (), prefix: list[int] | None = None, batch_size: int = 16,
-                    decoding: str = "divergence", memory_bytes: int | None = None) -> tuple[list[list[int]], list[Fidelity]]:
+                    decoding: str = "divergence", memory_bytes: int | None = None,
+                    room_after=None) -> tuple[list[list[int]], list[Fidelity]]:
     """Greedy tokens and fidelity of every variant (built entries or `LazyVariants`): by divergence from the
     full answer (the default), or "plain": each group decoded from its first token, then a separate forced
-    pass (the reference divergence decoding is checked against; it holds a group's entries beside its cache)."""
+    pass (the reference divergence decoding is checked against; it holds a group's entries beside its cache).
+    `room_after`: as `decode_by_divergence` takes it (divergence decoding only)."""
     from ripplekv.engine.decode import greedy_decode, measure_fidelity
 
     if decoding == "divergence":
         result = decode_by_divergence(model, state, variants, reference, max_new_tokens, stop_ids, prefix, batch_size,
-                                      memory_bytes)
+                                      memory_bytes, room_after)
         return result.tokens, result.fidelity
     if decoding != "plain":
         raise ValueError(f"decoding must be one of {DECODINGS}, got {decoding!r}")

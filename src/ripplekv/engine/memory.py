@@ -105,18 +105,25 @@ def held_bytes(device, *holders) -> int:
 
 
 class PeakMemory:
-    """The peak memory of one piece of work (a sample), from `start()` on.
+    """The memory of one piece of work (a sample), from `start()` on: its peak, what it holds now, and the
+    peak of each stretch between `mark()`s (how much a step took at its height).
 
-    CUDA: `torch.cuda.max_memory_allocated` (bytes of tensors, allocator slack not counted). CPU: the
-    process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs), so it includes
-    the interpreter, the libraries and the weights; where that cannot be reset, `ru_maxrss`, which counts
-    from the process's start (an over-estimate after a bigger sample)."""
+    CUDA: tensor bytes (`torch.cuda.memory_allocated`, its peak `max_memory_allocated`; allocator slack not
+    counted). CPU: the process's resident set (VmRSS, its high-water mark VmHWM, reset through
+    /proc/self/clear_refs), so it includes the interpreter, the libraries and the weights; where that
+    cannot be reset, `ru_maxrss`, which counts from the process's start (an over-estimate after a bigger
+    sample)."""
 
     def __init__(self, device):
         self.device = torch.device(device)
         self.start()
 
     def start(self) -> None:
+        self.highest = 0
+        self._reset()
+        self.origin = self.current()
+
+    def _reset(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -126,22 +133,47 @@ class PeakMemory:
         except OSError:
             pass
 
-    def peak(self) -> int:
+    def _stretch_peak(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return resident_peak()
 
+    def current(self) -> int:
+        """Bytes held now (CUDA: allocated tensors; CPU: the resident set)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return _proc_status("VmRSS") or resident_peak()
 
-def resident_peak() -> int:
-    """The process's resident-set high-water mark in bytes (VmHWM; ru_maxrss where /proc is missing)."""
+    def grown(self) -> int:
+        """What the work holds now beyond what was held at its start (never negative)."""
+        return max(0, self.current() - self.origin)
+
+    def mark(self) -> int:
+        """The peak since the last mark (or the start); a new stretch begins. `peak()` still sees it."""
+        seen = self._stretch_peak()
+        self.highest = max(self.highest, seen)
+        self._reset()
+        return seen
+
+    def peak(self) -> int:
+        return max(self.highest, self._stretch_peak())
+
+
+def _proc_status(field: str) -> int:
+    """A size field of /proc/self/status in bytes (0 where there is none)."""
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return 0
+
+
+def resident_peak() -> int:
+    """The process's resident-set high-water mark in bytes (VmHWM; ru_maxrss where /proc is missing)."""
+    return _proc_status("VmHWM") or int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,15 +287,17 @@ def plan_groups(lengths: list[list[int]], steps: list[int], group_bytes: Callabl
 
 
 def variant_room(model, state, reference, labels: Sequence[str], lengths: list[list[int]], methods: int,
-                 memory_budget: int, prefix: int, max_new_tokens: int) -> int:
+                 memory_budget: int, prefix: int, max_new_tokens: int, held: int = 0, building: int = 0) -> int:
     """Bytes left for the variants decoded together: `memory_budget` less what the sample holds now
     (weights, prefill, reference, the scores methods shared) and a reserve for building one variant and for
     the scores still to come (one float32 [L, H_kv, n] per method of the `methods`). A UserError names the
-    first variant (`labels[i]`, kept entries per layer `lengths[i]`) that cannot decode even alone."""
+    first variant (`labels[i]`, kept entries per layer `lengths[i]`) that cannot decode even alone.
+
+    `held`: the bytes the sample holds as measured (`PeakMemory`: on CPU the resident set, which also counts
+    what the tensors' bookkeeping cannot see); `building`: the measured peak of building variants so far
+    (a scorer's temporaries). Each is used where it is larger than the tensors' own count."""
     costs = StepCosts.of(model, state)
-    scores = methods * state.num_layers * state.num_kv_heads * state.length * 4
-    building = max((costs.building(length, state.length) for length in lengths), default=0)
-    fixed = held_bytes(state.device, model, state, reference) + scores + building
+    fixed = _fixed_bytes(model, state, reference, lengths, methods, held, building)
     fed = max(1, prefix + len(reference.tokens) - 1)
     room = memory_budget - fixed
     for label, length in zip(labels, lengths):
@@ -274,3 +308,45 @@ def variant_room(model, state, reference, labels: Sequence[str], lengths: list[l
                             f"--memory-budget to at least {format_bytes(fixed + alone)}, lower --budgets or "
                             "--max-length, or drop the method from --methods")
     return max(room, 1)
+
+
+def room_left(model, state, reference, lengths: list[list[int]], methods: int, memory_budget: int, held: int,
+              building: int) -> int:
+    """`variant_room` again between groups, from what the sample holds then (`held`, measured), without its
+    check: a group always has at least one variant, and the check ran before the first."""
+    return max(memory_budget - _fixed_bytes(model, state, reference, lengths, methods, held, building), 1)
+
+
+def _fixed_bytes(model, state, reference, lengths, methods: int, held: int, building: int) -> int:
+    costs = StepCosts.of(model, state)
+    scores = methods * state.num_layers * state.num_kv_heads * state.length * 4
+    modelled = max((costs.building(length, state.length) for length in lengths), default=0)
+    return max(held_bytes(state.device, model, state, reference), held) + scores + max(modelled, building)
+
+
+# Above this size glibc's malloc maps each block apart and unmaps it when freed (`return_freed_memory`).
+RETURN_FREED_ABOVE = 16 * 2**20
+
+
+def return_freed_memory() -> bool:
+    """On glibc, have malloc hand blocks over `RETURN_FREED_ABOVE` back to the system as soon as they are
+    freed (mallopt: a fixed mmap threshold, trimming at once), once per process. By default the threshold
+    grows with the blocks freed, so a decoding group's tensors, freed, stay resident for the next: the
+    resident set the CPU bound is measured by then grows past the tensors held. True when it took."""
+    global _RETURNING
+    if _RETURNING is None:
+        _RETURNING = False
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            mallopt = libc.mallopt
+        except (OSError, AttributeError):  # not glibc: nothing to set
+            return False
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        _RETURNING = bool(mallopt(m_mmap_threshold, RETURN_FREED_ABOVE)) and bool(
+            mallopt(m_trim_threshold, RETURN_FREED_ABOVE))
+    return _RETURNING
+
+
+_RETURNING: bool | None = None

@@ -23,7 +23,15 @@ import numpy as np
 
 from ripplekv.engine import timings
 from ripplekv.engine.evict import capacities, peak_entries
-from ripplekv.engine.memory import LazyVariants, PeakMemory, default_budget, held_bytes, variant_room
+from ripplekv.engine.memory import (
+    LazyVariants,
+    PeakMemory,
+    default_budget,
+    held_bytes,
+    return_freed_memory,
+    room_left,
+    variant_room,
+)
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.errors import UserError
@@ -95,13 +103,18 @@ def evaluate_sample(
 
     `memory_budget`: bytes the sample may hold (default: `engine.memory.default_budget`). Variants are built
     when their group decodes, in groups sized to what weights, prefill and reference leave (`memory.variant_room`;
-    a variant that cannot fit alone is a UserError before any decodes). Every line records `peak_memory_bytes`,
-    as `memory.PeakMemory` measures it (CUDA: tensor bytes; CPU: the process's resident high-water mark).
+    a variant that cannot fit alone is a UserError before any decodes), each group planned from what the
+    sample holds as measured then (on CPU the resident set, not only the tensors' count). Every line records
+    `peak_memory_bytes`, as `memory.PeakMemory` measures it (CUDA: tensor bytes; CPU: the process's resident
+    high-water mark). The prefill itself is not bounded: it runs before any variant.
     """
     report = progress or (lambda kind, units: None)
     device = next(model.parameters()).device
+    if device.type == "cpu":  # the CPU bound is measured on the resident set: let freed groups leave it
+        return_freed_memory()
     meter = PeakMemory(device)
-    memory_budget = memory_budget or default_budget(device, held_bytes(device, model))
+    weights = held_bytes(device, model)
+    memory_budget = memory_budget or default_budget(device, weights)
     from ripplekv.engine.decode import full_reference, stop_tokens
     from ripplekv.engine.divergence import decode_variants
     from ripplekv.metrics.scoring import score_sample
@@ -132,12 +145,20 @@ def evaluate_sample(
     variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
                 if wanted is None or (label, budget) in wanted]
     counts = []
+    before = meter.current()
+    meter.mark()
     for name, budget, method in variants:  # a method's allocation is part of its build
         with timings.phase(timings.BUILD, name):
             counts.append(method.budgets(state, budget))
+    scoring = max(0, meter.mark() - before)  # what scoring took at its height: a build's reserve
     lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
+    scorers = len({id(m) for _, _, m in variants})
     room = variant_room(model, state, reference, [f"{name} at budget {budget}" for name, budget, _ in variants],
-                        lengths, len({id(m) for _, _, m in variants}), memory_budget, len(question), task.max_new_tokens)
+                        lengths, scorers, memory_budget, len(question), task.max_new_tokens,
+                        held=weights + meter.grown(), building=scoring)
+
+    def room_now() -> int:  # between groups, from what the sample holds then
+        return room_left(model, state, reference, lengths, scorers, memory_budget, weights + meter.grown(), scoring)
 
     def built(index: int):  # a variant's entries, when its group decodes
         name, budget, method = variants[index]
@@ -154,7 +175,8 @@ def evaluate_sample(
                                             stops, batch_size, compress_every, room)
     else:
         tokens, quality = decode_variants(model, state, lazy, reference, task.max_new_tokens, stops,
-                                          prefix=question, batch_size=batch_size, decoding=decoding, memory_bytes=room)
+                                          prefix=question, batch_size=batch_size, decoding=decoding, memory_bytes=room,
+                                          room_after=room_now)
     report("decode", len(variants) * task.max_new_tokens)
     peak = meter.peak()
 
