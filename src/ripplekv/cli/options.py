@@ -188,6 +188,7 @@ DecodeBudget = Annotated[DecodeBudgetChoice, typer.Option("--decode-budget", hel
 CompressEvery = Annotated[int | None, typer.Option("--compress-every", metavar="N", help=COMPRESS_EVERY_HELP)]
 MemoryBudget = Annotated[str | None, typer.Option(
     "--memory-budget", metavar="SIZE",
-    help="Bytes a sample may hold, e.g. 40GiB or 500MB: the variants decoded together (built when their group "
-         "decodes) are sized by a byte model to fit beside the weights and the prefill. Default: most of the free "
-         "GPU memory, or of the available RAM. Never changes results.")]
+    help="Bytes a sample may hold, weights included, e.g. 40GiB or 500MB: the variants decoded together (built "
+         "when their group decodes) are sized to fit beside what the sample holds as measured (GPU: allocated "
+         "tensors; CPU: the resident set), planned again after each group; the prefill itself runs before them, "
+         "unbounded. Default: most of the free GPU memory, or of the available RAM. Never changes results.")]
