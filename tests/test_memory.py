@@ -185,3 +185,24 @@ def test_groups_are_planned_again_within_what_is_left_after_each():
     again = list(divergence._groups(model, state, lengths, reference, 16, None, roomy, 3, lambda: next(rooms)))
     assert [len(g) for g in again] == [6, 2, 2, 2]
     assert sorted(i for g in again for i in g) == list(range(12))
+
+
+def test_a_prefill_past_the_budget_is_one_note_and_the_sample_goes_on(loaded, tmp_path, monkeypatch, capsys):
+    from ripplekv.pipeline import evaluate
+
+    class BigPrefill(memory.PeakMemory):  # the first stretch (prefill and reference) peaks 5 GiB above the start
+        def mark(self):
+            seen = super().mark()
+            if not getattr(self, "marked", False):
+                self.marked = True
+                return self.origin + 5 * 2**30
+            return seen
+
+    monkeypatch.setattr(evaluate, "PeakMemory", BigPrefill)
+    monkeypatch.setattr(memory, "_SAID", set())
+    rows = run_sample(loaded, sample_methods(tmp_path), memory_budget=4 * 2**30)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: the prefill")]
+    assert len(said) == 1 and "over --memory-budget 4.00 GiB" in said[0] and "--max-length" in said[0]
+    assert len(rows) == 1 + 5 * 2  # every variant still decoded
+    run_sample(loaded, sample_methods(tmp_path), memory_budget=4 * 2**30)
+    assert "note: the prefill" not in capsys.readouterr().err  # once per process and budget

@@ -324,6 +324,21 @@ def _fixed_bytes(model, state, reference, lengths, methods: int, held: int, buil
     return max(held_bytes(state.device, model, state, reference), held) + scores + max(modelled, building)
 
 
+_SAID: set = set()
+
+
+def note_prefill_over(tokens: int, peak: int, budget: int) -> None:
+    """One line (once per process and budget) when the prefill alone went past --memory-budget: the bound
+    covers what follows it, so the run goes on, but the sample's peak is not within it."""
+    import sys
+
+    if budget not in _SAID:
+        _SAID.add(budget)
+        print(f"note: the prefill of a {tokens}-token prompt peaked at {format_bytes(peak)}, over --memory-budget "
+              f"{format_bytes(budget)} (the bound holds from the variants on): raise --memory-budget or lower "
+              "--max-length", file=sys.stderr)
+
+
 # Above this size glibc's malloc maps each block apart and unmaps it when freed (`return_freed_memory`).
 RETURN_FREED_ABOVE = 16 * 2**20
 

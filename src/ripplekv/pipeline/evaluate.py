@@ -28,6 +28,7 @@ from ripplekv.engine.memory import (
     PeakMemory,
     default_budget,
     held_bytes,
+    note_prefill_over,
     return_freed_memory,
     room_left,
     variant_room,
@@ -146,7 +147,9 @@ def evaluate_sample(
                 if wanted is None or (label, budget) in wanted]
     counts = []
     before = meter.current()
-    meter.mark()
+    prefilled = weights + max(0, meter.mark() - meter.origin)  # the prefill's and the reference's peak
+    if prefilled > memory_budget:
+        note_prefill_over(n, prefilled, memory_budget)
     for name, budget, method in variants:  # a method's allocation is part of its build
         with timings.phase(timings.BUILD, name):
             counts.append(method.budgets(state, budget))
