@@ -175,7 +175,7 @@ if [ -n "${LONG_TASKS:-}" ]; then
 fi
 
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"
-rm -f "$OUT/.lock" "$OUT/eval/.lock" "$OUT/eval-headline/.lock" "$OUT/eval-compare/.lock" "$OUT/eval-context-only/.lock" "$OUT/long/prompt/.lock" "$OUT/long/total/.lock"
+find "$OUT" -name .lock -type f -delete  # every stage's, the profiles' and the route's too
 if [ -e "$FINAL" ]; then
   previous="runs/previous-$(basename "$FINAL")-$(date +%Y%m%d-%H%M%S)"
   mv "$FINAL" "$previous"
