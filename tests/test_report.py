@@ -118,6 +118,15 @@ def test_methods_with_identical_layer_budgets_share_one_labelled_line():
     assert shared_lines(rows) == {(64, 64): ["streamingllm", "snapkv"], (80, 48): ["pyramidkv"]}
 
 
+def test_a_shared_allocation_row_names_a_few_methods_and_counts_the_rest():
+    from ripplekv.analysis.figures import _joined
+    from ripplekv.analysis.forest import short_label
+
+    names = ["streamingllm", "snapkv", "depthkv:allocation=runs/d.csv:scorer=snapkv", "adakv", "oracle"]
+    assert _joined(names[:3], short_label) == "streamingllm = snapkv = depthkv:scorer=snapkv"
+    assert _joined(names, short_label) == "streamingllm = snapkv = depthkv:scorer=snapkv (+2 more)"
+
+
 # --------------------------------------------------------------------------- uncertainty
 
 

@@ -109,26 +109,45 @@ def shared_lines(rows: pd.DataFrame) -> dict[tuple, list[str]]:
 
 
 def plot_layer_budgets(frame: pd.DataFrame, path: Path) -> None:
-    """Per-layer budgets of each method at each budget, for a prompt of typical length."""
+    """Per-layer budgets of each method at each budget, for a prompt of typical length: one heat map per
+    budget (a row per distinct allocation, a column per layer, the colour its share of B on a log scale, white
+    at B), stacked so that every panel reads against the same layer axis."""
     plt = _pyplot()
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.colors import TwoSlopeNorm
+
+    from ripplekv.analysis.forest import short_label
 
     task, sid = typical_sample(frame)
     rows = frame[(frame["task"] == task) & (frame["id"] == sid) & (frame["method"] != REFERENCE)]
     budgets = sorted(int(b) for b in rows["budget"].dropna().unique()) or [0]
-    fig, axes = plt.subplots(1, len(budgets), figsize=(3.6 * len(budgets), 4.2), squeeze=False)
+    panels = [(budget, shared_lines(rows[rows["budget"] == budget])) for budget in budgets]
+    heights = [max(len(lines), 1) for _, lines in panels]
+    gap = 0.6  # inches between panels: a panel's title below the layer numbers above it
+    height = 1.1 + 0.24 * sum(heights) + gap * len(panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, height), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    fig.subplots_adjust(top=1 - 0.55 / height, bottom=0.5 / height, hspace=gap * len(panels) / (0.24 * sum(heights)))
     n = int(rows["prompt_tokens"].iloc[0]) if len(rows) else 0
-    for ax, budget in zip(axes[0], budgets):
-        for i, (values, names) in enumerate(shared_lines(rows[rows["budget"] == budget]).items()):
-            marker, line = STYLES[i % len(STYLES)]
-            ax.plot(range(len(values)), values, marker=marker, markersize=3, linestyle=line, label=" = ".join(names))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(f"B={budget}, n={n}")
-        ax.set_xlabel("layer")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
-    axes[0][0].set_ylabel("entries kept per KV head")
-    fig.suptitle(f"Per-layer budgets, prompt of median length ({task}, {sid})", fontsize="medium")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    norm = TwoSlopeNorm(vmin=-3.0, vcenter=0.0, vmax=3.0)  # log2 of the share of B: x1/8 .. x8
+    image = None
+    for ax, (budget, lines) in zip(axes[:, 0], panels):
+        grid = np.array([list(values) for values in lines], dtype=float).reshape(len(lines), -1)
+        shares = np.log2(np.clip(grid / max(budget, 1), 2.0**-3, 2.0**3)) if grid.size else grid
+        image = ax.imshow(shares, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
+        ax.set_yticks(range(len(lines)), [_joined(names, short_label) for names in lines.values()], fontsize="x-small")
+        ax.set_title(f"B={budget}", fontsize="small", loc="left")
+        ax.tick_params(axis="x", labelsize="x-small")
+    axes[-1, 0].set_xlabel("layer")
+    if image is not None:
+        bar = fig.colorbar(image, ax=axes[:, 0].tolist(), fraction=0.025, pad=0.01, ticks=[-3, -2, -1, 0, 1, 2, 3])
+        bar.ax.set_yticklabels(["<=1/8", "1/4", "1/2", "1", "2", "4", ">=8"], fontsize="x-small")
+        bar.set_label("entries kept per KV head, x B", fontsize="small")
+    fig.suptitle(f"Per-layer budgets, prompt of median length ({task}, {sid}, n={n})", fontsize="medium", y=1 - 0.15 / height)
+    save_figure(fig, path, dpi=110, bbox_inches="tight")  # the row labels' width varies with the methods
     plt.close(fig)
+
+
+def _joined(names: list[str], short, most: int = 3) -> str:
+    """Methods that share one allocation, as one row label: the first few, then how many more."""
+    shown = " = ".join(short(name) for name in names[:most])
+    return shown + (f" (+{len(names) - most} more)" if len(names) > most else "")

@@ -66,6 +66,9 @@ def forest_rows(board: pd.DataFrame, budget, measure: str,
     return ranked.reset_index(drop=True), ceilings, base
 
 
+CEILING_STYLES = ("--", ":", "-.")
+
+
 def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl", ceilings=None) -> None:
     """One panel per budget: a row per method, its paired difference to the baseline and 95% interval."""
     plt = pyplot()
@@ -76,6 +79,7 @@ def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl", ceilings=N
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 1.2 + 0.28 * max(tallest, 3)), squeeze=False)
     palette = colours()
     seen: dict[str, object] = {}
+    styles: dict[str, str] = {}
     for ax, (budget, rows, ceilings, base) in zip(axes[0], panels):
         y = np.arange(len(rows))[::-1]  # the first row (the best) at the top
         for family, group in rows.groupby(rows["method"].map(family_of), sort=False):
@@ -84,8 +88,10 @@ def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl", ceilings=N
             seen[family] = ax.errorbar(group["delta"], where, xerr=err, fmt="o", markersize=4, capsize=2,
                                        color=palette[family], label=family)
         ax.axvline(0, color="black", linewidth=0.8)
-        for name, offset in ceilings:
-            seen[f"{name} (ceiling)"] = ax.axvline(offset, color="grey", linestyle="--", linewidth=1, label=f"{name} (ceiling)")
+        for name, offset in ceilings:  # one line style each, the same in every panel, so two ceilings read apart
+            style = styles.setdefault(name, CEILING_STYLES[len(styles) % len(CEILING_STYLES)])
+            seen[f"{name} (ceiling)"] = ax.axvline(offset, color="grey", linestyle=style, linewidth=1.2,
+                                                   label=f"{name} (ceiling)")
         ax.set_yticks(y, [short_label(m) for m in rows["method"]], fontsize="small")
         ax.set_ylim(-0.7, max(len(rows), 1) - 0.3)
         ax.set_title(f"B={budget}" if budget is not None else "no baseline in this run", fontsize="medium")
