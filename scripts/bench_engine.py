@@ -24,14 +24,16 @@ from __future__ import annotations
 import argparse
 import resource
 import time
-from dataclasses import replace
 
 import torch
 
+from ripplekv.engine import timings
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import DEFAULT_CAPTURE_WINDOW, Requirements, prefill
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.methods import make_method
+from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.kvzip import RECONSTRUCTION
 
 FRONTIER = ("criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv", "layer-defensivekv", "kvzip")
 ALLOCATORS = ("dynamickv", "lava", "squeezeattention", "pyramidinfer", "compresskv", "allocation-ceiling")
@@ -132,17 +134,18 @@ def frontier_overheads(model, tokenizer, ids, plain: float, reps: int, names=FRO
         state = with_answer(prefill(model, ids, requirements=needs, context=SampleContext(tokenizer)))
         selection = []
         for _ in range(1 if name == "kvzip" else 2):  # KVzip's reconstruction pass is too long to repeat
-            state.scores.clear()
+            state.forget()
             start = time.perf_counter()
-            method.compress(state, budget)
+            with timings.collect(state.device) as spent:
+                method.compress(state, budget)
             if state.device.type == "cuda":
                 torch.cuda.synchronize()
             selection.append(time.perf_counter() - start)
         extra = prefill_extra[needs] + min(selection)
         lines.append(f"{name} extra/prefill {extra / plain:.3f} (B={budget}; prefill +{prefill_extra[needs]:.2f}s, "
                      f"selection {min(selection):.2f}s, over a {plain:.2f}s prefill)")
-        if "kvzip-seconds" in state.scores:
-            seconds = state.scores["kvzip-seconds"]
+        if (RECONSTRUCTION, "") in spent.seconds:
+            seconds = spent.seconds[(RECONSTRUCTION, "")]
             lines.append(f"kvzip reconstruction pass {seconds:.2f}s = {seconds / plain:.2f} prefills")
         del state
     return lines
@@ -167,9 +170,11 @@ def compresskv_profile_cost(model, ids, plain: float, budget: int = 128) -> str:
 
 def records_more(needs: Requirements) -> bool:
     """Whether a prefill with `needs` does more than a plain one (which captures DEFAULT_CAPTURE_WINDOW queries);
-    keeping the sample's tokenizer or answer costs nothing."""
-    plain = Requirements(capture_window=DEFAULT_CAPTURE_WINDOW)
-    return replace(needs.union(plain), tokenizer=False, reference_answer=False) != plain
+    keeping what the sample brings (its tokenizer, its answer) costs nothing."""
+    from ripplekv.engine.recorders import RECORDERS, FromSample
+
+    watching = {name for name in needs.signals if not issubclass(RECORDERS[name], FromSample)}
+    return watching != set() or needs.capture_window > DEFAULT_CAPTURE_WINDOW
 
 
 def _requirements_extra(model, ids, needs, reps: int) -> float:
@@ -180,8 +185,9 @@ def _requirements_extra(model, ids, needs, reps: int) -> float:
 
 def h2o_overhead(model, ids, reps: int) -> tuple[float, float]:
     """Fastest plain and fastest accumulating prefill of the same prompt, run alternately."""
-    prefill(model, ids[:256], accumulate=True)  # warm-up of the accumulating path
-    return fastest_alternating(model, ids, reps, accumulate=True)
+    h2o = Requirements(signals={COLUMN_SUMS})
+    prefill(model, ids[:256], requirements=h2o)  # warm-up of the accumulating path
+    return fastest_alternating(model, ids, reps, requirements=h2o)
 
 
 def fastest_alternating(model, ids, reps: int, **recording) -> tuple[float, float]:

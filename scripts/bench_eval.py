@@ -91,8 +91,8 @@ def main() -> None:
     ours = []
     for task, sid, record in work:
         t0 = time.perf_counter()
-        rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, budgets, sid=sid,
-                                        max_length=args.max_length, batch_size=args.batch_size)
+        settings = evaluate.SampleSettings(max_length=args.max_length, batch_size=args.batch_size)
+        rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, budgets, settings, sid=sid)
         ours.append([row["prediction"] for row in rows])
         print(f"  ours  {task.name:<18} {time.perf_counter() - t0:7.1f} s")
     ours_s = time.perf_counter() - start

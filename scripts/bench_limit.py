@@ -107,9 +107,10 @@ def eval_limit(model, tokenizer, methods, budgets, work, args) -> None:
         runs = {}
         for decoding in ("divergence", "plain") if args.compare_plain else ("divergence",):
             t0 = time.perf_counter()
-            runs[decoding] = evaluate.evaluate_sample(model, tokenizer, task, record, methods, budgets, sid=sid,
-                                                      max_length=args.max_length, batch_size=args.batch_size,
-                                                      decoding=decoding)
+            settings = evaluate.SampleSettings(max_length=args.max_length, batch_size=args.batch_size,
+                                               decoding=decoding)
+            runs[decoding] = evaluate.evaluate_sample(model, tokenizer, task, record, methods, budgets, settings,
+                                                      sid=sid)
             times["eval" if decoding == "divergence" else "plain"] = time.perf_counter() - t0
         one = times["prefill"] = min(before, plain_prefill(model, ids))
         for key, value in times.items():

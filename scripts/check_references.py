@@ -216,8 +216,9 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
 
     from ripplekv.analysis.kept import kept_arrays
     from ripplekv.engine.models import load_model
-    from ripplekv.engine.prefill import prefill
+    from ripplekv.engine.prefill import Requirements, prefill
     from ripplekv.methods import make_method
+    from ripplekv.methods.column_sums import COLUMN_SUMS
     from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 
     model, tokenizer, _ = load_model(None, device="cpu", dtype="float32")
@@ -230,7 +231,7 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
         record = load_samples(task, tokenizer, limit=1, target_tokens=args.target_tokens)[0]
         ids = build_prompt_ids(task, record, tokenizer, 7500)
         np.save(out / f"prompt_{index}.npy", np.asarray(ids, dtype=np.int64))
-        state = prefill(model, ids, accumulate=True)
+        state = prefill(model, ids, requirements=Requirements(signals={COLUMN_SUMS}))
         lengths.append(state.length)
         arrays = {}
         with torch.no_grad():

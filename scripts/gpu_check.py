@@ -19,15 +19,18 @@ import argparse
 import json
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 from ripplekv.engine import adapter
 from ripplekv.engine.decode import full_reference
 from ripplekv.engine.divergence import decode_by_divergence
-from ripplekv.engine.memory import LazyVariants, parse_bytes, variant_room
+from ripplekv.engine.memory import parse_bytes
 from ripplekv.engine.prefill import Requirements, prefill_for
+from ripplekv.engine.schedule import Decoding, SampleMemory, Variant, decode_variants
 from ripplekv.methods import make_method
+from ripplekv.methods.column_sums import COLUMN_SUMS
 
 BIG_SPECS = [f"{name}:window={w}" for w in (32, 64)
              for name in ("adakv", "defensivekv", "layer-defensivekv", "snapkv", "cake")] + \
@@ -46,8 +49,9 @@ def random_ids(count: int, vocab: int, seed: int = 1) -> torch.Tensor:
 
 def decode_all(model, ids, methods: dict, variants: list, bound: int, max_new: int, phases: dict | None = None,
                batch: int = 16):
-    """What `evaluate_sample` does to one prompt, phase by phase: prefill, full reference, variants built
-    when their group decodes within what `bound` leaves. `phases` collects each phase's CUDA peak."""
+    """What `evaluate_sample` does to one prompt, phase by phase: prefill, full reference, then the engine's
+    variant schedule (`schedule.decode_variants`: groups within what `bound` leaves, built when they decode).
+    `phases` collects each phase's CUDA peak. Returns (state, tokens and fidelity per variant, kept lengths)."""
     cuda = ids.device.type == "cuda"
 
     def phase(name):
@@ -56,18 +60,16 @@ def decode_all(model, ids, methods: dict, variants: list, bound: int, max_new: i
             phases[name] = int(torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
 
+    memory = SampleMemory(model, bound)
     state = prefill_for(model, ids, Requirements.of_all(methods.values()), reserve=max_new)
     phase("prefill")
     reference = full_reference(model, state, max_new)
     phase("reference")
-    counts = [methods[label].budgets(state, budget) for label, budget in variants]
-    lengths = [[int(c) for c in count.max(1)] for count in counts]
-    room = variant_room(model, state, reference, [f"{label}@{budget}" for label, budget in variants], lengths,
-                        len(methods), bound, 0, max_new)
-    lazy = LazyVariants(lengths, lambda i: methods[variants[i][0]].compress(state, variants[i][1]))
-    result = decode_by_divergence(model, state, lazy, reference, max_new, fidelity_batch=batch, memory_bytes=room)
+    chosen = [Variant(label, budget, methods[label]) for label, budget in variants]
+    decoded = decode_variants(model, state, reference, chosen, Decoding(max_new, batch), memory)
     phase("variants")
-    return state, result, lengths
+    result = SimpleNamespace(tokens=[d.tokens for d in decoded], fidelity=[d.fidelity for d in decoded])
+    return state, result, [[int(c) for c in d.counts.max(1)] for d in decoded]
 
 
 def big_check(results: list, args) -> None:
@@ -131,7 +133,7 @@ def small_checks(results: list, device: str) -> None:
     check(results, "one variant alone = in a batch: KL", gap <= 1e-4, f"{gap:.2e}", "<= 1e-4")
 
     h2o_ids = random_ids(2048, 503, seed=4).to(device)
-    h2o = prefill_for(tiny_llama(device, layers=2), h2o_ids, Requirements(accumulated_attention=True))
+    h2o = prefill_for(tiny_llama(device, layers=2), h2o_ids, Requirements(signals={COLUMN_SUMS}))
     eager = tiny_llama(device, layers=2)
     eager.set_attn_implementation("eager")
     with torch.inference_mode():
@@ -139,7 +141,7 @@ def small_checks(results: list, device: str) -> None:
     worst = 0.0
     for layer, attention in enumerate(maps):  # [1, H_q, n, n] -> summed over queries, mean over a KV head's group
         sums = attention[0].float().sum(1).view(h2o.num_kv_heads, -1, h2o.length).mean(1)
-        worst = max(worst, float((sums - h2o.accumulated[layer].float()).abs().max() / sums.abs().max()))
+        worst = max(worst, float((sums - h2o.signal(COLUMN_SUMS)[layer].float()).abs().max() / sums.abs().max()))
     check(results, "H2O sums = a materialized attention map at 2k tokens (relative)", worst <= 1e-4, f"{worst:.2e}",
           "<= 1e-4")
 

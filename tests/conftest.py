@@ -135,8 +135,10 @@ def satisfy(state, tokenizer=None):
     engine records them: a question [3] read after the prompt, then the full cache's answer [7, 8, 9]."""
     from ripplekv.engine.prefill import Requirements
     from ripplekv.engine.recorders import SampleContext, record_context, record_reference
+    from ripplekv.methods.kvzip import TOKENIZER
+    from ripplekv.methods.oracle import REFERENCE_ANSWER
 
-    needs = Requirements(tokenizer=True, reference_answer=True)
+    needs = Requirements(signals={TOKENIZER, REFERENCE_ANSWER})
     record_context(state, needs, SampleContext(tokenizer or StubTokenizer(), (3,)))
     record_reference(state, [7, 8, 9])
     return state

@@ -7,11 +7,13 @@ import pandas as pd
 import pytest
 import torch
 
-from ripplekv.engine import accumulate
 from ripplekv.engine.prefill import Requirements, prefill
+from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.errors import UserError
+from ripplekv.methods import column_sums as accumulate
 from ripplekv.methods import make_method
 from ripplekv.methods.budgets import integer_budgets
+from ripplekv.methods.column_sums import COLUMN_SUMS
 from ripplekv.pipeline import evaluate
 from tests.test_budgets import fake_state
 
@@ -39,19 +41,19 @@ def test_accumulated_attention_is_the_column_sums_of_the_eager_attention_map(tin
     heads, kv_heads = tiny_model.config.num_attention_heads, tiny_model.config.num_key_value_heads
     monkeypatch.setattr(accumulate, "QUERY_ROWS", rows_per_chunk)  # several chunks, or one
     plain = prefill(tiny_model, ids)
-    state = prefill(tiny_model, ids, accumulate=True)
-    assert plain.accumulated is None
+    state = prefill(tiny_model, ids, requirements=Requirements(signals={COLUMN_SUMS}))
+    assert COLUMN_SUMS not in plain.signals
     tiny_model.set_attn_implementation("eager")
     with torch.no_grad():
         maps = tiny_model(ids[None], output_attentions=True).attentions  # per layer [1, H_q, n, n]
     for layer, attention in enumerate(maps):
         expected = attention[0].sum(1).view(kv_heads, heads // kv_heads, 50).mean(1)
-        assert state.accumulated[layer].dtype == torch.float32
-        assert torch.allclose(state.accumulated[layer], expected, atol=1e-5)
+        assert state.signal(COLUMN_SUMS)[layer].dtype == torch.float32
+        assert torch.allclose(state.signal(COLUMN_SUMS)[layer], expected, atol=1e-5)
         # The sums are recorded beside the stock kernel, which still computes every layer's output.
         assert torch.equal(state.keys[layer], plain.keys[layer])
     assert torch.equal(state.last_logits, plain.last_logits)
-    assert torch.allclose(sum(a.sum(-1) for a in state.accumulated) / len(maps), torch.full((kv_heads,), 50.0))
+    assert torch.allclose(sum(a.sum(-1) for a in state.signal(COLUMN_SUMS)) / len(maps), torch.full((kv_heads,), 50.0))
 
 
 @pytest.mark.parametrize("mask_heads", [1, 4])
@@ -74,7 +76,7 @@ def test_accumulated_attention_applies_an_extra_mask_per_query_head(monkeypatch,
 def test_h2o_fixed_window_option_keeps_the_window_and_the_heaviest_hitters():
     state = fake_state(2, 200, kv_heads=2, query_heads=4, seed=3)
     masks = make_method("h2o:recent=0:window=16").select(state, 48)
-    assert_keeps_window_and_top(masks, [a[:, :184] for a in state.accumulated], 16, 48)
+    assert_keeps_window_and_top(masks, [a[:, :184] for a in state.signal(COLUMN_SUMS)], 16, 48)
 
 
 @pytest.mark.parametrize("budget", [48, 49])
@@ -82,14 +84,14 @@ def test_h2o_default_splits_each_head_between_heavy_hitters_and_recent_tokens(bu
     state = fake_state(2, 200, kv_heads=2, query_heads=4, seed=3)
     masks = make_method("h2o").select(state, budget)
     recent = budget // 2  # the paper's even split; the odd entry goes to the heavy hitters
-    assert_keeps_window_and_top(masks, [a[:, : 200 - recent] for a in state.accumulated], recent, budget)
+    assert_keeps_window_and_top(masks, [a[:, : 200 - recent] for a in state.signal(COLUMN_SUMS)], recent, budget)
 
 
 def test_h2o_mean_norm_is_kvpress_observed_attention():
     """norm=mean: column sums over the number of queries that see each key (n - j), kvpress's ObservedAttention."""
     state = fake_state(2, 200, kv_heads=2, query_heads=4, seed=3)
     masks = make_method("h2o:norm=mean:recent=0").select(state, 40)
-    for layer, columns in enumerate(state.accumulated):
+    for layer, columns in enumerate(state.signal(COLUMN_SUMS)):
         for head in range(2):
             mean = [float(columns[head, j]) / (200 - j) for j in range(200)]
             expected = set(sorted(range(200), key=lambda j: -mean[j])[:40])
@@ -98,8 +100,8 @@ def test_h2o_mean_norm_is_kvpress_observed_attention():
 
 def test_h2o_without_accumulation_is_one_clear_error():
     state = fake_state(1, 100)
-    state.accumulated = None
-    with pytest.raises(UserError, match="accumulate=True"):
+    del state.signals[COLUMN_SUMS]
+    with pytest.raises(UserError, match="did not record the signal 'accumulated_attention'"):
         make_method("h2o").select(state, 40)
 
 
@@ -110,7 +112,7 @@ def test_methods_say_whether_the_prefill_must_accumulate(tmp_path):
     route.write_text("layer,method\n0,snapkv\n1,h2o\n2,tova\n3,knorm\n")
     for methods, expected in ((["snapkv", "tova"], False), (["snapkv", "h2o"], True), (["depthkv"], True), (["routed"], True)):
         built = {m: make_method(m, shared={"allocation": str(alloc), "route": str(route)}) for m in ["full", *methods]}
-        assert Requirements.of_all(built.values()).accumulated_attention == expected
+        assert (COLUMN_SUMS in Requirements.of_all(built.values()).signals) == expected
 
 
 # --------------------------------------------------------------------------- TOVA
@@ -118,7 +120,7 @@ def test_methods_say_whether_the_prefill_must_accumulate(tmp_path):
 
 def naive_last_query_attention(state, layer):
     """Head by head: the last window query of query head h against the keys of KV head h // group."""
-    queries, keys = state.window_queries[layer][:, -1], state.keys[layer]
+    queries, keys = state.signal(WINDOW_QUERIES)[layer][:, -1], state.keys[layer]
     group = queries.shape[0] // keys.shape[0]
     rows = []
     for head in range(queries.shape[0]):
@@ -172,7 +174,7 @@ def test_knorm_window_option_keeps_the_window_and_the_smallest_key_norms():
 
 def naive_cake_preference(state, layer, window, tau1, tau2):
     """CAKE's preference from an explicit, head-by-head window attention (float64)."""
-    queries, keys = state.window_queries[layer][:, -window:].double(), state.keys[layer].double()
+    queries, keys = state.signal(WINDOW_QUERIES)[layer][:, -window:].double(), state.keys[layer].double()
     n, group = keys.shape[1], queries.shape[0] // keys.shape[0]
     entropy = variance = 0.0
     for head in range(queries.shape[0]):
@@ -271,7 +273,7 @@ def test_eval_runs_every_baseline_with_exact_totals(run_cli, tiny_model_dir, tmp
     real = evaluate.prefill
 
     def recording(*args, **kwargs):
-        flags.append(kwargs["needs"].accumulated_attention)
+        flags.append(COLUMN_SUMS in kwargs["needs"].signals)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(evaluate, "prefill", recording)

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ripplekv.engine.prefill import PrefillState
-from ripplekv.engine.querystats import query_statistics
+from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
 from ripplekv.methods.budgets import integer_budgets
+from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.query_statistics import QUERY_STATISTICS, query_statistics
 from tests.conftest import every_method, satisfy, tiny_llama
 
 
@@ -39,17 +41,17 @@ def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int
     """A prefill state with random K/V, window queries and accumulated attention, enough for every method."""
     gen = torch.Generator().manual_seed(seed)
     window = min(64, length)
+    accumulated = [torch.rand(kv_heads, length, generator=gen) for _ in range(num_layers)]
+    keys = [torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)]
+    values = [torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)]
+    queries = [torch.randn(query_heads, window, dim, generator=gen) for _ in range(num_layers)]
+    model = rope_model(query_heads, kv_heads, dim, num_layers)
+    statistics = [query_statistics(torch.randn(query_heads, length, dim, generator=gen), *rope_at_length(length, dim))
+                  for _ in range(num_layers)]
     return PrefillState(
-        accumulated=[torch.rand(kv_heads, length, generator=gen) for _ in range(num_layers)],
-        input_ids=torch.zeros(length, dtype=torch.long),
-        keys=[torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)],
-        values=[torch.randn(kv_heads, length, dim, generator=gen) for _ in range(num_layers)],
-        window_queries=[torch.randn(query_heads, window, dim, generator=gen) for _ in range(num_layers)],
-        last_logits=torch.zeros(10),
-        scaling=dim**-0.5,
-        model=rope_model(query_heads, kv_heads, dim, num_layers),
-        query_stats=[query_statistics(torch.randn(query_heads, length, dim, generator=gen), *rope_at_length(length, dim))
-                     for _ in range(num_layers)],
+        input_ids=torch.zeros(length, dtype=torch.long), keys=keys, values=values, last_logits=torch.zeros(10),
+        scaling=dim**-0.5, model=model,
+        signals={COLUMN_SUMS: accumulated, WINDOW_QUERIES: queries, QUERY_STATISTICS: statistics},
     )
 
 

@@ -16,6 +16,7 @@ from ripplekv.engine.evict import attach, capacities, peak_entries
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.methods.column_sums import COLUMN_SUMS
 from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget
 from tests.conftest import every_method, tiny_llama
 
@@ -83,7 +84,7 @@ def test_every_head_holds_its_count_at_every_step(tmp_path, length, budget, step
     plus the tokens fed, while that is smaller), the attention sees exactly those entries, and every method's
     total is L x H_kv x B. With n < B (30 < 40) heads grow to B, then hold."""
     model = tiny_llama()
-    state = prefill(model, prompt(length), capture_window=32, requirements=Requirements(accumulated_attention=True))
+    state = prefill(model, prompt(length), capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     methods = every_method(state.num_layers, tmp_path)
     answer = full_reference(model, state, steps + 1).tokens
     assert len(answer) == steps + 1
@@ -109,7 +110,7 @@ def test_every_head_holds_its_count_at_every_step(tmp_path, length, budget, step
 def test_a_budget_nothing_needs_evicting_under_decodes_as_prompt_budgets(tmp_path):
     """B >= n + answer: no head is ever over its capacity, so total gives plain greedy decoding's tokens."""
     model = tiny_llama()
-    state = prefill(model, prompt(40), capture_window=32, requirements=Requirements(accumulated_attention=True))
+    state = prefill(model, prompt(40), capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     methods = every_method(state.num_layers, tmp_path)
     reference = full_reference(model, state, 30)
     for name in ("snapkv", "h2o", "tova", "streamingllm"):
@@ -124,7 +125,7 @@ def test_a_budget_nothing_needs_evicting_under_decodes_as_prompt_budgets(tmp_pat
 def test_small_budgets_evict_so_answers_change(tmp_path):
     """The eviction is real: at B=8 over 60 steps some method's greedy answer leaves the prompt-budget one."""
     model = tiny_llama()
-    state = prefill(model, prompt(100), capture_window=32, requirements=Requirements(accumulated_attention=True))
+    state = prefill(model, prompt(100), capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     methods = every_method(state.num_layers, tmp_path)
     reference = full_reference(model, state, 60)
     changed = 0
@@ -144,7 +145,7 @@ def test_methods_decoding_in_one_batch_equal_each_decoded_alone(tmp_path):
     from ripplekv.engine.decode import fidelity
 
     model = tiny_llama()
-    state = prefill(model, prompt(100), capture_window=32, requirements=Requirements(accumulated_attention=True))
+    state = prefill(model, prompt(100), capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     methods = every_method(state.num_layers, tmp_path)
     reference = full_reference(model, state, 50)
     names, budgets = ("snapkv", "h2o", "tova", "streamingllm"), (8, 16)
@@ -225,7 +226,7 @@ def test_decoding_phase_h2o_equals_an_eager_implementation(budget):
     reference = EagerH2O(budget)
     expected = reference.decode(tiny_llama(initializer_range=0.3), ids, 80)
     model = tiny_llama(initializer_range=0.3)
-    state = prefill(model, ids, capture_window=32, requirements=Requirements(accumulated_attention=True))
+    state = prefill(model, ids, capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     method = make_method("h2o")
     built = [method.compress(state, budget)]
     caps = [capacities(method.budgets(state, budget), budget)]

@@ -10,13 +10,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
+from ripplekv.cli.options import flag
 from ripplekv.engine import adapter
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
 from ripplekv.engine.models import resolve_device_dtype
-from ripplekv.engine.prefill import prefill
+from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from ripplekv.methods.query_statistics import QUERY_STATISTICS
 from ripplekv.pipeline.profile import ProfileSettings, profile_prompt, split_prompt
 from tests.conftest import tiny_llama
 
@@ -76,8 +78,8 @@ def test_profile_records_device_and_dtype(tiny_model_dir, tmp_path, run_cli):
     assert meta["dtype"] == "bfloat16" and meta["device"] == "cpu" and meta["versions"]["transformers"]
 
 
-@pytest.mark.parametrize("device, dtype, message", [("gpu", "auto", "--device must be"), ("cpu", "fp8", "--dtype must be"),
-                                                    ("cuda:x", "auto", "--device must be")])
+@pytest.mark.parametrize("device, dtype, message", [("gpu", "auto", "^device must be"), ("cpu", "fp8", "^dtype must be"),
+                                                    ("cuda:x", "auto", "^device must be")])
 def test_bad_device_or_dtype_is_one_clear_error(device, dtype, message):
     with pytest.raises(UserError, match=message):
         resolve_device_dtype(device, dtype)
@@ -139,13 +141,12 @@ LONG_ROPE = {
 def test_unrotated_keys_and_queries_are_the_models_own_under_long_context_rope(kind):
     """YaRN and longrope scale cos and sin by attention_scaling (!= 1): un-rotating must divide it out, so
     un-rotated keys are the model's pre-RoPE keys and the query statistics its pre-RoPE queries'."""
-    from ripplekv.engine.prefill import Requirements
 
     model = tiny_llama(vocab_size=101, rope_parameters=LONG_ROPE[kind])
     scale = adapter.rope_scale(model)
     assert abs(scale - 1.0) > 0.05
     ids = prompt(60)
-    state = prefill(model, ids, capture_window=16, requirements=Requirements(query_statistics=True))
+    state = prefill(model, ids, capture_window=16, requirements=Requirements(signals={QUERY_STATISTICS}))
     attention = model.model.layers[0].self_attn
     with torch.no_grad():
         hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[None]))
@@ -154,7 +155,7 @@ def test_unrotated_keys_and_queries_are_the_models_own_under_long_context_rope(k
     cos, sin = adapter.rope_at(model, torch.arange(60), state.keys[0])
     assert torch.allclose(adapter.invert_rope(state.keys[0], cos, sin, scale), plain_keys, atol=1e-5)
     assert not torch.allclose(adapter.invert_rope(state.keys[0], cos, sin), plain_keys, atol=1e-3)  # the bug it fixes
-    stats = state.query_stats[0]
+    stats = state.signal(QUERY_STATISTICS)[0]
     assert torch.allclose(stats.total / stats.count, plain_queries.mean(1), atol=1e-5)
     assert torch.allclose(stats.first, plain_queries[:, : stats.first.shape[1]], atol=1e-5)
 
@@ -162,8 +163,9 @@ def test_unrotated_keys_and_queries_are_the_models_own_under_long_context_rope(k
 def test_sliding_window_models_refuse_prompts_beyond_their_window():
     mistral = MistralConfig(sliding_window=4096)
     adapter.check_length(mistral, 4000)  # within the window sliding and full attention agree
-    with pytest.raises(UserError, match="sliding_window=4096.*--max-length"):
+    with pytest.raises(UserError, match="sliding_window=4096.*max_length") as raised:
         adapter.check_length(mistral, 7500)
+    assert "pass --max-length 3840 or less" in raised.value.phrased(flag)  # the CLI names its flag
     adapter.check_length(MistralConfig(sliding_window=None), 7500)
     adapter.check_length(LlamaConfig(max_position_embeddings=131072), 100_000)
 
@@ -171,7 +173,7 @@ def test_sliding_window_models_refuse_prompts_beyond_their_window():
 def test_prompt_and_answer_beyond_the_models_positions_are_refused_with_the_max_length_that_fits():
     config = LlamaConfig(max_position_embeddings=2048)
     adapter.check_length(config, 2000, 48)  # exactly fits
-    with pytest.raises(UserError, match=r"2049 tokens \(2001 \+ 48\).*max_position_embeddings=2048.*--max-length 2000 or less"):
+    with pytest.raises(UserError, match=r"2049 tokens \(2001 \+ 48\).*max_position_embeddings=2048.*max_length 2000 or less"):
         adapter.check_length(config, 2001, 48)
 
 

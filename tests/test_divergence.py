@@ -5,7 +5,8 @@ import torch
 
 from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
 from ripplekv.engine.divergence import decode_by_divergence
-from ripplekv.engine.prefill import prefill
+from ripplekv.engine.prefill import Requirements, prefill
+from ripplekv.methods.column_sums import COLUMN_SUMS
 from tests.conftest import every_method
 
 
@@ -28,7 +29,7 @@ def variants_of(state, folder, budgets=(8, 24, 400), names=("snapkv", "streaming
 def test_divergence_decoding_equals_plain_greedy(tiny_model, tmp_path, protocol):
     ids = prompt(160)
     context, question = (ids[:140], ids[140:].tolist()) if protocol == "context-only" else (ids, None)
-    state = prefill(tiny_model, context, capture_window=32, accumulate=True)
+    state = prefill(tiny_model, context, capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     built = variants_of(state, tmp_path)
     for steps, stops in ((10, ()), (10, None)):
         reference = full_reference(tiny_model, state, steps, (), prefix=question)
@@ -50,7 +51,7 @@ def test_a_small_memory_bound_splits_the_batch_without_changing_tokens(tmp_path)
 
     tiny_model = tiny_llama()
     ids = prompt(120, seed=3)
-    state = prefill(tiny_model, ids, capture_window=32, accumulate=True)
+    state = prefill(tiny_model, ids, capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     built = variants_of(state, tmp_path, budgets=(8, 16), names=("snapkv", "streamingllm"))
     reference = full_reference(tiny_model, state, 10)
     whole = decode_by_divergence(tiny_model, state, built, reference, 10)
@@ -89,7 +90,7 @@ def test_entry_bytes_is_what_one_more_kept_entry_adds_to_a_variant(tiny_model, t
     from ripplekv.engine.cache import build_cache
     from ripplekv.engine.divergence import entry_bytes, variant_bytes
 
-    state = prefill(tiny_model, prompt(80), capture_window=32, accumulate=True)
+    state = prefill(tiny_model, prompt(80), capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     cache = build_cache(state, variants_of(state, tmp_path, budgets=(8, 24), names=("snapkv", "pyramidkv")))
     layers = len(cache.layers)
     for layer in range(layers):

@@ -1,43 +1,127 @@
-"""The docs' worked example runs as written: docs/adding-a-method.md's code blocks, in order, on a tiny model."""
+"""The docs' worked example runs as written: docs/adding-a-method.md's code blocks, in order, on a tiny model, and
+its two source changes, written into a copy of the package, are all a new signal and its scorer take."""
 
 from __future__ import annotations
 
+import filecmp
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
+from ripplekv.engine.prefill import Requirements, prefill_for
+from ripplekv.engine.recorders import RECORDERS, WINDOW_QUERIES
 from ripplekv.methods.base import SCORERS
 from ripplekv.methods.presets import PRESETS
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+WALKTHROUGH = DOCS / "adding-a-method.md"
 
 
 def code_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
+def source_changes(path: Path = WALKTHROUGH) -> list[tuple[str, str]]:
+    """(file under the repository, its python block) for every section whose heading names a source file: the
+    first block of a section titled with the file is the whole file, of one titled "one line in" a line added."""
+    changes = []
+    for heading, body in re.findall(r"^## (.*?)\n(.*?)(?=^## |\Z)", path.read_text(), flags=re.S | re.M):
+        named = re.search(r"`(src/ripplekv/[\w/]+\.py)`", heading)
+        if named:
+            changes.append((named.group(1), code_blocks_in(body)[0]))
+    return changes
+
+
+def code_blocks_in(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
 def test_adding_a_method_runs_as_written(tiny_model, monkeypatch):
-    blocks = code_blocks(DOCS / "adding-a-method.md")
+    blocks = code_blocks(WALKTHROUGH)
     assert len(blocks) == 3
+    module = types.ModuleType("ripplekv.methods.querygram")  # the new file, as the package would import it
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr("ripplekv.methods.presets.PRESETS", dict(PRESETS))  # the example's name leaves with the test
-    monkeypatch.setitem(SCORERS, "vnorm", None)  # undone after the test: the example's scorer leaves too
+    monkeypatch.setitem(SCORERS, "querygram", None)  # undone after the test: the example's scorer and recorder leave too
+    monkeypatch.setitem(RECORDERS, "query_gram", None)
     import ripplekv.methods as methods
     import ripplekv.methods.presets as presets
 
     monkeypatch.setattr(methods, "PRESETS", presets.PRESETS)
+    exec(compile(blocks[0], "adding-a-method.md", "exec"), module.__dict__)
+    exec(compile(blocks[1], "adding-a-method.md", "exec"), {"preset": presets.preset})
     namespace = {"model": tiny_model}
-    for block in blocks:
-        exec(compile(block, "adding-a-method.md", "exec"), namespace)
-    method = namespace["method"]
-    state, counts = namespace["state"], namespace["counts"]
+    exec(compile(blocks[2], "adding-a-method.md", "exec"), namespace)
+    method, state, counts = namespace["method"], namespace["state"], namespace["counts"]
     kept = method.select(state, 32)
     assert int(kept.sum()) == int(counts.sum())
-    # VNorm keeps each head's largest value norms beyond the window: checked against a plain sort.
-    layer, head, window = 0, 0, 8
-    norms = state.values[layer][head, : state.length - window].float().norm(dim=-1)
-    top = set(norms.argsort(descending=True)[: int(counts[layer, head]) - window].tolist())
-    assert set(kept[layer, head, : state.length - window].nonzero().flatten().tolist()) == top
+    # The recorded Gram matrices against the queries themselves, captured whole through the window's recorder.
+    whole = prefill_for(tiny_model, state.input_ids, Requirements(capture_window=state.length))
+    for layer in range(state.num_layers):
+        queries = whole.signal(WINDOW_QUERIES)[layer].double()  # [H_q, n, d]: every prompt query
+        gram = queries.transpose(-1, -2) @ queries / state.length
+        assert torch.allclose(state.signal("query_gram")[layer].double(), gram, rtol=1e-4, atol=1e-6)
+    # QueryGram keeps each head's largest k^T G k beyond the window: checked against a plain sort, head by head.
+    layer, window = 0, 8
+    gram = state.signal("query_gram")[layer].double()
+    group = gram.shape[0] // state.num_kv_heads
+    for head in range(state.num_kv_heads):
+        keys = state.keys[layer][head, : state.length - window].double()
+        scores = sum(((keys @ gram[head * group + g]) * keys).sum(-1) for g in range(group))
+        top = set(scores.argsort(descending=True)[: int(counts[layer, head]) - window].tolist())
+        assert set(kept[layer, head, : state.length - window].nonzero().flatten().tolist()) == top
+
+
+def changed_files(before: Path, after: Path) -> set[str]:
+    """Files (relative paths) that differ between two trees, or exist in one only; caches left out."""
+    found = set()
+
+    def walk(compared: filecmp.dircmp, prefix: str) -> None:
+        for name in compared.left_only + compared.right_only + compared.diff_files + compared.funny_files:
+            if name != "__pycache__":
+                found.add(prefix + name)
+        for name, sub in compared.subdirs.items():
+            if name != "__pycache__":
+                walk(sub, prefix + name + "/")
+
+    walk(filecmp.dircmp(before, after, ignore=["__pycache__"]), "")
+    return found
+
+
+def test_a_new_signal_and_its_scorer_touch_two_source_files(tiny_model_dir, tmp_path):
+    """The page's two changes, written into a copy of the package, are all eval needs to run the new method with
+    its new signal: no engine or pipeline file changes, and the budget is exact."""
+    changes = source_changes()
+    assert [path for path, _ in changes] == ["src/ripplekv/methods/querygram.py", "src/ripplekv/methods/presets.py"]
+    copy = tmp_path / "src" / "ripplekv"
+    shutil.copytree(ROOT / "src" / "ripplekv", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (new_file, module), (preset_file, line) = changes
+    (tmp_path / new_file).write_text(module)
+    with (tmp_path / preset_file).open("a") as fh:
+        fh.write(line)
+    assert changed_files(ROOT / "src" / "ripplekv", copy) == {"methods/querygram.py", "methods/presets.py"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    # eval's own per-sample function (`ripplekv.generate`), in a fresh interpreter that imports the copy
+    script = (f"import json, ripplekv; model, tokenizer = ripplekv.load_model({str(tiny_model_dir)!r}); "
+              "answers = ripplekv.generate(model, tokenizer, 'The cat sat on the mat. ' * 30, 'Where did it sit?', "
+              "methods=['querygram'], budgets=[32], max_new_tokens=4); "
+              "print(json.dumps([ripplekv.__file__] + [(a.method, a.kept_entries) for a in answers]))")
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    where, *answers = json.loads(done.stdout.splitlines()[-1])
+    assert Path(where).is_relative_to(copy)  # the copy ran, not the checkout
+    full = dict(answers)["full"]
+    assert full > 32 * 4 * 2 and dict(answers)["querygram"] == 4 * 2 * 32  # L x H_kv x B, exactly
 
 
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))

@@ -12,6 +12,7 @@ from ripplekv.engine import entries
 from ripplekv.engine.cache import CompressedLayer, build_cache, compressed_attention
 from ripplekv.engine.decode import fidelity, greedy_decode, teacher_forced_logprobs
 from ripplekv.engine.prefill import Requirements, prefill
+from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.methods import AllocatorScorer, make_method
 from tests.conftest import every_method, satisfy
 
@@ -32,7 +33,7 @@ def test_prefill_logits_are_the_models_own(tiny_model):
     expected = copy.deepcopy(tiny_model)(ids[None]).logits[0, -1]
     state = prefill(tiny_model, ids, capture_window=16)
     assert torch.allclose(state.last_logits, expected, atol=1e-5)
-    assert state.keys[0].shape == (2, 120, 16) and state.window_queries[0].shape == (4, 16, 16)
+    assert state.keys[0].shape == (2, 120, 16) and state.signal(WINDOW_QUERIES)[0].shape == (4, 16, 16)
 
 
 def test_full_cache_and_budget_above_n_reproduce_the_model(tiny_model):

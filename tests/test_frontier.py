@@ -11,11 +11,14 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ripplekv.engine import continuation as probe
+from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
+from ripplekv.methods import continuation as probe
 from ripplekv.methods import make_method
+from ripplekv.methods.kvzip import RECONSTRUCTION
 from ripplekv.methods.oracle import reference_answer
+from ripplekv.methods.query_statistics import QUERY_STATISTICS
 from tests.conftest import StubTokenizer, satisfy, tiny_llama
 
 N = 120
@@ -154,7 +157,7 @@ def test_defensivekv_scores_match_the_formula(setup):
 def test_kvzip_scores_are_the_max_attention_of_the_repeat_pass(setup, piece, monkeypatch):
     model, eager, ids, state, out = setup
     monkeypatch.setattr(probe, "PIECE", piece)
-    state.scores.clear()
+    state.forget()
     scorer = make_method("kvzip").scorer
     tokenizer = StubTokenizer()
     repeat = tokenizer.encode("\n\nRepeat the previous context exactly.") + tokenizer.encode("\n") + ids.tolist()
@@ -163,19 +166,21 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeat_pass(setup, piece, mon
         first = eager(input_ids=ids[None], past_key_values=cache, use_cache=True)
         again = eager(input_ids=torch.tensor([repeat]), past_key_values=first.past_key_values, output_attentions=True,
                       position_ids=torch.arange(N, N + len(repeat))[None])
+    with timings.collect() as spent:
+        scores = [scorer.scores(state, layer) for layer in range(LAYERS)]
     for layer in range(LAYERS):
         maps = again.attentions[layer][0, :, :, :N].float()  # [Q, t, n]: one chunk sees every prompt entry
         expected = maps.view(KV, GROUP * len(repeat), N).max(1).values
         expected[:, :4] = 1.0
-        assert torch.allclose(scorer.scores(state, layer), expected[:, : N - 32], atol=1e-5)
-    assert state.scores["kvzip-seconds"] > 0
+        assert torch.allclose(scores[layer], expected[:, : N - 32], atol=1e-5)
+    assert spent.seconds[(RECONSTRUCTION, "")] > 0  # the pass is timed as its own phase, once
 
 
 @pytest.mark.parametrize("piece", [512, 2])
 def test_oracle_scores_are_the_attention_the_answer_pays(setup, piece, monkeypatch):
     model, eager, ids, state, out = setup
     monkeypatch.setattr(probe, "PIECE", piece)
-    state.scores.clear()
+    state.forget()
     scorer = make_method("oracle").scorer
     question, answer = reference_answer(state)
     tail = question + answer
@@ -253,9 +258,10 @@ def test_composition_mistakes_are_one_line(spec, message):
 
 
 def test_requirements_name_the_signals():
-    assert make_method("expected-attention").requirements().query_statistics
-    assert not make_method("snapkv").requirements().query_statistics
-    assert make_method("uniform:split=adakv:scorer=expected-attention").requirements() == Requirements(0, False, True)
+    assert QUERY_STATISTICS in make_method("expected-attention").requirements().signals
+    assert QUERY_STATISTICS not in make_method("snapkv").requirements().signals
+    assert make_method("uniform:split=adakv:scorer=expected-attention").requirements() == Requirements(
+        0, {QUERY_STATISTICS})
 
 
 @pytest.mark.slow

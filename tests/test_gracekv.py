@@ -365,7 +365,7 @@ def test_lazy_pricing_keeps_the_order_of_pricing_every_tree_first(monkeypatch):
     built = {}
     for batch in (1, 10**9):
         monkeypatch.setattr(gracekv_global, "BATCH", batch)
-        state.scores.clear()
+        state.forget()
         built[batch] = make_method("gracekv:min_slot=8:slot=16:max_slot=32").compress(state, 60)
     for lazy, eager in zip(built[1], built[10**9]):
         assert torch.equal(lazy.positions, eager.positions) and torch.equal(lazy.keys, eager.keys)

@@ -6,8 +6,9 @@ import torch
 
 from ripplekv.engine import memory
 from ripplekv.engine.cache import build_cache, build_lazily
-from ripplekv.engine.prefill import prefill
+from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
+from ripplekv.methods.column_sums import COLUMN_SUMS
 from tests.conftest import every_method
 
 
@@ -17,7 +18,7 @@ def test_sizes_parse_with_their_units():
     assert memory.parse_bytes("1.5 gib") == 3 * 2**29
     assert memory.parse_bytes("4096") == 4096
     for bad in ("", "lots", "8 GiBs", "-1GB", "0", "1e3"):
-        with pytest.raises(UserError, match="--memory-budget must be a size with a unit"):
+        with pytest.raises(UserError, match="memory_budget must be a size with a unit"):
             memory.parse_bytes(bad)
 
 
@@ -27,7 +28,7 @@ def test_lazy_building_gives_the_cache_built_from_all_variants(tmp_path):
 
     model = tiny_llama()
     state = prefill(model, torch.randint(0, 101, (90,), generator=torch.Generator().manual_seed(2)),
-                    capture_window=32, accumulate=True)
+                    capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
     methods = every_method(state.num_layers, tmp_path)
     for names in (("snapkv", "adakv", "gracekv", "pyramidkv"), ("full", "full"), ("full", "snapkv")):
         built = [methods[name].compress(state, budget) for name in names for budget in (8, 40)]
@@ -70,6 +71,7 @@ def sample_methods(folder):
 
 
 def run_sample(loaded, methods, monkeypatch=None, tight: float | None = None, **options):
+    from ripplekv.engine import schedule
     from ripplekv.pipeline import evaluate
     from ripplekv.tasks import get_tasks, load_samples
 
@@ -91,9 +93,10 @@ def run_sample(loaded, methods, monkeypatch=None, tight: float | None = None, **
         def squeezed_left(model, state, reference, lengths, count, budget, held, building):  # the same bound later
             return real_left(model, state, reference, lengths, count, squeezed_budget[0], held, building)
 
-        monkeypatch.setattr(evaluate, "variant_room", squeezed)
-        monkeypatch.setattr(evaluate, "room_left", squeezed_left)
-    return evaluate.evaluate_sample(model, tokenizer, task, record, methods, (24, 160), sid="s", **options)
+        monkeypatch.setattr(schedule, "variant_room", squeezed)
+        monkeypatch.setattr(schedule, "room_left", squeezed_left)
+    return evaluate.evaluate_sample(model, tokenizer, task, record, methods, (24, 160),
+                                    evaluate.SampleSettings(**options), sid="s")
 
 
 def test_a_tight_memory_bound_changes_no_prediction_kl_or_agreement(loaded, tmp_path, monkeypatch):
@@ -119,7 +122,7 @@ def test_a_tight_memory_bound_changes_no_prediction_kl_or_agreement(loaded, tmp_
 
 
 def test_a_variant_that_cannot_fit_alone_is_one_line_naming_it(loaded, tmp_path):
-    with pytest.raises(UserError, match=r"(?s)at budget \d+ needs .* raise --memory-budget to at least"):
+    with pytest.raises(UserError, match=r"(?s)at budget \d+ needs .* raise memory_budget to at least"):
         run_sample(loaded, sample_methods(tmp_path), memory_budget=2**20)
 
 
@@ -187,8 +190,12 @@ def test_groups_are_planned_again_within_what_is_left_after_each():
     assert sorted(i for g in again for i in g) == list(range(12))
 
 
-def test_a_prefill_past_the_budget_is_one_note_and_the_sample_goes_on(loaded, tmp_path, monkeypatch, capsys):
-    from ripplekv.pipeline import evaluate
+def test_a_prefill_past_the_budget_is_one_note_and_the_sample_goes_on(loaded, tmp_path, monkeypatch):
+    import warnings
+
+    from ripplekv.cli.options import flag
+    from ripplekv.engine import schedule
+    from ripplekv.errors import Notice
 
     class BigPrefill(memory.PeakMemory):  # the first stretch (prefill and reference) peaks 5 GiB above the start
         def mark(self):
@@ -198,11 +205,14 @@ def test_a_prefill_past_the_budget_is_one_note_and_the_sample_goes_on(loaded, tm
                 return self.origin + 5 * 2**30
             return seen
 
-    monkeypatch.setattr(evaluate, "PeakMemory", BigPrefill)
+    monkeypatch.setattr(schedule, "PeakMemory", BigPrefill)
     monkeypatch.setattr(memory, "_SAID", set())
-    rows = run_sample(loaded, sample_methods(tmp_path), memory_budget=4 * 2**30)
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: the prefill")]
-    assert len(said) == 1 and "over --memory-budget 4.00 GiB" in said[0] and "--max-length" in said[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = run_sample(loaded, sample_methods(tmp_path), memory_budget=4 * 2**30)
+        run_sample(loaded, sample_methods(tmp_path), memory_budget=4 * 2**30)
+    said = [w.message for w in caught if isinstance(w.message, Notice) and "the prefill" in str(w.message)]
+    assert len(said) == 1  # once per process and budget
+    assert "over memory_budget 4.00 GiB" in str(said[0]) and "max_length" in str(said[0])  # the settings' names
+    assert "over --memory-budget 4.00 GiB" in said[0].phrased(flag) and "--max-length" in said[0].phrased(flag)
     assert len(rows) == 1 + 5 * 2  # every variant still decoded
-    run_sample(loaded, sample_methods(tmp_path), memory_budget=4 * 2**30)
-    assert "note: the prefill" not in capsys.readouterr().err  # once per process and budget

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ripplekv.engine import entries
+from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.errors import UserError
 from ripplekv.methods import PRESETS, make_method, method_names
 from ripplekv.methods.snapkv import window_scores
@@ -38,7 +39,7 @@ def test_snapkv_keeps_window_and_top_scored_prefix():
 def test_snapkv_scores_match_a_direct_attention_computation():
     state = fake_state(1, 120, kv_heads=2, query_heads=4)
     scores = window_scores(state, 0, 8, 1, "none")
-    q = state.window_queries[0][:, -8:]
+    q = state.signal(WINDOW_QUERIES)[0][:, -8:]
     k = torch.repeat_interleave(state.keys[0], 2, dim=0)
     logits = q @ k.transpose(-1, -2) * state.scaling
     positions = torch.arange(120)

@@ -108,15 +108,24 @@ def test_the_pipeline_runs_without_out_or_allocation_flags(tiny_model_dir, tmp_p
 
 
 def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
-    from ripplekv.cli.evaluation import default_allocation
+    """One rule for the CLI and the API: the last `allocate`, else the shipped one for the bundled model, and
+    nothing for methods that take no allocation."""
+    from ripplekv.cli.evaluation import model_is_bundled
     from ripplekv.engine.models import load_config
     from ripplekv.methods.allocators import read_allocation
+    from ripplekv.pipeline.eval_plan import default_allocation
 
     monkeypatch.chdir(tmp_path)  # no runs/allocate here
-    path, note = default_allocation(None)
+    path, note = default_allocation(["snapkv", "ripplekv"], bundled=model_is_bundled(None))
     assert "shipped" in note
     assert len(read_allocation(path)) == load_config(None).num_hidden_layers
-    assert default_allocation(str(tmp_path / "some-other-model")) == (None, None)
+    assert default_allocation(["ripplekv"], bundled=model_is_bundled(str(tmp_path / "other"))) == (None, None)
+    assert default_allocation(["snapkv"], bundled=True) == (None, None)  # no method takes one
+    (tmp_path / "runs" / "allocate").mkdir(parents=True)
+    (tmp_path / "runs" / "allocate" / "allocation.csv").write_text("layer,multiplier\n0,1\n")
+    for bundled in (True, False):  # the last allocation first, for any model
+        path, note = default_allocation(["depthkv"], bundled=bundled)
+        assert path == "runs/allocate/allocation.csv" and "the last allocation" in note
 
 
 def test_allocate_without_a_profile_says_what_to_run(tmp_path):

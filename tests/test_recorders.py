@@ -10,10 +10,14 @@ import torch
 
 from ripplekv.engine import decode as engine_decode
 from ripplekv.engine.prefill import Requirements, prefill
-from ripplekv.engine.recorders import SampleContext, record_reference
+from ripplekv.engine.recorders import WINDOW_QUERIES, SampleContext, record_reference
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from ripplekv.methods.base import top_indices, top_scored_mask
+from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.kvzip import TOKENIZER
+from ripplekv.methods.oracle import REFERENCE_ANSWER
+from ripplekv.methods.query_statistics import QUERY_STATISTICS
 from ripplekv.pipeline import evaluate
 from tests.conftest import StubTokenizer, tiny_llama
 
@@ -39,7 +43,8 @@ def run_sample(model, tokenizer, task, record, names, monkeypatch):
     monkeypatch.setattr(evaluate, "prefill", keep_state)
     monkeypatch.setattr(engine_decode, "full_reference", keep_reference)
     methods = {name: make_method(name) for name in names}
-    rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, BUDGETS, sid="s", batch_size=4)
+    rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, BUDGETS,
+                                    evaluate.SampleSettings(batch_size=4), sid="s")
     return rows, seen["state"], seen["reference"]
 
 
@@ -57,7 +62,7 @@ def test_methods_that_record_more_leave_the_reference_and_every_other_method_unc
     record = load_samples(task, tokenizer, limit=1, target_tokens=300)[0]
     plain_rows, plain, plain_ref = run_sample(model, tokenizer, task, record, BASE, monkeypatch)
     rows, state, reference = run_sample(model, tokenizer, task, record, BASE + RECORDING, monkeypatch)
-    assert state.accumulated is not None and state.query_stats is not None and plain.accumulated is None
+    assert {COLUMN_SUMS, QUERY_STATISTICS} <= set(state.signals) and COLUMN_SUMS not in plain.signals
     assert {r["method"] for r in rows} == set(BASE) | set(RECORDING)
     for layer in range(state.num_layers):
         assert torch.equal(state.keys[layer], plain.keys[layer])
@@ -82,19 +87,58 @@ def test_the_sample_context_reaches_only_the_methods_that_declared_it():
     ids = torch.randint(3, 101, (40,), generator=torch.Generator().manual_seed(0))
     context = SampleContext(StubTokenizer(), (3, 4))
     plain = prefill(model, ids, context=context)
-    assert plain.signals == {}  # nothing declared, nothing kept
+    assert set(plain.signals) == {WINDOW_QUERIES}  # nothing declared, nothing else kept
     with pytest.raises(UserError, match="full cache's answer"):
         make_method("oracle").compress(plain, 16)
     needs = Requirements.of_all([make_method("oracle"), make_method("kvzip")])
-    assert needs.reference_answer and needs.tokenizer
+    assert needs.signals == {REFERENCE_ANSWER, TOKENIZER}
     state = prefill(model, ids, requirements=needs, context=context)
-    assert state.signals["tokenizer"] is context.tokenizer
+    assert state.signal(TOKENIZER) is context.tokenizer
     with pytest.raises(UserError, match="full cache's answer"):  # declared, but not decoded yet
         make_method("oracle").compress(state, 16)
     record_reference(state, [7, 8])
     assert state.signal("reference_answer").question == (3, 4) and state.signal("reference_answer").tokens == (7, 8)
     record_reference(plain, [7, 8])  # a no-op where no method declared it
-    assert plain.signals == {}
+    assert set(plain.signals) == {WINDOW_QUERIES}
+
+
+def test_a_signal_has_one_recorder_and_an_unrecorded_signal_is_one_line(monkeypatch):
+    from ripplekv.engine import recorders
+
+    monkeypatch.setattr(recorders, "RECORDERS", dict(recorders.RECORDERS))
+
+    @recorders.register_recorder("my_signal")
+    class Mine(recorders.PerLayer):
+        pass
+
+    assert recorders.register_recorder("my_signal")(Mine) is Mine  # the same class again (a reload) is fine
+    with pytest.raises(ValueError, match="already has a recorder"):
+
+        @recorders.register_recorder(COLUMN_SUMS)
+        class Other(recorders.PerLayer):
+            pass
+
+    state = prefill(tiny_llama(), torch.arange(3, 40))
+    with pytest.raises(UserError, match="did not record the signal 'my_signal'.*Requirements"):
+        state.signal("my_signal")
+    with pytest.raises(UserError, match="no recorder is registered for the signal 'nobody'"):
+        prefill(tiny_llama(), torch.arange(3, 40), requirements=Requirements(signals={"nobody"}))
+
+
+def test_memo_keys_name_the_function_and_share_its_result():
+    state = prefill(tiny_llama(), torch.arange(3, 40))
+    calls = []
+
+    def area(side):
+        calls.append(side)
+        return side * side
+
+    assert state.memo((area, 3), lambda: area(3)) == 9 and state.memo((area, 3), lambda: area(3)) == 9
+    assert calls == [3]  # computed once per key
+    state.forget()
+    assert state.memo((area, 3), lambda: area(3)) == 9 and calls == [3, 3]
+    with pytest.raises(TypeError, match="a memo key is a tuple"):
+        state.memo(("area", 3), lambda: 9)  # a hand-built string key is refused
 
 
 def method_data_assignments() -> list[str]:
@@ -156,9 +200,9 @@ def tied_state():
     from tests.test_budgets import fake_state
 
     state = fake_state(3, 160, kv_heads=2, query_heads=4, seed=5)
-    state.window_queries = [q.round() for q in state.window_queries]
+    state.signals[WINDOW_QUERIES] = [q.round() for q in state.signal(WINDOW_QUERIES)]
     state.keys = [k.round() for k in state.keys]
-    state.accumulated = [a.mul(4).round() for a in state.accumulated]
+    state.signals[COLUMN_SUMS] = [a.mul(4).round() for a in state.signal(COLUMN_SUMS)]
     return state
 
 
@@ -185,6 +229,6 @@ def test_tied_scores_give_one_kept_set_run_after_run(spec):
     state = tied_state()
     method = make_method(spec)
     first = [e.positions for e in method.compress(state, 40)]
-    state.scores.clear()
+    state.forget()
     again = [e.positions for e in method.compress(state, 40)]
     assert all(torch.equal(a, b) for a, b in zip(first, again))

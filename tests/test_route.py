@@ -13,6 +13,7 @@ from ripplekv.analysis.kept import kept_arrays
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import forward_tokens, full_reference, kl_per_variant, measure_fidelity
 from ripplekv.engine.prefill import Requirements, prefill_for
+from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, parse_spec
 from ripplekv.methods.catalog import build_methods
@@ -181,7 +182,7 @@ def test_route_trials_use_the_observation_window_eval_gives_each_method(specs, p
     prompt = random_prompt(length=200, probe=probe_tokens)
     candidates = candidate_methods(specs)
     route_state = route_prefill(model, prompt.context, candidates, probe_tokens, len(prompt.probe))
-    assert route_state.window_queries[0].shape[1] == max(64, probe_tokens)
+    assert route_state.signal(WINDOW_QUERIES)[0].shape[1] == max(64, probe_tokens)
     probe_windowed = 0
     for method in candidates:
         _, compressed = eval_compressed(model, prompt.context, method.label, budget)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS, make_method
+from ripplekv.methods.column_sums import COLUMN_SUMS
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "ripplekv"
 # The project's own name, where it means the project (not the ripplekv method).
@@ -38,6 +40,27 @@ def test_no_method_is_named_in_engine_pipeline_or_analysis(package):
     assert named_methods(package) == []
 
 
+def named_signals(package: str) -> list[str]:
+    """`file:line: name` for every string literal in `package` that is a method's signal (a registered recorder's
+    name other than the window queries every prefill records)."""
+    from ripplekv.engine.recorders import RECORDERS, WINDOW_QUERIES
+
+    signals = set(RECORDERS) - {WINDOW_QUERIES}
+    found = []
+    for path in sorted((SRC / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in signals:
+                found.append(f"{path.relative_to(SRC).as_posix()}:{node.lineno}: {node.value!r}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["engine", "pipeline", "analysis"])
+def test_no_signal_of_a_method_is_named_outside_methods(package):
+    """A signal is its recorder and the methods that read it, all in methods/: the engine records whatever the
+    requirements name, by the registry."""
+    assert named_signals(package) == []
+
+
 def test_the_name_check_can_fail(tmp_path, monkeypatch):
     bad = tmp_path / "pipeline"
     bad.mkdir()
@@ -54,17 +77,17 @@ def test_requirements_follow_the_methods(tmp_path):
         "snapkv": Requirements(capture_window=32),
         "snapkv:window=128": Requirements(capture_window=128),
         "tova": Requirements(capture_window=1),
-        "h2o": Requirements(accumulated_attention=True),
+        "h2o": Requirements(signals={COLUMN_SUMS}),
         "knorm": Requirements(),
         "streamingllm": Requirements(),
         "cake:window=48": Requirements(capture_window=48),  # its allocator's window; its SnapKV scorer's is 32
         "gracekv:window=80": Requirements(capture_window=80),
-        f"routed:route={route}": Requirements(capture_window=96, accumulated_attention=True),
+        f"routed:route={route}": Requirements(capture_window=96, signals={COLUMN_SUMS}),
     }
     for spec, expected in cases.items():
         assert make_method(spec).requirements() == expected, spec
     union = Requirements.of_all(make_method(spec) for spec in ("snapkv:window=128", "h2o", "tova"))
-    assert union == Requirements(capture_window=128, accumulated_attention=True)
+    assert union == Requirements(capture_window=128, signals={COLUMN_SUMS})
 
 
 def test_a_spec_window_beyond_the_window_option_is_the_one_captured():
@@ -95,6 +118,62 @@ def test_every_task_of_every_suite_resolves_to_one_metric_and_one_generation_len
     assert shared == {}
     for name, ((metric, max_new, _),) in by_name.items():
         assert metric_for(name) == metric and task_named(name).max_new_tokens == max_new
+
+
+# --------------------------------------------------------------------------- size and voice
+
+MOST_LINES = 400
+
+
+def long_modules(src: Path) -> list[str]:
+    return [f"{path.relative_to(src).as_posix()}: {count} lines" for path in sorted(src.rglob("*.py"))
+            if (count := len(path.read_text(encoding="utf-8").splitlines())) > MOST_LINES]
+
+
+def test_no_module_is_over_400_lines():
+    """One concept per module (DESIGN.md): a module past 400 lines holds two, and is split."""
+    assert long_modules(SRC) == []
+
+
+def test_the_length_check_can_fail(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MOST_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n" * MOST_LINES)
+    assert long_modules(tmp_path) == [f"pkg/long.py: {MOST_LINES + 1} lines"]
+
+
+def engine_voices(src: Path) -> list[str]:
+    """`file:line: what` for every print, write to stderr or command-line flag (`--name`) in the engine's code
+    (docstrings and quoted commands such as `pip install --no-deps x` aside): the engine raises or warns, and
+    cli/ phrases what the user reads."""
+    found = []
+    for path in sorted((src / "engine").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        where = path.relative_to(src).as_posix()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                found.append(f"{where}:{node.lineno}: print")
+            elif isinstance(node, ast.Attribute) and node.attr == "stderr":
+                found.append(f"{where}:{node.lineno}: stderr")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                named = re.search(r"(?<![\w-])--[a-z][a-z-]+", re.sub(r"`[^`]*`", "", node.value))
+                if named:
+                    found.append(f"{where}:{node.lineno}: {named.group()}")
+    return found
+
+
+def test_the_engine_names_no_flag_and_prints_nothing():
+    assert engine_voices(SRC) == []
+
+
+def test_the_voice_check_can_fail(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "x.py").write_text('"""Under `--decode-budget total` (a docstring may say so)."""\nimport sys\n'
+                                              'def f(n):\n    print(f"pass --max-length {n}", file=sys.stderr)\n')
+    assert engine_voices(tmp_path) == ["engine/x.py:4: print", "engine/x.py:4: stderr", "engine/x.py:4: --max-length"]
 
 
 # --------------------------------------------------------------------------- the import rule

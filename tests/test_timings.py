@@ -18,7 +18,7 @@ from tests.conftest import invoke
 TASKS = ("niah", "squad")
 # h2o and expected-attention bring the prefill's two attention recorders beside the window queries
 METHODS = ("full", "snapkv", "h2o", "expected-attention", "streamingllm")
-RECORDERS = ("capture_window", "accumulated_attention", "query_statistics")
+RECORDERS = ("window_queries", "accumulated_attention", "query_statistics")
 SHARED = (timings.PREFILL, timings.REFERENCE_DECODE, timings.TEACHER_FORCED, timings.DIVERGENCE_DECODE, timings.OTHER)
 
 

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 _API = ("Answer", "CompressedPrompt", "MethodInfo", "Prompt", "Run", "compress", "generate", "load_model",
         "load_run", "method", "list_methods", "sample_prompt")
-__all__ = ["UserError", "__version__", *_API]
+__all__ = ["Notice", "UserError", "__version__", *_API]
 
 
 def __getattr__(name: str):
@@ -15,10 +15,10 @@ def __getattr__(name: str):
         from ripplekv import api
 
         return getattr(api, name)
-    if name == "UserError":
-        from ripplekv.errors import UserError
+    if name in ("UserError", "Notice"):
+        from ripplekv import errors
 
-        return UserError
+        return getattr(errors, name)
     raise AttributeError(f"module 'ripplekv' has no attribute {name!r}")
 
 

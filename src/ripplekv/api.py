@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,7 +27,6 @@ from ripplekv.runs.tables import Run, load_run
 __all__ = ["Answer", "CompressedPrompt", "MethodInfo", "Prompt", "Run", "UserError", "compress", "generate",
            "list_methods", "load_model", "load_run", "method", "sample_prompt"]
 
-SHIPPED_ALLOCATIONS = Path(__file__).parent / "data" / "allocations"
 NO_TRUNCATION = 2**62  # user text is never cut in the middle; a prompt too long for the model is refused
 
 
@@ -137,15 +135,20 @@ def _check_model(model) -> None:
 
 
 def _methods(model, specs: Sequence[str], allocation: str | None, options: dict) -> dict:
-    """label -> Method (`full` first), as eval builds them; the bundled model gets its shipped allocation."""
-    from ripplekv.engine.models import DEFAULT_MODEL, is_bundled
-    from ripplekv.methods.catalog import build_methods
-    from ripplekv.methods.presets import shared_option_users
+    """label -> Method (`full` first), as eval builds them, with eval's default allocation when none is given (the
+    last `ripplekv allocate` output, else the one shipped for the bundled model: a `Notice` says which)."""
+    import warnings
 
-    shared = {**options, "allocation": allocation}
-    if allocation is None and shared_option_users(specs, {"allocation": "?"})["allocation"] and is_bundled(model):
-        shared["allocation"] = str(SHIPPED_ALLOCATIONS / f"{DEFAULT_MODEL}.csv")
-    return build_methods(specs, shared)
+    from ripplekv.engine.models import is_bundled
+    from ripplekv.errors import Notice
+    from ripplekv.methods.catalog import build_methods
+    from ripplekv.pipeline.eval_plan import default_allocation
+
+    if allocation is None:
+        allocation, note = default_allocation(specs, bundled=is_bundled(model))
+        if note:
+            warnings.warn(Notice(note), stacklevel=3)
+    return build_methods(specs, {**options, "allocation": allocation})
 
 
 def positive_integer(value, name: str) -> int:
@@ -211,6 +214,7 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     from ripplekv.engine.cache import build_cache
     from ripplekv.engine.prefill import prefill_for
     from ripplekv.engine.recorders import SampleContext
+    from ripplekv.engine.schedule import Variant, build, entry_counts
     from ripplekv.methods.budgets import check_budget
 
     _check_model(model)
@@ -220,8 +224,8 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     budget = check_budget(int(budget) if isinstance(budget, Integral) and not isinstance(budget, bool) else budget)
     ids = _token_ids(tokenizer, prompt, chat, _vocabulary(model))
     state = prefill_for(model, ids, chosen.requirements(), context=SampleContext(tokenizer))
-    built = chosen.compress(state, budget)
-    counts = np.array([[int(c) for c in layer.counts.tolist()] for layer in built], dtype=np.int64)
+    built = build(state, Variant(chosen.label, budget, chosen))
+    counts = entry_counts(built)
     cache = build_cache(state, [built])
     return CompressedPrompt(cache, state.input_ids[None], int(state.last_logits.argmax()), counts, chosen.label, budget)
 
@@ -266,7 +270,7 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     """
     from ripplekv.methods.budgets import check_budget
     from ripplekv.pipeline.eval_plan import PROTOCOLS, parse_budgets, parse_names
-    from ripplekv.pipeline.evaluate import evaluate_sample
+    from ripplekv.pipeline.evaluate import SampleSettings, evaluate_sample
 
     _check_model(model)
     if not isinstance(context, str) or not context.strip():
@@ -295,8 +299,8 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     _check_tokenizer(tokenizer)
     task = _text_task(question, max_new_tokens, score_as, chat)
     record = {"_id": "text", "context": context, "input": question or "", "answers": list(answers or [])}
-    rows = evaluate_sample(model, tokenizer, task, record, built, chosen_budgets, sid="text", max_length=NO_TRUNCATION,
-                           batch_size=batch_size, protocol=protocol, memory_budget=limit)
+    settings = SampleSettings(max_length=NO_TRUNCATION, batch_size=batch_size, protocol=protocol, memory_budget=limit)
+    rows = evaluate_sample(model, tokenizer, task, record, built, chosen_budgets, settings, sid="text")
     return [Answer(row["method"], row["budget"], row["prediction"], row["new_tokens"], row["kept_entries"],
                    row["layer_budgets"], row["kl"], row["agreement"], row["score"] if answers else None)
             for row in rows]

@@ -5,11 +5,15 @@ Torch-free (the CLI shows these in --help without loading the engine); `methods.
 each method named here is a preset.
 """
 
+from pathlib import Path
+
 DEFAULT_EVAL_METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")  # `eval --methods`
 DEFAULT_ROUTE_CANDIDATES = ("snapkv", "streamingllm", "h2o", "tova", "knorm")  # `route --methods`
 UNIFORM_BASELINES = ("uniform", "snapkv")  # what a report compares each method with, first one present
 ALLOCATION_METHOD = "ripplekv"  # `allocate`: the method that turns multipliers into layer budgets
 ALLOCATION_PLOT_BESIDE = "pyramidkv"  # `allocate`'s plot draws its layer budgets beside this method's
+# `allocate`'s output by default, under the working directory: the allocation file budgets take when none is given
+LAST_ALLOCATION = Path("runs/allocate/allocation.csv")
 EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prunes with its own H2O-like pruner
 CEILINGS = ("oracle", "allocation-ceiling")  # bounds, not methods: reported beside the methods, never ranked
 # The families the report's forest plots colour methods by (a composition takes its preset's family); every

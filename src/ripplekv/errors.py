@@ -1,11 +1,50 @@
-"""One exception type for mistakes a user can fix: the CLI prints its message as one line, exit 2."""
+"""One exception type for mistakes a user can fix (the CLI prints its message as one line, exit 2), and one
+warning type for what the user should know while the work goes on (`Notice`).
+
+A message may name a setting the user chose (`UserError("... raise {memory_budget} ...", "memory_budget")`):
+the libraries do not know how a command line spells it, so it reads as the setting's own name (the Python
+API's argument, `memory_budget`) unless the caller phrases it (`phrased`: the CLI writes `--memory-budget`).
+"""
 
 import errno
+from collections.abc import Callable
 from pathlib import Path
 
 
+def _phrase(message: str, settings, spell: Callable[[str], str] | None) -> str:
+    for name in settings:
+        message = message.replace("{" + name + "}", spell(name) if spell else name)
+    return message
+
+
 class UserError(Exception):
-    """Bad input, missing data or an unsupported model: the message says what is wrong and what to do."""
+    """Bad input, missing data or an unsupported model: the message says what is wrong and what to do.
+
+    `settings`: the names written `{name}` in the message (see the module docstring)."""
+
+    def __init__(self, message: str = "", *settings: str):
+        super().__init__(message, *settings)
+
+    def phrased(self, spell: Callable[[str], str] | None = None) -> str:
+        """The message, each named setting spelt by `spell` (its own name by default)."""
+        return _phrase(str(self.args[0]) if self.args else "", self.args[1:], spell)
+
+    def __str__(self) -> str:
+        return self.phrased()
+
+
+class Notice(UserWarning):
+    """What the user should know while the work goes on (the CLI prints it as one `note:` line); the libraries
+    warn with it (`warnings.warn`) instead of printing. Named settings as for `UserError`."""
+
+    def __init__(self, message: str = "", *settings: str):
+        super().__init__(message, *settings)
+
+    def phrased(self, spell: Callable[[str], str] | None = None) -> str:
+        return _phrase(str(self.args[0]) if self.args else "", self.args[1:], spell)
+
+    def __str__(self) -> str:
+        return self.phrased()
 
 
 # The errors a long run meets when its disk fills up or was never writable: the user can fix these.

@@ -1,6 +1,7 @@
 """The `ripplekv` command line: one Typer app, one command per pipeline stage.
 
-User mistakes raise `UserError`; `main` turns them into one line on stderr and exit code 2.
+User mistakes raise `UserError`; `main` turns them into one line on stderr and exit code 2, and prints each
+`Notice` the libraries warn with as one `note:` line; both name a setting by its flag (`options.flag`).
 The commands live in their own modules (listing, stages, evaluation, inspecting); this module
 registers them, in the order `ripplekv --help` lists them, so none of them imports the app.
 """
@@ -8,14 +9,16 @@ registers them, in the order `ripplekv --help` lists them, so none of them impor
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 
 from ripplekv.cli.evaluation import eval_command, report_command, score
 from ripplekv.cli.inspecting import inspect_command
 from ripplekv.cli.listing import budgets, methods_command, tasks_command
+from ripplekv.cli.options import flag
 from ripplekv.cli.stages import allocate, profile, route_command
-from ripplekv.errors import UserError
+from ripplekv.errors import Notice, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -55,8 +58,26 @@ app.command("methods")(methods_command)
 app.command("tasks")(tasks_command)
 
 
+def _show_notice(shown):
+    """`warnings.showwarning` printing a `Notice` as one `note:` line (its settings as flags), others as `shown`."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if isinstance(message, Notice):
+            print("note: " + " ".join(message.phrased(flag).split()), file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main() -> None:
     """Entry point: user errors and usage errors become one clear line and exit code 2."""
+    with warnings.catch_warnings():  # the notices' printer leaves with the command (tests run it in-process)
+        warnings.showwarning = _show_notice(warnings.showwarning)
+        _main()
+
+
+def _main() -> None:
     try:
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
     except ImportError:  # older typer uses click itself
@@ -64,7 +85,7 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except UserError as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always exactly one line
+        print("error: " + " ".join(err.phrased(flag).split()), file=sys.stderr)  # always exactly one line
         sys.exit(2)
     except OSError as err:  # a file we were given or told to write, failing where no check caught it
         if err.filename is None:

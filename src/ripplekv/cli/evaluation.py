@@ -1,7 +1,7 @@
 """The commands that score methods: `eval`, `report` and `score`.
 
-`eval` runs every method at every budget into a run directory (with `default_allocation` choosing the
-allocation when none is given), `report` re-renders a run's tables and plots from its predictions alone, and
+`eval` runs every method at every budget into a run directory (with `eval_plan.default_allocation` choosing
+the allocation when none is given), `report` re-renders a run's tables and plots from its predictions alone, and
 `score` applies the LongBench metrics to any predictions file. They are grouped because they make and read
 the same predictions and scores.
 """
@@ -100,10 +100,8 @@ def eval_command(
     out_dir = Path(out) if out else DEFAULT_EVAL
     names = eval_plan.parse_names(methods, "--methods")
     notes = [f"eval: writing to {out_dir}" + ("" if out else " (the default; choose with --out)")]
-    from ripplekv.methods.presets import options_taken
-
-    if allocation is None and "allocation" in options_taken(names):
-        allocation, note = default_allocation(model)
+    if allocation is None:
+        allocation, note = eval_plan.default_allocation(names, bundled=model_is_bundled(model))
         notes += [note] if note else []
     suite = suite or default_suite(data_dir)
     settings = eval_plan.EvalSettings(
@@ -133,19 +131,11 @@ def eval_command(
     print_tables(tables, out_dir)
 
 
-def default_allocation(model: str | None) -> tuple[str | None, str | None]:
-    """(allocation, what to tell the user) when a method with file budgets (ripplekv) runs without --allocation: the last
-    `ripplekv allocate`, else the one shipped for the bundled model, else none (ripplekv then says
-    how to make one)."""
+def model_is_bundled(model: str | None) -> bool:
+    """Whether `--model` names the bundled model (left out, or by its name)."""
     from ripplekv.engine.models import DEFAULT_MODEL
 
-    if DEFAULT_ALLOCATION.is_file():
-        return str(DEFAULT_ALLOCATION), f"ripplekv: using the last allocation, {DEFAULT_ALLOCATION}"
-    if model in (None, "", DEFAULT_MODEL):
-        shipped = Path(__file__).parent.parent / "data" / "allocations" / f"{DEFAULT_MODEL}.csv"
-        return str(shipped), (f"ripplekv: no {DEFAULT_ALLOCATION} yet; using the allocation shipped for "
-                              f"{DEFAULT_MODEL} (made by `make reproduce`)")
-    return None, None
+    return model in (None, "", DEFAULT_MODEL)
 
 
 def report_command(

@@ -44,17 +44,18 @@ def budgets(
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.methods import make_method
-    from ripplekv.methods.presets import check_distinct, collapse_aliases, degenerate_notes, options_taken
+    from ripplekv.methods.presets import check_distinct, collapse_aliases, degenerate_notes
     from ripplekv.pipeline.eval_plan import parse_names
 
     if prompt_len <= 0:
         raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
     specs = parse_names(methods, "--methods")
     note = None
-    if allocation is None and "allocation" in options_taken(specs):  # as eval resolves it (the shipped one, ...)
-        from ripplekv.cli.evaluation import default_allocation
+    if allocation is None:  # as eval resolves it (the last `allocate`, the shipped one, ...)
+        from ripplekv.cli.evaluation import model_is_bundled
+        from ripplekv.pipeline.eval_plan import default_allocation
 
-        allocation, note = default_allocation(model)
+        allocation, note = default_allocation(specs, bundled=model_is_bundled(model))
     shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     chosen = [make_method(spec, shared=shared) for spec in specs]
     check_distinct(chosen)

@@ -16,18 +16,36 @@ from typing import Annotated, Literal
 
 import typer
 
-from ripplekv.defaults import DECODE_BUDGETS, DTYPES, POOLINGS, PROBE_TOKENS, PROTOCOLS, ROUGE_CHOICES, SUITES
+from ripplekv.defaults import (
+    DECODE_BUDGETS,
+    DTYPES,
+    LAST_ALLOCATION,
+    POOLINGS,
+    PROBE_TOKENS,
+    PROTOCOLS,
+    ROUGE_CHOICES,
+    SUITES,
+)
 from ripplekv.errors import UserError
 
 # Where each stage writes when no --out is given, and where the next stage looks for it.
 DEFAULT_PROFILE = Path("runs/profile")
-DEFAULT_ALLOCATION = Path("runs/allocate/allocation.csv")
+DEFAULT_ALLOCATION = LAST_ALLOCATION
 DEFAULT_EVAL = Path("runs/eval")
 # Samples per task `eval` takes from the offline suite without --limit: the defaults finish in minutes.
 OFFLINE_FIRST_LOOK = 3
 DEFAULT_ROUTE = Path("runs/route")
 DEFAULT_INSPECT = Path("runs/inspect")
 DEFAULT_SCORE = Path("runs/score/scores.csv")
+
+
+# A setting's flag where it is not the setting's name with dashes (`memory_budget` -> `--memory-budget`).
+FLAGS = {"budgets": "--budget"}
+
+
+def flag(setting: str) -> str:
+    """The command-line flag of a setting the libraries name in a message (`errors.UserError`)."""
+    return FLAGS.get(setting, "--" + setting.replace("_", "-"))
 
 
 def _say_out(console, command: str, out, given: bool) -> None:

@@ -110,22 +110,23 @@ def check_length(config, prompt_tokens: int, answer_tokens: int = 0, fits: int |
 
     Mistral-7B-v0.1's config carries `sliding_window=4096`: within 4096 tokens sliding and full attention
     are the same thing, so such prompts run; a 7.5k prompt is refused, with the fix in the message. Beyond
-    `max_position_embeddings` the model's RoPE was never trained: refused too, naming the --max-length
-    that leaves room for the answer (`fits` when the caller measured it through its prompt template).
+    `max_position_embeddings` the model's RoPE was never trained: refused too, naming the prompt length
+    (the `max_length` setting) that leaves room for the answer (`fits` when the caller measured it through its prompt template).
     """
     total_tokens = prompt_tokens + answer_tokens
     window = sliding_window(config)
     if window is not None and total_tokens >= window:  # its sliding cache keeps window - 1 prefilled entries
         raise UserError(
             f"prompt plus answer is {total_tokens} tokens but this model attends only to its last {window} "
-            f"(sliding_window={window}); ripplekv computes full attention, so pass --max-length "
-            f"{max(1, window - 256)} or less"
+            f"(sliding_window={window}); ripplekv computes full attention, so pass {{max_length}} "
+            f"{max(1, window - 256)} or less", "max_length"
         )
     positions = getattr(config, "max_position_embeddings", None)
     if positions and total_tokens > positions:
         raise UserError(
             f"prompt plus answer is {total_tokens} tokens ({prompt_tokens} + {answer_tokens}) but this model has "
-            f"max_position_embeddings={positions}: pass --max-length {fits or max(1, positions - answer_tokens)} or less"
+            f"max_position_embeddings={positions}: pass {{max_length}} {fits or max(1, positions - answer_tokens)} "
+            "or less", "max_length"
         )
 
 

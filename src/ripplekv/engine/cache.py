@@ -320,13 +320,13 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
 def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The registered attention: compressed attention when a CompressedCache is active, else sdpa.
 
-    The recorders passed as `ripplekv_recorders` (`engine.recorders`: the prefill's window queries, H2O's
-    column sums, query statistics, a scoring pass's probe) each read this layer's post-RoPE queries, keys
+    The recorders passed as `ripplekv_recorders` (`engine.recorders`: the prefill's window queries and the
+    signals methods registered, a scoring pass's probe) each read this layer's post-RoPE queries, keys
     and values; none changes the output, which is always the model's own attention.
     """
     cache = kwargs.pop("ripplekv_cache", None)
     for recorder in kwargs.pop("ripplekv_recorders", ()):
-        with timings.phase(timings.RECORDER + recorder.requirement) if recorder.requirement else nullcontext():
+        with timings.phase(timings.RECORDER + recorder.signal) if recorder.signal else nullcontext():
             recorder.layer(module.layer_idx, query, key, value, attention_mask, scaling or module.scaling)
     if cache is not None:
         layer = cache.layers[module.layer_idx]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ripplekv.engine.entries import LayerEntries
+from ripplekv.engine.recorders import WINDOW_QUERIES
 
 
 @dataclass
@@ -104,7 +105,7 @@ class LayerEvictor:
         self.layer = layer
         self.query_window = window = max(policy.query_window for policy in self.policies)
         if window:
-            queries = state.window_queries[layer_idx][:, -window:]
+            queries = state.signal(WINDOW_QUERIES)[layer_idx][:, -window:]  # as many as were captured
             self.queries = queries[None].expand(len(chosen), -1, -1, -1)
             self.query_positions = torch.arange(state.length - queries.shape[1], state.length, device=device)
         else:

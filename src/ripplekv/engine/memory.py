@@ -16,23 +16,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ripplekv.errors import UserError
+from ripplekv.errors import Notice, UserError
 
 # Fallback when a caller gives no budget: variants decoded together stay under this many bytes.
 DEFAULT_GROUP_BYTES = 2 * 2**30
-# Defaults of --memory-budget: this share of the free device memory (CUDA) or of the available RAM (CPU).
+# The default memory budget: this share of the free device memory (CUDA) or of the available RAM (CPU).
 CUDA_SHARE, CPU_SHARE = 0.9, 0.8
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str | int, option: str = "--memory-budget") -> int:
-    """'8GiB', '500MB', '1.5 GB' or a plain number of bytes -> bytes (a positive integer)."""
+def parse_bytes(text: str | int, setting: str = "memory_budget") -> int:
+    """'8GiB', '500MB', '1.5 GB' or a plain number of bytes -> bytes (a positive integer); a mistake names
+    `setting` (`errors.UserError`)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise UserError(f"{option} must be a size with a unit, e.g. 8GiB or 500MB; got {text!r}")
+        raise UserError(f"{{{setting}}} must be a size with a unit, e.g. 8GiB or 500MB; got {text!r}", setting)
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -58,7 +59,7 @@ def _available_ram() -> int:
 
 
 def default_budget(device, held: int) -> int:
-    """What --memory-budget means when not given: `held` (bytes the process's tensors hold now: the weights)
+    """The memory budget when none is given: `held` (bytes the process's tensors hold now: the weights)
     plus most of what is free (CUDA: the driver's free memory and the caching allocator's unused reserve)."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -304,9 +305,10 @@ def variant_room(model, state, reference, labels: Sequence[str], lengths: list[l
         alone = costs.group(1, length, fed, fed + max_new_tokens)
         if alone > room:
             raise UserError(f"{label} needs {format_bytes(alone)} to decode beside the weights and the prefill "
-                            f"({format_bytes(fixed)}), over --memory-budget {format_bytes(memory_budget)}: raise "
-                            f"--memory-budget to at least {format_bytes(fixed + alone)}, lower --budgets or "
-                            "--max-length, or drop the method from --methods")
+                            f"({format_bytes(fixed)}), over {{memory_budget}} {format_bytes(memory_budget)}: raise "
+                            f"{{memory_budget}} to at least {format_bytes(fixed + alone)}, lower {{budgets}} or "
+                            "{max_length}, or drop the method from {methods}",
+                            "memory_budget", "budgets", "max_length", "methods")
     return max(room, 1)
 
 
@@ -328,15 +330,16 @@ _SAID: set = set()
 
 
 def note_prefill_over(tokens: int, peak: int, budget: int) -> None:
-    """One line (once per process and budget) when the prefill alone went past --memory-budget: the bound
+    """A `Notice` (once per process and budget) when the prefill alone went past the memory budget: the bound
     covers what follows it, so the run goes on, but the sample's peak is not within it."""
-    import sys
+    import warnings
 
     if budget not in _SAID:
         _SAID.add(budget)
-        print(f"note: the prefill of a {tokens}-token prompt peaked at {format_bytes(peak)}, over --memory-budget "
-              f"{format_bytes(budget)} (the bound holds from the variants on): raise --memory-budget or lower "
-              "--max-length", file=sys.stderr)
+        warnings.warn(Notice(f"the prefill of a {tokens}-token prompt peaked at {format_bytes(peak)}, over "
+                             f"{{memory_budget}} {format_bytes(budget)} (the bound holds from the variants on): "
+                             "raise {memory_budget} or lower {max_length}", "memory_budget", "max_length"),
+                      stacklevel=2)
 
 
 # Above this size glibc's malloc maps each block apart and unmaps it when freed (`return_freed_memory`).

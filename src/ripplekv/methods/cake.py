@@ -32,16 +32,15 @@ from ripplekv.methods.snapkv import window_attention
 
 def dispersion_and_shift(state, layer: int, window: int) -> tuple[float, float]:
     """(entropy, variance) of the window's attention over the entries before the window, for one layer."""
-    key = ("cake", layer, window)
-    if key not in state.scores:
+    def compute() -> tuple[float, float]:
         attention = window_attention(state, layer, window, who="CAKE")  # [H_kv, group, w, n]
         prefix = attention[..., : state.length - window]
         if prefix.shape[-1] == 0 or window < 2:  # nothing before the window: no preference
-            state.scores[key] = (0.0, 0.0)
-        else:
-            entropy = -torch.special.xlogy(prefix, prefix).sum()
-            state.scores[key] = (float(entropy), float(prefix.var(dim=2, correction=1).sum()))
-    return state.scores[key]
+            return 0.0, 0.0
+        entropy = -torch.special.xlogy(prefix, prefix).sum()
+        return float(entropy), float(prefix.var(dim=2, correction=1).sum())
+
+    return state.memo((dispersion_and_shift, layer, window), compute)
 
 
 @register_allocator("cake")

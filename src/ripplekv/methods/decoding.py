@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ripplekv.engine.evict import StepView, first_rank, recent_rank
+from ripplekv.methods.column_sums import COLUMN_SUMS
 
 
 def _zeros(positions: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ class Accumulated:
     query_window: int = 0
 
     def initial(self, state, layer, positions, held):
-        gathered = state.accumulated[layer].float()[None].expand(positions.shape[0], -1, -1)
+        gathered = state.signal(COLUMN_SUMS)[layer].float()[None].expand(positions.shape[0], -1, -1)
         return gathered.gather(-1, positions.clamp_min(0)).masked_fill(~held, 0.0)
 
     def update(self, view: StepView):

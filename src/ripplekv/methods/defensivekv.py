@@ -33,16 +33,17 @@ from ripplekv.methods.snapkv import WindowScorer, window_attention
 
 
 def defensive_scores(state, layer: int, window: int, kernel: int, threshold: float) -> torch.Tensor:
-    """DefensiveKV's scores [H_kv, n - window] of one layer (see the module docstring)."""
-    key = ("defensivekv", layer, window, kernel, threshold)
-    if key in state.scores:
-        return state.scores[key]
+    """DefensiveKV's scores [H_kv, n - window] of one layer (see the module docstring), once per prefill and options."""
+    return state.memo((defensive_scores, layer, window, kernel, threshold),
+                      lambda: _defensive_scores(state, layer, window, kernel, threshold))
+
+
+def _defensive_scores(state, layer: int, window: int, kernel: int, threshold: float) -> torch.Tensor:
     attention = window_attention(state, layer, window, who="DefensiveKV")  # [H_kv, group, w, n]
     kv_heads, group, _, length = attention.shape
     prefix = attention[..., : length - window]  # [H_kv, group, w, m]
     if prefix.shape[-1] == 0:  # the window is the whole prompt: nothing to rank
-        state.scores[key] = prefix.new_zeros(kv_heads, 0)
-        return state.scores[key]
+        return prefix.new_zeros(kv_heads, 0)
     mass = prefix.sum(-1, keepdim=True)
     pooled = F.avg_pool1d(prefix.reshape(-1, 1, prefix.shape[-1]), kernel, stride=1, padding=kernel // 2)
     pooled = pooled.reshape(prefix.shape[:-1] + (-1,))[..., : prefix.shape[-1]]
@@ -60,9 +61,7 @@ def defensive_scores(state, layer: int, window: int, kernel: int, threshold: flo
     counts = reached.int().argmax(-1)  # the first rank that reaches it (0 when none does, as the reference)
     first = torch.arange(share.shape[1], device=share.device)[None, :] < counts[:, None]
     marked = torch.zeros_like(first).scatter_(1, order.indices, first)
-    scores = torch.where(marked, scores.max() + share, scores)
-    state.scores[key] = scores
-    return scores
+    return torch.where(marked, scores.max() + share, scores)
 
 
 @register_scorer("defensivekv")

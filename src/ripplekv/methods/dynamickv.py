@@ -39,16 +39,16 @@ from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, window_attentio
 
 def pooled_head_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
     """[H_q, n - window] float32: each query head's window attention summed over the window, pooled."""
-    key = ("dynamickv", layer, window, kernel, pooling)
-    if key not in state.scores:
+    def compute() -> torch.Tensor:
         attention = window_attention(state, layer, window, who="DynamicKV")  # [H_kv, group, w, n]
         mass = attention.sum(2).reshape(-1, attention.shape[-1])[:, : state.length - window]
         if pooling == "max" and kernel > 1:
             mass = F.max_pool1d(mass[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
         elif pooling == "avg" and kernel > 1:
             mass = F.avg_pool1d(mass[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-        state.scores[key] = mass[:, : state.length - window]
-    return state.scores[key]
+        return mass[:, : state.length - window]
+
+    return state.memo((pooled_head_scores, layer, window, kernel, pooling), compute)
 
 
 def layer_hits(scores: list[torch.Tensor], count: int) -> np.ndarray:

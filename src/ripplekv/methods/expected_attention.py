@@ -7,7 +7,7 @@ positions (R: mu' = R mu, S' = R S R^T). For a Gaussian query, E[exp(q.k/sqrt d)
 exp(mu'.k/sqrt d + k^T S' k / (2d)); a softmax of these logits over the prompt's entries (past the sinks),
 averaged over the query heads sharing a KV head, times the value norm ||v||_2 (+ epsilon first), is the
 score. It needs no question, so it is question-agnostic. The statistics are summed during the one prefill
-(`Requirements.query_statistics`), never stored per query. Defaults follow kvpress: n_future_positions
+(the `query_statistics` signal, `methods.query_statistics`), never stored per query. Defaults follow kvpress: n_future_positions
 512, n_sink 4 (kept always), use_covariance and use_vnorm on, epsilon 0. As for KNorm, the last `window`
 tokens (32) are kept too: kvpress compresses the context alone, our with-question protocol does not.
 """
@@ -20,9 +20,9 @@ import torch
 
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
-from ripplekv.engine.querystats import FIRST_QUERIES
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, check_positive, register_scorer
+from ripplekv.methods.query_statistics import FIRST_QUERIES, QUERY_STATISTICS
 from ripplekv.methods.snapkv import WindowScorer
 
 
@@ -57,37 +57,35 @@ class ExpectedAttentionScorer(WindowScorer):
             raise UserError(f"option epsilon must be >= 0, got {self.epsilon!r}")
 
     def requirements(self) -> Requirements:
-        return super().requirements().union(Requirements(query_statistics=True))
+        return super().requirements().union(Requirements(signals={QUERY_STATISTICS}))
 
     def expected(self, state, layer) -> torch.Tensor:
         """Scores [H_kv, n] of every entry (the sinks get the layer's highest score + 1)."""
-        key = ("expected-attention", layer, self.n_future_positions, self.n_sink, self.use_covariance,
-               self.use_vnorm, self.epsilon)
-        if key in state.scores:
-            return state.scores[key]
-        if state.query_stats is None:
-            raise UserError("expected-attention needs the prompt's query statistics: prefill with "
-                            "requirements=Requirements(query_statistics=True)")
-        keys = state.keys[layer].float()
-        kv_heads, length, dim = keys.shape
-        sinks = min(self.n_sink, length - 1)
-        mean, cov = state.query_stats[layer].moments(self.n_sink)  # [H_q, d], [H_q, d, d]
-        rotation = average_rotation(state.model, length, self.n_future_positions, dim, keys.device)
-        mean = mean @ rotation.T
-        group = mean.shape[0] // kv_heads
-        rest = keys[:, sinks:]  # [H_kv, m, d]
-        logits = torch.einsum("hgd,hmd->hgm", mean.view(kv_heads, group, dim), rest) * state.scaling
-        if self.use_covariance:
-            cov = (rotation @ cov @ rotation.T).view(kv_heads, group, dim, dim)
-            spread = (torch.matmul(rest[:, None], cov) * rest[:, None]).sum(-1)  # k^T S' k  [H_kv, group, m]
-            logits = logits + spread * state.scaling**2 / 2
-        scores = torch.softmax(logits, dim=-1).mean(1)
-        if self.use_vnorm:
-            scores = (scores + self.epsilon) * state.values[layer][:, sinks:].float().norm(dim=-1)
-        top = scores.max() + 1
-        full = torch.cat([top.expand(kv_heads, sinks), scores], dim=1)
-        state.scores[key] = full
-        return full
+        options = (self.n_future_positions, self.n_sink, self.use_covariance, self.use_vnorm, self.epsilon)
+        return state.memo((expected_scores, layer, *options), lambda: expected_scores(state, layer, *options))
 
     def scores(self, state, layer):
         return self.expected(state, layer)[:, : state.length - min(self.window, state.length)]
+
+
+def expected_scores(state, layer: int, n_future_positions: int, n_sink: int, use_covariance: int, use_vnorm: int,
+                    epsilon: float) -> torch.Tensor:
+    """Expected Attention's scores [H_kv, n] of every entry of `layer` (see the module docstring)."""
+    keys = state.keys[layer].float()
+    kv_heads, length, dim = keys.shape
+    sinks = min(n_sink, length - 1)
+    mean, cov = state.signal(QUERY_STATISTICS)[layer].moments(n_sink)  # [H_q, d], [H_q, d, d]
+    rotation = average_rotation(state.model, length, n_future_positions, dim, keys.device)
+    mean = mean @ rotation.T
+    group = mean.shape[0] // kv_heads
+    rest = keys[:, sinks:]  # [H_kv, m, d]
+    logits = torch.einsum("hgd,hmd->hgm", mean.view(kv_heads, group, dim), rest) * state.scaling
+    if use_covariance:
+        cov = (rotation @ cov @ rotation.T).view(kv_heads, group, dim, dim)
+        spread = (torch.matmul(rest[:, None], cov) * rest[:, None]).sum(-1)  # k^T S' k  [H_kv, group, m]
+        logits = logits + spread * state.scaling**2 / 2
+    scores = torch.softmax(logits, dim=-1).mean(1)
+    if use_vnorm:
+        scores = (scores + epsilon) * state.values[layer][:, sinks:].float().norm(dim=-1)
+    top = scores.max() + 1
+    return torch.cat([top.expand(kv_heads, sinks), scores], dim=1)

@@ -151,12 +151,9 @@ class Build:
 
 
 def build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
-    """GraceKV's entries for one prompt and budget, computed once and kept in `state.scores`."""
+    """GraceKV's entries for one prompt and budget, computed once per prefill (`PrefillState.memo`)."""
     check_budget(budget)
-    key = ("gracekv", opts, budget)
-    if key not in state.scores:
-        state.scores[key] = _build(state, budget, opts)
-    return state.scores[key]
+    return state.memo((build, opts, budget), lambda: _build(state, budget, opts))
 
 
 def _build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:

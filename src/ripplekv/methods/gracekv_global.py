@@ -42,7 +42,7 @@ def layer_tokens(state: PrefillState, layer: int, sinks: int, window: int, relev
     keys = state.keys[layer].float()[:, sinks : n - window]  # [H, P, d]
     positions = torch.arange(sinks, n - window, device=keys.device)
     unrotated = adapter.invert_rope(keys, *rope.at(positions))  # each key at its own position
-    queries = state.window_queries[layer][:, -window:].float()
+    queries = state.window_queries(layer, window, "GraceKV").float()
     queries = queries.reshape(heads, -1, queries.shape[-1])  # [H, g x w, d]
     logits = torch.matmul(keys, queries.transpose(-1, -2)) * state.scaling  # [H, P, Q]
     shift = logits.amax(1)  # [H, Q]: relative errors do not depend on it

@@ -52,10 +52,9 @@ def layer_signals(state: PrefillState, layer: int, sinks: int, window: int, opts
 
 def signals(state: PrefillState, sinks: int, window: int, opts, rope) -> tuple[list[torch.Tensor], torch.Tensor]:
     """([R per layer], omega [L, H_kv] normalised to mean 1), cached per prompt."""
-    key = ("gracekv-signals", sinks, window, opts.mix, opts.seeds, opts.hops)
-    if key not in state.scores:
+    def compute():
         per_layer = [layer_signals(state, layer, sinks, window, opts, rope) for layer in range(state.num_layers)]
         omega = torch.stack([raw for _, raw in per_layer])
-        omega = omega / omega.mean().clamp(min=1e-30)
-        state.scores[key] = ([relevance for relevance, _ in per_layer], omega)
-    return state.scores[key]
+        return [relevance for relevance, _ in per_layer], omega / omega.mean().clamp(min=1e-30)
+
+    return state.memo((signals, sinks, window, opts.mix, opts.seeds, opts.hops), compute)

@@ -48,16 +48,15 @@ def robust_z(x: torch.Tensor) -> torch.Tensor:
 
 def boundary_scores(state: PrefillState, widths, spread: float) -> torch.Tensor:
     """Robust-z boundary score [n] per prompt token (cached per prompt)."""
-    key = ("gracekv-boundaries", tuple(widths), spread)
-    if key not in state.scores:
+    def compute() -> torch.Tensor:
         kappas = []
         for values in state.values:  # [H_kv, n, d]
             trajectory = values.float().transpose(0, 1).reshape(values.shape[1], -1)
             kappas.extend(curvature(trajectory, int(w)) for w in widths)
         stacked = torch.stack(kappas)
-        stable = stacked.mean(0) - spread * stacked.std(0, unbiased=False)
-        state.scores[key] = robust_z(stable)
-    return state.scores[key]
+        return robust_z(stacked.mean(0) - spread * stacked.std(0, unbiased=False))
+
+    return state.memo((boundary_scores, tuple(widths), spread), compute)
 
 
 def segment(scores, lo: int, hi: int, target: int, shape: float) -> list[int]:
@@ -103,11 +102,12 @@ def segment_value(scores, starts: list[int], target: int, shape: float) -> float
 def slot_of_tokens(state: PrefillState, sinks: int, window: int, opts) -> torch.Tensor:
     """Slot index [n_c] of every compressible token (positions sinks..n - window - 1), cached per prompt."""
     n = state.length
-    key = ("gracekv-slots", sinks, window, opts.widths, opts.spread, opts.min_slot, opts.max_slot, opts.slot, opts.shape)
-    if key not in state.scores:
+    def compute() -> torch.Tensor:
         scores = boundary_scores(state, opts.widths, opts.spread)[sinks : n - window]
         starts = segment(scores.cpu().numpy(), opts.min_slot, opts.max_slot, opts.slot, opts.shape)
         marks = torch.zeros(n - window - sinks, dtype=torch.long)
         marks[starts[1:]] = 1
-        state.scores[key] = marks.cumsum(0).to(state.device)
-    return state.scores[key]
+        return marks.cumsum(0).to(state.device)
+
+    key = (slot_of_tokens, sinks, window, opts.widths, opts.spread, opts.min_slot, opts.max_slot, opts.slot, opts.shape)
+    return state.memo(key, compute)

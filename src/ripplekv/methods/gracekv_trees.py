@@ -319,7 +319,7 @@ def layer_gains(state: PrefillState, layer: int, plan: Layout, opts: GraceKVOpti
     trees = layer_trees(state, layer, plan, rope)
     has = trees.has
     heads = state.num_kv_heads
-    queries = state.window_queries[layer][:, -plan.window :].float()
+    queries = state.window_queries(layer, plan.window, "GraceKV").float()
     queries = queries.reshape(heads, -1, queries.shape[-1])  # [H, g*w, d]: the query heads of a KV head
     logits = torch.matmul(trees.padded_keys, queries.transpose(-1, -2)) * state.scaling  # [H, P, Q]
     logits = logits.masked_fill(~has[:, None], float("-inf"))

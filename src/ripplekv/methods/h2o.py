@@ -13,7 +13,7 @@ Options, for the other readings:
   LongBench setting and our earlier default; `h2o:norm=mean:recent=0` is kvpress's ObservedAttention.
 
 With grouped KV heads, a KV head's score is the mean over the query heads that share it. The sums come
-from the one prefill (chunked over queries, see `ripplekv.engine.accumulate`), never an n x n map.
+from the one prefill (chunked over queries, see `methods.column_sums`), never an n x n map.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, per_head, register_scorer, top_scored_mask
+from ripplekv.methods.column_sums import COLUMN_SUMS
 from ripplekv.methods.snapkv import WindowScorer
 
 NORMS = ("sum", "mean")
@@ -46,16 +47,14 @@ class H2OScorer(WindowScorer):
             raise UserError(f"option norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
 
     def requirements(self) -> Requirements:
-        return Requirements(accumulated_attention=True)  # column sums over every prompt query, no window queries
+        return Requirements(signals={COLUMN_SUMS})  # column sums over every prompt query, no window queries
 
     def floor(self) -> int:
         return max(self.window, 1)
 
     def column_scores(self, state, layer) -> torch.Tensor:
         """[H_kv, n]: each key's summed (norm=sum) or mean (norm=mean) attention from the prompt's queries."""
-        if state.accumulated is None:
-            raise UserError("h2o needs the attention accumulated over the prompt: prefill with accumulate=True")
-        scores = state.accumulated[layer].float()
+        scores = state.signal(COLUMN_SUMS)[layer].float()
         if self.norm == "mean":
             seen_by = torch.arange(state.length, 0, -1, dtype=scores.dtype, device=scores.device)
             scores = scores / seen_by

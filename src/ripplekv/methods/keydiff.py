@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 
 from ripplekv.methods.base import check_positive, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
+
+
+def key_dissimilarity(state, layer: int) -> torch.Tensor:
+    """[H_kv, n]: minus each key's cosine similarity to the mean of its head's unit-normalized keys."""
+    keys = state.keys[layer].float()  # [H_kv, n, d]
+    anchor = F.normalize(keys, dim=-1).mean(1, keepdim=True)
+    return -F.cosine_similarity(keys, anchor, dim=-1)
 
 
 @register_scorer("keydiff")
@@ -26,9 +34,6 @@ class KeyDiffScorer(WindowScorer):
         check_positive(window=self.window)
 
     def scores(self, state, layer):
-        key = ("keydiff", layer)  # of every entry, cut to the prefix below: the window does not change them
-        if key not in state.scores:
-            keys = state.keys[layer].float()  # [H_kv, n, d]
-            anchor = F.normalize(keys, dim=-1).mean(1, keepdim=True)
-            state.scores[key] = -F.cosine_similarity(keys, anchor, dim=-1)
-        return state.scores[key][:, : state.length - min(self.window, state.length)]
+        # of every entry, cut to the prefix below: the window does not change them
+        scores = state.memo((key_dissimilarity, layer), lambda: key_dissimilarity(state, layer))
+        return scores[:, : state.length - min(self.window, state.length)]

@@ -12,8 +12,8 @@ pays it. The first `n_sink` (4) entries score 1. Defaults follow the reference: 
 (all layers and heads compete: the `global` allocator), n_sink 4, chunk 2048. As for SnapKV, the last
 `window` (32) tokens are always kept too.
 
-Cost: the reconstruction is a second forward over about as many tokens as the prompt (timed in
-`state.scores["kvzip-seconds"]`, printed by scripts/bench_engine.py): about 3 prefills on a 3.5k prompt,
+Cost: the reconstruction is a second forward over about as many tokens as the prompt (its own phase in
+`engine.timings`, `RECONSTRUCTION`, printed by scripts/bench_engine.py): about 3 prefills on a 3.5k prompt,
 since its queries attend (sdpa) over the whole prompt and the repeat so far, about three times the causal
 prefill's attention, and the scores' own attention over each chunk comes on top. That attention is taken
 in blocks of queries over one chunk at a time, never as a map over the whole prompt.
@@ -21,28 +21,40 @@ in blocks of queries over one chunk at a time, never as a map over the whole pro
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from ripplekv.engine.continuation import causal_attention_rows, probe_tokens
+from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
+from ripplekv.engine.recorders import FromSample, register_recorder
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, check_positive, register_scorer
+from ripplekv.methods.continuation import causal_attention_rows, probe_tokens
 from ripplekv.methods.snapkv import WindowScorer
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
 LATER_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # the previous chunk's last tokens that start a later request
+TOKENIZER = "prompt_tokenizer"  # the signal: the prompt's tokenizer, to phrase the request to the model
+RECONSTRUCTION = "kvzip reconstruction"  # the pass's phase in `engine.timings` (within its method's build)
 _TOKENIZERS: dict = {}
 
 
+@register_recorder(TOKENIZER)
+class PromptTokenizer(FromSample):
+    """The tokenizer the sample's prompt was made with (none for a prompt given as ids alone)."""
+
+    def value(self, sample):
+        return sample.tokenizer
+
+
 def tokenizer_of(state):
-    """The prompt's tokenizer as the engine recorded it (`Requirements.tokenizer`), else the one beside the
+    """The prompt's tokenizer as the prefill recorded it (the `TOKENIZER` signal), else the one beside the
     model's weights."""
-    if "tokenizer" in state.signals:
-        return state.signals["tokenizer"]
+    recorded = state.signal(TOKENIZER, None)
+    if recorded is not None:
+        return recorded
     where = getattr(getattr(state.model, "config", None), "name_or_path", "") or ""
     if not where:
         raise UserError("kvzip needs the model's tokenizer to phrase its reconstruction request; this model has none")
@@ -67,12 +79,18 @@ def assistant_opening(tokenizer) -> list[int]:
 
 def reconstruction_scores(state, n_sink: int, chunk: int) -> torch.Tensor:
     """Scores [L, H_kv, n] of every prompt entry by the reconstruction pass (computed once per prefill)."""
-    key = ("kvzip", n_sink, chunk)
-    if key in state.scores:
-        return state.scores[key]
+    return state.memo((reconstruct, n_sink, chunk), lambda: reconstruct(state, n_sink, chunk))
+
+
+def reconstruct(state, n_sink: int, chunk: int) -> torch.Tensor:
+    """The reconstruction pass itself (see the module docstring), timed as `RECONSTRUCTION`."""
     if state.model is None:
         raise UserError("kvzip needs the model for its reconstruction pass: prefill with the model")
-    started = time.perf_counter()
+    with timings.phase(RECONSTRUCTION):
+        return _reconstruct(state, n_sink, chunk)
+
+
+def _reconstruct(state, n_sink: int, chunk: int) -> torch.Tensor:
     tokenizer = tokenizer_of(state)
     opening = assistant_opening(tokenizer)
     ids = state.input_ids.tolist()
@@ -95,8 +113,6 @@ def reconstruction_scores(state, n_sink: int, chunk: int) -> torch.Tensor:
 
         probe_tokens(state.model, state, tokens, reduce)
     scores[..., :n_sink] = 1.0
-    state.scores[key] = scores
-    state.scores["kvzip-seconds"] = state.scores.get("kvzip-seconds", 0.0) + time.perf_counter() - started
     return scores
 
 
@@ -111,7 +127,7 @@ class KVzipScorer(WindowScorer):
         check_integers({"n_sink": self.n_sink}, minimum=0)
 
     def requirements(self) -> Requirements:
-        return super().requirements().union(Requirements(tokenizer=True))
+        return super().requirements().union(Requirements(signals={TOKENIZER}))
 
     def scores(self, state, layer):
         window = min(self.window, state.length)

@@ -36,10 +36,12 @@ from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, window_attentio
 
 
 def lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
-    """LAVa's scores [H_kv, n - window] of one layer (see the module docstring)."""
-    key = ("lava", layer, window, kernel, pooling)
-    if key in state.scores:
-        return state.scores[key]
+    """LAVa's scores [H_kv, n - window] of one layer (see the module docstring), once per prefill and options."""
+    return state.memo((lava_scores, layer, window, kernel, pooling),
+                      lambda: _lava_scores(state, layer, window, kernel, pooling))
+
+
+def _lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
     attention = window_attention(state, layer, window, who="LAVa")  # [H_kv, group, w, n]
     kv_heads, group, _, length = attention.shape
     mean = attention.mean(2)[..., : length - window].reshape(kv_heads * group, 1, -1)
@@ -50,8 +52,7 @@ def lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> to
     pooled = mean.reshape(kv_heads, group, -1)[..., : length - window]
     values = state.values[layer][:, : length - window].float()
     largest = values.abs().sum(-1).amax(-1) if values.shape[1] else values.new_zeros(kv_heads)  # [H_kv]
-    state.scores[key] = (pooled * largest[:, None, None]).amax(1)
-    return state.scores[key]
+    return (pooled * largest[:, None, None]).amax(1)
 
 
 def normalized_entropy(scores: torch.Tensor) -> float:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Allocator, check_integers, register_allocator, register_scorer
@@ -54,6 +56,15 @@ class PyramidInfer(Allocator):
         return [floor + spare * share / sum(shares) for share in shares]
 
 
+def shared_window_attention(state, layer: int, window: int, sinks: int) -> torch.Tensor:
+    """[H_kv, n - window]: the layer's mean window attention, the same for every head, the sinks on top."""
+    attention = window_attention(state, layer, window, who="PyramidInfer")  # [H_kv, group, w, n]
+    shared = attention.mean((0, 1, 2))[: state.length - window]
+    if sinks and shared.numel():
+        shared[:sinks] = shared.max() + 1  # the sinks outrank every other entry
+    return shared.expand(state.num_kv_heads, -1).clone()
+
+
 @register_scorer("pyramidinfer")
 @dataclass(frozen=True)
 class PyramidInferScorer(WindowScorer):
@@ -68,11 +79,5 @@ class PyramidInferScorer(WindowScorer):
 
     def scores(self, state, layer):
         window = min(self.window, state.length)
-        key = ("pyramidinfer", layer, window, self.sinks)
-        if key not in state.scores:
-            attention = window_attention(state, layer, window, who="PyramidInfer")  # [H_kv, group, w, n]
-            shared = attention.mean((0, 1, 2))[: state.length - window]
-            if self.sinks and shared.numel():
-                shared[: self.sinks] = shared.max() + 1  # the sinks outrank every other entry
-            state.scores[key] = shared.expand(state.num_kv_heads, -1).clone()
-        return state.scores[key]
+        return state.memo((shared_window_attention, layer, window, self.sinks),
+                          lambda: shared_window_attention(state, layer, window, self.sinks))

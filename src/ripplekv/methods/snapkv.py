@@ -35,9 +35,7 @@ def check_pooling(pooling: str) -> None:
 
 def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:
     """Attention [H_kv, group, window, n] (float32) of the last `window` prompt queries over all keys."""
-    if window > state.window_queries[layer].shape[1]:
-        raise UserError(f"{who} window {window} exceeds the captured window; prefill with capture_window >= {window}")
-    queries = state.window_queries[layer][:, -window:].float()  # [H_q, w, d]
+    queries = state.window_queries(layer, window, who).float()  # [H_q, w, d]
     keys = state.keys[layer].float()  # [H_kv, n, d]
     kv_heads, length = keys.shape[0], keys.shape[1]
     group = queries.shape[0] // kv_heads
@@ -50,10 +48,13 @@ def window_attention(state: PrefillState, layer: int, window: int, who: str = "S
 
 
 def window_scores(state: PrefillState, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
-    """Pooled attention mass [H_kv, n - window] that the last `window` queries give each prefix entry."""
-    key = ("snapkv", layer, window, kernel, pooling)
-    if key in state.scores:
-        return state.scores[key]
+    """Pooled attention mass [H_kv, n - window] that the last `window` queries give each prefix entry (once per
+    prefill and options)."""
+    return state.memo((pooled_window_mass, layer, window, kernel, pooling),
+                      lambda: pooled_window_mass(state, layer, window, kernel, pooling))
+
+
+def pooled_window_mass(state: PrefillState, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
     mass = window_attention(state, layer, window).sum(2).mean(1)
     length = mass.shape[1]
     prefix = mass[:, : length - window]
@@ -61,9 +62,7 @@ def window_scores(state: PrefillState, layer: int, window: int, kernel: int, poo
         prefix = F.max_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
     elif pooling == "avg" and kernel > 1:
         prefix = F.avg_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-    prefix = prefix[:, : length - window]
-    state.scores[key] = prefix
-    return prefix
+    return prefix[:, : length - window]
 
 
 @dataclass(frozen=True)

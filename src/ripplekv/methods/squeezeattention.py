@@ -10,7 +10,7 @@ preset's scorer); any scorer composes (`squeezeattention:scorer=snapkv`).
 
 Where ours differs:
 - The similarity is averaged over the last `tokens` (64) prompt tokens, recomputed through the full
-  cache (`engine.residual`), not over the whole prompt: the prefill keeps no hidden states, and a second
+  cache (`methods.residual`), not over the whole prompt: the prefill keeps no hidden states, and a second
   full pass would cost a prefill.
 - KMeans is made deterministic: in one dimension the best 3-group split of the sorted similarities is
   found exactly (every pair of cut points), where sklearn's KMeans starts from random centres.
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ripplekv.engine.residual import residual_cosines
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Allocator, check_integers, register_allocator
 from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.residual import residual_cosines
 
 
 def three_groups(values) -> np.ndarray:
@@ -88,10 +88,8 @@ class SqueezeAttention(Allocator):
         raise UserError(f"squeezeattention's per-layer budgets depend on each prompt's residual stream; {self.prompt_note}")
 
     def cosines(self, state) -> list[float]:
-        key = ("squeeze", self.tokens)
-        if key not in state.scores:
-            state.scores[key] = residual_cosines(state.model, state, self.tokens).tolist()
-        return state.scores[key]
+        return state.memo((residual_cosines, self.tokens),
+                          lambda: residual_cosines(state.model, state, self.tokens).tolist())
 
     def prompt_budgets(self, state, budget, scorer):
         check_budget(budget)

@@ -24,10 +24,8 @@ HEADS = ("kv", "layer")
 
 def last_query_attention(state, layer: int) -> torch.Tensor:
     """Attention [H_kv, group, n] (float32) of the last prompt query over every prompt key."""
-    key = ("tova", layer)
-    if key not in state.scores:
-        state.scores[key] = window_attention(state, layer, 1, who="TOVA")[:, :, 0]  # the last query sees every key
-    return state.scores[key]
+    # the last query sees every key
+    return state.memo((last_query_attention, layer), lambda: window_attention(state, layer, 1, who="TOVA")[:, :, 0])
 
 
 @register_scorer("tova")

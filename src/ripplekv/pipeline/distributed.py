@@ -234,7 +234,7 @@ def _schedule(ray, actors: list, units: list, on_retry, label) -> Iterator[tuple
         except RayTaskError as err:  # the work (or the model loading) raised: rerunning would fail alike
             cause = err.cause if isinstance(err.cause, BaseException) else err
             if isinstance(cause, UserError):
-                raise UserError(str(cause)) from None
+                raise UserError(*cause.args) from None  # its named settings kept, for the CLI to phrase
             raise cause from err
         except (RayActorError, WorkerCrashedError) as err:  # the worker process died (or is restarting)
             if index is not None:

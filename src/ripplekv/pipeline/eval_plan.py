@@ -14,15 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, PROTOCOLS
+from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, LAST_ALLOCATION, PROTOCOLS
 from ripplekv.engine.prefill import Requirements, captured_window
+from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY
 from ripplekv.errors import UserError
 from ripplekv.methods.budgets import check_budget
 from ripplekv.runs.files import ANSWER_AWARE, REFERENCE
 from ripplekv.runs.resume import variant_keys
 
-DEFAULT_COMPRESS_EVERY = 8  # ours: re-scoring methods (SnapKV's scorer) score the held entries again every 8 steps
 DEFAULT_METHODS = DEFAULT_EVAL_METHODS
+SHIPPED_ALLOCATIONS = Path(__file__).resolve().parents[1] / "data" / "allocations"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,26 @@ def parse_budgets(values: Sequence[str | int]) -> tuple[int, ...]:
     if not budgets:
         raise UserError("give at least one --budget (average entries kept per layer per KV head), e.g. --budget 128")
     return tuple(sorted(set(budgets)))
+
+
+def default_allocation(specs: Sequence[str], bundled: bool) -> tuple[str | None, str | None]:
+    """The allocation CSV for methods with file budgets (ripplekv, depthkv, routed-ripplekv) when none is given,
+    and what to tell the user: the last `ripplekv allocate` output (`defaults.LAST_ALLOCATION`, under the
+    working directory), else the one shipped for the bundled model (`bundled`: the model is the bundled one),
+    else none (the method then says how to make one). (None, None) when no method of `specs` takes one. The one
+    rule for `eval`, `budgets` and the Python API."""
+    from ripplekv.engine.models import DEFAULT_MODEL
+    from ripplekv.methods.presets import options_taken
+
+    if "allocation" not in options_taken(specs):
+        return None, None
+    if LAST_ALLOCATION.is_file():
+        return str(LAST_ALLOCATION), f"ripplekv: using the last allocation, {LAST_ALLOCATION}"
+    if bundled:
+        return str(SHIPPED_ALLOCATIONS / f"{DEFAULT_MODEL}.csv"), (
+            f"ripplekv: no {LAST_ALLOCATION} yet; using the allocation shipped for {DEFAULT_MODEL} "
+            "(made by `make reproduce`)")
+    return None, None
 
 
 def file_sha256(path: str | None) -> str | None:

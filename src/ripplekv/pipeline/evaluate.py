@@ -16,36 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
-import numpy as np
-
+from ripplekv.engine import decode as engine_decode
 from ripplekv.engine import timings
-from ripplekv.engine.evict import capacities, peak_entries
-from ripplekv.engine.memory import (
-    LazyVariants,
-    PeakMemory,
-    default_budget,
-    held_bytes,
-    note_prefill_over,
-    return_freed_memory,
-    room_left,
-    variant_room,
-)
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
+from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY, Decoding, SampleMemory, Variant, decode_variants
 from ripplekv.errors import UserError
-from ripplekv.pipeline.eval_plan import (
-    DEFAULT_COMPRESS_EVERY,
-    EvalSettings,
-    Job,
-    Plan,
-    check_prompts_fit,
-    plan_eval,
-    plan_jobs,
-)
+from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
+from ripplekv.pipeline.sample_lines import SampleLines
 from ripplekv.pipeline.samples import check_eval_window
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS
 from ripplekv.runs.resume import append_rows, existing_lines
@@ -59,183 +42,91 @@ def sample_id(record: dict, index: int, task) -> str:
     return str(record.get("_id") or f"{task.name}-{index}")
 
 
-def evaluate_sample(
-    model,
-    tokenizer,
-    task,
-    record: dict,
-    methods: dict,
-    budgets: Sequence[int],
-    *,
-    sid: str,
-    max_length: int = 7500,
-    batch_size: int = 16,
-    needs: Requirements | None = None,
-    variants: Sequence[tuple[str, int]] | None = None,
-    with_full: bool = True,
-    progress=None,
-    protocol: str = "with-question",
-    decoding: str = "divergence",
-    decode_budget: str = "prompt",
-    compress_every: int = DEFAULT_COMPRESS_EVERY,
-    memory_budget: int | None = None,
-) -> list[dict]:
-    """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
-
-    `variants` limits the compressed (method, budget) pairs computed (a run that grows computes only
-    the missing ones); `with_full=False` leaves out the full row (already written; it is still decoded,
-    as the fidelity reference). `progress(kind, units)` is called after the prefill ("prefill", prompt
-    tokens) and after each decode ("decode", variants x max new tokens), for an ETA from work done.
-
-    `needs`: what the prefill records; by default the union of what `methods` declare.
+@dataclass(frozen=True)
+class SampleSettings:
+    """The settings of `ripplekv eval` that act inside one sample (`EvalSettings` has them all).
 
     `protocol`: "with-question" compresses the whole prompt (SnapKV's and KVCache-Factory's protocol);
     "context-only" prefills and compresses the context alone (its observation window is the end of the
     context; budgets count the context) and then reads the question through each compressed cache, as a
     cache reused across questions would (kvpress's default). Both come from one prefill.
+    `decoding`, `decode_budget`, `compress_every`, `batch_size`: how the variants decode (`schedule.Decoding`);
+    under a total decode budget every line records `decode_budget` and `peak_entries` (the most entries a head
+    held after a step, averaged over layers and KV heads).
+    `memory_budget`: bytes the sample may hold (None: `memory.default_budget`); every line records
+    `peak_memory_bytes` as `memory.PeakMemory` measures it. The prefill itself is not bounded.
+    """
 
-    `decoding`: "divergence" decodes a variant only after its first disagreement with the full answer
-    (`engine.divergence`); "plain" decodes every variant whole (the same tokens, floating-point ties aside).
+    max_length: int = 7500
+    batch_size: int = 16
+    protocol: str = "with-question"
+    decoding: str = "divergence"
+    decode_budget: str = "prompt"
+    compress_every: int = DEFAULT_COMPRESS_EVERY
+    memory_budget: int | None = None
 
-    `decode_budget`: "prompt" lets decoded tokens accumulate on top of the budget; "total" holds every
-    (layer, KV head) at its count while decoding (`engine.evict`, step by step: `engine.budgeted`), each
-    method evicting by its own `decode_policy(compress_every)`; then every line records `decode_budget`
-    and `peak_entries` (the most entries a head held after a step, averaged over layers and KV heads).
+    @classmethod
+    def of(cls, settings: EvalSettings) -> SampleSettings:
+        return cls(max_length=settings.max_length, batch_size=settings.batch_size, protocol=settings.protocol,
+                   decode_budget=settings.decode_budget, memory_budget=settings.memory_budget,
+                   compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY)
 
-    `memory_budget`: bytes the sample may hold (default: `engine.memory.default_budget`). Variants are built
-    when their group decodes, in groups sized to what weights, prefill and reference leave (`memory.variant_room`;
-    a variant that cannot fit alone is a UserError before any decodes), each group planned from what the
-    sample holds as measured then (on CPU the resident set, not only the tensors' count). Every line records
-    `peak_memory_bytes`, as `memory.PeakMemory` measures it (CUDA: tensor bytes; CPU: the process's resident
-    high-water mark). The prefill itself is not bounded: it runs before any variant.
+    def decoding_for(self, task) -> Decoding:
+        return Decoding(task.max_new_tokens, self.batch_size, self.decoding, self.decode_budget, self.compress_every)
+
+
+def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets: Sequence[int],
+                    settings: SampleSettings = SampleSettings(), *, sid: str,
+                    variants: Sequence[tuple[str, int]] | None = None, with_full: bool = True,
+                    needs: Requirements | None = None, progress=None) -> list[dict]:
+    """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
+
+    The prompt is prefilled once (recording what the methods need: `needs`, by default the union of what
+    `methods` declare), the full cache answers (the fidelity reference), then the engine decodes every variant
+    (`schedule.decode_variants`: groups within the memory budget, each built when it decodes). `variants`
+    limits the (method, budget) pairs computed (a run that grows computes only the missing ones);
+    `with_full=False` leaves out the full row (already written; it is still decoded, as the reference).
+    `progress(kind, units)` is called after the prefill ("prefill", prompt tokens) and after each decode
+    ("decode", variants x max new tokens), for an ETA from work done.
     """
     report = progress or (lambda kind, units: None)
-    device = next(model.parameters()).device
-    if device.type == "cpu":  # the CPU bound is measured on the resident set: let freed groups leave it
-        return_freed_memory()
-    meter = PeakMemory(device)
-    weights = held_bytes(device, model)
-    memory_budget = memory_budget or default_budget(device, weights)
-    from ripplekv.engine.decode import full_reference, stop_tokens
-    from ripplekv.engine.divergence import decode_variants
-    from ripplekv.metrics.scoring import score_sample
-    from ripplekv.tasks import build_prompt_ids
-
-    total = decode_budget == "total"
-    timings.declare(timings.PREFILL, timings.REFERENCE_DECODE, *timings.DECODES["total" if total else decoding])
-    ids = build_prompt_ids(task, record, tokenizer, max_length)
-    question: list[int] = []
-    if protocol == "context-only":
-        from ripplekv.tasks.prompts import question_start
-
-        cut = question_start(task, record, tokenizer, max_length)
-        ids, question = ids[:cut], list(ids[cut:])
-    needs = Requirements.of_all(methods.values()) if needs is None else needs
+    memory = SampleMemory(model, settings.memory_budget)  # its meter starts before the prefill
+    decoding = settings.decoding_for(task)
+    timings.declare(timings.PREFILL, timings.REFERENCE_DECODE, *decoding.phases)
+    ids, question = prompt_parts(task, record, tokenizer, settings)
     with timings.phase(timings.PREFILL):  # its recorders count apart (`engine.timings`)
-        state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens,
-                        context=SampleContext(tokenizer, tuple(question)))
-    n, layers, heads = state.length, state.num_layers, state.num_kv_heads
-    report("prefill", n)
-    stops = stop_tokens(model, tokenizer, task.stop_at_newline)
+        state = prefill(model, ids, Requirements.of_all(methods.values()) if needs is None else needs,
+                        reserve=len(question) + task.max_new_tokens, context=SampleContext(tokenizer, tuple(question)))
+    report("prefill", state.length)
+    stops = engine_decode.stop_tokens(model, tokenizer, task.stop_at_newline)
     with timings.phase(timings.REFERENCE_DECODE):
-        reference = full_reference(model, state, task.max_new_tokens, stops, prefix=question)
+        reference = engine_decode.full_reference(model, state, task.max_new_tokens, stops, prefix=question)
     record_reference(state, reference.tokens)  # kept only where a method declared it needs the answer
     report("decode", task.max_new_tokens)
-
     wanted = None if variants is None else set(variants)
-    variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
-                if wanted is None or (label, budget) in wanted]
-    counts = []
-    before = meter.current()
-    prefilled = weights + max(0, meter.mark() - meter.origin)  # the prefill's and the reference's peak
-    if prefilled > memory_budget:
-        note_prefill_over(n, prefilled, memory_budget)
-    for name, budget, method in variants:  # a method's allocation is part of its build
-        with timings.phase(timings.BUILD, name):
-            counts.append(method.budgets(state, budget))
-    scoring = max(0, meter.mark() - before)  # what scoring took at its height: a build's reserve
-    lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
-    scorers = len({id(m) for _, _, m in variants})
-    room = variant_room(model, state, reference, [f"{name} at budget {budget}" for name, budget, _ in variants],
-                        lengths, scorers, memory_budget, len(question), task.max_new_tokens,
-                        held=weights + meter.grown(), building=scoring)
-
-    def room_now() -> int:  # between groups, from what the sample holds then
-        return room_left(model, state, reference, lengths, scorers, memory_budget, weights + meter.grown(), scoring)
-
-    def built(index: int):  # a variant's entries, when its group decodes
-        name, budget, method = variants[index]
-        with timings.phase(timings.BUILD, name):
-            entry_list = method.compress(state, budget)
-        kept = np.array([[int(c) for c in layer.counts.tolist()] for layer in entry_list], dtype=np.int64)
-        assert (kept == counts[index]).all(), f"{name}@{budget}: built entries differ from the allocated budgets"
-        return entry_list
-
-    lazy = LazyVariants(lengths, built)
-    if total:
-        caps = [capacities(c, budget) for c, (_, budget, _) in zip(counts, variants)]
-        tokens, quality = decode_per_method(model, state, variants, lazy, caps, reference, task.max_new_tokens,
-                                            stops, batch_size, compress_every, room)
-    else:
-        tokens, quality = decode_variants(model, state, lazy, reference, task.max_new_tokens, stops,
-                                          prefix=question, batch_size=batch_size, decoding=decoding, memory_bytes=room,
-                                          room_after=room_now)
-    report("decode", len(variants) * task.max_new_tokens)
-    peak = meter.peak()
-
-    base = {
-        "id": sid,
-        "task": task.name,
-        "category": task.category,
-        "prompt_tokens": n + len(question),
-        "compressed_tokens": n,
-        "protocol": protocol,
-        "length": record.get("length"),
-        "answers": list(record["answers"]),
-    }
-    if record.get("all_classes"):  # classification tasks: `ripplekv score` needs the class names to rescore
-        base["all_classes"] = list(record["all_classes"])
-
-    def row(name, budget, out_tokens, entry_counts, kl, agreement, cap=None):
-        prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
-        score = score_sample(task, prediction, record["answers"], record.get("all_classes"))
-        per_layer = entry_counts.sum(1)
-        fields = {
-            **base,
-            "method": name,
-            "budget": budget,
-            "prediction": prediction,
-            "new_tokens": len(out_tokens),
-            "score": float(score),
-            "kept_entries": int(entry_counts.sum()),
-            "kl": float(kl),
-            "agreement": float(agreement),
-            # Entries per KV head in each layer (the mean over heads when heads differ; then head_budgets too).
-            "layer_budgets": [int(t) // heads if t % heads == 0 else round(float(t) / heads, 3) for t in per_layer],
-            "peak_memory_bytes": peak,
-        }
-        if bool((entry_counts != entry_counts[:, :1]).any()):
-            fields["head_budgets"] = entry_counts.tolist()
-        if total:  # absent under prompt budgets: those lines stay as they were before the option
-            fields["decode_budget"] = decode_budget
-            fields["peak_entries"] = peak_entries(entry_counts, len(out_tokens) - 1, cap)
-        return fields
-
-    full_counts = np.full((layers, heads), n, dtype=np.int64)
-    rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)] if with_full else []
-    for index, ((name, budget, _), entry_counts, out_tokens, fid) in enumerate(zip(variants, counts, tokens, quality)):
-        rows.append(row(name, budget, out_tokens, entry_counts, fid.kl, fid.agreement, caps[index] if total else None))
-    return rows
+    chosen = [Variant(label, budget, method) for label, method in methods.items() if label != REFERENCE
+              for budget in budgets if wanted is None or (label, budget) in wanted]
+    decoded = decode_variants(model, state, reference, chosen, decoding, memory, stops, question)
+    report("decode", len(chosen) * task.max_new_tokens)
+    lines = SampleLines.of(task, record, tokenizer, sid, state, question, settings.protocol, memory.peak(),
+                           settings.decode_budget)
+    return ([lines.full(reference.tokens, state.num_layers)] if with_full else []) + [
+        lines.line(one.variant.label, one.variant.budget, one.tokens, one.counts, one.fidelity.kl,
+                   one.fidelity.agreement, one.capacity) for one in decoded]
 
 
-def decode_per_method(model, state, variants, built, caps, reference, max_new_tokens, stops, batch_size, every,
-                      memory_bytes=None):
-    """Under a total budget: every variant decodes with its own method's eviction policy, in shared batches."""
-    from ripplekv.engine.budgeted import decode_in_budget
+def prompt_parts(task, record: dict, tokenizer, settings: SampleSettings) -> tuple[list[int], list[int]]:
+    """(the tokens prefilled and compressed, the question read after them through each compressed cache): the
+    whole prompt and nothing under with-question; the context and the question under context-only."""
+    from ripplekv.tasks import build_prompt_ids
 
-    policies = [method.decode_policy(every) for _, _, method in variants]
-    return decode_in_budget(model, state, built, policies, caps, reference, max_new_tokens, stops, batch_size,
-                            memory_bytes)
+    ids = build_prompt_ids(task, record, tokenizer, settings.max_length)
+    if settings.protocol != "context-only":
+        return ids, []
+    from ripplekv.tasks.prompts import question_start
+
+    cut = question_start(task, record, tokenizer, settings.max_length)
+    return ids[:cut], list(ids[cut:])
 
 
 def prefill(model, ids, needs: Requirements, reserve: int = 0, context: SampleContext | None = None):
@@ -285,12 +176,8 @@ def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, j
     returns its result lines and the seconds each phase took (`engine.timings`)."""
     model, tokenizer = loaded
     with timings.collect(next(model.parameters()).device) as spent:
-        rows = evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, sid=job.sid,
-                               max_length=settings.max_length, batch_size=settings.batch_size,
-                               variants=job.variants, with_full=job.with_full,
-                               progress=progress, protocol=settings.protocol, decode_budget=settings.decode_budget,
-                               compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY,
-                               memory_budget=settings.memory_budget)
+        rows = evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, SampleSettings.of(settings),
+                               sid=job.sid, variants=job.variants, with_full=job.with_full, progress=progress)
     return rows, spent.rows()
 
 

@@ -16,13 +16,25 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from ripplekv.engine import recorders
 from ripplekv.engine.cache import install
 from ripplekv.engine.prefill import PrefillState
+from ripplekv.engine.recorders import Recorder
 
 # callback(layer, queries [H_q, p, d], new_keys [H_kv, T, d]), post-RoPE: the p tokens of this piece and the keys of
 # all T tokens fed so far (this piece's last)
 Probe = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class Handing(Recorder):
+    """Hands each layer's queries and keys to `callback(layer, query, key)` (a pass's probe, not a signal)."""
+
+    def __init__(self, callback):
+        self.callback = callback
+
+    def layer(self, index, query, key, value, attention_mask, scaling):
+        self.callback(index, query, key)
+
+
 # Tokens fed per forward: bounds the attention of a piece over the prompt to PIECE x n scores per head.
 PIECE = 512
 
@@ -40,7 +52,7 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe,
     ids = torch.as_tensor(tokens, dtype=torch.long, device=state.device)[None]
     piece = piece or PIECE
     # the cache hands attention the prompt's keys followed by the new ones
-    probe = [recorders.Probe(lambda layer, query, key: callback(layer, query[0], key[0, :, state.length:]))]
+    probe = [Handing(lambda layer, query, key: callback(layer, query[0], key[0, :, state.length:]))]
     for start in range(0, ids.shape[1], piece):
         chunk = ids[:, start:start + piece]
         positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]

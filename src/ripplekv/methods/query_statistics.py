@@ -2,7 +2,8 @@
 
 The prefill's attention sees each query after RoPE at its own position; undoing the rotation gives the
 query the model's projection made, whose mean and covariance over the prompt describe the queries to
-come. Only sums are kept (d x d per query head), never the n queries.
+come. Only sums are kept (d x d per query head), never the n queries: the signal `QUERY_STATISTICS`
+(per layer a `QueryStatistics`), recorded by `QueryMoments` for the methods that declare it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ripplekv.engine import adapter
+from ripplekv.engine.recorders import PerLayer, register_recorder
+
+QUERY_STATISTICS = "query_statistics"
 
 # The first prompt queries are also kept one by one, so a scorer can leave its sink tokens out of the statistics.
 FIRST_QUERIES = 16
@@ -42,3 +46,17 @@ def query_statistics(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     plain = adapter.invert_rope(queries.float(), cos, sin, scale)
     return QueryStatistics(count=int(plain.shape[1]), total=plain.sum(1), outer=torch.einsum("hni,hnj->hij", plain, plain),
                            first=plain[:, :FIRST_QUERIES].clone())
+
+
+@register_recorder(QUERY_STATISTICS)
+class QueryMoments(PerLayer):
+    """Sums of every prompt query before RoPE (`QueryStatistics`, Expected Attention)."""
+
+    def __init__(self, setup):
+        super().__init__(setup)
+        probe = torch.zeros(1, device=adapter.device(setup.model), dtype=adapter.dtype(setup.model))
+        self.cos, self.sin = adapter.rope_at(setup.model, torch.arange(setup.length), probe)
+        self.scale = adapter.rope_scale(setup.model)
+
+    def layer(self, index, query, key, value, attention_mask, scaling):
+        self.layers[index] = query_statistics(query[0], self.cos, self.sin, self.scale)

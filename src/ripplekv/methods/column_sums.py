@@ -1,9 +1,12 @@
 """Each key's attention summed over every prompt query (H2O's heavy hitters), beside the prefill's own attention.
 
+The signal `COLUMN_SUMS` (per layer [H_kv, n] float32), recorded by `ColumnSums` for the methods that
+declare it: H2O's scorer and its decoding policy (`methods.decoding.Accumulated`).
+
 H2O ranks entries by the attention they received from all prompt queries: the column sums of the n x n
 attention map. That map is never built: queries go in chunks, each chunk attends only to the keys it can
 see (causal), and the softmax weights of a chunk are summed into the column totals. This is a pass of its
-own (`engine.recorders.ColumnSums`): the layer's output stays the stock sdpa kernel's, so a run with H2O
+own (`ColumnSums`): the layer's output stays the stock sdpa kernel's, so a run with H2O
 prefills exactly as one without. Scores and softmax are float32 whatever the model dtype.
 
 Speed: the work goes one KV head at a time in chunks of QUERY_ROWS queries (times the head's group),
@@ -18,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ripplekv.engine.recorders import PerLayer, register_recorder
+
+COLUMN_SUMS = "accumulated_attention"
 # Queries per chunk and KV head (the chunk holds QUERY_ROWS x group query rows).
 QUERY_ROWS = 64
 # Upper bound on a chunk's score elements, so memory stays bounded at any length and group size.
@@ -67,3 +73,11 @@ def column_sums(query, key, scaling: float, attention_mask=None) -> torch.Tensor
             torch.softmax(scores, dim=-1, out=scores)
             columns[head, :stop].addmv_(scores.T, ones[: group * rows])
     return columns / group
+
+
+@register_recorder(COLUMN_SUMS)
+class ColumnSums(PerLayer):
+    """Each key's attention summed over every prompt query [H_kv, n] float32 (H2O), in a pass of its own."""
+
+    def layer(self, index, query, key, value, attention_mask, scaling):
+        self.layers[index] = column_sums(query, key, scaling, attention_mask)
