@@ -264,7 +264,7 @@ def test_route_cli_writes_every_output_deterministically(routed):
     assert not set(meta["calibration_ids"]) & set(meta["placement_ids"])
     assert f"route ranks {meta['placement_rank']} of 7" in result.stderr
     assert list(placements.columns) == ["placement", "is_route", "kl", "agreement", "kl_minus_route", "diff_low",
-                                        "diff_high", "p_value", "verdict", "methods"]
+                                        "diff_high", "p_value", "p_holm", "verdict", "methods"]
     study = meta["placement_study"]
     assert study["samples"] == 2 and study["placements"] == 6 and study["rank"] == meta["placement_rank"]
     assert study["significantly_better"] == (placements["verdict"] == "better").sum()

@@ -52,7 +52,7 @@ EvalOut = out_option("Run directory; a rerun resumes it and adds what is new", D
 ScoreOut = out_option("Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)", DEFAULT_SCORE,
                       "CSV")
 EvalSeed = seed_option("the offline suite's generated samples (0: the published ones)")
-ReportSeed = seed_option("the bootstrap resamples")
+ReportSeed = seed_option("the bootstrap resamples and the sign-flip test's random patterns")
 
 
 def eval_command(
@@ -151,7 +151,7 @@ def default_allocation(model: str | None) -> tuple[str | None, str | None]:
 def report_command(
     run_dir: str = typer.Argument(..., help="A directory written by `ripplekv eval`."),
     rouge: Rouge = "official",
-    resamples: int = typer.Option(2000, "--resamples", help="Bootstrap resamples for intervals, p-values and rank probabilities."),
+    resamples: int = typer.Option(2000, "--resamples", help="Paired bootstrap resamples for rank probabilities (intervals are t intervals, p-values sign-flip tests)."),
     seed: ReportSeed = 0,
 ) -> None:
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
@@ -172,7 +172,7 @@ def print_tables(tables: dict, run_dir) -> None:
     from ripplekv.analysis import summary, time_spent
 
     console = Console()
-    console.print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
+    console.print(summary.summary_table(tables["leaderboard"], title=f"kl (score): {run_dir}"))
     if tables.get("time") is not None:
         console.print(time_spent.time_rich_table(tables["time"], title=f"where the time went: {run_dir}"))
 
