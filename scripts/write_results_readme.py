@@ -18,6 +18,11 @@ def shell_line(recorded: str) -> str:
     return shlex.join(shlex.split(recorded))
 
 
+def _blank(table: pd.DataFrame) -> pd.DataFrame:
+    """Missing cells as None, which markdown shows as a dash (a NaN would read "nan")."""
+    return table.astype(object).where(table.notna(), None)
+
+
 def _paired(point, low, high, digits: int) -> str:
     return "–" if pd.isna(point) else f"{point:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
 
@@ -116,6 +121,8 @@ def allocation_lines(eval_dir: Path) -> list[str]:
     table["kl_verdict"] = table["kl_verdict"].fillna("")
     headline = pd.read_csv(eval_dir / "headline.csv") if (eval_dir / "headline.csv").is_file() else pd.DataFrame()
     rows = headline[headline["scope"] == "allocation only"] if len(headline) else headline
+    names = [f"`{m}`" for m in dict.fromkeys(table.loc[table["kind"] == "answer-aware", "method"])]
+    aware = (", ".join(names) + (" are" if len(names) > 1 else " is")) if names else ""
     shares = []
     for budget, group in table.groupby("budget"):
         ours = group[group["method"] == ALLOCATION_METHOD]
@@ -124,8 +131,9 @@ def allocation_lines(eval_dir: Path) -> list[str]:
     return ["", "## Allocation only (one scorer, every allocator)", "",
             "Every method here uses the uniform baseline's scorer, so rows differ only in how the L x H_kv x B entries "
             "are spread over layers and heads; each is paired against uniform at the same budget (t interval, sign-flip "
-            "p, Holm over the table). `allocation-ceiling` is answer-aware: an allocation chosen from the answer's "
-            "attention, neither a method nor a bound. `best-of-allocations` is a hindsight bound on selectors: per "
+            "p, Holm over the table). " + (f"{aware} answer-aware: an allocation chosen from the answer's attention, "
+                                           "neither a method nor a bound. " if aware else "")
+            + "`best-of-allocations` is a hindsight bound on selectors: per "
             "sample the lowest KL any allocation here reached. No allocator is judged against a best-of that contains "
             "it: `KL gap share` is the share of uniform's KL gap to the best of the *other* allocations (leave-one-out, "
             "a point estimate). `cross-fit choice` is an honest selector: the allocator with the lowest KL on one half "
@@ -195,7 +203,7 @@ def context_only_lines(out: Path) -> list[str]:
             f"read through each compressed cache, as a cache reused across questions would be (kvpress's default): "
             f"{count} samples, the first of each task's evaluation samples. Full table: `eval-context-only/`.",
             "",
-            board[columns].to_markdown(index=False, floatfmt=".4g")]
+            _blank(board[columns]).to_markdown(index=False, floatfmt=".4g", missingval="–")]
 
 
 def _rho(profile: dict) -> str:
@@ -260,7 +268,7 @@ def headline_ratio_lines(out: Path) -> list[str]:
                            "delta_ci_low", "delta_ci_high", "p_vs_uniform_holm", "verdict") if c in board]
     return ["", "At DepthKV's headline ratio (60% of the prompt pruned: one budget of 0.4 x the prompts' target "
             "length; the paper compares DepthKV with uniform H2O there). Full table: `eval-headline/`.", "",
-            board[columns].to_markdown(index=False, floatfmt=".4g")]
+            _blank(board[columns]).to_markdown(index=False, floatfmt=".4g", missingval="–")]
 
 
 def route_lines(out: Path) -> list[str]:

@@ -84,7 +84,7 @@ def test_eval_writes_every_output_with_its_columns(base_run):
     assert {(r["method"], r["budget"]) for r in records} == resume.variant_keys(
         {"methods": list(METHODS), "budgets": list(BUDGETS)})
     assert list(pd.read_csv(base_run / "scores.csv").columns) == [
-        "task", "category", "method", "budget", "n", "score", "kl", "agreement", "protocol"]
+        "task", "category", "method", "budget", "n", "score", "kl", "agreement", "protocol", "informative"]
     board = pd.read_csv(base_run / "leaderboard.csv")
     assert {"method", "budget", "rank", "avg", "kl", "agreement", "Synthetic", "Single-Doc QA"} <= set(board.columns)
     assert len(board) == VARIANTS

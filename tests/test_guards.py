@@ -47,7 +47,8 @@ def test_report_on_a_torn_run_names_the_sample_leaves_it_out_and_touches_only_it
     from ripplekv.runs.files import OPTIONAL_REPORT_FILES, REPORT_FILES
 
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == sorted(
-        {"predictions.jsonl", "config.json", *(n for n in REPORT_FILES if n not in OPTIONAL_REPORT_FILES)})
+        {"predictions.jsonl", "config.json", "lengths.csv",  # its lines carry prompt_tokens: buckets by length
+         *(n for n in REPORT_FILES if n not in OPTIONAL_REPORT_FILES)})
 
 
 # --------------------------------------------------------------------------- shared libraries

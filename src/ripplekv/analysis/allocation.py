@@ -40,7 +40,7 @@ HINDSIGHT = "best-of-allocations"
 CROSS_FIT = "cross-fit choice"
 KINDS = {"method": "allocator", "aware": "answer-aware", "bound": "hindsight bound", "cross": "cross-fit"}
 COLUMNS = ["budget", "method", "kind", "kl", "kl_ci_low", "kl_ci_high", *KL_TEST, "kl_best_of_others", "kl_gap_share",
-           "avg", *SCORE_TEST, "picks"]
+           "avg_informative", *SCORE_TEST, "picks"]
 
 
 def method_specs(run_dir: str | Path) -> dict:
@@ -77,7 +77,7 @@ def allocation_headline(parts, seed: int = inference.SEED) -> pd.DataFrame:
     """Per budget, the allocator closest to the full cache and the runner-up (`analysis.headline`), from
     `allocation_parts`."""
     table, kl, score = parts
-    return closest_pairs(table.assign(score=table["avg"]), table["kind"] == KINDS["method"], kl, score,
+    return closest_pairs(table.assign(score=table["avg_informative"]), table["kind"] == KINDS["method"], kl, score,
                          "allocation only", seed)
 
 
@@ -127,7 +127,7 @@ def allocation_parts(frame: pd.DataFrame, specs: dict, ceilings=None, counted: l
     score = inference.Samples(np.vstack(score), kl_all.tasks, kl_all.ids)
     estimate = inference.t_interval(kl.values, kl.tasks)
     table = table.assign(kl=estimate.point, kl_ci_low=estimate.low, kl_ci_high=estimate.high,
-                         avg=np.round(inference.stratified_mean(score.values, score.tasks), 2))
+                         avg_informative=np.round(inference.stratified_mean(score.values, score.tasks), 2))
     base_kl = table["kl"].to_numpy()[table["_b"].to_numpy()]
     gap = base_kl - table["kl_best_of_others"].to_numpy()
     with np.errstate(all="ignore"):
@@ -201,7 +201,7 @@ def allocation_markdown(table: pd.DataFrame) -> str:
         lines.append({"budget": int(r["budget"]), "method": label + (f": {r['picks']}" if r["picks"] else ""),
                       "KL": f"{r['kl']:.3f}", "KL vs uniform [95% CI]": kl_diff, "p (Holm), verdict": kl_p,
                       "KL gap share (leave-one-out)": share(r["kl_gap_share"]),
-                      "score": "" if pd.isna(r["avg"]) else f"{r['avg']:.2f}",
+                      "score": "" if pd.isna(r["avg_informative"]) else f"{r['avg_informative']:.2f}",
                       "score vs uniform [95% CI]": score_diff, "score p (Holm), verdict": score_p})
     return pd.DataFrame(lines).to_markdown(index=False, disable_numparse=True) + "\n"
 

@@ -47,6 +47,8 @@ def head_to_head(frame: pd.DataFrame, method: str, versus: str, seed: int = infe
 def head_to_head_markdown(table: pd.DataFrame) -> str:
     """The table as markdown, differences with their intervals, p (Holm) and verdict."""
     def line(r, name, digits, lower):
+        if pd.isna(getattr(r, f"{name}_delta")):
+            return "– (no informative task)" if name == "score" else "–"
         word = inference.verdict(getattr(r, f"{name}_ci_low"), getattr(r, f"{name}_ci_high"), getattr(r, f"p_{name}_holm"), lower)
         return (f"{getattr(r, f'{name}_delta'):+.{digits}f} [{getattr(r, f'{name}_ci_low'):+.{digits}f}, "
                 f"{getattr(r, f'{name}_ci_high'):+.{digits}f}], p {getattr(r, f'p_{name}'):.2g} "
