@@ -11,6 +11,7 @@ in `analysis.summary`; this module loads the result lines and renders them all i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -90,14 +91,23 @@ def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
 
 # What `render` writes (listed at the end of `ripplekv eval` and `ripplekv report`; lengths.csv only when
 # samples carry a length).
+FIGURES = ("score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png", "score_forest.png")
+
+
+def plots_wanted() -> bool:
+    """Whether eval's closing report draws its figures: RIPPLEKV_PLOTS=0 leaves them out (the tables and
+    summary.md are the same). Drawing is ~95% of a small run's report (~2 s of CPU): the test suite runs about
+    a hundred evals whose figures no test looks at. `ripplekv report` always draws."""
+    return os.environ.get("RIPPLEKV_PLOTS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,
-           seed: int = stats.SEED) -> dict[str, pd.DataFrame]:
+           seed: int = stats.SEED, plots: bool = True) -> dict[str, pd.DataFrame]:
     """Write scores.csv, leaderboard.csv, leaderboard_wide.csv, ranks.csv, lengths.csv (when samples have
     a length), allocation_only.csv and .md (when several methods share the uniform baseline's scorer), the plots,
     summary.md and report.json (the settings) into `run_dir`; with the run's timings.csv, where the time went
-    (`analysis.time_spent`) closes summary.md and is returned as "time"."""
+    (`analysis.time_spent`) closes summary.md and is returned as "time". Without `plots`, FIGURES are not
+    drawn and any left from an earlier render are removed (they would no longer match the tables)."""
     run_dir = Path(run_dir)
     check_rouge(rouge)
     if resamples < 1:
@@ -122,11 +132,15 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             write_csv(run_dir / "allocation_only.csv", allocation, float_format=FLOAT_FORMAT)
             write_text(run_dir / "allocation_only.md", allocation_markdown(allocation))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
-        plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings)
-        plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings)
-        plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-        plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings)
-        plot_forest(board, run_dir / "score_forest.png", "score", ceilings)
+        if plots:
+            plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings)
+            plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings)
+            plot_layer_budgets(frame, run_dir / "layer_budgets.png")
+            plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings)
+            plot_forest(board, run_dir / "score_forest.png", "score", ceilings)
+        else:
+            for name in FIGURES:
+                (run_dir / name).unlink(missing_ok=True)
         text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings)
         if spent is not None:
             text += "\n" + time_markdown(spent, samples_timed(run_dir))
