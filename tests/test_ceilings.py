@@ -38,6 +38,7 @@ def test_an_answer_aware_composition_is_no_route_candidate():
         candidate_methods(["snapkv", "snapkv:scorer=oracle:split=adakv"])
 
 
+@pytest.mark.slow
 def test_eval_ranks_only_the_real_method_and_marks_the_composition_a_ceiling(tiny_model_dir, tmp_path, run_cli):
     out = tmp_path / "run"
     code, _, err = run_cli("eval", "--model", tiny_model_dir, "--methods", "snapkv,snapkv:scorer=oracle",

@@ -119,6 +119,7 @@ def reproduce(project: Path, fail_at: str | None = None) -> subprocess.Completed
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
     config = project / "configs" / "reproduce.env"
     config.write_text(CONFIG + OPTIONAL_STAGES)
@@ -146,6 +147,7 @@ def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
     assert "--route" not in readme and "depthkv" not in readme.lower() and "## Layer-wise routing" not in readme
 
 
+@pytest.mark.slow
 def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_replaces_them(project):
     failed = reproduce(project, fail_at="eval")
     assert failed.returncode != 0
@@ -166,6 +168,7 @@ def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_repl
     assert ".staging" not in readme and "--out results/eval" in readme
 
 
+@pytest.mark.slow
 def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project):
     config = project / "configs" / "reproduce.env"
     config.write_text(CONFIG + 'CONTEXT_METHODS=full,snapkv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n')
@@ -191,6 +194,7 @@ LONG_TARGET_TOKENS=2000
 """
 
 
+@pytest.mark.slow
 def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(project):
     config = project / "configs" / "reproduce.env"
     config.write_text(CONFIG + LONG)

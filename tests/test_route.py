@@ -246,6 +246,7 @@ def routed(tiny_model_dir, tmp_path_factory):
     return outs
 
 
+@pytest.mark.slow
 def test_route_cli_writes_every_output_deterministically(routed):
     (out, result), (again, _) = routed
     route = pd.read_csv(out / "ROUTE.csv")
@@ -279,6 +280,7 @@ def test_route_cli_writes_every_output_deterministically(routed):
         assert (out / name).read_bytes() == (again / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_routed_and_routed_ripplekv_read_the_route(routed, tiny_model_dir, tmp_path):
     out = routed[0][0]
     alloc = tmp_path / "alloc.csv"
@@ -292,6 +294,7 @@ def test_routed_and_routed_ripplekv_read_the_route(routed, tiny_model_dir, tmp_p
     assert routed_budgets == [64] * 4 and sum(ripple_budgets) == 4 * 64 and ripple_budgets[0] > ripple_budgets[3]
 
 
+@pytest.mark.slow
 def test_eval_config_records_the_route_file_and_its_hash(routed, tiny_model_dir):
     import hashlib
 

@@ -11,6 +11,7 @@ in `analysis.summary`; this module loads the result lines and renders them all i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -100,6 +101,18 @@ def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
     return frame
 
 
+# What `render` writes (listed at the end of `ripplekv eval` and `ripplekv report`; lengths.csv only when
+# samples carry a length).
+FIGURES = ("score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png", "score_forest.png")
+
+
+def plots_wanted() -> bool:
+    """Whether eval's closing report draws its figures: RIPPLEKV_PLOTS=0 leaves them out (the tables and
+    summary.md are the same). Drawing is ~95% of a small run's report (~2 s of CPU): the test suite runs about
+    a hundred evals whose figures no test looks at. `ripplekv report` always draws."""
+    return os.environ.get("RIPPLEKV_PLOTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def declared_baseline(run_dir: str | Path) -> str | None:
     """The baseline the run declares for its primary comparisons (config.json's `primary_baseline`), if any."""
     try:
@@ -117,12 +130,13 @@ def primary_comparisons(board: pd.DataFrame) -> list[str]:
 
 
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,
-           seed: int = stats.SEED) -> dict[str, pd.DataFrame]:
+           seed: int = stats.SEED, plots: bool = True) -> dict[str, pd.DataFrame]:
     """Write scores.csv, informative.csv, leaderboard.csv, headline.csv, leaderboard_wide.csv, ranks.csv,
     lengths.csv (when samples have a prompt length), allocation_only.csv and .md (when several methods share
     the uniform baseline's scorer), the plots, summary.md and report.json (the settings) into `run_dir`; with
     the run's timings.csv, where the time went (`analysis.time_spent`) closes summary.md and is returned as
-    "time"."""
+    "time". Without `plots`, FIGURES are not drawn and any left from an earlier render are removed (they would
+    no longer match the tables)."""
     run_dir = Path(run_dir)
     check_rouge(rouge)
     if resamples < 1:
@@ -163,11 +177,15 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             write_text(run_dir / "allocation_only.md", allocation_markdown(allocation))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
         styles = series_styles(m for m in dict.fromkeys(frame["method"]) if m != REFERENCE)  # the run's order
-        plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings, styles)
-        plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings, styles)
-        plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-        plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings, styles)
-        plot_forest(board, run_dir / "score_forest.png", "score", ceilings, styles)
+        if plots:
+            plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings, styles)
+            plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings, styles)
+            plot_layer_budgets(frame, run_dir / "layer_budgets.png")
+            plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings, styles)
+            plot_forest(board, run_dir / "score_forest.png", "score", ceilings, styles)
+        else:
+            for name in FIGURES:
+                (run_dir / name).unlink(missing_ok=True)
         text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative)
         if spent is not None:
             text += "\n" + time_markdown(spent, samples_timed(run_dir))

@@ -414,7 +414,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     else:
         console.print(f"all {len(work)} samples already done in {out}; re-rendering the report")
     start = perf_counter()
-    tables = report.render(out)
+    tables = report.render(out, plots=report.plots_wanted())
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])
     written += [out / TIMINGS, out / CONFIG, *(out / name for name in REPORT_FILES if (out / name).exists())]
     console.print("wrote: " + ", ".join(str(path) for path in written), soft_wrap=True)
