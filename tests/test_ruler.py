@@ -203,3 +203,9 @@ def test_eval_runs_the_suite_on_a_tiny_model(run_cli, tiny_model_dir, tmp_path):
     assert all(("depth" in r) == (r["task"] == "niah_single_1") for r in lines)
     config = json.loads((out / "config.json").read_text())
     assert config["suite"] == "ruler" and config["target_tokens"] == TARGET
+
+
+def test_prompts_that_would_be_cut_are_refused(run_cli, tmp_path):
+    code, _, err = run_cli("eval", "--suite", "ruler", "--target-tokens", 8000, "--budget", 64, "--out", tmp_path / "r")
+    assert code == 2 and "need --max-length 8064 or more" in err
+    assert not (tmp_path / "r").exists()
