@@ -18,6 +18,11 @@ from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples, ruler, rul
 from ripplekv.tasks.prompts import question_start
 
 TARGET = 1024
+QA_TARGET = 2048  # RULER's QA adds 10 documents at a time: its smallest haystack needs about 2k tokens
+
+
+def target_of(name: str) -> int:
+    return QA_TARGET if name.startswith("qa") else TARGET
 RULER_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
 
@@ -25,7 +30,7 @@ RULER_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey
 @pytest.fixture(scope="module")
 def one_each(tokenizer):
     """One eval sample of every RULER task (and the depth sweep) at 1k tokens."""
-    return {task.name: load_samples(task, tokenizer, limit=1, target_tokens=TARGET)[0]
+    return {task.name: load_samples(task, tokenizer, limit=1, target_tokens=target_of(task.name))[0]
             for task in get_tasks("ruler", RULER_TASKS + ["niah_depths"])}
 
 
@@ -50,7 +55,7 @@ def test_the_suite_is_the_packages_thirteen_tasks_with_its_metrics_and_lengths()
 def _package_run(tokenizer_dir: Path, name: str, out: Path, seed: int = 42, samples: int = 2) -> list[dict]:
     """The package's script for `name`, run as RULER's prepare.py runs it (a subprocess, an HF tokenizer by path)."""
     d = ruler.definitions()[name]
-    arguments = {**ruler.generator_arguments(name, "eval", TARGET, 0, samples), "random_seed": seed,
+    arguments = {**ruler.generator_arguments(name, "eval", target_of(name), 0, samples), "random_seed": seed,
                  "tokenizer_path": str(tokenizer_dir), "save_dir": str(out)}
     argv = [sys.executable, str(ruler_package.package_dir() / "data" / "synthetic" / f"{d['family']}.py")]
     for key, value in arguments.items():
@@ -72,7 +77,7 @@ def _check_same(ours: list[dict], theirs: list[dict]) -> None:
 def test_samples_are_the_packages_own_for_the_same_seed(name, tokenizer, tiny_model_dir, tmp_path):
     """Seed 0 is RULER's seed 42: the records join back into the very texts the package's script writes."""
     (task,) = get_tasks("ruler", [name])
-    _check_same(load_samples(task, tokenizer, limit=2, target_tokens=TARGET),
+    _check_same(load_samples(task, tokenizer, limit=2, target_tokens=target_of(name)),
                 _package_run(tiny_model_dir, name, tmp_path))
 
 
@@ -133,7 +138,7 @@ def test_prompts_fit_the_target_and_end_with_the_answer_prefix(one_each, tokeniz
     for name, record in one_each.items():
         task = tasks[name]
         text = record["head"] + record["context"] + record["input"] + record["answer_prefix"]
-        assert len(tokenizer.tokenize(text)) + task.max_new_tokens <= TARGET, name
+        assert len(tokenizer.tokenize(text)) + task.max_new_tokens <= target_of(name), name
         ids = build_prompt_ids(task, record, tokenizer, 100_000)
         decoded = tokenizer.decode(ids)
         assert decoded.endswith("<|im_start|>assistant\n" + record["answer_prefix"]), name
@@ -161,8 +166,8 @@ def test_deterministic_prefix_stable_and_seeded(tokenizer):
 @pytest.mark.parametrize("name", ["niah_single_3", "vt", "qa_1"])
 def test_calibration_shares_no_draw_with_evaluation(name, tokenizer):
     (task,) = get_tasks("ruler", [name])
-    evaluation = load_samples(task, tokenizer, limit=3, target_tokens=TARGET)
-    calibration = load_samples(task, tokenizer, split="calibration", limit=3, target_tokens=TARGET)
+    evaluation = load_samples(task, tokenizer, limit=3, target_tokens=target_of(name))
+    calibration = load_samples(task, tokenizer, split="calibration", limit=3, target_tokens=target_of(name))
     assert not {a for r in evaluation for a in r["answers"]} & {a for r in calibration for a in r["answers"]}
     assert not {r["input"] for r in evaluation} & {r["input"] for r in calibration}
     assert all(r["_id"].startswith(f"ruler-{name}-calibration-") for r in calibration)
@@ -176,6 +181,9 @@ def test_mistakes_are_one_line(tokenizer):
         load_samples(task, tokenizer, limit=1, target_tokens=TARGET, seed=-1)
     with pytest.raises(UserError, match="at most 1000"):
         load_samples(task, tokenizer, limit=1001, target_tokens=TARGET)
+    (qa,) = get_tasks("ruler", ["qa_1"])  # RULER's own script would retry forever here
+    with pytest.raises(UserError, match="cannot fit even its smallest haystack into 1024 tokens"):
+        load_samples(qa, tokenizer, limit=2, target_tokens=TARGET)
 
 
 def test_scores_are_the_packages_functions_on_rulers_cleaned_prediction():

