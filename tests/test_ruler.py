@@ -149,8 +149,10 @@ def test_prompts_fit_the_target_and_end_with_the_answer_prefix(one_each, tokeniz
 def test_depth_sweep_places_the_needle_at_each_depth_in_turn(tokenizer):
     (task,) = get_tasks("ruler", ["niah_depths"])
     records = load_samples(task, tokenizer, limit=5, target_tokens=TARGET)
-    measured = [r["depth"] for r in records]
-    assert [round(d / 10) * 10 for d in measured] == list(ruler.DEPTH_ORDER[:5])
+    assert [r["depth"] for r in records] == list(ruler.DEPTH_ORDER[:5])
+    # RULER counts sentences: the value's place in the characters follows the depth asked for
+    measured = [ruler.needle_depth(r["context"], r["answers"][0]) for r in records]
+    assert measured[0] < 5 and measured[1] > 95 and measured[3] < measured[2] < measured[4]
 
 
 def test_deterministic_prefix_stable_and_seeded(tokenizer):
@@ -202,13 +204,13 @@ def test_scores_are_the_packages_functions_on_rulers_cleaned_prediction():
 
 def test_eval_runs_the_suite_on_a_tiny_model(run_cli, tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    code, _, err = run_cli("eval", "--model", tiny_model_dir, "--suite", "ruler", "--tasks", "niah_single_1,vt",
+    code, _, err = run_cli("eval", "--model", tiny_model_dir, "--suite", "ruler", "--tasks", "niah_single_1",
                            "--target-tokens", TARGET, "--limit", 1, "--budget", 64, "--methods", "snapkv",
                            "--out", out)
     assert code == 0, err
     lines = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert {(r["task"], r["method"]) for r in lines} == {(t, m) for t in ("niah_single_1", "vt") for m in ("full", "snapkv")}
-    assert all(("depth" in r) == (r["task"] == "niah_single_1") for r in lines)
+    assert [(r["task"], r["method"]) for r in lines] == [("niah_single_1", "full"), ("niah_single_1", "snapkv")]
+    assert all(0 <= r["depth"] <= 100 and r["prompt_tokens"] <= TARGET for r in lines)
     config = json.loads((out / "config.json").read_text())
     assert config["suite"] == "ruler" and config["target_tokens"] == TARGET
 

@@ -14,8 +14,10 @@ scorers (`eval/synthetic/constants.py`, read by `metrics.ruler`). Nothing here r
   order whatever the seed, so calibration QA starts at question `QA_CALIBRATION_START` (eval reads at most
   `MAX_SAMPLES` questions). Sample i depends only on the samples before it (RULER draws them in order).
 - Records: the LongBench fields, with the task text cut at the boundaries its template marks (`head` before
-  the context, `input` the question, `answer_prefix` after it) and niah's `depth`: where the asked needle
-  sits in the context, in percent of its characters.
+  the context, `input` the question, `answer_prefix` after it) and niah's `depth` in percent: in `niah_depths`
+  the depth asked for (RULER's measure, the share of the haystack's sentences before the needle), in the
+  other niah tasks (whose depth RULER draws and does not return) where the asked value sits in the context's
+  characters.
 """
 
 from __future__ import annotations
@@ -177,7 +179,9 @@ def build_samples(task, tokenizer, *, split: str = "eval", limit: int | None = N
             "all_classes": None,
             "_id": f"ruler-{task.name}-{tag}{split}-{i:04d}",
         }
-        if d["family"] == "niah":
+        if depths is not None:  # RULER's own depth: the share of the haystack's sentences before the needle
+            record["depth"] = float(depths[i])
+        elif d["family"] == "niah":
             record["depth"] = needle_depth(parts["context"], answers[0])
         records.append(record)
     return records
