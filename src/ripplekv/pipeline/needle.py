@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ripplekv.errors import UserError
-from ripplekv.pipeline.eval_plan import EvalSettings
+from ripplekv.pipeline.eval_plan import RULER_CHAT_ROOM, EvalSettings
 
 RUN_PREFIX = "tokens-"
 WRITES = ("needle.csv",)
@@ -51,6 +51,8 @@ def run_needle(settings: EvalSettings, lengths, out: str | Path, console=None, d
     for length, folder in zip(lengths, folders):
         if console is not None:
             console.print(f"needle: {settings.tasks[0]} at {length} tokens -> {folder}", soft_wrap=True)
-        run_eval(replace(settings, target_tokens=length), folder, console=console, workers=workers)
+        # a prompt built to `length` is never cut in the middle: --max-length grows with it
+        room = max(settings.max_length, length + RULER_CHAT_ROOM)
+        run_eval(replace(settings, target_tokens=length, max_length=room), folder, console=console, workers=workers)
     with exclusive(out, "needle"):
         return needle.render(folders, out, settings.budgets, depth_step)
