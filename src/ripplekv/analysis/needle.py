@@ -91,8 +91,7 @@ def plot_needle(grid: pd.DataFrame, budget: int, path: Path, title: str = "") ->
                              squeeze=False, constrained_layout=True)
     for row, (value, cmap, top, label) in enumerate((("accuracy", "RdYlGn", 100.0, "accuracy (%)"),
                                                       ("kl", "magma_r", kl_top, "KL to the full cache"))):
-        colormap = plt.get_cmap(cmap).copy()
-        colormap.set_bad("white")  # blank: no sample in the cell
+        colormap = plt.get_cmap(cmap).with_extremes(bad="white")  # blank: no sample in the cell
         for col, (method, rows) in enumerate(shown):
             ax = axes[row][col]
             matrix = np.ma.masked_invalid(cell_matrix(rows, value, depths, lengths))
