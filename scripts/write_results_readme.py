@@ -206,6 +206,23 @@ def context_only_lines(out: Path) -> list[str]:
             _blank(board[columns]).to_markdown(index=False, floatfmt=".4g", missingval="–")]
 
 
+def needle_lines(out: Path) -> list[str]:
+    """The needle heatmap (OUT/needle, `ripplekv needle`), when the run made it: its figure and samples per cell."""
+    grid_path = out / "needle" / "needle.csv"
+    if not grid_path.is_file():
+        return []
+    grid = pd.read_csv(grid_path)
+    figures = sorted(p.name for p in (out / "needle").glob("needle_b*.png"))
+    full = grid[grid["budget"].isna()]
+    by_length = full.groupby("length").agg(samples=("n", "sum"), accuracy=("accuracy", "mean")).reset_index()
+    return ["", "## Needle by depth and length", "",
+            f"RULER's niah_single_2 with the needle at each depth in turn, {int(full['n'].sum())} samples over "
+            f"{len(by_length)} lengths; accuracy (top) and KL to the full cache (bottom) per method, a cell per "
+            "depth and target length (blank: no sample). Grid: `needle/needle.csv`. Full cache by length:", "",
+            by_length.to_markdown(index=False, floatfmt=".4g"), "",
+            *[f"![needle heatmap](needle/{name})" for name in figures]]
+
+
 def _rho(profile: dict) -> str:
     rho = profile.get("split_half_spearman")
     return f"{rho:.3f}" if rho is not None else "n/a"
@@ -360,7 +377,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
     )
     stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "profile-evict-kl", "profile-infonce",
               "predictors", "compresskv-profile", "route", "eval", "eval-headline", "eval-compare", "eval-context-only", "long-prompt",
-              "long-total")
+              "long-total", "needle")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")
@@ -399,7 +416,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         ]
     lines += context_only_lines(out)
     lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out),
-              *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"), *long_lines(out), *time_lines(out)]
+              *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"), *long_lines(out), *needle_lines(out), *time_lines(out)]
     lines += [
         "",
         "## Exact commands",

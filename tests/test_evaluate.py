@@ -291,7 +291,7 @@ def test_a_second_eval_into_a_busy_run_directory_is_refused(base_run, eval_args,
         (("--budget", "0"), "budget must be a positive integer"),
         (("--methods", "full,nosuch"), "unknown method 'nosuch'"),
         (("--tasks", "nosuch"), "unknown task 'nosuch'"),
-        (("--suite", "nosuch"), "Invalid value for '--suite': 'nosuch' is not one of 'offline', 'longbench', 'longbench-e'"),
+        (("--suite", "nosuch"), "Invalid value for '--suite': 'nosuch' is not one of 'offline', 'ruler', 'longbench', 'longbench-e', 'longbench-v2'"),
         (("--batch-size", "0"), "--batch-size"),
     ],
 )

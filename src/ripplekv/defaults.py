@@ -29,7 +29,10 @@ METHOD_FAMILIES = {
 # The fixed sets of values an option takes: the CLI declares them as choices (so --help shows them and a
 # wrong value fails while parsing), and the libraries check the same tuples when called directly.
 PROTOCOLS = ("with-question", "context-only")  # `eval --protocol`, ripplekv.generate(protocol=)
-SUITES = ("offline", "longbench", "longbench-e")  # `--suite`
+SUITES = ("offline", "ruler", "longbench", "longbench-e", "longbench-v2")  # `--suite`
+GENERATED_SUITES = ("offline", "ruler")  # built here from a seed and --target-tokens (the others are read from files)
+NEEDLE_TASK = "niah_depths"  # `needle --task`: RULER's niah_single_2 with the needle at each depth in turn
+NEEDLE_LENGTHS = (1024, 2048, 4096)  # `needle --lengths`
 DECODE_BUDGETS = ("prompt", "total")  # `eval --decode-budget`: what B counts (prompt entries, or prompt + decoded)
 SIGNALS = ("noise", "evict", "infonce")  # `profile --signal`
 MEASURES = ("task-drop", "kl")  # `profile --signal evict --measure`: DepthKV's task-metric drop, or KL at probe tokens

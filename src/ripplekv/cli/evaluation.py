@@ -46,7 +46,7 @@ from ripplekv.cli.options import (
     snap_options,
     worker_settings,
 )
-from ripplekv.defaults import DEFAULT_EVAL_METHODS
+from ripplekv.defaults import DEFAULT_EVAL_METHODS, GENERATED_SUITES
 
 EvalOut = out_option("Run directory; a rerun resumes it and adds what is new", DEFAULT_EVAL)
 ScoreOut = out_option("Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)", DEFAULT_SCORE,
@@ -61,12 +61,13 @@ def eval_command(
     methods: str = typer.Option(",".join(DEFAULT_EVAL_METHODS), "--methods", metavar="SPECS",
                                 help=METHODS_HELP + " full is always included."),
     suite: Annotated[SuiteName | None, typer.Option(
-        "--suite", help="offline is bundled; default: longbench when its files are on disk, else offline.")] = None,
+        "--suite", help="offline and ruler are generated here; default: longbench when its files are on disk, "
+                        "else offline.")] = None,
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks of the suite (default: all)."),
     limit: int | None = typer.Option(
         None, "--limit",
-        help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the offline suite (a first look in "
-             "minutes; a rerun with a higher --limit adds samples), all on LongBench."),
+        help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the generated suites, offline and ruler "
+             "(a first look in minutes; a rerun with a higher --limit adds samples), all on LongBench."),
     allocation: str | None = typer.Option(
         None, "--allocation", metavar="CSV",
         help=f"Allocation CSV for ripplekv (and depthkv, routed-ripplekv); default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
@@ -111,7 +112,7 @@ def eval_command(
         methods=names,
         suite=suite,
         tasks=eval_plan.parse_names(tasks, "--tasks"),
-        limit=OFFLINE_FIRST_LOOK if limit is None and suite == "offline" else limit,
+        limit=OFFLINE_FIRST_LOOK if limit is None and suite in GENERATED_SUITES else limit,
         allocation=allocation,
         model=model,
         data_dir=data_dir,

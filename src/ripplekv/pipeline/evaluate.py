@@ -195,6 +195,7 @@ def evaluate_sample(
     }
     if record.get("all_classes"):  # classification tasks: `ripplekv score` needs the class names to rescore
         base["all_classes"] = list(record["all_classes"])
+    base.update({field: record.get(field) for field in task.fields})  # a needle's depth, a question's difficulty
 
     def row(name, budget, out_tokens, entry_counts, kl, agreement, cap=None):
         prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
