@@ -125,7 +125,11 @@ def test_records_join_back_and_hold_their_answers(one_each, tokenizer):
             assert all(answer in record["context"] for answer in record["answers"]), name
         if d["family"] == "niah":
             assert 0 <= record["depth"] <= 100, name
-            assert record["context"][int(len(record["context"]) * record["depth"] / 100):].find(record["answers"][0]) < 30
+            # the needle sentence sits where its depth says, within a sentence: its value (after the needle's own
+            # ~60-character lead-in) lies within 5% of the context (+100 characters) of that point
+            context = record["context"]
+            at = len(context) * record["depth"] / 100
+            assert abs(context.find(record["answers"][0]) - at) < 0.05 * len(context) + 100, name
         else:
             assert "depth" not in record
         assert record["_id"] == f"ruler-{name}-eval-0000"
