@@ -69,7 +69,7 @@ def test_the_spread_sets_every_draws_mean_beside_draw_0s_interval_over_samples()
                          + _lines("ripplekv:allocation=allocation-d2.csv", 128, base))  # draw 0 never ran 128
     draws = pd.DataFrame({"method": ["ripplekv"] * 3, "draw": [0, 1, 2],
                           "variant": ["ripplekv", "ripplekv:allocation=allocation-d1.csv", "ripplekv:allocation=allocation-d2.csv"]})
-    summary, per_draw = spread(frame, draws, resamples=300)
+    summary, per_draw = spread(frame, draws)
     assert len(summary) == 1 and summary["budget"].item() == 64 and summary["draws"].item() == 3
     row = summary.iloc[0]
     means = [base.mean() - 0.2, base.mean() - 0.1, base.mean() + 0.1]
@@ -77,8 +77,10 @@ def test_the_spread_sets_every_draws_mean_beside_draw_0s_interval_over_samples()
     assert row["kl_draw_max"] - row["kl_draw_min"] == pytest.approx(0.3)
     assert row["kl_ci_low"] < row["kl_draw0"] < row["kl_ci_high"] and row["sd_over_half_width"] > 1
     # Draws 0 and 1 are clearly below SnapKV (paired: every sample moves by the same amount), draw 2 above it.
-    assert row["draws_lower_than_baseline"] == 2 and row["draws_higher_than_baseline"] == 1
+    assert row["draws_closer"] == 2 and row["draws_further"] == 1
+    assert row["verdict_by_draw"] == "closer / closer / further"
     assert list(per_draw["kl_delta"]) == pytest.approx([-0.2, -0.1, 0.1])
+    assert (per_draw["p_kl_holm"] >= per_draw["p_kl"]).all() and (per_draw["p_kl_holm"] < 0.05).all()
     assert row["kl_by_draw"] == " / ".join(f"{m:.3f}" for m in means)
     assert "ripplekv" in spread_markdown(summary) and "SD / CI half-width" in spread_markdown(summary)
 
@@ -86,7 +88,7 @@ def test_the_spread_sets_every_draws_mean_beside_draw_0s_interval_over_samples()
 def test_draws_are_compared_on_the_samples_every_draw_ran():
     frame = pd.DataFrame(_lines("ripplekv", 64, [0.1, 0.2, 0.3]) + _lines("ripplekv:x=1", 64, [0.1, 0.2]))
     draws = pd.DataFrame({"method": ["ripplekv"] * 2, "draw": [0, 1], "variant": ["ripplekv", "ripplekv:x=1"]})
-    summary, _ = spread(frame, draws, resamples=50)
+    summary, _ = spread(frame, draws)
     assert summary["samples"].item() == 4 and summary["kl_draw0"].item() == pytest.approx(0.15)
 
 

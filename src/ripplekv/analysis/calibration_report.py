@@ -47,8 +47,9 @@ def calibration_lines(out: Path) -> list[str]:
              "result was evaluated on the same samples (draw 0 in `eval/`, the tables above; the others in "
              "`eval-draws/`). Beside draw 0's 95% interval over samples: each draw's mean KL, their SD and range "
              "across draws (SD / CI half-width near or above 1: the draw moves the result as much as the samples "
-             "do), and each draw's paired KL difference to the uniform baseline, with how many draws' intervals lie "
-             "wholly below or above 0. Per draw: `calibration_spread_per_draw.csv`.", ""]
+             "do), and each draw's paired KL difference to the uniform baseline with its verdict (t interval, sign-flip "
+             "p, Holm over the method's draws: `closer` / `further` only when the adjusted p is below 0.05, `tied` "
+             "otherwise). Per draw: `calibration_spread_per_draw.csv`.", ""]
     if not summary.empty:
         lines.append(spread_markdown(summary))
     choices = [(d, json.loads((folder / f"allocation{tag}.choice.json").read_text()))
