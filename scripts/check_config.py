@@ -29,7 +29,7 @@ EVALS = {
     "eval": ("METHODS", True, True, "TASKS", "BUDGETS", "with-question", ("prompt",), "SUITE", "TARGET_TOKENS"),
     "eval-headline": ("HEADLINE_METHODS", True, False, "TASKS", None, "with-question", ("prompt",), "SUITE",
                       "TARGET_TOKENS"),
-    "eval-compare": ("COMPARE_METHODS", False, False, "TASKS", "BUDGETS", "with-question", ("prompt",), "SUITE",
+    "eval-compare": ("COMPARE_METHODS", False, False, "TASKS", "COMPARE_BUDGETS", "with-question", ("prompt",), "SUITE",
                      "TARGET_TOKENS"),
     "eval-context-only": ("CONTEXT_METHODS", True, False, "TASKS", "CONTEXT_BUDGETS", "context-only", ("prompt",),
                           "SUITE", "TARGET_TOKENS"),
@@ -43,7 +43,10 @@ REQUIRED = ("OUT", "CALIB_SAMPLES", "SEEDS", "ETA", "PROBE_TOKENS", "RATIOS", "S
             "BUDGETS", "METHODS", "LIMIT", "TARGET_TOKENS")
 COUNTS = ("CALIB_SAMPLES", "SEEDS", "PROBE_TOKENS", "SWEEP_SAMPLES", "LIMIT", "TARGET_TOKENS", "EVICT_CALIB_SAMPLES",
           "COMPRESSKV_CALIB_SAMPLES", "ROUTE_CALIB_SAMPLES", "HEADLINE_LIMIT", "COMPARE_LIMIT", "CONTEXT_LIMIT",
-          "LONG_LIMIT", "LONG_TARGET_TOKENS")
+          "LONG_LIMIT", "LONG_TARGET_TOKENS", "DRAWS", "NEEDLE_LIMIT")
+# Budget lists (and single budgets) a stage takes; an unset one falls back as reproduce.sh says (e.g. BUDGETS).
+BUDGET_SETTINGS = ("SWEEP_BUDGET", "ROUTE_BUDGET", "BUDGETS", "CONTEXT_BUDGETS", "LONG_BUDGETS", "COMPARE_BUDGETS",
+                   "DRAW_BUDGETS", "NEEDLE_BUDGET")
 
 
 def setting(name: str) -> str:
@@ -80,8 +83,11 @@ def number(name: str, low: float, high: float, closed: bool = True) -> float | N
 
 
 def budgets(name: str) -> tuple[int, ...]:
+    """A budget list setting (an unset COMPARE_BUDGETS or DRAW_BUDGETS is BUDGETS, as reproduce.sh takes it)."""
     from ripplekv.pipeline.eval_plan import parse_budgets
 
+    if not setting(name) and name in ("COMPARE_BUDGETS", "DRAW_BUDGETS"):
+        name = "BUDGETS"
     try:
         return parse_budgets(setting(name).split())
     except UserError as err:
@@ -108,20 +114,27 @@ def check_numbers() -> None:
             ok = False
         if not ok:
             raise UserError(f"RATIOS={setting('RATIOS')!r}: {ratio!r} is not a ratio >= 1")
-    for name in ("SWEEP_BUDGET", "ROUTE_BUDGET", "BUDGETS", "CONTEXT_BUDGETS", "LONG_BUDGETS"):
+    for name in BUDGET_SETTINGS:
         if setting(name):
             budgets(name)
     if setting("ROUTE_CALIB_SAMPLES"):
-        for name in ("ROUTE_BUDGET", "PLACEMENTS", "PLACEMENT_SAMPLES"):
-            if not setting(name):
-                raise UserError(f"ROUTE_CALIB_SAMPLES runs the route stage, which needs {name}; set it")
+        if not setting("ROUTE_BUDGET"):
+            raise UserError("ROUTE_CALIB_SAMPLES runs the route stage, which needs ROUTE_BUDGET; set it")
         from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES
         from ripplekv.pipeline.route import check_placement_study
 
-        try:
-            check_placement_study(len(DEFAULT_ROUTE_CANDIDATES), whole("PLACEMENTS", 0), whole("PLACEMENT_SAMPLES", 0))
+        try:  # unset, both are 0 in reproduce.sh
+            check_placement_study(len(DEFAULT_ROUTE_CANDIDATES), whole("PLACEMENTS", 0) or 0,
+                                  whole("PLACEMENT_SAMPLES", 0) or 0)
         except UserError as err:
             raise UserError(f"PLACEMENTS/PLACEMENT_SAMPLES: {err}") from None
+    for grid in setting("TUNE").split():
+        from ripplekv.pipeline.tune import parse_grid
+
+        try:
+            parse_grid(grid)
+        except UserError as err:
+            raise UserError(f"TUNE: {err}") from None
     for name, needs in (("CONTEXT_METHODS", ("CONTEXT_BUDGETS", "CONTEXT_LIMIT")),
                         ("LONG_TASKS", ("LONG_METHODS", "LONG_BUDGETS", "LONG_LIMIT", "LONG_TARGET_TOKENS"))):
         missing = [need for need in needs if setting(name) and not setting(need)]
@@ -202,6 +215,17 @@ def check_evals(layers: int, folder: Path) -> None:
             said = str(err).replace(str(folder) + "/", "")
             raise UserError(f"{name} (the {stage} stage; reproduce.sh {passed}): {said}") from None
         assert chosen
+    if setting("NEEDLE_LENGTHS"):
+        from ripplekv.pipeline.needle import parse_lengths
+
+        try:
+            parse_lengths(setting("NEEDLE_LENGTHS").replace(" ", ","))
+            build_methods(list(parse_names(setting("NEEDLE_METHODS") or "full,streamingllm,snapkv,pyramidkv,ripplekv",
+                                           "NEEDLE_METHODS")), {"allocation": files["allocation"]})
+        except UserError as err:
+            said = str(err).replace(str(folder) + "/", "")
+            raise UserError(f"NEEDLE_LENGTHS/NEEDLE_METHODS (the needle stage; reproduce.sh passes --allocation): {said}") \
+                from None
 
 
 def main() -> int:

@@ -27,7 +27,8 @@ def script(name: str, *args, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_compresskv_profile_script_checks_everything_before_the_model(tmp_path, monkeypatch):
     profile = load_script("compresskv_profile")
     (tmp_path / "a-file").write_text("x")
-    base = dict(model=None, calib_samples=2, budget=128, window=32, target_tokens=2000, out=str(tmp_path / "p.csv"))
+    base = dict(model=None, calib_samples=2, budget=128, window=32, target_tokens=2000, out=str(tmp_path / "p.csv"),
+                calib_draw=0, calib_draws=1)
     for change, message in ((dict(budget=0), "budget must be a positive integer"),
                             (dict(calib_samples=0), "--calib-samples must be at least 1"),
                             (dict(target_tokens=10), "--target-tokens must be"),
