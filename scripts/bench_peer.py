@@ -75,7 +75,9 @@ def pick(names: str) -> tuple[str, ...]:
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in {base(s) for s in METHODS}]
     if unknown:
-        sys.exit(f"--methods: {', '.join(unknown)} not in both (choose from {', '.join(base(s) for s in METHODS)})")
+        from ripplekv.errors import UserError
+
+        raise UserError(f"--methods: {', '.join(unknown)} not in both (choose from {', '.join(base(s) for s in METHODS)})")
     return tuple(s for s in METHODS if base(s) in wanted)
 
 
@@ -251,7 +253,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sets", default=",".join(SETS), help="method sets to time, comma-separated")
     parser.add_argument("--methods", help="time only these methods (names, e.g. snapkv,tova) as one set")
-    parser.add_argument("--venv", default=os.environ.get("RIPPLEKV_REFVENV", "/work/refvenv"))
+    parser.add_argument("--venv", default=None,
+                        help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/bench-peer/bench_peer.csv")
     parser.add_argument("--kept-from", default="runs/check-references",
                         help="a check-references output directory whose kept-set comparison is printed too")
@@ -263,7 +266,9 @@ def main() -> None:
     if args.worker:
         worker(args.model_dir, args.threads)
         return
-    run(args)
+    from reference_venv import one_line
+
+    one_line(lambda: run(args))
 
 
 def run(args) -> None:
@@ -272,30 +277,35 @@ def run(args) -> None:
     import numpy as np
     import pandas as pd
     import torch
-    from check_references import ensure_venv
+    from reference_venv import check_venv_path, default_venv, ensure_venv
     from rich.console import Console
     from rich.table import Table
 
     from ripplekv.engine.decode import stop_tokens
     from ripplekv.engine.models import _source_and_location, load_model
+    from ripplekv.errors import UserError
     from ripplekv.pipeline.eval_plan import EvalSettings, parse_budgets, plan_eval
     from ripplekv.pipeline.evaluate import load_all_samples
+    from ripplekv.runs.safeio import check_output
     from ripplekv.tasks import build_prompt_ids, get_tasks
 
     if args.threads:
         torch.set_num_threads(args.threads)
     budgets = parse_budgets([args.budgets])
     if any(b <= WINDOW for b in budgets):
-        sys.exit(f"--budgets must exceed the window ({WINDOW})")
+        raise UserError(f"--budgets must exceed the window ({WINDOW}), got {args.budgets}")
+    if args.prompts < 1 or args.repeats < 1 or args.target_tokens < 1:
+        raise UserError("--prompts, --repeats and --target-tokens must be at least 1")
     if args.methods:
         sets = {f"{len(pick(args.methods)) * len(budgets)} variants ({args.methods})": pick(args.methods)}
     else:
         chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
         if [s for s in chosen if s not in SETS]:
-            sys.exit(f"--sets: choose from {', '.join(SETS)}")
+            raise UserError(f"--sets: choose from {', '.join(SETS)}")
         sets = {name: SETS[name] for name in chosen}
-    python = ensure_venv(Path(args.venv))
-    out = Path(args.out)
+    venv = check_venv_path(args.venv or default_venv())  # before anything is made: the venv, then the output
+    out = check_output(args.out, kind="file")
+    python = ensure_venv(venv)
     out.parent.mkdir(parents=True, exist_ok=True)
     tasks = tuple(task.name for task in get_tasks("offline")[: args.prompts])
     settings = {name: EvalSettings(budgets=budgets, methods=specs, tasks=tasks, limit=1, target_tokens=args.target_tokens,

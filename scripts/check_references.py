@@ -32,11 +32,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from reference_venv import check_venv_path, default_venv, ensure_venv, one_line
 
 WINDOW = 32  # SnapKV's observation window, CAKE's window
 KERNEL = 5  # kvpress's SnapKV pools with avg_pool1d; ours is asked for the same
-PINS = ("kvpress==0.5.5", "transformers==5.2.0", "gguf", "accelerate")
-TORCH = "torch==2.13.0"
 
 # method -> (our spec, reference key in the worker's output)
 PAIRS = {
@@ -57,25 +56,18 @@ EARLIER = {
 }
 
 
-# --------------------------------------------------------------------------- the reference venv
+# --------------------------------------------------------------------------- the reference venv (reference_venv.py)
 
 
-def ensure_venv(venv: Path) -> Path:
-    """The reference venv's python; created (CPU torch from the local wheel first, then the pins) when missing."""
-    python = venv / "bin" / "python"
-    probe = "import kvpress, transformers, torch; assert transformers.__version__ == '5.2.0'; assert '+cpu' in torch.__version__"
-    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
-        return python
-    print(f"creating the reference venv {venv} (torch CPU, {', '.join(PINS)})", file=sys.stderr)
-    subprocess.run([os.environ.get("REFVENV_PYTHON", "python3.11"), "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", TORCH], check=True)
-    torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
-                                   capture_output=True, text=True, check=True).stdout.strip()
-    constraints = venv / "constraints.txt"
-    constraints.write_text(f"torch=={torch_version}\n")  # never let the resolver swap in a CUDA build
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(constraints), *PINS], check=True)
-    subprocess.run([str(python), "-c", probe], check=True)
-    return python
+def parse_reference_budgets(text: str) -> list[int]:
+    """--budgets as the comparison takes them: positive integers above the window, comma-separated."""
+    from ripplekv.errors import UserError
+    from ripplekv.pipeline.eval_plan import parse_budgets
+
+    budgets = list(parse_budgets([text]))
+    if any(b <= WINDOW for b in budgets):
+        raise UserError(f"--budgets must exceed the window ({WINDOW}) for the comparison, got {text}")
+    return budgets
 
 
 # --------------------------------------------------------------------------- worker (reference venv)
@@ -346,7 +338,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="offline-suite prompts (one per task)")
     parser.add_argument("--budgets", default="128,512")
     parser.add_argument("--target-tokens", type=int, default=3500)
-    parser.add_argument("--venv", default=os.environ.get("RIPPLEKV_REFVENV", "/work/refvenv"))
+    parser.add_argument("--venv", default=default_venv(),
+                        help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/check-references")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -354,14 +347,24 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    budgets = [int(b) for b in args.budgets.split(",")]
-    if any(b <= WINDOW for b in budgets):
-        sys.exit(f"budgets must exceed the window ({WINDOW}) for the comparison")
-    out = Path(args.out)
+    one_line(lambda: check_and_compare(args))
+
+
+def check_and_compare(args) -> None:
+    """Every option (budgets, prompts, the venv's path, the output folder) before anything is made, then the run."""
+    from ripplekv.errors import UserError
+    from ripplekv.runs.safeio import check_output
+
+    budgets = parse_reference_budgets(args.budgets)
+    args.budgets = ",".join(map(str, budgets))
+    if args.prompts < 1 or args.target_tokens < 1:
+        raise UserError(f"--prompts and --target-tokens must be at least 1, got {args.prompts} and {args.target_tokens}")
+    check_venv_path(args.venv)
+    out = check_output(args.out, kind="dir")
+    python = ensure_venv(Path(args.venv))
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("*.npz")) + list(out.glob("*.npy")):
         old.unlink()
-    python = ensure_venv(Path(args.venv))
     from ripplekv.engine.models import _source_and_location
 
     _, model_dir = _source_and_location(None)

@@ -10,6 +10,11 @@ cd "$(dirname "$0")/.."
 config=${1:?usage: scripts/reproduce.sh configs/NAME.env}
 # shellcheck disable=SC1090
 source "$config"
+# Pre-flight: the config's tasks, methods, budgets and the stages its methods need, all checked before the first
+# stage (scripts/check_config.py reads the model's config, never its weights): a mistake is one `error:` line,
+# exit 2, nothing built.
+# shellcheck disable=SC1090
+(set -a; source "$config"; exec .venv/bin/python scripts/check_config.py "$config") || exit 2
 RKV=${RKV:-.venv/bin/ripplekv}
 model_args=()
 [ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")

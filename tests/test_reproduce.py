@@ -198,7 +198,7 @@ def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_repl
 @pytest.mark.slow
 def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project):
     config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + 'CONTEXT_METHODS=full,snapkv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n')
+    config.write_text(CONFIG + 'CONTEXT_METHODS=full,snapkv,ripplekv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n')
     done = reproduce(project)
     assert done.returncode == 0, done.stderr
     results = project / "results"
@@ -214,7 +214,7 @@ def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headl
 
 
 LONG = """LONG_TASKS=paragraph_recall
-LONG_METHODS=full,snapkv
+LONG_METHODS=full,snapkv,ripplekv
 LONG_BUDGETS="64"
 LONG_LIMIT=1
 LONG_TARGET_TOKENS=2000
@@ -231,7 +231,7 @@ def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(p
     assert (results / "long" / "prompt" / "predictions.jsonl").is_file()
     readme = (results / "README.md").read_text()
     assert "## Long answers under decode budgets" in readme
-    assert "--tasks paragraph_recall --budget 64 --methods full,snapkv" in readme
+    assert "--tasks paragraph_recall --budget 64 --methods full,snapkv,ripplekv" in readme
     assert "--decode-budget prompt --out results/long/prompt" in readme and "--decode-budget total" in readme
     # snapkv at B=64: prompt mode peaks at 64 + 100 fed tokens; total holds 64.
     snap = next(line for line in readme.splitlines() if line.startswith("| snapkv"))
@@ -288,3 +288,48 @@ def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_th
     assert "draw 0 **4** of {2, 4, 8, 16} (grid extended 2x past its edge); draw 1 **8**" in readme
     assert "draw 1 agrees on 1 of 2 layers (chance 1.0)" in readme  # snapkv,h2o vs snapkv,snapkv
     assert "draw 0: 1 vs 1 prompts agree on 1 of 2 layers (chance 1.0)" in readme
+
+
+CHANGES = [
+    ("TASKS=niah,nope", "TASKS (the eval stage): unknown task 'nope'"),
+    ("METHODS=full,snapkv,nope", "unknown method 'nope'"),
+    ("COMPARE_METHODS=full,snapkv,nosuch", "COMPARE_METHODS (the eval-compare stage"),
+    ("METHODS=full,snapkv,ripplekv,compresskv", "set COMPRESSKV_CALIB_SAMPLES"),
+    ("HEADLINE_METHODS=full,h2o,depthkv", "set EVICT_CALIB_SAMPLES"),
+    ("BUDGETS=64 0", "BUDGETS='64 0': budget must be a positive integer"),
+    ("LIMIT=0", "LIMIT='0' must be an integer >= 1"),
+    ("METHODS=full,gracekv:slots=fixed:shape=2,ripplekv", "option shape changes nothing here"),
+    ("CONTEXT_METHODS=full,snapkv\nCONTEXT_BUDGETS=128\nCONTEXT_LIMIT=1", "--allocation applies to none"),
+    ("ROUTE_CALIB_SAMPLES=2\nROUTE_BUDGET=128\nPLACEMENTS=5\nPLACEMENT_SAMPLES=0", "leaves no prompts to score"),
+]
+
+
+@pytest.mark.parametrize("change, message", CHANGES)
+def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypatch, capsys):
+    """scripts/check_config.py, as reproduce.sh runs it with the config's settings in the environment."""
+    from tests.conftest import load_script
+
+    check = load_script("check_config")
+    settings = dict(line.split("=", 1) for line in (CONFIG + change + "\n").splitlines() if "=" in line)
+    for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value.strip('"'))
+    monkeypatch.setattr(sys, "argv", ["check_config.py", "configs/reproduce.env"])
+    assert check.main() == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: configs/reproduce.env: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("change, message", [CHANGES[0], CHANGES[3]])
+def test_reproduce_refuses_a_bad_config_before_any_stage(project, change, message):
+    """An unknown task, a method whose input comes from a stage the config leaves off: one line, exit 2, before
+    the first stage runs or anything is built."""
+    config = project / "configs" / "reproduce.env"
+    config.write_text(CONFIG + change + "\n")
+    done = reproduce(project)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: configs/reproduce.env: ") and message in lines[0], done.stderr
+    assert "== profile" not in done.stdout and not (project / "runs").exists()
+    assert sorted(p.name for p in (project / "results").iterdir()) == ["committed.txt"]

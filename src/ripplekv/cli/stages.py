@@ -80,11 +80,14 @@ def profile(
     seeds: int = typer.Option(PROFILE_SEEDS, "--seeds", metavar="N", help="Noise draws per sample; make reproduce uses 2."),
     eta: float = typer.Option(PROFILE_ETA, "--eta", help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
     signal: Signal = "noise",
-    evict_budget: int = typer.Option(128, "--evict-budget", metavar="B",
-                                     help="Budget a layer is evicted to with --signal evict (the global ratio: the evaluation budget)."),
-    evict_method: str = typer.Option(EVICTION_METHOD, "--evict-method", metavar="SPEC",
-                                     help="Method whose selection evicts the layer with --signal evict (DepthKV: h2o)."),
-    measure: Measure = "task-drop",
+    evict_budget: int | None = typer.Option(None, "--evict-budget", metavar="B",
+                                            help="With --signal evict --measure kl: the budget a layer is evicted to "
+                                                 "(default 128; the global ratio: the evaluation budget)."),
+    evict_method: str | None = typer.Option(None, "--evict-method", metavar="SPEC",
+                                            help=f"Method whose selection evicts the layer with --signal evict (default "
+                                                 f"{EVICTION_METHOD}, DepthKV's); uniform budgets, so every layer is "
+                                                 "pruned alike."),
+    measure: Measure = None,
     prune_ratio: float | None = typer.Option(
         None, "--prune-ratio", metavar="R", help=f"With --signal evict: prune this share of a layer's prompt entries "
         f"(default {PRUNE_RATIO} with --measure task-drop, DepthKV's headline; with kl, --evict-budget unless given)."),
@@ -104,13 +107,15 @@ def profile(
 
     from ripplekv.engine.models import resolve_device_dtype
     from ripplekv.methods.budgets import check_budget
-    from ripplekv.pipeline.profile import ProfileSettings, profile_into
+    from ripplekv.pipeline.profile import ProfileSettings, check_given, profile_into
     from ripplekv.tasks.calibration import Draw
 
     draw = Draw(calib_draw, calib_draws).check()
-    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size, evict_method,
-                               measure, prune_ratio)
-    if signal == "evict" and measure == "task-drop" and with_answer:
+    check_given(signal, measure or "task-drop", {"--evict-method": evict_method, "--evict-budget": evict_budget,
+                                                 "--measure": measure, "--prune-ratio": prune_ratio})
+    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(128 if evict_budget is None else evict_budget),
+                               batch_size, evict_method or EVICTION_METHOD, measure or "task-drop", prune_ratio)
+    if signal == "evict" and settings.measure == "task-drop" and with_answer:
         raise UserError("--with-answer feeds the answer as probe tokens (a KL measure); the task-drop measure "
                         "scores the model's own answer: drop --with-answer or pass --measure kl")
     if calib_samples < 1:
@@ -222,6 +227,7 @@ def route_command(
     from ripplekv.pipeline.route import (
         RouteSettings,
         candidate_methods,
+        check_placement_study,
         check_route_dir,
         check_route_window,
         parse_caps,
@@ -240,6 +246,7 @@ def route_command(
     parse_caps(settings.max_share, labels, model_shape(model)[0])  # bad caps fail before the model loads
     if calib_samples < 1 or placement_samples < 0:
         raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
+    check_placement_study(len(labels), placements, placement_samples)
     out_dir = check_route_dir(Path(out) if out else DEFAULT_ROUTE, model)
     console = Console(stderr=True)
     device, dtype = resolve_device_dtype(device, dtype)
@@ -275,6 +282,9 @@ def _route_locked(out, model, settings, calib_samples, placement_samples, placem
     elif rank is not None:
         console.print(f"placement study: route ranks {rank} of {meta['placements_scored'] + 1} "
                       f"(teacher-forced KL on {scored} held-out calibration prompt, B={budget}; no interval from one)")
+    elif placements:
+        console.print(f"note: the route uses {meta['route'][0]} in every layer, so every placement is the route itself; "
+                      "no placement study", soft_wrap=True)
 
 
 def tune(

@@ -99,6 +99,7 @@ class AdaKV(Allocator):
     alpha: float = DEFAULT_ALPHA
     rule: str = "ffy0"
     prompt_dependent = True
+    same_budget_every_layer = True
 
     def __post_init__(self):
         self.check_heads()
@@ -106,6 +107,10 @@ class AdaKV(Allocator):
             raise UserError(f"option alpha must be in [0, 1], got {self.alpha!r}")
         if self.rule not in RULES:
             raise UserError(f"option rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+
+    @property
+    def splits_by_scores(self) -> bool:
+        return True
 
     def allocate(self, state, budget, scorer):
         per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())

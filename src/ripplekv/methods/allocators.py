@@ -21,7 +21,7 @@ from ripplekv.methods.tables import check_layer_count, read_multipliers
 @register_allocator("uniform")
 @dataclass(frozen=True)
 class Uniform(Allocator):
-    pass
+    same_budget_every_layer = True
 
 
 @register_allocator("pyramid")
@@ -69,6 +69,10 @@ class FromAllocation(Allocator):
                     "(or use `make reproduce`)"
                 )
             object.__setattr__(self, "multipliers", read_allocation(self.allocation))
+        elif any(m < 0 for m in self.multipliers) or not any(m > 0 for m in self.multipliers):
+            # inline multipliers follow an allocation file's rule, checked here before any sample runs
+            raise UserError(f"option multipliers must be >= 0 with at least one > 0 (a layer's share of B), got "
+                            f"{'/'.join(f'{m:g}' for m in self.multipliers)}")
 
     def layer_weights(self, num_layers, budget, floor):
         check_layer_count(len(self.multipliers), num_layers, "allocation", "profile and allocate with the same model")

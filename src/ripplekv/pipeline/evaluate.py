@@ -104,14 +104,15 @@ def evaluate_sample(
 
     `memory_budget`: bytes the sample may hold (default: `engine.memory.default_budget`). Variants are built
     when their group decodes, in groups sized to what weights, prefill and reference leave (`memory.variant_room`;
-    a variant that cannot fit alone is a UserError before any decodes), each group planned from what the
-    sample holds as measured then (on CPU the resident set, not only the tensors' count). Every line records
+    a variant that cannot fit alone is a UserError before any decodes), each group planned from the bytes of the
+    sample's own tensors then, never from the process's measured memory, so a resumed sample decodes in the
+    groups (and gives the numbers) of an uninterrupted run. Every line records
     `peak_memory_bytes`, as `memory.PeakMemory` measures it (CUDA: tensor bytes; CPU: the process's resident
     high-water mark). The prefill itself is not bounded: it runs before any variant.
     """
     report = progress or (lambda kind, units: None)
     device = next(model.parameters()).device
-    if device.type == "cpu":  # the CPU bound is measured on the resident set: let freed groups leave it
+    if device.type == "cpu":  # peak_memory_bytes is the resident set: let a freed group leave it
         return_freed_memory()
     meter = PeakMemory(device)
     weights = held_bytes(device, model)
@@ -146,22 +147,19 @@ def evaluate_sample(
     variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
                 if wanted is None or (label, budget) in wanted]
     counts = []
-    before = meter.current()
     prefilled = weights + max(0, meter.mark() - meter.origin)  # the prefill's and the reference's peak
     if prefilled > memory_budget:
         note_prefill_over(n, prefilled, memory_budget)
     for name, budget, method in variants:  # a method's allocation is part of its build
         with timings.phase(timings.BUILD, name):
             counts.append(method.budgets(state, budget))
-    scoring = max(0, meter.mark() - before)  # what scoring took at its height: a build's reserve
     lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
     scorers = len({id(m) for _, _, m in variants})
     room = variant_room(model, state, reference, [f"{name} at budget {budget}" for name, budget, _ in variants],
-                        lengths, scorers, memory_budget, len(question), task.max_new_tokens,
-                        held=weights + meter.grown(), building=scoring)
+                        lengths, scorers, memory_budget, len(question), task.max_new_tokens)
 
-    def room_now() -> int:  # between groups, from what the sample holds then
-        return room_left(model, state, reference, lengths, scorers, memory_budget, weights + meter.grown(), scoring)
+    def room_now() -> int:  # between groups, from the sample's tensors then (never the process's history)
+        return room_left(model, state, reference, lengths, scorers, memory_budget)
 
     def built(index: int):  # a variant's entries, when its group decodes
         name, budget, method = variants[index]
@@ -366,6 +364,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
 
     have = existing_lines(out)
     times = TimingsLog(out / TIMINGS)  # a torn last row (a kill mid-write) is cut here
+    times.mark_untimed(have)  # lines written, timings row lost (killed between the two): said, not guessed
     jobs = plan_jobs(plan, config, work, have, tokenizer)
     write_json(out / CONFIG, merge_config(old, config))
     written = []

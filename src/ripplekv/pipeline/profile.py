@@ -106,8 +106,8 @@ class ProfileSettings:
     def check(self) -> None:
         if self.signal not in SIGNALS:
             raise UserError(f"unknown signal {self.signal!r}; choose one of {', '.join(SIGNALS)}")
-        if self.signal == "evict" and self.evict_pruner().is_full:
-            raise UserError("--evict-method must be a compressing method (e.g. h2o or snapkv), not full")
+        if self.signal == "evict":
+            check_pruner(self.evict_method, self.evict_pruner())
         if self.measure not in MEASURES:
             raise UserError(f"unknown measure {self.measure!r}; choose one of {', '.join(MEASURES)}")
         ratio = self.prune_ratio
@@ -120,6 +120,46 @@ class ProfileSettings:
             raise UserError("--seeds, --probe-tokens and --batch-size must be positive integers")
         if self.seeds > MAX_SEEDS:
             raise UserError(f"--seeds must be at most {MAX_SEEDS} (noise draws per sample), got {self.seeds}")
+
+
+def check_pruner(spec: str, pruner) -> None:
+    """An evict profile prunes one layer at a time to the same share in every layer, with the pruner's own
+    selection: a pruner must be an allocator x scorer whose allocator gives every layer the same budget (a head
+    split inside a layer is kept); one that spreads budgets over layers would keep more in some layers and less
+    in others than the ratio asked for, and a ceiling needs an answer a profile never has."""
+    from ripplekv.methods import AllocatorScorer
+
+    if getattr(pruner, "is_full", False):
+        raise UserError("--evict-method must be a compressing method (e.g. h2o or snapkv), not full")
+    if not isinstance(pruner, AllocatorScorer):
+        raise UserError(f"--evict-method {spec}: its budgets come from one greedy over every layer, not a selection "
+                        "a layer can make alone; an evict profile prunes one layer at a time: name a method with a "
+                        "scorer (e.g. h2o or snapkv)")
+    if pruner.knows_answer:
+        raise UserError(f"--evict-method {spec} is a ceiling (it reads the full cache's answer, which a profile does "
+                        "not decode): name a method (e.g. h2o or snapkv)")
+    if not pruner.allocator.same_budget_every_layer:
+        from ripplekv.methods.router import uniform_spec
+
+        raise UserError(f"--evict-method {spec}: its allocator ({pruner.allocator.name}) spreads the budget over "
+                        "layers, but an evict profile prunes each layer alone to the same share; name a method with "
+                        f"uniform budgets, e.g. {uniform_spec(pruner.scorer.name)} for its scorer")
+
+
+def check_given(signal: str, measure: str, given: dict) -> None:
+    """Options the command line set (`given`: option -> value, None when not given) that do nothing with the
+    chosen signal and measure, or contradict each other, each refused in one line naming what is used instead."""
+    set_ = [option for option, value in given.items() if value is not None]
+    evict_only = [o for o in set_ if o in ("--evict-method", "--evict-budget", "--measure", "--prune-ratio")]
+    if signal != "evict" and evict_only:
+        raise UserError(f"{', '.join(evict_only)} applies with --signal evict only (how a pruned layer is chosen and "
+                        f"scored); --signal {signal} does not prune: drop it, or pass --signal evict")
+    if signal == "evict" and measure == "task-drop" and "--evict-budget" in set_:
+        raise UserError("--evict-budget applies to --measure kl; the task drop prunes each layer by --prune-ratio "
+                        f"(default {PRUNE_RATIO}): drop --evict-budget, or pass --measure kl")
+    if signal == "evict" and measure == "kl" and {"--evict-budget", "--prune-ratio"} <= set(set_):
+        raise UserError("--evict-budget and --prune-ratio both set what a pruned layer keeps under --measure kl; "
+                        "give one (--prune-ratio wins otherwise)")
 
 
 @dataclass

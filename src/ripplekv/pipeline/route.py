@@ -70,13 +70,15 @@ class RouteSettings:
 
 
 def candidate_methods(specs) -> list:
-    """The candidate methods, resolved through the registry; only their scorers are used."""
-    from ripplekv.methods import PRESETS, AllocatorScorer, make_method, parse_spec
+    """The candidate methods, resolved through the registry; only their scorers are used (`router.routed_scorer`
+    refuses a method that is more than its scorer), and two candidates with one scorer are refused."""
+    from ripplekv.methods import PRESETS, make_method, parse_spec
     from ripplekv.methods.presets import check_distinct
+    from ripplekv.methods.router import routed_scorer, scorer_identity
 
     if len(specs) < 1:
         raise UserError("--methods is empty; name at least one candidate, e.g. --methods snapkv,streamingllm")
-    built = []
+    built, scorers = [], []
     for spec in specs:
         if parse_spec(spec)[0] not in PRESETS:
             raise UserError(f"candidate method {spec!r} is not registered in this version; "
@@ -84,11 +86,29 @@ def candidate_methods(specs) -> list:
         method = make_method(spec)
         if method.knows_answer:
             raise UserError(f"candidate {spec!r} is answer-aware (it needs the full cache's answer), not a method to route to")
-        if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
-            raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
+        try:
+            scorers.append(scorer_identity(routed_scorer(spec, method)))
+        except UserError as err:
+            raise UserError(f"candidate {err}") from None
         built.append(method)
     check_distinct(built)
+    seen: dict[str, str] = {}
+    for spec, identity in zip(specs, scorers):  # another name for a scorer already given (`uniform` for `snapkv`)
+        if identity in seen:
+            raise UserError(f"--methods names one scorer twice ({seen[identity]} and {spec} select the same entries in "
+                            "a layer); name each candidate once")
+        seen[identity] = spec
     return built
+
+
+def check_placement_study(candidates: int, placements: int, placement_samples: int) -> None:
+    """A placement study needs two candidates (with one, every placement is the route) and prompts to score them."""
+    if placements and candidates < 2:
+        raise UserError(f"a placement study over one candidate ranks {placements} placements identical to the route; "
+                        "name two or more --methods, or pass --placements 0")
+    if placements and placement_samples < 1:
+        raise UserError(f"--placement-samples {placement_samples} leaves no prompts to score the {placements} "
+                        "placements on; give 1 or more (2 for an interval), or pass --placements 0 to skip the study")
 
 
 def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
@@ -241,7 +261,9 @@ def run_route(model, preference_prompts, placement_prompts, settings: RouteSetti
     preferences = np.stack(per_sample)
     caps = parse_caps(settings.max_share, labels, preferences.shape[1])
     route = choose_route(preferences.mean(0), labels, caps)
-    assignments = [route, *random_placements(route, settings.placements, settings.seed)] if settings.placements else []
+    # A route with one method in every layer has no placement but itself: nothing to rank it among.
+    studied = settings.placements and len(set(route)) > 1
+    assignments = [route, *random_placements(route, settings.placements, settings.seed)] if studied else []
     kl, agreement = [], []
     stop = stop_tokens(model)
     for prompt in placement_prompts if assignments else []:

@@ -75,9 +75,10 @@ def read_lines(path: Path) -> tuple[list[dict], bool]:
     return lines.objects, bool(lines.torn)
 
 
-def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
+def without_torn_sample(path: Path, rows: list[dict], torn: bytes, say=None) -> list[dict]:
     """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
-    line's sample, as `eval` cuts it when it resumes); says which on stderr."""
+    line's sample, as `eval` cuts it when it resumes); says which through `say(text)` (default: a line on
+    stderr, as the commands speak; the Python API passes a warning)."""
     import sys
 
     found = torn_fields(torn)
@@ -86,7 +87,8 @@ def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]
     variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
     kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
     sample = f"{task}/{sid}" if task is not None else str(sid)
-    print(f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
-          f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
-          "with the same options to finish it", file=sys.stderr)
+    text = (f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
+            f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
+            "with the same options to finish it")
+    (say or (lambda line: print(line, file=sys.stderr)))(text)
     return kept
