@@ -47,7 +47,7 @@ from ripplekv.pipeline.eval_plan import (
 )
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.samples import check_eval_window
-from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS
+from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS, report_is_current
 from ripplekv.runs.resume import append_rows, existing_lines
 from ripplekv.runs.safeio import exclusive, open_append, write_json
 from ripplekv.runs.timings import TimingsLog
@@ -356,17 +356,27 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
 
 def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console, workers=None) -> dict:
     """The part of `run_eval` that writes: only one process at a time per run directory."""
+    import json
+
+    import pandas as pd
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ripplekv.analysis import report
+    from ripplekv.analysis.time_spent import time_table
     from ripplekv.pipeline.progress import Throughput, WorkClock, _eta_column
 
     have = existing_lines(out)
     times = TimingsLog(out / TIMINGS)  # a torn last row (a kill mid-write) is cut here
     times.mark_untimed(have)  # lines written, timings row lost (killed between the two): said, not guessed
     jobs = plan_jobs(plan, config, work, have, tokenizer)
-    write_json(out / CONFIG, merge_config(old, config))
+    merged = merge_config(old, config)
+    unchanged = json.loads(json.dumps(merged)) == old
+    if not jobs and unchanged and report_is_current(out):  # a resume with nothing to do: the report stands
+        console.print(f"all {len(work)} samples already done in {out}; its report is up to date", soft_wrap=True)
+        return {"leaderboard": pd.read_csv(out / "leaderboard.csv"), "time": time_table(out)}
+    if not unchanged:  # an unchanged config keeps its file, whose time dates the report
+        write_json(out / CONFIG, merged)
     written = []
     if jobs:
         again = [job for job in jobs if not job.with_full]
@@ -412,7 +422,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
             raise
         written.append(out / PREDICTIONS)
     else:
-        console.print(f"all {len(work)} samples already done in {out}; re-rendering the report")
+        console.print(f"all {len(work)} samples already done in {out}; re-rendering the report", soft_wrap=True)
     start = perf_counter()
     tables = report.render(out, plots=report.plots_wanted())
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])

@@ -69,6 +69,18 @@ def run_kind(folder: Path) -> str | None:
     return None
 
 
+def report_is_current(folder: Path) -> bool:
+    """Whether an eval folder's report is there and no older than the predictions and config it renders: every
+    file `report.render` always writes, each written after both (a render cut short, or lines appended after
+    it, leave it stale)."""
+    inputs = [Path(folder) / PREDICTIONS, Path(folder) / CONFIG]
+    if not all(path.is_file() for path in inputs):
+        return False
+    newest = max(path.stat().st_mtime_ns for path in inputs)
+    files = [Path(folder) / name for name in REPORT_FILES if name not in OPTIONAL_REPORT_FILES]
+    return all(path.is_file() and path.stat().st_mtime_ns >= newest for path in files)
+
+
 def read_lines(path: Path) -> tuple[list[dict], bool]:
     """Parsed lines of a predictions file and whether a trailing partial line (a kill mid-write) was seen."""
     lines = read_jsonl(path)
