@@ -64,8 +64,10 @@ class CriticalKVScorer(SnapKVScorer):
             raise UserError(f"option epsilon must be >= 0, got {self.epsilon!r}")
 
     def critical_scores(self, state, layer) -> torch.Tensor:
-        """(attention + epsilon) x ||v W_o||_1 over the prefix [H_kv, n - window] (the second stage's ranking)."""
-        base = self.scores(state, layer)
+        """(attention + epsilon) x ||v W_o||_1 over the prefix [H_kv, n - window] (the second stage's ranking). The
+        attention is the window queries' mean, as kvpress's SnapKVPress scores: our `snapkv` sums over the window,
+        and epsilon is added on the mean's scale."""
+        base = self.scores(state, layer) / max(min(self.window, state.length), 1)
         return (base + self.epsilon) * projected_value_norms(state, layer)[:, : base.shape[1]]
 
     def keep(self, state, layer, counts):

@@ -20,7 +20,7 @@ import torch
 
 from ripplekv.engine import adapter
 from ripplekv.engine.continuation import causal_attention_rows, probe_tokens
-from ripplekv.engine.decode import full_reference, stop_tokens
+from ripplekv.engine.decode import greedy_decode, stop_tokens
 from ripplekv.engine.prefill import PrefillState, Requirements, prefill_for
 from ripplekv.engine.recorders import SampleContext
 from ripplekv.errors import UserError
@@ -76,7 +76,7 @@ def prompt_curves(model, tokenizer, ids: list[int], scorers: dict, layerwise: bo
     greedy answer and one pass of it; and the answer's length."""
     needs = Requirements.of_all(scorers.values())
     state = prefill_for(model, torch.as_tensor(ids), needs, context=SampleContext(tokenizer=tokenizer))
-    answer = list(full_reference(model, state, answer_tokens, stop_tokens(model, tokenizer)).tokens)
+    answer = list(greedy_decode(model, state, None, answer_tokens, stop_tokens(model, tokenizer), num_variants=1)[0])
     importance = oracle_importance(state, answer).cpu().numpy().astype(np.float64)
     curves = {}
     for name, scorer in scorers.items():
