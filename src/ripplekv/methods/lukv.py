@@ -46,22 +46,6 @@ def scorer_identity(scorer) -> dict:
     return json.loads(json.dumps({"name": scorer.name, **options_of(scorer)}))
 
 
-def write_curve(path: str | Path, curve: np.ndarray, provenance: dict) -> Path:
-    """The curve [99, L, H] as `ratio,layer,head,prune` rows, its provenance as JSON beside it."""
-    import pandas as pd
-
-    from ripplekv.runs.safeio import write_csv, write_text
-
-    path = Path(path)
-    rows, layers, heads = curve.shape
-    index = np.indices((rows, layers, heads)).reshape(3, -1)
-    frame = pd.DataFrame({"ratio": np.round(RATIOS[index[0]], 2), "layer": index[1], "head": index[2],
-                          "prune": curve.reshape(-1)})
-    write_csv(path, frame)
-    write_text(path.with_suffix(".json"), json.dumps(provenance, indent=2) + "\n")
-    return path
-
-
 def read_curve(path: str | Path) -> tuple[np.ndarray, dict]:
     """(curve [99, L, H], provenance or {}) from a curve CSV; every problem is one line naming the file."""
     import pandas as pd

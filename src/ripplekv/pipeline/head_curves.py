@@ -11,6 +11,7 @@ protected entries, greedy settings, calibration ids and hash); a method reads it
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -20,10 +21,10 @@ import numpy as np
 
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.lukv import LUKV, protected, scorer_identity, write_curve
-from ripplekv.methods.lukv_greedy import FLOOR_SHARE
+from ripplekv.methods.lukv import LUKV, protected, scorer_identity
+from ripplekv.methods.lukv_greedy import FLOOR_SHARE, RATIOS
 from ripplekv.methods.lukv_oracle import ANSWER_TOKENS, prompt_curves
-from ripplekv.runs.safeio import UnitLog, exclusive, other_files
+from ripplekv.runs.safeio import UnitLog, exclusive, other_files, write_csv, write_text
 from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
 
 LOG = "samples.jsonl"
@@ -41,6 +42,20 @@ class CurveSettings:
     def check(self) -> None:
         if self.calib_samples < 1 or self.answer_tokens < 1 or self.target_tokens < 64:
             raise UserError("--calib-samples and --answer-tokens must be positive and --target-tokens at least 64")
+
+
+def write_curve(path: str | Path, curve: np.ndarray, provenance: dict) -> Path:
+    """The curve [99, L, H] as `ratio,layer,head,prune` rows, its provenance as JSON beside it."""
+    import pandas as pd
+
+    path = Path(path)
+    rows, layers, heads = curve.shape
+    index = np.indices((rows, layers, heads)).reshape(3, -1)
+    frame = pd.DataFrame({"ratio": np.round(RATIOS[index[0]], 2), "layer": index[1], "head": index[2],
+                          "prune": curve.reshape(-1)})
+    write_csv(path, frame)
+    write_text(path.with_suffix(".json"), json.dumps(provenance, indent=2) + "\n")
+    return path
 
 
 def curve_scorers(specs: list[str]) -> dict:
@@ -102,7 +117,7 @@ def profile_curves(out: Path, model_spec, specs: list[str], settings: CurveSetti
             curve = np.mean([np.asarray(d["curves"][name]) for d in done], axis=0)
             sink, window = protected(scorer)
             provenance = {**header, "scorer": scorer_identity(scorer), "sink": sink, "window": window,
-                          "floor_share": FLOOR_SHARE, "answer": "the full cache's greedy answer",
+                          "floor_share": FLOOR_SHARE, "oracle_queries": "the full cache's greedy answer",
                           "prompt_tokens": [d["tokens"] for d in done], "answer_lengths": [d["answer_tokens"] for d in done],
                           "profile_seconds": round(sum(d["seconds"] for d in done), 1)}
             provenance.pop("scorers")
