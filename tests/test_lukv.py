@@ -141,7 +141,9 @@ def test_lukv_keeps_exactly_snapkvs_total_and_refuses_a_curve_of_another_scorer(
         kept = methods[1].select(state, budget)
         assert kept.sum(-1).numpy().tolist() == counts.tolist() and kept[..., :4].all() and kept[..., -1].all()
     with pytest.raises(UserError, match="fits only its scorer"):
-        make_method(f"lukv:scorer=snapkv:curve={ea}").budgets(state, 40)
+        make_method(f"lukv:scorer=snapkv:curve={ea}")  # refused when built, before any model work
+    with pytest.raises(UserError, match="fits only its scorer"):
+        make_method(f"snapkv:allocator=lukv:curve={ea}").budgets(state, 40)  # another preset: when it allocates
     with pytest.raises(UserError, match="is for 3 layers x 2 KV heads, the model has 4 x 2"):
         make_method(f"lukv:curve={tiny_curve(tmp_path, 'lukv', layers=3)}").budgets(state, 40)
     with pytest.raises(UserError, match="lukv needs a budget curve"):
@@ -165,3 +167,19 @@ def test_one_prompts_profile_gives_nested_curves_for_each_scorer(tokenizer):
         assert np.array_equal(evicted.sum(axis=(1, 2)), np.minimum(np.round(RATIOS * 4 * 2 * len(ids)), possible))
     assert not np.allclose(curves["lukv"], curves["snapkv"])  # the scorer's order changes what the greedy sees
     json.dumps({n: c.tolist() for n, c in curves.items()})  # what the resumable log stores
+
+
+@pytest.mark.slow
+def test_eval_keeps_as_many_entries_for_lukv_as_for_snapkv_and_records_its_head_budgets(tiny_model_dir, tmp_path, run_cli):
+    """`ripplekv eval --budget 40 --methods full,snapkv,lukv:curve=...`: the same total as SnapKV's, per-head budgets
+    that differ, recorded per sample; a curve of another scorer is one line before any model work is lost."""
+    curve = tiny_curve(tmp_path, "lukv", layers=4, heads=2)
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", "niah", "--limit", "1",
+                           "--target-tokens", "300", "--methods", f"full,snapkv,lukv:curve={curve}", "--budget", "40",
+                           "--out", str(out))
+    assert code == 0, err
+    rows = {r["method"]: r for r in map(json.loads, (out / "predictions.jsonl").read_text().splitlines())}
+    lukv = rows[f"lukv:curve={curve.name}"]
+    assert lukv["kept_entries"] == rows["snapkv"]["kept_entries"] == 4 * 2 * 40
+    assert len({b for layer in lukv["head_budgets"] for b in layer}) > 1

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, options_of, register_allocator
+from ripplekv.methods.base import Allocator, AllocatorScorer, options_of, register_allocator
 from ripplekv.methods.budgets import check_budget, integer_budgets
 from ripplekv.methods.lukv_greedy import RATIOS
 
@@ -79,6 +79,14 @@ def read_curve(path: str | Path) -> tuple[np.ndarray, dict]:
     return curve, provenance
 
 
+def check_scorer(path, provenance: dict, scorer) -> None:
+    """A curve fits only the scorer it was profiled with (when its provenance names one)."""
+    recorded = provenance.get("scorer")
+    if recorded is not None and recorded != scorer_identity(scorer):
+        raise UserError(f"LU-KV curve {path} was profiled with scorer {recorded}, this method scores with "
+                        f"{scorer_identity(scorer)}; a curve fits only its scorer: {PROFILE_HINT}")
+
+
 def keep_shares(curve: np.ndarray, rho: float) -> np.ndarray:
     """Each head's keep share [L, H] at global prune ratio `rho` (linear between the curve's rows)."""
     grid = np.concatenate([[0.0], RATIOS])
@@ -120,6 +128,16 @@ def kvpress_counts(curve: np.ndarray, budget: int, length: int) -> np.ndarray:
     return counts
 
 
+@dataclass(frozen=True)
+class CurveMethod(AllocatorScorer):
+    """The `lukv` preset: its curve's scorer is checked against the method's when the method is built, before any
+    model work (a curve of another scorer is one line)."""
+
+    def __post_init__(self):
+        if isinstance(self.allocator, LUKV) and self.allocator.curve is not None and self.scorer is not None:
+            check_scorer(self.allocator.curve, read_curve(self.allocator.curve)[1], self.scorer)
+
+
 @register_allocator("lukv")
 @dataclass(frozen=True)
 class LUKV(Allocator):
@@ -152,10 +170,7 @@ class LUKV(Allocator):
         if curve.shape[1:] != (state.num_layers, state.num_kv_heads):
             raise UserError(f"LU-KV curve {path} is for {curve.shape[1]} layers x {curve.shape[2]} KV heads, the model "
                             f"has {state.num_layers} x {state.num_kv_heads}; {PROFILE_HINT}")
-        recorded = provenance.get("scorer")
-        if recorded is not None and recorded != scorer_identity(scorer):
-            raise UserError(f"LU-KV curve {path} was profiled with scorer {recorded}, this method scores with "
-                            f"{scorer_identity(scorer)}; a curve fits only its scorer: {PROFILE_HINT}")
+        check_scorer(path, provenance, scorer)
         return curve
 
     def allocate(self, state, budget, scorer):
