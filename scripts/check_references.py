@@ -222,7 +222,10 @@ def our_pyramid(budget: int, length: int) -> np.ndarray:
     """PyramidKV's layer budgets as `ripplekv budgets` prints them (the public surface)."""
     command = [sys.executable, "-m", "ripplekv.cli", "budgets", "--methods", "pyramidkv", "--budget", str(budget),
                "--prompt-len", str(length), "--format", "csv"]
-    text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"`{' '.join(command[1:])}` failed:\n{done.stderr}")
+    text = done.stdout
     import csv
     import io
 
