@@ -114,6 +114,8 @@ fi
 # LU-KV (optional, LUKV_CALIB_SAMPLES): its head-budget curves profiled on calibration prompts at this run's prompt
 # length (never the evaluated samples), one per scorer of the `lukv` specs in METHODS; each is then evaluated with
 # its curve (label: curve-SCORER.csv). Without it, `lukv` on the bundled model reads the curves shipped with it.
+# Measured smoke cost: LUKV_CALIB_SAMPLES=2 at TARGET_TOKENS=1200 (prompts of 1165-1200 tokens), both curves,
+# 7.7 min wall with the model load, 140-262 s a prompt, on 2 cores shared with other jobs (load ~15).
 if [ -n "${LUKV_CALIB_SAMPLES:-}" ]; then
   lukv_specs=$(printf '%s\n' "${methods//,/$'\n'}" | grep -E '^lukv(:|$)' | paste -sd, - || true)
   if [ -n "$lukv_specs" ]; then
