@@ -21,7 +21,8 @@ test: install
 	# Lint and import order first (configured in pyproject.toml), then the tests.
 	$(PY) -m ruff check src tests scripts
 	# Tests never reach a hub: the few that exercise online paths fake the network themselves.
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest
+	# One worker per core (pytest-xdist), each test file on one worker so its shared runs are made once.
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -n auto --dist loadfile
 
 reproduce: install
 	bash scripts/reproduce.sh configs/reproduce.env

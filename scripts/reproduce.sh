@@ -199,6 +199,19 @@ if [ -n "${LONG_TASKS:-}" ]; then
   done
 fi
 
+# ---- The needle heatmap (optional, NEEDLE_LENGTHS) ------------------------------------------------------------
+# RULER's niah_single_2 with the needle at each depth in turn (niah_depths), NEEDLE_LIMIT samples at each of
+# NEEDLE_LENGTHS (target tokens), NEEDLE_METHODS at NEEDLE_BUDGET: one eval run per length in OUT/needle/tokens-N
+# (each resumes itself), then OUT/needle/needle.csv and needle_b<B>.png (accuracy and KL, a panel per method).
+# Cost: sum(NEEDLE_LENGTHS) x NEEDLE_LIMIT prompt tokens prefilled, each decoding every method once.
+if [ -n "${NEEDLE_LENGTHS:-}" ]; then
+  needle_cmd=("$RKV" needle "${model_args[@]}" --lengths "${NEEDLE_LENGTHS// /,}" --limit "${NEEDLE_LIMIT:-11}"
+    --budget "${NEEDLE_BUDGET:-128}" --methods "${NEEDLE_METHODS:-full,streamingllm,snapkv,pyramidkv,ripplekv}"
+    --allocation "$OUT/allocation.csv" --out "$OUT/needle")
+  run_eval needle "needle heatmap" "${needle_cmd[@]}"
+fi
+# ---------------------------------------------------------------------------------------------------------------
+
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"
 find "$OUT" -name .lock -type f -delete  # every stage's, the profiles' and the route's too
 if [ -e "$FINAL" ]; then

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# Eval's closing report draws five figures (~2 s of CPU, ~95% of a small run's report) that only a few tests
+# look at: those ask for `eval_plots`; every other eval (subprocesses included) writes the same tables and
+# summary.md without them (`analysis.report.plots_wanted`). `ripplekv report` always draws.
+os.environ.setdefault("RIPPLEKV_PLOTS", "0")
+
+# `make test` runs the files over one pytest-xdist worker per core: each worker (and what it starts) computes on
+# one torch thread, since two workers of two threads each on two cores spend their time waiting for each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 TINY = dict(
     hidden_size=64,
@@ -56,6 +68,14 @@ def tokenizer():
     return load_tokenizer()
 
 
+def pytest_collection_modifyitems(items):
+    """Whatever loads the real bundled model or starts a Ray cluster is `slow`, wherever it is: `pytest -m "not
+    slow"` then leaves out every test that needs them (their session fixtures never start)."""
+    for item in items:
+        if {"bundled_model", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def bundled_model():
     """The real bundled SmolLM2 (model, tokenizer, source) on the CPU in float32, loaded once per session
@@ -76,6 +96,12 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def eval_plots(monkeypatch):
+    """Eval's report draws its figures in this test (the suite leaves them out elsewhere)."""
+    monkeypatch.setenv("RIPPLEKV_PLOTS", "1")
 
 
 @pytest.fixture

@@ -297,7 +297,7 @@ def test_the_new_scorers_are_route_candidates(tiny_model_dir):
     settings = RouteSettings(methods=names, budget=40, probe_tokens=12, batch_size=8)
     kl = preference_prompt(model, sample, candidate_methods(names), settings)
     assert kl.shape == (4, len(names)) and bool((kl > 0).all())
-    with pytest.raises(UserError, match="ceiling"):
+    with pytest.raises(UserError, match="answer-aware"):
         candidate_methods(["snapkv", "oracle"])
 
 

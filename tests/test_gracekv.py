@@ -326,6 +326,7 @@ def test_distortion_matches_a_direct_computation():
             assert ours[h, s].item() == pytest.approx(expected.item(), rel=2e-3, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_runs_gracekv_and_records_its_prompt_dependent_counts(tiny_model_dir, tmp_path, run_cli):
     import json
 

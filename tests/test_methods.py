@@ -266,7 +266,7 @@ def test_an_alias_keeps_the_same_entries(tiny_model):
 
 
 def test_every_preset_has_a_family_for_the_report():
-    """The forest plots colour methods by family: a preset left out of `defaults.METHOD_FAMILIES` would be 'other'."""
+    """Every preset belongs to one family of `defaults.METHOD_FAMILIES`."""
     from ripplekv.defaults import METHOD_FAMILIES
 
     named = [name for names in METHOD_FAMILIES.values() for name in names]

@@ -49,6 +49,7 @@ def samples_of(out) -> list[tuple[str, str]]:
     return [(task, sid) for task, ids in config["samples"].items() for sid in ids]
 
 
+@pytest.mark.slow
 def test_every_sample_times_every_phase_within_the_run_wall_time(timed_run):
     out, wall, _ = timed_run
     frame = read_timings(out / "timings.csv")
@@ -66,6 +67,7 @@ def test_every_sample_times_every_phase_within_the_run_wall_time(timed_run):
     assert report["phase"].tolist() == [timings.REPORT] and report["seconds"].iloc[0] > 0
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_its_rows_and_times_new_work_once(timed_run, tiny_model_dir, tmp_path, run_cli):
     out = shutil.copytree(timed_run[0], tmp_path / "run")
     first = sample_rows(out)
@@ -85,6 +87,7 @@ def test_a_resumed_run_keeps_its_rows_and_times_new_work_once(timed_run, tiny_mo
     assert len(read_timings(out / "timings.csv").query("phase == 'report'")) == 3
 
 
+@pytest.mark.slow
 def test_report_prints_where_the_time_went(timed_run, tmp_path, run_cli):
     assert "where the time went" in timed_run[2]
     out = shutil.copytree(timed_run[0], tmp_path / "run")

@@ -51,7 +51,8 @@ MODEL_HELP = "Hub id, model directory or .gguf; default: the bundled SmolLM2-135
 ROUTE_HELP = "Route CSV (layer,method) for the routed method."
 ALLOCATION_HELP = "Allocation CSV (layer,multiplier) for the methods with file budgets (ripplekv, depthkv, routed-ripplekv)."
 DATA_DIR_HELP = "Folder (or data.zip) of the official LongBench files."
-TARGET_TOKENS_HELP = "Length in tokens of the prompts built from the offline suite (calibration prompts too)."
+TARGET_TOKENS_HELP = ("Length in tokens of the prompts built from the offline suite (calibration prompts too); on the "
+                      "ruler suite RULER's --max_seq_length (task text plus its generation length, at most this).")
 MAX_LENGTH_HELP = "Prompts longer than this are truncated in the middle."
 CALIB_SAMPLES_HELP = "Calibration prompts (the offline suite's calibration split, disjoint from eval's samples)."
 PROBE_TOKENS_HELP = "Final prompt tokens used as probes (the question)."

@@ -99,8 +99,10 @@ preset("pyramidinfer", "pyramidinfer", "pyramidinfer", "PyramidInfer: the compou
        "L x H x B, window attention averaged over heads + 4 sinks (mutonix/pyramidinfer)")
 preset("compresskv", "compresskv", "snapkv", "CompressKV: static layer budgets from a calibration error profile "
        "(profile=FILE), SnapKV scores (its retrieval-head scorer is not implemented)")
-preset("allocation-ceiling", "answer", "snapkv", "CEILING, not a method: layer and head budgets from the full "
-       "cache's answer (the oracle's scores competing over all layers and heads), SnapKV scores (eval only)")
+preset("answer-allocation", "answer", "snapkv", "ANSWER-AWARE, not a method and not a bound: layer and head budgets "
+       "from the full cache's answer (the oracle's scores competing over all layers and heads), SnapKV scores (eval only)")
+preset("allocation-ceiling", "answer", "snapkv", "answer-allocation's earlier name (answer-aware, not a bound)",
+       alias_of="answer-allocation")
 preset("oracle", "uniform", "oracle", "CEILING, not a method: per head, the entries the full cache's answer "
        "attends to most (eval only; left out of ranks)")
 
@@ -292,7 +294,7 @@ def collapse_aliases(methods: list) -> tuple[list, list[str]]:
 def degenerate_notes(methods, budgets) -> list[str]:
     """One `note:` line per method whose options leave it no choice at a budget (README, "Method
     options"): it still runs, and its numbers are those of what it turns into, so the user is told;
-    and one per ceiling (a method with a part that knows the answer), which reports leave out of ranks."""
+    and one per answer-aware variant (a part of it knows the answer), which reports leave out of ranks."""
     notes = []
     for method in methods:
         whys = {b: method.degenerate(b) for b in budgets}
@@ -300,8 +302,8 @@ def degenerate_notes(methods, budgets) -> list[str]:
         if hit:
             notes.append(f"note: {method.label} at B={','.join(map(str, hit))}: {whys[hit[-1]]}")
         if getattr(method, "knows_answer", False):
-            notes.append(f"note: {method.label} reads the full cache's answer: a ceiling, reported beside the methods "
-                         "and left out of ranks")
+            notes.append(f"note: {method.label} reads the full cache's answer: answer-aware, not a method, reported "
+                         "beside the methods and left out of ranks")
     return notes
 
 

@@ -186,8 +186,10 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens
     )
 
 
-def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int, budget=128, prompt_len=3500) -> None:
-    """Multipliers, and the per-layer budgets they give at B=128 for a 3.5k prompt beside PyramidKV's.
+def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int, prompt_len: int, budget=128) -> None:
+    """Multipliers, and the per-layer budgets they give at B=128 beside PyramidKV's, for a prompt of
+    `prompt_len` tokens: the command's --target-tokens, the length its eval's prompts are built to (layer
+    budgets depend on the prompt length where a layer's share would exceed it).
 
     `mapping` names the map in the title (e.g. "ratio 4" or "proportional")."""
     import matplotlib
@@ -212,7 +214,7 @@ def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int
     right.axhline(budget, color="grey", lw=0.8, ls="--", label=f"uniform {budget} (sum {budget * num_layers})")
     right.set_xlabel("layer")
     right.set_ylabel("entries per KV head")
-    right.set_title(f"per-layer budgets at B={budget}, n={prompt_len}", fontsize=9)
+    right.set_title(f"per-layer budgets at B={budget}, prompts of {prompt_len} tokens (--target-tokens)", fontsize=9)
     right.legend(fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3)
@@ -272,7 +274,7 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
     if mapping == "proportional":
         label = map_label(mapping, floor, cap)
         write_allocation(paths["csv"], values, mult, label)
-        plot_allocation(paths["png"], values, mult, label, num_layers)
+        plot_allocation(paths["png"], values, mult, label, num_layers, target_tokens)
         console.print(f"{label} map; multipliers {mult.min():.3f}..{mult.max():.3f}")
         return [paths["csv"], paths["png"]]
     chosen = ratios[0]
@@ -296,7 +298,7 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {paths['sweep']}")
     mult = multipliers(values, chosen)
     write_allocation(paths["csv"], values, mult, mapping)
-    plot_allocation(paths["png"], values, mult, f"exponential, ratio {chosen:g}", num_layers)
+    plot_allocation(paths["png"], values, mult, f"exponential, ratio {chosen:g}", num_layers, target_tokens)
     paths["log"].unlink(missing_ok=True)
     console.print(f"ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}")
     return [paths["csv"], paths["png"]] + ([paths["sweep"], paths["choice"]] if len(ratios) > 1 else [])

@@ -195,6 +195,7 @@ def evaluate_sample(
     }
     if record.get("all_classes"):  # classification tasks: `ripplekv score` needs the class names to rescore
         base["all_classes"] = list(record["all_classes"])
+    base.update({field: record.get(field) for field in task.fields})  # a needle's depth, a question's difficulty
 
     def row(name, budget, out_tokens, entry_counts, kl, agreement, cap=None):
         prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
@@ -414,7 +415,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     else:
         console.print(f"all {len(work)} samples already done in {out}; re-rendering the report")
     start = perf_counter()
-    tables = report.render(out)
+    tables = report.render(out, plots=report.plots_wanted())
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])
     written += [out / TIMINGS, out / CONFIG, *(out / name for name in REPORT_FILES if (out / name).exists())]
     console.print("wrote: " + ", ".join(str(path) for path in written), soft_wrap=True)

@@ -79,7 +79,7 @@ def candidate_methods(specs) -> list:
                             "pass --methods with methods from `ripplekv methods`")
         method = make_method(spec)
         if method.knows_answer:
-            raise UserError(f"candidate {spec!r} is a ceiling that needs the full cache's answer, not a method to route to")
+            raise UserError(f"candidate {spec!r} is answer-aware (it needs the full cache's answer), not a method to route to")
         if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
             raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
         built.append(method)
@@ -332,7 +332,8 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
         })
         if verdict is not None:
             placements = placements.assign(kl_minus_route=verdict.difference, diff_low=verdict.low,
-                                           diff_high=verdict.high, p_value=verdict.p, verdict=verdict.verdict)
+                                           diff_high=verdict.high, p_value=verdict.p, p_holm=verdict.p_holm,
+                                           verdict=verdict.verdict)
         placements["methods"] = [";".join(a) for a in result.assignments]
         write_csv(out / "placements.csv", placements, float_format="%.8g")
         count = len(result.assignments)
