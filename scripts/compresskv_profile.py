@@ -6,19 +6,22 @@ queries' attention output (after W_o) when its cache keeps only SnapKV's selecti
 `compresskv:profile=FILE` reads. Its cost is one prefill per calibration prompt, once per model.
 
     .venv/bin/python scripts/compresskv_profile.py --out runs/compresskv.csv [--calib-samples 6] [--budget 128] [--model M]
+        [--calib-draw I --calib-draws N]   # one of N disjoint draws of the calibration split
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from ripplekv.engine.models import load_model
+from ripplekv.errors import UserError
 from ripplekv.methods.compresskv import calibrate, write_profile
-from ripplekv.tasks.calibration import calibration_prompts
+from ripplekv.tasks.calibration import Draw, calibration_prompts
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the layer,error CSV to write")
     parser.add_argument("--model", default=None, help="model id or folder (default: the bundled model)")
@@ -26,17 +29,26 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=128, help="the small selection the error is measured at")
     parser.add_argument("--window", type=int, default=32, help="window queries standing in for decoding steps")
     parser.add_argument("--target-tokens", type=int, default=3500)
+    parser.add_argument("--calib-draw", type=int, default=0, help="which of the --calib-draws disjoint draws (from 0)")
+    parser.add_argument("--calib-draws", type=int, default=1, help="disjoint draws of the calibration split")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
+    try:
+        draw = Draw(args.calib_draw, args.calib_draws).check()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     model, tokenizer, _ = load_model(args.model, device=args.device, dtype=args.dtype)
-    prompts = calibration_prompts(tokenizer, args.calib_samples, probe_tokens=1, target_tokens=args.target_tokens)
+    prompts = calibration_prompts(tokenizer, args.calib_samples, probe_tokens=1, target_tokens=args.target_tokens,
+                                  draw=draw)
     start = time.perf_counter()
     errors = calibrate(model, [p.context + p.probe for p in prompts], args.budget, args.window)
     path = write_profile(args.out, errors)
     print(f"wrote {path}: {len(errors)} layers from {len(prompts)} calibration prompts in "
           f"{time.perf_counter() - start:.1f} s; errors {min(errors):.4f} to {max(errors):.4f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

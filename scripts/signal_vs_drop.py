@@ -4,7 +4,9 @@
 
 DROP_PROFILE is a `ripplekv profile --signal evict` folder (the task-drop measure); each SIGNAL_PROFILE
 another profile folder of the same model (`--signal noise`, `--signal evict --measure kl`, `--signal
-infonce`). Writes one row per signal (`analysis.predictors`) and prints one line each.
+infonce`). A profile may join several folders with commas (its disjoint calibration draws, pooled: `make
+reproduce` pools its draws so the correlations rest on every draw's prompts). Writes one row per signal
+(`analysis.predictors`) and prints one line each.
 """
 
 from __future__ import annotations

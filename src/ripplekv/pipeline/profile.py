@@ -43,7 +43,13 @@ from ripplekv.pipeline.samples import check_calibration_window
 from ripplekv.pipeline.signals import FINISHERS, SAMPLE_MEASURES
 from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
-from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
+from ripplekv.tasks.calibration import (  # noqa: F401
+    CalibrationPrompt,
+    Draw,
+    calibration_hash,
+    calibration_prompts,
+    split_prompt,
+)
 
 DEFAULT_ETA = PROFILE_ETA
 MAX_ETA = 100.0  # far past saturation: KL stops growing once the noise drowns the values
@@ -252,7 +258,7 @@ def check_profile_dir(out: Path, inputs=()) -> Path:
 
 def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samples: int, target_tokens: int,
                  with_answer: bool = False, bar=None, device: str = "auto", dtype: str = "auto",
-                 workers=None, announce=None) -> tuple[int, dict]:
+                 workers=None, announce=None, draw: Draw = Draw()) -> tuple[int, dict]:
     """Run (or resume) a profile into `out` and write its outputs; returns (samples, profile.json's data).
 
     Every finished sample's KL matrix is appended to `samples.jsonl` and fsynced, so a killed run loses
@@ -260,7 +266,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     rest, and any other settings are refused. `bar(total, done)` gives (context manager, advance).
     `workers` (a `distributed.Workers` using Ray) spreads the samples over workers that load the model once;
     results arrive in any order and each sample's noise seeds follow its index, so the profile is the same.
-    `announce()` is called once every input has been checked (so bad input stays one line).
+    `announce()` is called once every input has been checked (so bad input stays one line). `draw`: which
+    disjoint draw of the calibration split to profile on (recorded in profile.json when there are several).
     """
     from contextlib import closing, nullcontext
 
@@ -274,12 +281,12 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     check_profile_dir(out, inputs=[source.location] if source.kind == "gguf" else [])
     tokenizer = load_tokenizer(model_spec)
     prompts = calibration_prompts(tokenizer, calib_samples, settings.probe_tokens, target_tokens,
-                                  with_answer=with_answer)
+                                  with_answer=with_answer, draw=draw)
     check_calibration_window(model_spec, prompts, lambda target: calibration_prompts(
-        tokenizer, calib_samples, settings.probe_tokens, target, with_answer=with_answer), target_tokens)
+        tokenizer, calib_samples, settings.probe_tokens, target, with_answer=with_answer, draw=draw), target_tokens)
     if announce is not None:
         announce()
-    header = {"model": source.label, "model_location": source.location, **settings.record(),
+    header = {"model": source.label, "model_location": source.location, **settings.record(), **draw.record(),
               "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
     with exclusive(out, "profile"):
         log = UnitLog(out / SAMPLES_LOG, header, remedy="use a new --out directory")
@@ -300,5 +307,5 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
         finish = FINISHERS.get(settings.kind)
         stacked, extra = finish(stacked) if finish else (stacked, {})
         profile = Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, source.label,
-                          extra={**extra, "device": device, "dtype": dtype, **runtime_info(device)})
+                          extra={**extra, **draw.record(), "device": device, "dtype": dtype, **runtime_info(device)})
         return len(prompts), write_profile(profile, prompts, out)

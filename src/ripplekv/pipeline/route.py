@@ -18,6 +18,9 @@ the preferences, so the rank is not measured on the data the route was chosen on
 compared with the route by a paired bootstrap over those samples (`analysis.placement`): placements.csv
 gives every placement's difference to the route with its interval and verdict, route.json the route's
 rank with its intervals and the shares of placements significantly better and worse.
+
+Stability: routes are also chosen on the even and the odd preference prompts apart; route.json records on how
+many layers the two halves agree, beside the agreement expected by chance (`analysis.agreement`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ripplekv.analysis.agreement import route_agreement
 from ripplekv.analysis.placement import placement_verdict
 from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES, PROBE_TOKENS
 from ripplekv.engine import entries
@@ -213,6 +217,16 @@ class RouteResult:
             return None
         return placement_verdict(self.placement_kl, self.placement_ids)
 
+    def split_half(self) -> dict | None:
+        """Routes chosen on the even and on the odd preference prompts apart (same caps), and how many layers
+        they agree on beside chance; None under 2 prompts."""
+        samples = self.preferences.shape[0]
+        if samples < 2:
+            return None
+        halves = [choose_route(self.preferences[part::2].mean(0), self.labels, self.caps) for part in (0, 1)]
+        return {**route_agreement(*halves), "samples": [len(range(0, samples, 2)), len(range(1, samples, 2))],
+                "routes": halves}
+
 
 def run_route(model, preference_prompts, placement_prompts, settings: RouteSettings, progress=None) -> RouteResult:
     """Preferences on `preference_prompts`, the route, then the placement study on `placement_prompts`."""
@@ -259,12 +273,12 @@ def check_route_dir(out: Path, model: str | None = None) -> Path:
 
 
 def check_route_window(model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-                       target_tokens: int, with_answer: bool) -> None:
+                       target_tokens: int, with_answer: bool, draw=None) -> None:
     """A sliding-window model: the calibration prompts (and the answers placements decode) must fit it,
     said before the model loads or the route folder is made, with a --target-tokens that fits."""
     from ripplekv.engine.models import load_tokenizer
     from ripplekv.pipeline.samples import check_calibration_window, model_window
-    from ripplekv.tasks.calibration import calibration_prompts
+    from ripplekv.tasks.calibration import Draw, calibration_prompts
 
     if model_window(model) is None:
         return
@@ -272,26 +286,28 @@ def check_route_window(model, settings: RouteSettings, *, calib_samples: int, pl
 
     def build(target: int):
         return calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target,
-                                   with_answer=with_answer)
+                                   with_answer=with_answer, draw=draw or Draw())
 
     check_calibration_window(model, build(target_tokens), build, target_tokens,
                              reserve=settings.max_new_tokens if placement_samples else 0)
 
 
 def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None) -> tuple[dict, int, int]:
+               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None,
+               draw=None) -> tuple[dict, int, int]:
     """The whole `ripplekv route` after its checks: load the model, take calibration prompts (the first
-    `calib_samples` for preferences, `placement_samples` more held out for the placement study), route and
-    write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
+    `calib_samples` of `draw`'s share for preferences, `placement_samples` more held out for the placement
+    study), route and write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
     (a context manager, an advance callback), as the CLI's bar does."""
     from contextlib import nullcontext
 
     from ripplekv.engine.models import load_model, runtime_info
-    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+    from ripplekv.tasks.calibration import Draw, calibration_hash, calibration_prompts
 
+    draw = draw or Draw()
     loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
     prompts = calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target_tokens,
-                                  with_answer=with_answer)
+                                  with_answer=with_answer, draw=draw)
     chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
     if placement_samples and not scored:
         raise UserError(f"the calibration split has only {len(prompts)} prompts; lower --calib-samples to leave some for placements")
@@ -299,7 +315,7 @@ def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int,
     with bar:
         result = run_route(loaded, chosen, scored, settings, progress=advance)
     meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
-            "target_tokens": target_tokens, "device": device, "dtype": dtype, **runtime_info(device)}
+            "target_tokens": target_tokens, **draw.record(), "device": device, "dtype": dtype, **runtime_info(device)}
     return write_route(result, settings, Path(out), meta), len(result.route), len(scored)
 
 
@@ -358,6 +374,7 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
         "placements_scored": max(len(result.assignments) - 1, 0),
         "placement_study": verdict.summary() if verdict is not None else None,
         "placement_summary": verdict.line() if verdict is not None else None,
+        "split_half": result.split_half(),
     }
     write_text(out / "route.json", json.dumps(meta, indent=2) + "\n")
     plot_preferences(mean, result.labels, result.route, out / "preferences.png")
