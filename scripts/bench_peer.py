@@ -23,8 +23,9 @@ variant is a separate run in its loop); ours is one eval of the set. Printed per
 over repeats), and per method the share of (prompt, budget) whose greedy answers are the same text.
 Kept sets are compared by `make check-references` (on its own prompts); its lines for these methods are
 printed from its output directory (`--kept-from`) when one is there. kvpress keeps AdaKV's and KVzip's unequal heads
-by masking a full-length cache, and its PyramidKVPress is uniform SnapKV below B = 640 (see UNLIKE): that is
-the peer's own cost and behaviour, measured as it is.
+by masking a full-length cache: that is the peer's own cost, measured as it is. Each of our specs is the one that
+reproduces its press (kvpress's PyramidKV schedule, no window for Expected Attention, KeyDiff and KVzip, KVzip's
+chat-template start and entry-level global budget: docs/methods.md).
 
     PYTHONPATH=src .venv/bin/python scripts/bench_peer.py [--prompts 2] [--target-tokens 3500] [--repeats 2]
         [--budgets 128,512] [--sets "22 variants,8 cheap variants"] [--methods snapkv,tova] [--out CSV]
@@ -46,20 +47,21 @@ SNAP = ("SnapKVPress", {"window_size": WINDOW, "kernel_size": KERNEL})
 METHODS = {
     "streamingllm": ("StreamingLLMPress", {"n_sink": 4}),
     f"snapkv:kernel={KERNEL}:pooling=avg": SNAP,
-    f"pyramidkv:kernel={KERNEL}:pooling=avg": ("PyramidKVPress", {"window_size": WINDOW, "kernel_size": KERNEL}),
+    f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress": ("PyramidKVPress", {"window_size": WINDOW, "kernel_size": KERNEL}),
     "tova": ("TOVAPress", {}),
     "knorm": ("KnormPress", {}),
-    "expected-attention": ("ExpectedAttentionPress", {}),
-    "keydiff": ("KeyDiffPress", {}),
+    "expected-attention:window=0": ("ExpectedAttentionPress", {}),
+    "keydiff:window=0": ("KeyDiffPress", {}),
     f"criticalkv:kernel={KERNEL}:pooling=avg": ("CriticalKVPress", {"press": SNAP}),
-    f"adakv:kernel={KERNEL}:pooling=avg": ("AdaKVPress", {"press": SNAP}),
-    "kvzip": ("KVzipPress", {}),
+    f"adakv:kernel={KERNEL}:pooling=avg:rule=kvpress": ("AdaKVPress", {"press": SNAP}),
+    "kvzip:granularity=entry:skip_template=1:window=0": ("KVzipPress", {}),
     "h2o:norm=mean:recent=0": ("ObservedAttentionPress", {}),
 }
 CHEAP = ("streamingllm", "snapkv", "pyramidkv", "tova")
 EAGER = ("ObservedAttentionPress",)  # presses that read the attention weights sdpa does not return
-# Methods whose answers are not expected to match, and why (left out of the overall agreement line).
-UNLIKE = {"pyramidkv": f"kvpress's PyramidKVPress is uniform SnapKV below B = 20 x {WINDOW} (its smallest layer must keep the window)"}
+# Methods whose answers are not expected to match, and why (left out of the overall agreement line). Every spec in
+# METHODS is the one that reproduces its press (make check-references holds their kept sets), so none today.
+UNLIKE: dict[str, str] = {}
 
 
 def base(spec: str) -> str:
@@ -86,9 +88,14 @@ def variants(specs, budgets) -> list[tuple[str, int]]:
     return [(spec, budget) for spec in specs for budget in budgets]
 
 
-def keep_ratio(budget: int, length: int) -> float:
-    """kvpress's compression_ratio that keeps `budget` entries per head of a `length`-token prompt: it keeps
-    int(length * (1 - ratio)) (PyramidKV in its mean layer, AdaKV and KVzip on average over heads)."""
+def keep_ratio(budget: int, length: int, press: str = "", entries: int = 0) -> float:
+    """kvpress's compression_ratio that keeps `budget` entries per head of a `length`-token prompt: most presses
+    keep int(length * (1 - ratio)) (AdaKV on average over heads); PyramidKV averages length * (1 - ratio) over its
+    layers and KVzip keeps all but int(entries * ratio) of the `entries` = L x H_kv x n (check_references_worker)."""
+    if press == "KVzipPress":
+        return 1 - (entries * budget / length - 0.5) / entries
+    if press == "PyramidKVPress":
+        return 1 - budget / length
     return 1 - (budget + 0.5) / length
 
 
@@ -156,7 +163,8 @@ def peer_run(model, ids, press, budget, max_new_tokens, stops) -> list[int]:
     cache = DynamicCache()
     with torch.no_grad():
         if press is not None:
-            press.compression_ratio = keep_ratio(budget, n)
+            entries = model.config.num_hidden_layers * model.config.num_key_value_heads * n
+            press.compression_ratio = keep_ratio(budget, n, type(press).__name__, entries)
         with press(model) if press is not None else contextlib.nullcontext():
             hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
         token = model.lm_head(hidden[:, -1]).argmax(-1)

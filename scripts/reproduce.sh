@@ -162,6 +162,31 @@ if [ -n "${COMPRESSKV_CALIB_SAMPLES:-}" ]; then
   methods=$(printf ',%s,' "$methods" | sed "s|,compresskv:|,compresskv:profile=$OUT/compresskv.csv:|; s|,compresskv,|,compresskv:profile=$OUT/compresskv.csv,|; s|^,||; s|,\$||")
 fi
 
+# LU-KV (optional, LUKV_CALIB_SAMPLES): its head-budget curves profiled on calibration prompts at this run's prompt
+# length (never the evaluated samples), one per scorer of the `lukv` specs in METHODS; each is then evaluated with
+# its curve (label: curve-SCORER.csv). Without it, `lukv` on the bundled model reads the curves shipped with it.
+# Measured smoke cost: LUKV_CALIB_SAMPLES=2 at TARGET_TOKENS=1200 (prompts of 1165-1200 tokens), both curves,
+# 7.7 min wall with the model load, 140-262 s a prompt, on 2 cores shared with other jobs (load ~15).
+if [ -n "${LUKV_CALIB_SAMPLES:-}" ]; then
+  lukv_specs=$(printf '%s\n' "${methods//,/$'\n'}" | grep -E '^lukv(:|$)' | paste -sd, - || true)
+  if [ -n "$lukv_specs" ]; then
+    first_scorer=$(sed -n 's/^[^,]*:scorer=\([^:,]*\).*/\1/p' <<< "$lukv_specs")
+    run_stage lukv-profile "$OUT/lukv/curve-${first_scorer:-lukv}.json" \
+      .venv/bin/python scripts/lukv_profile.py "${model_args[@]}" --methods "$lukv_specs" \
+      --calib-samples "$LUKV_CALIB_SAMPLES" --target-tokens "$TARGET_TOKENS" --out "$OUT/lukv"
+    with_curve=()
+    IFS=, read -ra listed <<< "$methods"
+    for spec in "${listed[@]}"; do
+      if [[ $spec =~ ^lukv(:|$) ]]; then
+        scorer=$(sed -n 's/.*:scorer=\([^:]*\).*/\1/p' <<< "$spec")
+        spec="$spec:curve=$OUT/lukv/curve-${scorer:-lukv}.csv"
+      fi
+      with_curve+=("$spec")
+    done
+    methods=$(IFS=,; echo "${with_curve[*]}")
+  fi
+fi
+
 # Routing (optional): `routed` and `routed-ripplekv` in METHODS use draw 0's route.
 route_args=()
 [ -n "${ROUTE_CALIB_SAMPLES:-}" ] && route_args=(--route "$OUT/route/ROUTE.csv")

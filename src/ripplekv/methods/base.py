@@ -137,8 +137,12 @@ class Allocator:
     def __post_init__(self):
         self.check_heads()
 
+    def splits_itself(self) -> bool:
+        """Whether this allocator sets head counts itself (so `split=` does not apply)."""
+        return type(self).allocate is not Allocator.allocate
+
     def check_heads(self) -> None:
-        if self.split is not None and type(self).allocate is not Allocator.allocate:
+        if self.split is not None and self.splits_itself():
             raise UserError(f"allocator {self.name} splits heads itself; split= applies to the layer allocators "
                             f"({', '.join(LAYER_ALLOCATORS)})")
         if self.split is not None and self.split not in HEAD_SPLITS:

@@ -24,6 +24,7 @@ from ripplekv import defaults
 from ripplekv.errors import UserError
 from ripplekv.methods.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
 from ripplekv.methods.gracekv import GraceKV
+from ripplekv.methods.lukv import CurveMethod
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {}
 # Options naming a file: labels show the file name only.
-FILE_OPTIONS = ("allocation", "route", "profile")
+FILE_OPTIONS = ("allocation", "route", "profile", "curve")
 
 
 def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
@@ -86,6 +87,9 @@ preset("layer-defensivekv", "global", "defensivekv", "Layer-DefensiveKV: Defensi
        "and head competing for one budget (FFY0/DefensiveKV)")
 preset("kvzip", "global", "kvzip", "KVzip: max attention from a context-reconstruction pass (a second "
        "forward), all layers and heads competing (kvpress KVzipPress)")
+preset("lukv", "lukv", "lukv", "LU-KV: per-layer and per-head budgets from an offline curve (a greedy over oracle "
+       "importance on calibration prompts), Expected Attention scores (epsilon 0.02, 4 sinks, window 1; kvpress LUKVPress)",
+       kind=CurveMethod)
 preset("dynamickv", "dynamickv", "dynamickv", "DynamicKV: layer budgets from a global top-k of every layer's window "
        "attention (all layers at once), SnapKV scores at window 8, average pooling (DreamMr/DynamicKV)")
 preset("lava", "lava", "lava", "LAVa: layer budgets from the entropy of value-weighted window attention, heads "
