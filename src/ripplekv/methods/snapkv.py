@@ -52,9 +52,12 @@ def window_attention(state: PrefillState, layer: int, window: int, who: str = "S
     kv_heads, length = keys.shape[0], keys.shape[1]
     group = queries.shape[0] // kv_heads
     logits = torch.matmul(queries.reshape(kv_heads, group * window, -1), keys.transpose(-1, -2)) * state.scaling
-    # Window query i sits at position n - w + i and sees keys up to it.
+    # Window query i sits at position n - w + i and sees keys up to it (on a sliding layer, only its window's).
     positions = torch.arange(length, device=keys.device)
-    visible = positions[None, :] <= (length - window + torch.arange(window, device=keys.device))[:, None]
+    at = (length - window + torch.arange(window, device=keys.device))[:, None]
+    visible = positions[None, :] <= at
+    if getattr(state, "windows", None) and state.windows[layer] is not None:
+        visible &= positions[None, :] > at - state.windows[layer]
     logits = logits.masked_fill(~visible.repeat(group, 1), float("-inf"))
     return torch.softmax(logits, dim=-1).view(kv_heads, group, window, length)
 

@@ -46,7 +46,7 @@ from ripplekv.pipeline.eval_plan import (
     plan_jobs,
 )
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
-from ripplekv.pipeline.samples import check_eval_window
+from ripplekv.pipeline.samples import check_eval_window, check_sliding_layers
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS, report_is_current
 from ripplekv.runs.resume import append_rows, existing_lines
 from ripplekv.runs.safeio import exclusive, open_append, write_json
@@ -269,10 +269,13 @@ def load_all_samples(plan: Plan, tokenizer) -> list[tuple[object, str, dict]]:
 
 
 def check_model_fits(plan: Plan) -> None:
-    """Per-layer budgets need the model's layer count (an allocation may not match): fail before loading weights."""
+    """Per-layer budgets need the model's layer count (an allocation may not match), and a model with
+    sliding-window layers the methods and decode budget that handle them: fail before loading weights."""
     from ripplekv.engine.models import load_config
 
-    layers = load_config(plan.settings.model).num_hidden_layers
+    config = load_config(plan.settings.model)
+    layers = config.num_hidden_layers
+    check_sliding_layers(config, plan.methods, plan.settings.decode_budget)
     for method in plan.methods.values():
         if not method.prompt_dependent:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)

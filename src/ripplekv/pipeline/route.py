@@ -40,6 +40,7 @@ from ripplekv.engine import entries
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
+from ripplekv.methods.base import held_mask
 from ripplekv.methods.budgets import check_budget, uniform_budgets
 from ripplekv.pipeline.route_plots import plot_placements, plot_preferences, plot_route
 from ripplekv.runs.files import ROUTE_FILES
@@ -118,10 +119,11 @@ def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
 
 
 def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:
-    """Bool mask [H_kv, n]: the entries `method`'s scorer keeps in `layer` at the uniform budget B."""
-    count = uniform_budgets(state.num_layers, budget, state.length)[layer]
-    if count >= state.length:
-        return torch.ones(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device)
+    """Bool mask [H_kv, n]: the entries `method`'s scorer keeps in `layer` at the uniform budget B (fitted to
+    what each layer can hold, as every method's budgets are)."""
+    count = uniform_budgets(state.num_layers, budget, state.capacities)[layer]
+    if count >= state.capacity(layer):
+        return held_mask(state, layer)
     counts = torch.full((state.num_kv_heads,), count, dtype=torch.long, device=state.device)
     return method.scorer.keep(state, layer, counts)
 
@@ -201,7 +203,7 @@ def placement_prompt(model, prompt, candidates, assignments: list[list[str]], se
     def layer_entries(layer: int, label: str) -> entries.LayerEntries:
         if (layer, label) not in built:
             keep = layer_keep(state, by_label[label], layer, settings.budget)
-            full = bool(keep.all())
+            full = bool((keep == held_mask(state, layer)).all())
             built[(layer, label)] = state.full_entries(layer) if full else entries.gather(state.keys[layer], state.values[layer], keep)
         return built[(layer, label)]
 
