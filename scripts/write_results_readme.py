@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ripplekv.runs.files import REFERENCE, is_ceiling, run_ceilings
+from ripplekv.analysis.calibration_report import calibration_lines, draw_dirs, route_stability_lines, tuned_lines
 
 # The make target behind each config, for the page title.
 TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick", "full.env": "make reproduce-full"}
@@ -20,84 +20,135 @@ def shell_line(recorded: str) -> str:
     return shlex.join(shlex.split(recorded))
 
 
+def _blank(table: pd.DataFrame) -> pd.DataFrame:
+    """Missing cells as None, which markdown shows as a dash (a NaN would read "nan")."""
+    return table.astype(object).where(table.notna(), None)
+
+
+def _paired(point, low, high, digits: int) -> str:
+    return "–" if pd.isna(point) else f"{point:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+
+def _p(raw, adjusted) -> str:
+    return "–" if pd.isna(raw) else f"{raw:.2g} (Holm {adjusted:.2g})"
+
+
+def _word(value) -> str:
+    return value if isinstance(value, str) and value else "–"
+
+
+def _headline_table(rows: pd.DataFrame, board: pd.DataFrame | None) -> str:
+    """Per budget: closest to full and the runner-up by KL, their paired difference, p (Holm) and verdict;
+    the closest one against the uniform baseline (from the leaderboard); both scores on informative tasks."""
+    lines = []
+    for r in rows.itertuples():
+        line = {"budget": int(r.budget), "closest to full (KL)": f"`{r.closest}` {r.closest_kl:.3f}",
+                "runner-up (KL)": f"`{r.runner_up}` {r.runner_up_kl:.3f}",
+                "KL difference [95% CI]": _paired(r.kl_delta, r.kl_ci_low, r.kl_ci_high, 3),
+                "p": _p(r.p_kl, r.p_kl_holm), "verdict": _word(r.kl_verdict)}
+        if board is not None:
+            own = board[(board["method"] == r.closest) & (board["budget"] == r.budget)]
+            if len(own) and pd.notna(own["kl_delta_vs_uniform"].iloc[0]):
+                o = own.iloc[0]
+                line[f"closest vs `{o['versus']}`: KL [95% CI], verdict"] = (
+                    f"{_paired(o['kl_delta_vs_uniform'], o['kl_delta_ci_low'], o['kl_delta_ci_high'], 3)} {_word(o['kl_verdict'])}")
+        line["scores, informative tasks (closest vs runner-up)"] = (
+            "–" if pd.isna(r.closest_score) else
+            f"{r.closest_score:.2f} vs {r.runner_up_score:.2f}: {_paired(r.score_delta, r.score_ci_low, r.score_ci_high, 2)}, "
+            f"{_word(r.score_verdict)}")
+        lines.append(line)
+    return pd.DataFrame(lines).to_markdown(index=False)
+
+
+def _tied_sentence(rows: pd.DataFrame) -> str:
+    """Which budgets' closest method the data cannot tell from its runner-up."""
+    tied = [f"B={int(r.budget)}" for r in rows.itertuples() if r.kl_verdict == "tied"]
+    if not tied:
+        return "At every budget the closest method is closer than its runner-up (Holm-adjusted p < 0.05)."
+    return (f"Tied at {', '.join(tied)}: there the closest method and the runner-up are tied (the interval holds 0 or "
+            "the adjusted p is 0.05 or more), so neither is the winner.")
+
+
 def headline_lines(eval_dir: Path, title: str) -> list[str]:
-    """Per budget: the real method closest to the full cache (lowest KL) and the best score, each with its
-    paired interval against SnapKV, and how much of the SnapKV-to-oracle gap the closest one closes."""
-    path = eval_dir / "leaderboard.csv"
+    """The eval's headline.csv (`ripplekv report`): per budget, the real method closest to the full cache, the
+    runner-up and whether they differ; and which tasks the score averages use."""
+    path = eval_dir / "headline.csv"
     if not path.is_file():
         return []
-    board = pd.read_csv(path)
-    try:  # the run's own record of which variants know the answer (by name for runs written before it)
-        ceilings = run_ceilings(json.loads((eval_dir / "config.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        ceilings = None
-    aware = board["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)
-    rows = []
-    for budget, group in board[board["method"] != REFERENCE].groupby("budget"):
-        real = group[~aware[group.index]]
-        snap, ceiling = real[real["method"] == "snapkv"], group[aware[group.index]]
-        if (ceiling["method"] == "oracle").any():  # the token ceiling, not the allocation ceiling beside it
-            ceiling = ceiling[ceiling["method"] == "oracle"]
-        if real.empty or snap.empty:
-            continue
-        closest, best = real.loc[real["kl"].idxmin()], real.loc[real["avg"].idxmax()]
-        snap_kl = float(snap["kl"].iloc[0])
-        gap = "n/a"
-        if not ceiling.empty and snap_kl > float(ceiling["kl"].iloc[0]):
-            share = (snap_kl - closest["kl"]) / (snap_kl - float(ceiling["kl"].iloc[0]))
-            gap = f"{100 * share:.0f}% (oracle KL {float(ceiling['kl'].iloc[0]):.3f})"
-
-        def paired(row, column, low, high, digits):
-            if row["method"] == "snapkv" or pd.isna(row.get(column)):
-                return "(SnapKV itself)"
-            return f"{row[column]:+.{digits}f} [{row[low]:+.{digits}f}, {row[high]:+.{digits}f}]"
-
-        rows.append({
-            "budget": int(budget),
-            "closest to full (lowest KL)": f"`{closest['method']}` {closest['kl']:.3f}",
-            "KL vs SnapKV [95% CI]": paired(closest, "kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high", 3),
-            "share of SnapKV-to-oracle KL gap closed": gap,
-            "best score": f"`{best['method']}` {best['avg']:.2f}",
-            "score vs SnapKV [95% CI]": paired(best, "delta_vs_uniform", "delta_ci_low", "delta_ci_high", 2),
-            "oracle score (ceiling)": f"{float(ceiling['avg'].iloc[0]):.2f}" if not ceiling.empty else "n/a",
-        })
-    if not rows:
+    table = pd.read_csv(path)
+    rows = table[table["scope"] == "all methods"]
+    if rows.empty:
         return []
-    return ["", f"## {title}", "",
-            "Lowest mean KL to the full cache's next-token distribution among real methods (the oracle is a "
-            "ceiling, not a method), and the best average score; intervals are paired bootstrap differences "
-            "to SnapKV at the same budget (an interval that holds 0 is no evidence of a difference).", "",
-            pd.DataFrame(rows).to_markdown(index=False)]
+    board = pd.read_csv(eval_dir / "leaderboard.csv") if (eval_dir / "leaderboard.csv").is_file() else None
+    lines = ["", f"## {title}", "",
+             "Fidelity first: per budget, the real method with the lowest mean KL to the full cache (answer-aware "
+             "variants excluded), the runner-up, and their paired difference: stratified t interval, sign-flip "
+             "permutation p, Holm-adjusted over the budgets. `closer` only where the adjusted p < 0.05 and the "
+             "interval excludes 0, else `tied`. Scores are on the informative tasks only, compared the same way; no "
+             "score winner is named.", "", _headline_table(rows, board), "", _tied_sentence(rows)]
+    lines += informative_lines(eval_dir)
+    return lines
+
+
+def informative_lines(eval_dir: Path) -> list[str]:
+    """One sentence: the tasks that count in the score averages and those flagged out, with their numbers."""
+    path = eval_dir / "informative.csv"
+    if not path.is_file():
+        return []
+    table = pd.read_csv(path)
+    known = table[table["informative"].notna()]
+    if known.empty:
+        return []
+    yes = [t for t, v in zip(known["task"], known["informative"]) if str(v) == "True"]
+    no = known[known["informative"].astype(str) == "False"]
+    flagged = "; ".join(f"{r.task} (full cache {r.full_score:.2f}, best constant answer {r.trivial_score:.2f})"
+                        for r in no.itertuples())
+    return ["", f"Informative tasks (the full cache beats the best constant answer, one-sided 95%): {', '.join(yes) or 'none'}."
+            + (f" Flagged, kept in the tables but out of the score averages: {flagged}." if flagged else "")]
 
 
 def allocation_lines(eval_dir: Path) -> list[str]:
     """The allocation-only table (`eval/allocation_only.csv`, written by `ripplekv report` when several methods share
-    the uniform baseline's scorer), with a headline per budget: the allocator closest to the full cache and the
-    share of the uniform-to-ceiling KL gap RippleKV's allocation closes."""
+    the uniform baseline's scorer), with its headline: per budget the allocator closest to the full cache and the
+    runner-up, and RippleKV's share of the gap to the best of the other allocations."""
     path = eval_dir / "allocation_only.csv"
     if not path.is_file():
         return []
-    from ripplekv.analysis.allocation import allocation_markdown, best_by_budget
+    from ripplekv.analysis.allocation import allocation_markdown
     from ripplekv.defaults import ALLOCATION_METHOD
 
-    table = pd.read_csv(path)
-    headline = []
-    for budget, method in best_by_budget(table).items():
-        ours = table[(table["budget"] == budget) & (table["method"] == ALLOCATION_METHOD)]
-        share = ours["kl_gap_closed"].iloc[0] if not ours.empty else float("nan")
-        headline.append(f"- B={budget}: closest to the full cache `{method}`; `{ALLOCATION_METHOD}` closes "
-                        + (f"{100 * share:.0f}%" if pd.notna(share) else "n/a") + " of the uniform-to-ceiling KL gap")
+    table = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    table["picks"] = table["picks"].fillna("")
+    table["verdict"] = table["verdict"].fillna("")
+    table["kl_verdict"] = table["kl_verdict"].fillna("")
+    headline = pd.read_csv(eval_dir / "headline.csv") if (eval_dir / "headline.csv").is_file() else pd.DataFrame()
+    rows = headline[headline["scope"] == "allocation only"] if len(headline) else headline
+    names = [f"`{m}`" for m in dict.fromkeys(table.loc[table["kind"] == "answer-aware", "method"])]
+    aware = (", ".join(names) + (" are" if len(names) > 1 else " is")) if names else ""
+    shares = []
+    for budget, group in table.groupby("budget"):
+        ours = group[group["method"] == ALLOCATION_METHOD]
+        if len(ours) and pd.notna(ours["kl_gap_share"].iloc[0]):
+            shares.append(f"B={int(budget)} {100 * ours['kl_gap_share'].iloc[0]:.0f}%")
     return ["", "## Allocation only (one scorer, every allocator)", "",
             "Every method here uses the uniform baseline's scorer, so rows differ only in how the L x H_kv x B entries "
-            "are spread over layers and heads; differences are paired bootstrap intervals against uniform at the same "
-            "budget; 'gap closed' is the share of the uniform-to-ceiling gap (a point estimate). The ceiling, "
-            "`best-of-allocations`, is per sample the lowest KL (and highest score) any allocation here reached, picked in "
-            "hindsight: a bound on the allocations tried, so the gap to the best possible allocation is at least this.", "",
-            *headline, "", allocation_markdown(table)]
+            "are spread over layers and heads; each is paired against uniform at the same budget (t interval, sign-flip "
+            "p, Holm over the table). " + (f"{aware} answer-aware: an allocation chosen from the answer's attention, "
+                                           "neither a method nor a bound. " if aware else "")
+            + "`best-of-allocations` is a hindsight bound on selectors: per "
+            "sample the lowest KL any allocation here reached. No allocator is judged against a best-of that contains "
+            "it: `KL gap share` is the share of uniform's KL gap to the best of the *other* allocations (leave-one-out, "
+            "a point estimate). `cross-fit choice` is an honest selector: the allocator with the lowest KL on one half "
+            "of each task's samples, measured on the other half, both ways.", "",
+            *([_headline_table(rows, None), "", _tied_sentence(rows)] if len(rows) else []),
+            *([f"`{ALLOCATION_METHOD}`'s share of uniform's KL gap to the best of the other allocations: "
+               + ", ".join(shares) + " (above 100%: closer than that per-sample best of the others on average)."]
+              if shares else []),
+            "", allocation_markdown(table)]
 
 
-# Methods compared head to head when a run holds both (the first against its earlier reading).
-HEAD_TO_HEAD = (("gracekv", "gracekv:slots=fixed"),)
+# Methods compared head to head when a run holds both (GraceKV against its earlier reading, each against SnapKV).
+HEAD_TO_HEAD = (("gracekv", "gracekv:slots=fixed"), ("gracekv", "snapkv"), ("gracekv:slots=fixed", "snapkv"))
 
 
 def head_to_head_lines(eval_dir: Path) -> list[str]:
@@ -106,17 +157,21 @@ def head_to_head_lines(eval_dir: Path) -> list[str]:
     present = set(pd.read_csv(board)["method"]) if board.is_file() else set()
     if not any(method in present and versus in present for method, versus in HEAD_TO_HEAD):
         return []
+    from ripplekv.analysis.informative import counted_tasks
     from ripplekv.analysis.pairs import head_to_head, head_to_head_markdown
     from ripplekv.analysis.report import load_predictions
 
     frame = load_predictions(eval_dir)
+    informative = eval_dir / "informative.csv"
+    counted = counted_tasks(pd.read_csv(informative, dtype={"informative": "boolean"})) if informative.is_file() else None
     lines = []
     for method, versus in HEAD_TO_HEAD:
-        table = head_to_head(frame, method, versus)
+        table = head_to_head(frame, method, versus, counted=counted)
         if not table.empty:
             lines += ["", f"## `{method}` against `{versus}`", "",
-                      f"Paired differences over the samples both ran (`{method}` minus `{versus}`; a positive score "
-                      "and a negative KL favour the first); an interval that holds 0 is no evidence either way.", "",
+                      f"Paired differences over the samples both ran (`{method}` minus `{versus}`; a negative KL and a "
+                      "positive score favour the first; scores on the informative tasks): t interval, sign-flip p, Holm "
+                      "over the budgets; `tied` unless the adjusted p < 0.05 and the interval excludes 0.", "",
                       head_to_head_markdown(table)]
     return lines
 
@@ -139,8 +194,8 @@ def context_only_lines(out: Path) -> list[str]:
     if not path.is_file():
         return []
     board = pd.read_csv(path)
-    columns = [c for c in ("method", "budget", "avg", "avg_ci_low", "avg_ci_high", "kl", "agreement",
-                           "kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high", "headroom") if c in board]
+    columns = [c for c in ("method", "budget", "kl", "agreement", "kl_delta_vs_uniform", "kl_delta_ci_low",
+                           "kl_delta_ci_high", "p_kl_vs_uniform_holm", "kl_verdict", "avg_informative", "avg") if c in board]
     config = json.loads((eval_dir / "config.json").read_text())
     count = sum(len(ids) for ids in config.get("samples", {}).values())
     return [*headline_lines(eval_dir, "Headline, context-only protocol"), "",
@@ -150,7 +205,24 @@ def context_only_lines(out: Path) -> list[str]:
             f"read through each compressed cache, as a cache reused across questions would be (kvpress's default): "
             f"{count} samples, the first of each task's evaluation samples. Full table: `eval-context-only/`.",
             "",
-            board[columns].to_markdown(index=False, floatfmt=".4g")]
+            _blank(board[columns]).to_markdown(index=False, floatfmt=".4g", missingval="–")]
+
+
+def needle_lines(out: Path) -> list[str]:
+    """The needle heatmap (OUT/needle, `ripplekv needle`), when the run made it: its figure and samples per cell."""
+    grid_path = out / "needle" / "needle.csv"
+    if not grid_path.is_file():
+        return []
+    grid = pd.read_csv(grid_path)
+    figures = sorted(p.name for p in (out / "needle").glob("needle_b*.png"))
+    full = grid[grid["budget"].isna()]
+    by_length = full.groupby("length").agg(samples=("n", "sum"), accuracy=("accuracy", "mean")).reset_index()
+    return ["", "## Needle by depth and length", "",
+            f"RULER's niah_single_2 with the needle at each depth in turn, {int(full['n'].sum())} samples over "
+            f"{len(by_length)} lengths; accuracy (top) and KL to the full cache (bottom) per method, a cell per "
+            "depth and target length (blank: no sample). Grid: `needle/needle.csv`. Full cache by length:", "",
+            by_length.to_markdown(index=False, floatfmt=".4g"), "",
+            *[f"![needle heatmap](needle/{name})" for name in figures]]
 
 
 def _rho(profile: dict) -> str:
@@ -210,11 +282,12 @@ def headline_ratio_lines(out: Path) -> list[str]:
     if not path.is_file():
         return []
     board = pd.read_csv(path)
-    columns = [c for c in ("method", "budget", "avg", "avg_ci_low", "avg_ci_high", "kl", "agreement",
-                           "delta_vs_uniform", "delta_ci_low", "delta_ci_high") if c in board]
+    columns = [c for c in ("method", "budget", "kl", "agreement", "kl_delta_vs_uniform", "kl_delta_ci_low",
+                           "kl_delta_ci_high", "p_kl_vs_uniform_holm", "kl_verdict", "avg_informative", "delta_vs_uniform",
+                           "delta_ci_low", "delta_ci_high", "p_vs_uniform_holm", "verdict") if c in board]
     return ["", "At DepthKV's headline ratio (60% of the prompt pruned: one budget of 0.4 x the prompts' target "
             "length; the paper compares DepthKV with uniform H2O there). Full table: `eval-headline/`.", "",
-            board[columns].to_markdown(index=False, floatfmt=".4g")]
+            _blank(board[columns]).to_markdown(index=False, floatfmt=".4g", missingval="–")]
 
 
 def route_lines(out: Path) -> list[str]:
@@ -250,6 +323,30 @@ def route_lines(out: Path) -> list[str]:
         "![route](route/ROUTE.png)",
         *(["![placements](route/placements.png)"] if (out / "route" / "placements.png").is_file() else []),
     ]
+
+
+# ---- DepthKV against the baselines its paper compares with (#42; the calibration draws' sections: analysis.calibration_report)
+
+
+def depthkv_versus_lines(out: Path) -> list[str]:
+    """DepthKV against uniform H2O (its paper's comparison) and SnapKV, paired, at its headline ratio."""
+    eval_dir = out / "eval-headline"
+    if not (eval_dir / "predictions.jsonl").is_file():
+        return []
+    from ripplekv.analysis.pairs import head_to_head, head_to_head_markdown
+    from ripplekv.analysis.report import load_predictions
+
+    frame = load_predictions(eval_dir)
+    labels = set(frame["method"])
+    depthkv = sorted(m for m in labels if m.split(":")[0] == "depthkv")
+    lines = []
+    for method in depthkv:
+        for versus in ("h2o", "snapkv"):
+            table = head_to_head(frame, method, versus) if versus in labels else pd.DataFrame()
+            if not table.empty:
+                lines += ["", f"`{method}` against `{versus}` at the headline ratio ({int(table['samples'].iloc[0])} "
+                          "samples, paired):", "", head_to_head_markdown(table)]
+    return lines
 
 
 def max_new_tokens(tasks: list[str]) -> int:
@@ -305,8 +402,10 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         if not line.startswith("# ") and not line.startswith("![")
     )
     stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "profile-evict-kl", "profile-infonce",
-              "predictors", "compresskv-profile", "route", "eval", "eval-headline", "eval-compare", "eval-context-only", "long-prompt",
-              "long-total")
+              "compresskv-profile", "route", "predictors", "tune", "eval", "eval-draws", "eval-headline", "eval-compare",
+              "eval-context-only", "long-prompt", "long-total", "needle")
+    draw_stages = [f"{stage}-d{d}" for d, _, _ in draw_dirs(out)[1:] for stage in stages[:8]]  # draws 1.. (#42)
+    stages = stages[:8] + tuple(draw_stages) + stages[8:]
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")
@@ -344,8 +443,10 @@ def main(out: Path, config: str, final: str | None = None) -> None:
             sweep.to_markdown(index=False, floatfmt=".4g"),
         ]
     lines += context_only_lines(out)
-    lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out),
-              *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"), *long_lines(out), *time_lines(out)]
+    lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out),
+              *depthkv_versus_lines(out), *route_lines(out), *route_stability_lines(out), *calibration_lines(out),
+              *tuned_lines(out), *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"),
+              *long_lines(out), *needle_lines(out), *time_lines(out)]
     lines += [
         "",
         "## Exact commands",

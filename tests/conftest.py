@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# Eval's closing report draws five figures (~2 s of CPU, ~95% of a small run's report) that only a few tests
+# look at: those ask for `eval_plots`; every other eval (subprocesses included) writes the same tables and
+# summary.md without them (`analysis.report.plots_wanted`). `ripplekv report` always draws.
+os.environ.setdefault("RIPPLEKV_PLOTS", "0")
+
+# `make test` runs the files over one pytest-xdist worker per core: each worker (and what it starts) computes on
+# one torch thread, since two workers of two threads each on two cores spend their time waiting for each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 TINY = dict(
     hidden_size=64,
@@ -42,6 +54,55 @@ def tiny_qwen2(vocab_size: int = 101, seed: int = 0, **overrides):
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
 
 
+# Hybrid attention: sliding-window layers beside global ones, as in Gemma 2/3. A window of 16 against prompts of
+# 60+ tokens makes the sliding layers hold less than the prompt and evict while decoding.
+HYBRID_WINDOW = 16
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+
+def tiny_gemma3(vocab_size: int = 101, seed: int = 0, **overrides):
+    """Gemma 3's layout: five sliding layers per global one (its default pattern), q/k norms, RoPE by layer type."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=vocab_size, **{**TINY, "num_hidden_layers": 6, "head_dim": 16,
+                                                        "query_pre_attn_scalar": 16, "sliding_window": HYBRID_WINDOW,
+                                                        **overrides})
+    return Gemma3ForCausalLM(config).eval()
+
+
+def tiny_gemma2(vocab_size: int = 101, seed: int = 0, **overrides):
+    """Gemma 2's layout (sliding and global layers alternating), without its logit soft-capping (refused)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(vocab_size=vocab_size, **{**TINY, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                                    "sliding_window": HYBRID_WINDOW, "attn_logit_softcapping": None,
+                                                    "final_logit_softcapping": None, **overrides})
+    return Gemma2ForCausalLM(config).eval()
+
+
+def tiny_qwen2_sliding(vocab_size: int = 101, seed: int = 0, **overrides):
+    """Qwen2 with `use_sliding_window` and alternating `layer_types`: a supported family made hybrid."""
+    return tiny_qwen2(vocab_size, seed, **{"use_sliding_window": True, "sliding_window": HYBRID_WINDOW,
+                                           "layer_types": ALTERNATING, **overrides})
+
+
+def _no_stop(build):
+    """A builder whose model has no end-of-sequence token: Gemma's (id 1) is among a tiny vocabulary's greedy
+    picks, and `generate(min_new_tokens=...)` would then hide it where our greedy decode, given no stop, keeps it."""
+    def built(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.generation_config.eos_token_id = None
+        return model
+
+    return built
+
+
+HYBRID_BUILDERS = {"gemma3": _no_stop(tiny_gemma3), "gemma2": _no_stop(tiny_gemma2),
+                   "qwen2-sliding": _no_stop(tiny_qwen2_sliding)}
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny_model(request):
     """A tiny random model of each supported family with grouped KV heads."""
@@ -54,6 +115,14 @@ def tokenizer():
     from ripplekv.engine.models import load_tokenizer
 
     return load_tokenizer()
+
+
+def pytest_collection_modifyitems(items):
+    """Whatever loads the real bundled model or starts a Ray cluster is `slow`, wherever it is: `pytest -m "not
+    slow"` then leaves out every test that needs them (their session fixtures never start)."""
+    for item in items:
+        if {"bundled_model", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +145,12 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def eval_plots(monkeypatch):
+    """Eval's report draws its figures in this test (the suite leaves them out elsewhere)."""
+    monkeypatch.setenv("RIPPLEKV_PLOTS", "1")
 
 
 @pytest.fixture

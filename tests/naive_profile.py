@@ -33,8 +33,9 @@ def profile_prompt_one_layer_at_a_time(model, prompt: CalibrationPrompt, setting
     def probe_logprobs(delta_layer=None, delta=None):
         cache = DynamicCache(config=model.config)
         model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-        if delta is not None:
-            cache.layers[delta_layer].values = cache.layers[delta_layer].values + delta[None]
+        if delta is not None:  # a sliding layer's stock cache holds only its window's last entries
+            held = cache.layers[delta_layer].values.shape[-2]
+            cache.layers[delta_layer].values = cache.layers[delta_layer].values + delta[None, :, delta.shape[1] - held :]
         out = model(input_ids=probe, position_ids=positions, cache=cache, use_cache=True)
         return torch.log_softmax(out.logits[0].float(), -1)
 

@@ -268,6 +268,7 @@ def test_allocate_proportional_floor_and_cap(run_cli, tiny_model_dir, tmp_path):
         assert not (tmp_path / "x.csv").exists()
 
 
+@pytest.mark.slow
 def test_eval_runs_every_baseline_with_exact_totals(run_cli, tiny_model_dir, tmp_path, monkeypatch):
     flags = []
     real = evaluate.prefill

@@ -34,10 +34,11 @@ def test_a_route_with_one_oracle_layer_knows_the_answer(tmp_path):
 def test_an_answer_aware_composition_is_no_route_candidate():
     from ripplekv.pipeline.route import candidate_methods
 
-    with pytest.raises(UserError, match="ceiling"):
+    with pytest.raises(UserError, match="answer-aware"):
         candidate_methods(["snapkv", "snapkv:scorer=oracle:split=adakv"])
 
 
+@pytest.mark.slow
 def test_eval_ranks_only_the_real_method_and_marks_the_composition_a_ceiling(tiny_model_dir, tmp_path, run_cli):
     out = tmp_path / "run"
     code, _, err = run_cli("eval", "--model", tiny_model_dir, "--methods", "snapkv,snapkv:scorer=oracle",
@@ -49,12 +50,12 @@ def test_eval_ranks_only_the_real_method_and_marks_the_composition_a_ceiling(tin
     assert config["answer_aware"] == ["snapkv:scorer=oracle"]
     board = pd.read_csv(out / "leaderboard.csv")
     aware = board[board["method"] == "snapkv:scorer=oracle"]
-    assert len(aware) == 2 and aware["rank"].isna().all() and aware["headroom"].notna().all()
+    assert len(aware) == 2 and aware["rank"].isna().all() and (aware["kl_verdict"] == "answer-aware").all()
     assert (board.loc[board["method"] == "snapkv", "rank"] == 1).all()
     ranks = pd.read_csv(out / "ranks.csv")
     assert set(ranks["method"]) == {"snapkv"}
     summary = (out / "summary.md").read_text()
-    assert "Ceilings, not methods: `snapkv:scorer=oracle` knows the full cache's answer" in summary
+    assert "Answer-aware, not methods: `snapkv:scorer=oracle` reads the full cache's answer" in summary
 
     # A run written before the record: its ceilings are decided by name (here none), and a grown run keeps the record.
     del config["answer_aware"]
@@ -62,7 +63,8 @@ def test_eval_ranks_only_the_real_method_and_marks_the_composition_a_ceiling(tin
     code, _, err = run_cli("report", out)
     assert code == 0, err
     old = pd.read_csv(out / "leaderboard.csv")
-    assert old.loc[old["method"] == "snapkv:scorer=oracle", "rank"].notna().all() and "headroom" not in old
+    assert old.loc[old["method"] == "snapkv:scorer=oracle", "rank"].notna().all()
+    assert (old.loc[old["method"] == "snapkv:scorer=oracle", "kl_verdict"] != "answer-aware").all()
     code, _, err = run_cli("eval", "--model", tiny_model_dir, "--methods", "snapkv,snapkv:scorer=oracle,allocation-ceiling",
                            "--tasks", "niah", "--limit", "2", "--target-tokens", "300", "--budget", "48,64",
                            "--out", out)

@@ -78,6 +78,7 @@ def holds_exactly(name, counts, caps, budget, seen_steps):
     return check
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length,budget,steps", [(100, 16, 210), (30, 40, 40)])
 def test_every_head_holds_its_count_at_every_step(tmp_path, length, budget, steps):
     """210 decoded tokens: after every step each (layer, KV head) holds exactly its capacity (or its prompt count
@@ -122,6 +123,7 @@ def test_a_budget_nothing_needs_evicting_under_decodes_as_prompt_budgets(tmp_pat
         assert quality[0].agreement == 1.0 and quality[0].kl < 1e-6
 
 
+@pytest.mark.slow
 def test_small_budgets_evict_so_answers_change(tmp_path):
     """The eviction is real: at B=8 over 60 steps some method's greedy answer leaves the prompt-budget one."""
     model = tiny_llama()
@@ -138,6 +140,7 @@ def test_small_budgets_evict_so_answers_change(tmp_path):
     assert changed >= 1
 
 
+@pytest.mark.slow
 def test_methods_decoding_in_one_batch_equal_each_decoded_alone(tmp_path):
     """Variants of four methods (four policies) in one batch, each fed twice (greedy and along the full answer),
     give every variant the tokens of its own greedy decoding with evictors and the fidelity of its own
@@ -265,6 +268,7 @@ def test_decode_budget_settings_are_checked_and_recorded():
             check_decode_budget(EvalSettings(budgets=(64,), **bad), methods)
 
 
+@pytest.mark.slow
 def test_inspect_under_a_total_budget_saves_what_each_head_holds_after_the_answer(tiny_model_dir, tmp_path, run_cli):
     import json
 

@@ -56,6 +56,7 @@ def test_bfloat16_follows_float32_within_stated_tolerances():
     assert (profile16 > 0).all()
 
 
+@pytest.mark.slow
 def test_eval_in_bfloat16_runs_end_to_end_and_records_it(tiny_model_dir, tmp_path, run_cli):
     out = tmp_path / "run"
     code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", "niah", "--limit", "1",
@@ -70,6 +71,7 @@ def test_eval_in_bfloat16_runs_end_to_end_and_records_it(tiny_model_dir, tmp_pat
     assert "note: snapkv is another name for uniform" in err
 
 
+@pytest.mark.slow
 def test_profile_records_device_and_dtype(tiny_model_dir, tmp_path, run_cli):
     code, _, err = run_cli("profile", "--model", str(tiny_model_dir), "--calib-samples", "1", "--seeds", "1",
                            "--target-tokens", "300", "--dtype", "bfloat16", "--out", str(tmp_path / "p"))

@@ -17,6 +17,14 @@ ARGS = ["eval", "--suite", "offline", "--tasks", "niah,squad", "--limit", "1", "
         "--methods", "snapkv,streamingllm", "--budget", "32", "--batch-size", "4"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def eval_figures():
+    """Figures are among the writers under test here: eval draws them in this file."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RIPPLEKV_PLOTS", "1")
+        yield
+
+
 def files(folder: Path) -> dict[str, bytes]:
     return run_files(folder)
 
@@ -69,6 +77,7 @@ def reference(tiny_model_dir, tmp_path_factory):
     ("leaderboard.csv", errno.ENOSPC, 0, False),
     ("score_vs_budget.png", errno.EDQUOT, 0, False),
 ])
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_the_rerun_resumes(reference, tiny_model_dir, tmp_path, run_cli, monkeypatch,
                                                         name, code, skip, torn):
     out = tmp_path / "run"

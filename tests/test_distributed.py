@@ -100,6 +100,7 @@ def test_a_worker_killed_mid_run_loses_and_repeats_nothing(one_process, eval_arg
     assert sorted_lines(tmp_path / "run") == sorted_lines(one_process)  # nothing lost
 
 
+@pytest.mark.slow
 def test_profile_with_two_workers_equals_one_process(tiny_model_dir, tmp_path, ray_cluster, run_cli):
     args = ["profile", "--model", tiny_model_dir, "--calib-samples", 3, "--seeds", 2, "--eta", 1.0,
             "--target-tokens", 300]

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
+from ripplekv.analysis import report
 from ripplekv.cli import app as cli
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.errors import UserError
@@ -48,10 +49,13 @@ def eval_args(tiny_model_dir, allocation):
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory, eval_args) -> Path:
-    """One uninterrupted run, shared by the tests below (they copy it before changing anything)."""
+    """One uninterrupted run, shared by the tests below (they copy it before changing anything). It spells out
+    the default `--decode-budget prompt`: the runs compared with it without the option show that the option
+    changes nothing, byte for byte (test_a_killed_run_...), without a run of their own."""
     out = tmp_path_factory.mktemp("base") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", ["ripplekv", *eval_args(out)])
+        mp.setenv("RIPPLEKV_PLOTS", "1")  # its figures are checked below
+        mp.setattr(sys, "argv", ["ripplekv", *eval_args(out, "--decode-budget", "prompt")])
         with pytest.raises(SystemExit) as stop:
             cli.main()
     assert stop.value.code == 0
@@ -72,9 +76,9 @@ def copy_run(base: Path, target: Path) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_eval_writes_every_output_with_its_columns(base_run):
-    for name in ("predictions.jsonl", "config.json", "summary.md", *CSVS,
-                 "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png"):
+    for name in ("predictions.jsonl", "config.json", "summary.md", *CSVS, *report.FIGURES):
         assert (base_run / name).is_file() and (base_run / name).stat().st_size > 0, name
     records = rows(base_run)
     assert len(records) == len(TASKS) * VARIANTS
@@ -84,7 +88,7 @@ def test_eval_writes_every_output_with_its_columns(base_run):
     assert {(r["method"], r["budget"]) for r in records} == resume.variant_keys(
         {"methods": list(METHODS), "budgets": list(BUDGETS)})
     assert list(pd.read_csv(base_run / "scores.csv").columns) == [
-        "task", "category", "method", "budget", "n", "score", "kl", "agreement", "protocol"]
+        "task", "category", "method", "budget", "n", "score", "kl", "agreement", "protocol", "informative"]
     board = pd.read_csv(base_run / "leaderboard.csv")
     assert {"method", "budget", "rank", "avg", "kl", "agreement", "Synthetic", "Single-Doc QA"} <= set(board.columns)
     assert len(board) == VARIANTS
@@ -100,6 +104,7 @@ def test_eval_writes_every_output_with_its_columns(base_run):
     assert "| method |" in (base_run / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_full_cache_is_the_models_own_greedy_answer(base_run, tiny_model_dir):
     """The reference row must be what the stock model generates on the same prompt (not just labelled so)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,6 +126,7 @@ def test_full_cache_is_the_models_own_greedy_answer(base_run, tiny_model_dir):
     assert all(0.0 <= r["score"] <= 1.0 for r in rows(base_run))
 
 
+@pytest.mark.slow
 def test_every_method_keeps_exactly_the_same_entries(base_run):
     for r in rows(base_run):
         n = r["prompt_tokens"]
@@ -133,7 +139,12 @@ def test_every_method_keeps_exactly_the_same_entries(base_run):
             assert sum(r["layer_budgets"]) == LAYERS * r["budget"]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_exactly_the_uninterrupted_lines(base_run, eval_args, tmp_path, monkeypatch, run_cli):
+    """Interrupted after its first sample, then killed mid-write of the second (3 of its lines and half of the
+    4th on disk): the rerun drops only the sample in flight and ends with the uninterrupted run's lines. Run
+    without `--decode-budget`, it also shows base_run's explicit `--decode-budget prompt` is the default:
+    the same predictions, config.json and tables, byte for byte."""
     out = tmp_path / "run"
     real_append = evaluate.append_rows
 
@@ -146,39 +157,57 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_lines(base_run, eval_
     assert code == 130 and "interrupted" in err
     assert lines(out) == lines(base_run)[:VARIANTS]
     monkeypatch.setattr(evaluate, "append_rows", real_append)
+    text = (base_run / "predictions.jsonl").read_text(encoding="utf-8")
+    partial_next = "".join(line + "\n" for line in lines(base_run)[VARIANTS : VARIANTS + 3])
+    half_line = lines(base_run)[VARIANTS + 3][:40]
+    with (out / "predictions.jsonl").open("a", encoding="utf-8") as torn:
+        torn.write(partial_next + half_line)
     code, _, _ = run_cli(*eval_args(out))
     assert code == 0
     assert lines(out) == lines(base_run)
-
-
-def test_a_kill_mid_write_drops_only_the_sample_in_flight(base_run, eval_args, tmp_path, run_cli):
-    out = copy_run(base_run, tmp_path / "run")
-    text = (base_run / "predictions.jsonl").read_text(encoding="utf-8")
-    first_sample = "".join(line + "\n" for line in lines(base_run)[:VARIANTS])
-    partial_next = "".join(line + "\n" for line in lines(base_run)[VARIANTS : VARIANTS + 3])
-    half_line = lines(base_run)[VARIANTS + 3][:40]
-    (out / "predictions.jsonl").write_text(first_sample + partial_next + half_line, encoding="utf-8")
-    code, _, _ = run_cli(*eval_args(out))
-    assert code == 0
     assert without_peak_memory((out / "predictions.jsonl").read_text(encoding="utf-8")) == without_peak_memory(text)
+    for name in ("predictions.jsonl", "config.json", *CSVS):
+        assert without_peak_memory((out / name).read_bytes()) == without_peak_memory((base_run / name).read_bytes()), name
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_path, monkeypatch, run_cli):
     out = copy_run(base_run, tmp_path / "run")
 
     def fail(*args, **kwargs):
         raise AssertionError("a finished run must not prefill or load the model again")
 
+    from ripplekv.analysis import report
+
     monkeypatch.setattr(evaluate, "prefill", fail)
     monkeypatch.setattr("ripplekv.engine.models.load_model", fail)
+    render = report.render
+    monkeypatch.setattr(report, "render", lambda *a, **k: pytest.fail("a current report is not rendered again"))
     config = (out / "config.json").read_text()
-    code, _, _ = run_cli(*eval_args(out, "--seed", "0"))  # the default seed is the run's: nothing differs
-    assert code == 0
+    code, stdout, err = run_cli(*eval_args(out, "--seed", "0"))  # the default seed is the run's: nothing differs
+    assert code == 0 and "its report is up to date" in err and "kl (score)" in stdout
     assert lines(out) == lines(base_run) and (out / "config.json").read_text() == config
     for name in CSVS:
         assert (out / name).read_text() == (base_run / name).read_text()
+    # A report older than its predictions (lines appended after it), or one missing a file, is rendered again.
+    for stale in ("predictions.jsonl", "summary.md"):
+        if stale == "summary.md":
+            (out / stale).unlink()
+        else:
+            (out / stale).touch()
+        rendered = []
+        monkeypatch.setattr(report, "render", lambda *a, seen=rendered, **k: seen.append(1) or render(*a, **k))
+        code, _, err = run_cli(*eval_args(out))
+        assert code == 0 and "re-rendering the report" in err and rendered == [1], stale
+        assert (out / "summary.md").is_file()
+        for name in CSVS:
+            assert (out / name).read_text() == (base_run / name).read_text()
+    # Rendered without figures (RIPPLEKV_PLOTS=0, as the suite runs): figures that would no longer be the
+    # report's are not left beside it.
+    assert not any((out / name).exists() for name in report.FIGURES)
 
 
+@pytest.mark.slow
 def test_a_memory_budget_no_variant_fits_stops_in_one_line_and_loses_nothing(base_run, eval_args, tmp_path, run_cli):
     """Growing a run by a budget under a --memory-budget too small for any variant: a UserError naming the
     variant and what to raise, before it decodes; the lines already written stay as they were."""
@@ -192,6 +221,7 @@ def test_a_memory_budget_no_variant_fits_stops_in_one_line_and_loses_nothing(bas
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--memory-budget must be a size with a unit" in err
 
 
+@pytest.mark.slow
 def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path, tokenizer, run_cli):
     out = copy_run(base_run, tmp_path / "run")
     before = (out / "predictions.jsonl").read_bytes()
@@ -222,6 +252,7 @@ def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path
     assert (out / "predictions.jsonl").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_moved_allocation_with_the_same_multipliers_still_grows_the_run(base_run, eval_args, tmp_path, allocation, run_cli):
     """make reproduce builds in a staging folder and moves it: the run must still grow from the moved files."""
     out = copy_run(base_run, tmp_path / "run")
@@ -237,6 +268,7 @@ def test_a_moved_allocation_with_the_same_multipliers_still_grows_the_run(base_r
     assert json.loads((out / "config.json").read_text())["allocation"] == str(moved.resolve())
 
 
+@pytest.mark.slow
 def test_classification_lines_carry_their_classes_so_score_can_rescore_them(tiny_model_dir, tmp_path, run_cli):
     data = tmp_path / "longbench"
     data.mkdir()
@@ -255,6 +287,7 @@ def test_classification_lines_carry_their_classes_so_score_can_rescore_them(tiny
     assert list(scored["method"]) == list(ours["method"]) and (scored["score"] - ours["score"]).abs().max() < 0.01
 
 
+@pytest.mark.slow
 def test_a_second_eval_into_a_busy_run_directory_is_refused(base_run, eval_args, tmp_path, run_cli):
     """Two evals appending to one directory would duplicate lines: the second one stops with one line."""
     import fcntl
@@ -275,7 +308,7 @@ def test_a_second_eval_into_a_busy_run_directory_is_refused(base_run, eval_args,
         (("--budget", "0"), "budget must be a positive integer"),
         (("--methods", "full,nosuch"), "unknown method 'nosuch'"),
         (("--tasks", "nosuch"), "unknown task 'nosuch'"),
-        (("--suite", "nosuch"), "Invalid value for '--suite': 'nosuch' is not one of 'offline', 'longbench', 'longbench-e'"),
+        (("--suite", "nosuch"), "Invalid value for '--suite': 'nosuch' is not one of 'offline', 'ruler', 'longbench', 'longbench-e', 'longbench-v2'"),
         (("--batch-size", "0"), "--batch-size"),
     ],
 )
@@ -315,6 +348,7 @@ def test_an_allocation_for_another_model_fails_before_loading(eval_args, tmp_pat
     assert code == 2 and "30 layers" in err
 
 
+@pytest.mark.slow
 def test_report_regenerates_identical_csvs_from_predictions_alone(base_run, tmp_path, run_cli):
     alone = tmp_path / "alone"
     alone.mkdir()
@@ -339,6 +373,7 @@ def test_a_run_dir_with_nothing_computed_takes_the_new_config(tmp_path):
         run_config.check_run_dir(tmp_path, {"max_length": 32})
 
 
+@pytest.mark.slow
 def test_a_run_grows_by_a_budget_and_a_sample_keeping_every_old_line(base_run, eval_args, tmp_path, run_cli):
     """--budget 16 and --limit 2 over a finished run: old lines untouched, only the missing ones added."""
     out = copy_run(base_run, tmp_path / "run")
@@ -370,6 +405,7 @@ def test_a_run_grows_by_a_budget_and_a_sample_keeping_every_old_line(base_run, e
     assert (out / "predictions.jsonl").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
     """`ripplekv score` on eval output: one row per task x method x budget, equal to the run's scores.csv."""
     code, _, err = run_cli("score", str(base_run / "predictions.jsonl"), "--out", str(tmp_path / "s.csv"))
@@ -382,6 +418,7 @@ def test_score_reads_evals_own_predictions(base_run, tmp_path, run_cli):
     assert (merged["score"] - merged["score_eval"]).abs().max() < 0.01
 
 
+@pytest.mark.slow
 def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, allocation):
     """The ETA's work units: prompt tokens at prefill, then (1 + variants) x max new tokens of decoding."""
     from ripplekv.engine.models import load_model
@@ -413,6 +450,7 @@ def test_eta_comes_from_the_time_per_token_of_each_kind_of_work(monkeypatch):
     assert clock.eta() == pytest.approx(2000 * 0.01 + 300 * 0.2)
 
 
+@pytest.mark.slow
 def test_context_only_protocol_compresses_the_context_and_is_recorded(eval_args, tmp_path, run_cli):
     out = tmp_path / "ctx"
     args = eval_args(out, "--protocol", "context-only")
@@ -433,6 +471,7 @@ def test_context_only_protocol_compresses_the_context_and_is_recorded(eval_args,
     assert code == 2 and "Invalid value for '--protocol': 'sideways' is not one of 'with-question', 'context-only'" in err
 
 
+@pytest.mark.slow
 def test_a_run_grows_from_another_checkout_but_not_with_other_weights(base_run, eval_args, tmp_path, run_cli):
     """The model is compared by label and weights' fingerprint, not by path: a committed run whose model lay
     elsewhere (another checkout or venv), or that predates the fingerprint, resumes; other weights do not."""
@@ -452,15 +491,13 @@ def test_a_run_grows_from_another_checkout_but_not_with_other_weights(base_run, 
     assert code == 2 and "model_sha256" in err
 
 
+@pytest.mark.slow
 def test_decode_budget_prompt_is_byte_identical_and_total_holds_every_head_at_b(base_run, eval_args, tmp_path, run_cli):
-    """`--decode-budget prompt` (the default) writes what a run without the option writes, byte for byte; `total`
-    records the mode and the peak entries per head (B: the prompt has more than B tokens) in every line, in
-    config.json and in the leaderboard, and a prompt-budget run directory refuses it."""
-    same = tmp_path / "prompt"
-    code, _, err = run_cli(*eval_args(same, "--decode-budget", "prompt"))
-    assert code == 0, err
-    for name in ("predictions.jsonl", "config.json", *CSVS):
-        assert without_peak_memory((same / name).read_bytes()) == without_peak_memory((base_run / name).read_bytes()), name
+    """`--decode-budget prompt` (the default) writes what a run without the option writes, byte for byte (base_run
+    is run with it; test_a_killed_run_... compares a run without it file by file); `total` records the mode and
+    the peak entries per head (B: the prompt has more than B tokens) in every line, in config.json and in the
+    leaderboard, and a prompt-budget run directory refuses it."""
+    same = copy_run(base_run, tmp_path / "prompt")
     assert "decode_budget" not in json.loads((same / "config.json").read_text())
 
     def total_args(out, *extra):
@@ -495,6 +532,7 @@ def test_decode_budget_prompt_is_byte_identical_and_total_holds_every_head_at_b(
     assert code == 2 and "random cannot compress while decoding" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_aliases_run_once_and_are_named(tiny_model_dir, tmp_path, run_cli):
     """`snapkv,uniform,adakv,snapkv:split=adakv` is two methods: two variants per budget, never ranked
     against themselves, and the names that were aliases are said."""

@@ -47,7 +47,8 @@ def test_report_on_a_torn_run_names_the_sample_leaves_it_out_and_touches_only_it
     from ripplekv.runs.files import OPTIONAL_REPORT_FILES, REPORT_FILES
 
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == sorted(
-        {"predictions.jsonl", "config.json", *(n for n in REPORT_FILES if n not in OPTIONAL_REPORT_FILES)})
+        {"predictions.jsonl", "config.json", "lengths.csv",  # its lines carry prompt_tokens: buckets by length
+         *(n for n in REPORT_FILES if n not in OPTIONAL_REPORT_FILES)})
 
 
 # --------------------------------------------------------------------------- shared libraries
@@ -146,3 +147,22 @@ def test_two_processes_loading_one_gguf_dequantize_it_once(tmp_path):
     assert sum(err.count("dequantizing") for _, err in results) == 1, results
     folders = [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()]
     assert len(folders) == 1 and (folders[0] / ".complete").is_file()
+
+
+def test_the_gguf_cache_is_keyed_on_the_files_bytes_not_its_path_or_time(tmp_path, monkeypatch):
+    """A fresh clone installs the bundled GGUF at a new path with a new mtime: it reuses the weights dequantized
+    before; other bytes of the same size get their own folder."""
+    from ripplekv.engine import models
+
+    monkeypatch.setenv("RIPPLEKV_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    second.write_bytes(first.read_bytes())
+    os.utime(second, ns=(10**18, 10**18))
+    assert models._gguf_cache_dir(str(first)) == models._gguf_cache_dir(str(second))
+    assert models._gguf_cache_dir(str(first)).parent == tmp_path / "cache" / "models"
+    second.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 64)
+    assert models._gguf_cache_dir(str(first)) != models._gguf_cache_dir(str(second))
+    assert models.file_sha256(second) == hashlib.sha256(second.read_bytes()).hexdigest()

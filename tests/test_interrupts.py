@@ -53,6 +53,7 @@ def kill_after(args: list[str], out: Path, samples: int, sig: int) -> subprocess
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow
 def test_eval_killed_at_three_seeded_points_resumes_byte_identical(tiny_model_dir, tmp_path, run_cli):
     reference, out = tmp_path / "reference", tmp_path / "run"
     code, _, err = run_cli(*eval_args(tiny_model_dir, reference))
@@ -74,6 +75,7 @@ def test_eval_killed_at_three_seeded_points_resumes_byte_identical(tiny_model_di
     assert files(out) == files(reference)
 
 
+@pytest.mark.slow
 def test_profile_interrupted_after_one_sample_resumes_byte_identical(tiny_model_dir, tmp_path, run_cli, monkeypatch):
     args = ["profile", "--model", str(tiny_model_dir), "--calib-samples", "2", "--seeds", "1",
             "--target-tokens", "300"]
@@ -102,6 +104,7 @@ def test_profile_interrupted_after_one_sample_resumes_byte_identical(tiny_model_
     assert code == 2 and "differs in: eta" in err
 
 
+@pytest.mark.slow
 def test_allocate_sweep_interrupted_resumes_byte_identical(tiny_model_dir, tmp_path, run_cli, monkeypatch):
     sens = tmp_path / "sens.csv"
     sens.write_text("layer,kl_mean\n0,0.1\n1,0.4\n2,0.2\n3,0.3\n")

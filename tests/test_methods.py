@@ -122,7 +122,7 @@ def test_a_file_option_is_labelled_by_its_file_name(tmp_path):
         ("snapkv:pooling=mean", "unknown pooling"),
         ("pyramidkv:beta=0.5", "beta"),
         ("adakv:alpha=2", "alpha"),
-        ("adakv:rule=kvpress", "rule"),
+        ("adakv:rule=kvzip", "rule"),
         ("h2o:norm=max", "norm"),
         ("h2o:recent=1.5", "recent"),
         ("snapkv:window=0", "positive integer"),
@@ -267,7 +267,7 @@ def test_an_alias_keeps_the_same_entries(tiny_model):
 
 
 def test_every_preset_has_a_family_for_the_report():
-    """The forest plots colour methods by family: a preset left out of `defaults.METHOD_FAMILIES` would be 'other'."""
+    """Every preset belongs to one family of `defaults.METHOD_FAMILIES`."""
     from ripplekv.defaults import METHOD_FAMILIES
 
     named = [name for names in METHOD_FAMILIES.values() for name in names]

@@ -23,7 +23,8 @@ OFFICIAL_MAXLEN = {"narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "mu
 
 
 def test_suites_and_sizes():
-    assert list_suites() == ["offline", "longbench", "longbench-e"]
+    assert list_suites() == ["offline", "ruler", "longbench", "longbench-e", "longbench-v2"]
+    assert len(get_tasks("ruler")) == 13 and [t.name for t in get_tasks("longbench-v2")] == ["longbench_v2"]
     assert len(get_tasks("longbench")) == 21
     e_tasks = get_tasks("longbench-e")
     assert len(e_tasks) == 13 and all(t.name.endswith("_e") for t in e_tasks)
@@ -81,8 +82,8 @@ def test_get_tasks_by_name_and_alias():
 
 
 def test_unknown_suite_and_task_list_the_known_ones():
-    with pytest.raises(UserError, match="known suites: offline, longbench, longbench-e"):
-        get_tasks("longbench-v2")
+    with pytest.raises(UserError, match="known suites: offline, ruler, longbench, longbench-e, longbench-v2"):
+        get_tasks("longbench-v3")
     with pytest.raises(UserError) as err:
         get_tasks("offline", ["niah", "nope"])
     assert "'nope'" in str(err.value) and "niah_multikey" in str(err.value) and "code_completion" in str(err.value)

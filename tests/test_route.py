@@ -247,6 +247,7 @@ def routed(tiny_model_dir, tmp_path_factory):
     return outs
 
 
+@pytest.mark.slow
 def test_route_cli_writes_every_output_deterministically(routed):
     (out, result), (again, _) = routed
     route = pd.read_csv(out / "ROUTE.csv")
@@ -264,8 +265,13 @@ def test_route_cli_writes_every_output_deterministically(routed):
     assert meta["placement_rank"] == 1 + int((placements["kl"][1:] < placements["kl"][0]).sum())
     assert not set(meta["calibration_ids"]) & set(meta["placement_ids"])
     assert f"route ranks {meta['placement_rank']} of 7" in result.stderr
+    # Split-half stability: each half's route (one prompt each here), under the same caps, and their agreement.
+    half = meta["split_half"]
+    assert half["samples"] == [1, 1] and half["layers"] == 4 and 0 <= half["agreement"] <= 4
+    assert all((pd.Series(r) == "streamingllm").sum() <= 2 for r in half["routes"])
+    assert f"agree on {half['agreement']} of 4 layers" in result.stderr
     assert list(placements.columns) == ["placement", "is_route", "kl", "agreement", "kl_minus_route", "diff_low",
-                                        "diff_high", "p_value", "verdict", "methods"]
+                                        "diff_high", "p_value", "p_holm", "verdict", "methods"]
     study = meta["placement_study"]
     assert study["samples"] == 2 and study["placements"] == 6 and study["rank"] == meta["placement_rank"]
     assert study["significantly_better"] == (placements["verdict"] == "better").sum()
@@ -280,6 +286,7 @@ def test_route_cli_writes_every_output_deterministically(routed):
         assert (out / name).read_bytes() == (again / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_routed_and_routed_ripplekv_read_the_route(routed, tiny_model_dir, tmp_path):
     out = routed[0][0]
     alloc = tmp_path / "alloc.csv"
@@ -293,6 +300,7 @@ def test_routed_and_routed_ripplekv_read_the_route(routed, tiny_model_dir, tmp_p
     assert routed_budgets == [64] * 4 and sum(ripple_budgets) == 4 * 64 and ripple_budgets[0] > ripple_budgets[3]
 
 
+@pytest.mark.slow
 def test_eval_config_records_the_route_file_and_its_hash(routed, tiny_model_dir):
     import hashlib
 

@@ -1,4 +1,4 @@
-"""The paired, task-stratified bootstrap: identical methods, clear winners, shrinking intervals, seeds."""
+"""The paired, task-stratified bootstrap (rank probabilities and rank intervals): pairing, shrinking spread, seeds."""
 
 from __future__ import annotations
 
@@ -25,33 +25,18 @@ def paired(frame: pd.DataFrame, keys: list[str], seed: int = 0, resamples: int =
     return point, draws
 
 
-def test_identical_method_has_zero_difference_and_p_one():
+def test_identical_methods_resample_identically():
     rng = np.random.default_rng(1)
     base = rng.random(30)
     point, draws = paired(long_frame({"a": base, "b": base.copy()}, tasks=3), ["a", "b"])
-    diff = draws[1] - draws[0]
-    low, high = stats.interval(diff)
-    assert point[1] - point[0] == 0 and low <= 0 <= high
-    assert stats.p_value(diff) == 1.0
+    assert point[1] - point[0] == 0 and np.array_equal(draws[0], draws[1])
 
 
-def test_better_on_every_sample_is_significant_with_20_samples():
+def test_a_method_better_on_every_sample_is_better_in_every_resample():
     rng = np.random.default_rng(2)
     base = rng.random(20)
     _, draws = paired(long_frame({"base": base, "better": base + 0.05}, tasks=2), ["base", "better"])
-    diff = draws[1] - draws[0]
-    assert stats.p_value(diff) < 0.05
-    assert stats.interval(diff)[0] > 0
-
-
-def test_noisy_small_difference_is_not_significant():
-    rng = np.random.default_rng(3)
-    base = rng.random(20)
-    other = base + rng.normal(0, 0.3, 20)  # no systematic shift: the test must not call it
-    _, draws = paired(long_frame({"base": base, "other": other}), ["base", "other"])
-    diff = draws[1] - draws[0]
-    low, high = stats.interval(diff)
-    assert low < 0 < high and stats.p_value(diff) > 0.05
+    assert (draws[1] - draws[0] > 0).all() and stats.interval(draws[1] - draws[0])[0] > 0
 
 
 def test_intervals_shrink_as_samples_grow():

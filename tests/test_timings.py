@@ -49,6 +49,7 @@ def samples_of(out) -> list[tuple[str, str]]:
     return [(task, sid) for task, ids in config["samples"].items() for sid in ids]
 
 
+@pytest.mark.slow
 def test_every_sample_times_every_phase_within_the_run_wall_time(timed_run):
     out, wall, _ = timed_run
     frame = read_timings(out / "timings.csv")
@@ -66,6 +67,7 @@ def test_every_sample_times_every_phase_within_the_run_wall_time(timed_run):
     assert report["phase"].tolist() == [timings.REPORT] and report["seconds"].iloc[0] > 0
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_its_rows_and_times_new_work_once(timed_run, tiny_model_dir, tmp_path, run_cli):
     out = shutil.copytree(timed_run[0], tmp_path / "run")
     first = sample_rows(out)
@@ -85,6 +87,7 @@ def test_a_resumed_run_keeps_its_rows_and_times_new_work_once(timed_run, tiny_mo
     assert len(read_timings(out / "timings.csv").query("phase == 'report'")) == 3
 
 
+@pytest.mark.slow
 def test_report_prints_where_the_time_went(timed_run, tmp_path, run_cli):
     assert "where the time went" in timed_run[2]
     out = shutil.copytree(timed_run[0], tmp_path / "run")
@@ -115,3 +118,18 @@ def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(
     assert table["phase"].tolist()[:2] == [timings.PREFILL, "build m6"]
     assert table["phase"].tolist()[-1] == "build (2 other methods)" and table["seconds"].iloc[-1] == 3.0
     assert table["share"].sum() == pytest.approx(1.0)
+
+
+def test_a_sample_written_but_not_timed_gets_one_untimed_row_and_the_report_counts_it(tmp_path):
+    """Lines on disk but no timings row (killed between the two): the next run cannot time it without running it
+    again, so it marks it once; the report counts every sample of the predictions, timed or not."""
+    log = TimingsLog(tmp_path / "timings.csv")
+    log.append("niah", "a", [(timings.PREFILL, "", 1.5)])
+    assert log.mark_untimed([("niah", "a"), ("niah", "b")]) == 1
+    assert TimingsLog(tmp_path / "timings.csv").mark_untimed([("niah", "a"), ("niah", "b")]) == 0  # once
+    assert time_spent.samples_timed(tmp_path) == (1, 1)
+    table = time_spent.time_table(tmp_path)
+    assert list(table["phase"]) == [timings.PREFILL]  # the mark is no phase
+    text = time_spent.time_markdown(table, time_spent.samples_timed(tmp_path))
+    assert "over the 1 of 2 samples timed" in text and "1 sample was written but not timed" in text
+    assert "over the 3 samples timed" in time_spent.time_markdown(table, (3, 0))

@@ -15,23 +15,28 @@ ALLOCATION_PLOT_BESIDE = "pyramidkv"  # `allocate`'s plot draws its layer budget
 # `allocate`'s output by default, under the working directory: the allocation file budgets take when none is given
 LAST_ALLOCATION = Path("runs/allocate/allocation.csv")
 EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prunes with its own H2O-like pruner
-CEILINGS = ("oracle", "allocation-ceiling")  # bounds, not methods: reported beside the methods, never ranked
-# The families the report's forest plots colour methods by (a composition takes its preset's family); every
-# preset belongs to one (tests/test_methods.py checks), anything else is drawn as "other".
+# Answer-aware variants (they read the full cache's answer): reported beside the methods, never ranked; not all are
+# bounds (`answer-allocation` is beaten by learned allocators).
+CEILINGS = ("oracle", "answer-allocation", "allocation-ceiling")
+# The families methods belong to (a composition takes its preset's family); every preset belongs to one
+# (tests/test_methods.py checks).
 METHOD_FAMILIES = {
     "uniform baselines": ("uniform", "snapkv", "streamingllm", "random", "h2o", "tova", "knorm"),
     "RippleKV": ("ripplekv", "routed-ripplekv"),
     "seed systems": ("depthkv", "routed", "gracekv"),
     "layer and head allocators": ("pyramidkv", "cake", "adakv", "layer-defensivekv", "kvzip", "dynamickv", "lava",
-                                  "squeezeattention", "pyramidinfer", "compresskv"),
+                                  "squeezeattention", "pyramidinfer", "compresskv", "lukv"),
     "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff"),
-    "ceilings": CEILINGS,
+    "answer-aware": CEILINGS,
 }
 
 # The fixed sets of values an option takes: the CLI declares them as choices (so --help shows them and a
 # wrong value fails while parsing), and the libraries check the same tuples when called directly.
 PROTOCOLS = ("with-question", "context-only")  # `eval --protocol`, ripplekv.generate(protocol=)
-SUITES = ("offline", "longbench", "longbench-e")  # `--suite`
+SUITES = ("offline", "ruler", "longbench", "longbench-e", "longbench-v2")  # `--suite`
+GENERATED_SUITES = ("offline", "ruler")  # built here from a seed and --target-tokens (the others are read from files)
+NEEDLE_TASK = "niah_depths"  # `needle --task`: RULER's niah_single_2 with the needle at each depth in turn
+NEEDLE_LENGTHS = (1024, 2048, 4096)  # `needle --lengths`
 DECODE_BUDGETS = ("prompt", "total")  # `eval --decode-budget`: what B counts (prompt entries, or prompt + decoded)
 SIGNALS = ("noise", "evict", "infonce")  # `profile --signal`
 MEASURES = ("task-drop", "kl")  # `profile --signal evict --measure`: DepthKV's task-metric drop, or KL at probe tokens

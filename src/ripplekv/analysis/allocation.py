@@ -3,19 +3,24 @@
 A leaderboard row mixes an allocator with its own scorer, so "this allocator vs that one" cannot be read
 off it. Here the rows are chosen from the run's resolved specs (config.json's `method_specs`): every
 method whose scorer, name and options alike, is the uniform baseline's (`uniform`, else `snapkv`) differs
-from it only in how the L x H_kv x B entries are spread over layers and heads. Each gets its score and KL
-to the full cache with their paired bootstrap differences to the baseline at the same budget (the
-leaderboard's own `stats`), and the share of the baseline-to-ceiling gap it closes: (baseline - method) /
-(baseline - ceiling) for KL, (method - baseline) / (ceiling - baseline) for the score; a point estimate (a
-ratio of two noisy differences has no stable percentile interval on a few samples), left empty where the
-ceiling is no better than the baseline.
+from it only in how the L x H_kv x B entries are spread over layers and heads. Each gets its KL to the full
+cache and its score on the informative tasks, paired against the baseline at the same budget as the
+leaderboard does (`analysis.inference`; Holm over the table's comparisons of each measure).
 
-The ceiling is `best-of-allocations`: per sample and budget, the lowest KL (and, separately, the highest
-score) any allocation in the table reached, the answer-aware `allocation-ceiling` included. It is chosen in
-hindsight, knowing the answer, so no row can beat it on average and every share is at most 100%. It bounds
-the allocations tried, not every possible one: a better allocation may exist, so the true gap is at least
-this large. (The answer-aware competition alone is no ceiling: attention the answer pays is not what the
-answer's KL needs, and on the bundled model learned allocators beat it.)
+Rows of three kinds besides the allocators (`kind`):
+- `answer-aware`: an allocation that reads the full cache's answer (the run's answer-aware labels). It is
+  neither a deployable method nor a bound: attention the answer pays is not what the answer's KL needs, and
+  learned allocators beat it. Shown for what it is, never ranked.
+- `hindsight bound` (`best-of-allocations`): per sample, the lowest KL any allocation in the table reached,
+  chosen knowing the answer: a bound on *selectors* among these allocations, not on allocation.
+- `cross-fit` (`cross-fit choice`): an honest selector. Each task's samples are split in two halves
+  (alternating by id); on one half the allocator (not answer-aware) with the lowest mean KL is chosen and its
+  KL and score are taken on the other half, both ways round, so no sample judges the choice it made.
+
+No allocator is judged against a best-of that contains it: `kl_gap_share` is the share of the baseline's
+KL gap to the best-of *the other* allocations (leave-one-out, per sample) that a row closes,
+`(baseline - row) / (baseline - best of the others)`, a point estimate, empty where that best-of is no
+better than the baseline.
 """
 
 from __future__ import annotations
@@ -23,15 +28,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from ripplekv.analysis import stats
-from ripplekv.analysis.tables import BASELINES, _ceil2, _floor2
+from ripplekv.analysis import inference
+from ripplekv.analysis.headline import closest_pairs
+from ripplekv.analysis.tables import BASELINES, KL_TEST, SCORE_TEST, _ceil2, _floor2, compare
 from ripplekv.runs.files import CONFIG, REFERENCE, is_ceiling
 
 HINDSIGHT = "best-of-allocations"
-COLUMNS = ["method", "budget", "ceiling", "avg", "delta_vs_uniform", "delta_ci_low", "delta_ci_high", "kl",
-           "kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high", "kl_gap_closed", "score_gap_closed"]
+CROSS_FIT = "cross-fit choice"
+KINDS = {"method": "allocator", "aware": "answer-aware", "bound": "hindsight bound", "cross": "cross-fit"}
+COLUMNS = ["budget", "method", "kind", "kl", "kl_ci_low", "kl_ci_high", *KL_TEST, "kl_best_of_others", "kl_gap_share",
+           "avg_informative", *SCORE_TEST, "picks"]
 
 
 def method_specs(run_dir: str | Path) -> dict:
@@ -43,10 +52,11 @@ def method_specs(run_dir: str | Path) -> dict:
         return {}
 
 
-def same_scorer(specs: dict, present) -> tuple[str | None, list[str]]:
+def same_scorer(specs: dict, present, declared: str | None = None) -> tuple[str | None, list[str]]:
     """(the baseline, every present method with exactly its scorer, baseline first); (None, []) without one."""
     present = list(dict.fromkeys(present))
-    base = next((name for name in BASELINES if name in present and "scorer" in specs.get(name, {})), None)
+    names = ((declared,) if declared else ()) + BASELINES
+    base = next((name for name in names if name in present and "scorer" in specs.get(name, {})), None)
     if base is None:
         return None, []
     scorer = specs[base]["scorer"]
@@ -54,79 +64,149 @@ def same_scorer(specs: dict, present) -> tuple[str | None, list[str]]:
     return base, [base] + [m for m in chosen if m != base]
 
 
-def allocation_table(frame: pd.DataFrame, specs: dict, resamples: int = stats.RESAMPLES,
-                     seed: int = stats.SEED, ceilings=None) -> pd.DataFrame | None:
-    """The table (COLUMNS, one row per method and budget), or None when the run holds fewer than two
-    allocators with the baseline's scorer. `ceilings`: the run's answer-aware labels (None: by name)."""
-    base, chosen = same_scorer(specs, frame["method"])
+def allocation_table(frame: pd.DataFrame, specs: dict, ceilings=None, counted: list[str] | None = None,
+                     seed: int = inference.SEED, declared: str | None = None) -> pd.DataFrame | None:
+    """The table (COLUMNS, one row per method and budget, then the bound and the cross-fit choice), or None
+    when the run holds fewer than two allocators with the baseline's scorer. `ceilings`: the run's
+    answer-aware labels (None: by name); `counted`: the tasks the score uses (default all)."""
+    parts = allocation_parts(frame, specs, ceilings, counted, seed, declared)
+    return None if parts is None else parts[0]
+
+
+def allocation_headline(parts, seed: int = inference.SEED) -> pd.DataFrame:
+    """Per budget, the allocator closest to the full cache and the runner-up (`analysis.headline`), from
+    `allocation_parts`."""
+    table, kl, score = parts
+    return closest_pairs(table.assign(score=table["avg_informative"]), table["kind"] == KINDS["method"], kl, score,
+                         "allocation only", seed)
+
+
+def allocation_parts(frame: pd.DataFrame, specs: dict, ceilings=None, counted: list[str] | None = None,
+                     seed: int = inference.SEED, declared: str | None = None):
+    """(the table, its rows' per-sample KL, their per-sample scores), or None (`allocation_table`)."""
+    base, chosen = same_scorer(specs, frame["method"], declared)
     if base is None or len(chosen) < 2:
         return None
     rows = frame[frame["method"].isin(chosen) & frame["budget"].notna()]
-    rows = pd.concat([rows, hindsight_rows(rows)], ignore_index=True)
-    chosen = chosen + [HINDSIGHT]
-    keys = list(rows.groupby(["method", "budget"], sort=False).groups)
-    index = {key: i for i, key in enumerate(keys)}
-    rows = rows.assign(key=[index[(m, b)] for m, b in zip(rows["method"], rows["budget"])])
-    boot = stats.Bootstrap.draw(rows, resamples, seed)
-    order = list(range(len(keys)))
-    score, score_draws = (100 * x for x in boot.replicates(rows, "score", order))
-    kl, kl_draws = boot.replicates(rows, "kl", order)
-    out = []
+    pairs_present = set(zip(rows["method"], rows["budget"].astype(int)))
+    keys = [(m, int(b)) for b in sorted(rows["budget"].unique()) for m in chosen if (m, int(b)) in pairs_present]
+    number = {key: i for i, key in enumerate(keys)}
+    rows = rows.assign(score=100 * rows["score"], key=[number[(m, int(b))] for m, b in zip(rows["method"], rows["budget"])])
+    counted = list(dict.fromkeys(rows["task"])) if counted is None else counted
+    kl_all = inference.sample_matrix(rows, "kl", list(range(len(keys))))
+    score_all = inference.sample_matrix(rows, "score", list(range(len(keys))))
+    score_all.values[:, ~np.isin([task for task, _ in score_all.ids], counted)] = np.nan
+    meta, kl, score = [], [], []
     for budget in sorted({b for _, b in keys}):
-        if (base, budget) not in index:
+        at = [i for i, (_, b) in enumerate(keys) if b == budget]
+        methods = [keys[i][0] for i in at]
+        if base not in methods:
             continue
-        b = index[(base, budget)]
-        c = index.get((HINDSIGHT, budget))
-        for method in chosen:
-            if (method, budget) not in index:
-                continue
-            i = index[(method, budget)]
-            row = {"method": method, "budget": int(budget), "ceiling": method == HINDSIGHT or is_ceiling(method, ceilings),
-                   "avg": round(float(score[i]), 2), "kl": float(kl[i])}
-            if i != b:
-                diff, kl_diff = score_draws[i] - score_draws[b], kl_draws[i] - kl_draws[b]
-                point = round(float(score[i] - score[b]), 2)
-                low, high = stats.interval(diff)
-                row.update(delta_vs_uniform=point, delta_ci_low=float(_floor2(min(low, point))),
-                           delta_ci_high=float(_ceil2(max(high, point))))
-                kl_point = float(kl[i] - kl[b])
-                low, high = stats.interval(kl_diff)
-                row.update(kl_delta_vs_uniform=kl_point, kl_delta_ci_low=float(min(low, kl_point)),
-                           kl_delta_ci_high=float(max(high, kl_point)))
-            if c is not None and kl[b] > kl[c]:
-                row["kl_gap_closed"] = float((kl[b] - kl[i]) / (kl[b] - kl[c]))
-            if c is not None and score[c] > score[b]:
-                row["score_gap_closed"] = float((score[i] - score[b]) / (score[c] - score[b]))
-            out.append(row)
-    return pd.DataFrame(out).reindex(columns=COLUMNS)
+        kl_b, score_b = kl_all.values[at], score_all.values[at]
+        kinds = ["aware" if is_ceiling(m, ceilings) else "method" for m in methods]
+        picks, cross_kl, cross_score = cross_fit(kl_all.rows(at), score_all.rows(at), [k == "method" for k in kinds], methods)
+        with np.errstate(all="ignore"):
+            bound = np.nanmin(kl_b, axis=0)  # per sample, the lowest KL of any allocation here
+        first = len(meta)
+        for k, (method, kind) in enumerate(zip(methods, kinds)):
+            others = np.delete(kl_b, k, axis=0)
+            with np.errstate(all="ignore"):
+                best = inference.stratified_mean(np.nanmin(others, axis=0)[None, :], kl_all.tasks)[0]
+            meta.append({"budget": budget, "method": method, "kind": KINDS[kind], "is_base": method == base,
+                         "kl_best_of_others": best, "picks": "", "_b": first + methods.index(base)})
+        meta.append({"budget": budget, "method": HINDSIGHT, "kind": KINDS["bound"], "is_base": False,
+                     "kl_best_of_others": np.nan, "picks": "", "_b": first + methods.index(base)})
+        meta.append({"budget": budget, "method": CROSS_FIT, "kind": KINDS["cross"], "is_base": False,
+                     "kl_best_of_others": np.nan, "picks": picks, "_b": first + methods.index(base)})
+        kl += [*kl_b, bound, cross_kl]
+        score += [*score_b, np.full_like(bound, np.nan), cross_score]
+    if not meta:
+        return None
+    table = pd.DataFrame(meta)
+    kl = inference.Samples(np.vstack(kl), kl_all.tasks, kl_all.ids)
+    score = inference.Samples(np.vstack(score), kl_all.tasks, kl_all.ids)
+    estimate = inference.t_interval(kl.values, kl.tasks)
+    table = table.assign(kl=estimate.point, kl_ci_low=estimate.low, kl_ci_high=estimate.high,
+                         avg_informative=np.round(inference.stratified_mean(score.values, score.tasks), 2))
+    base_kl = table["kl"].to_numpy()[table["_b"].to_numpy()]
+    gap = base_kl - table["kl_best_of_others"].to_numpy()
+    with np.errstate(all="ignore"):
+        table["kl_gap_share"] = np.where(gap > 0, (base_kl - table["kl"].to_numpy()) / gap, np.nan)
+    pairs = [(i, int(b)) for i, (b, base_row, kind) in enumerate(zip(table["_b"], table["is_base"], table["kind"]))
+             if not base_row and kind != KINDS["bound"]]
+    for names, values, lower in ((KL_TEST, kl, True), (SCORE_TEST, score, False)):
+        _tests(table, names, values, pairs, lower, seed)
+    return table.reindex(columns=COLUMNS), kl, score
 
 
-def hindsight_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """`best-of-allocations`: per (task, sample, budget), the lowest KL and the highest score of any row."""
-    best = rows.groupby(["task", "id", "budget"], as_index=False).agg(kl=("kl", "min"), score=("score", "max"))
-    return best.assign(method=HINDSIGHT)
+def cross_fit(kl: inference.Samples, score: inference.Samples, eligible: list[bool], keys: list[str]):
+    """(the picks, per-sample KL, per-sample score) of the two-fold cross-fitted choice (module docstring)."""
+    present = np.isfinite(kl.values).any(axis=0)
+    position = pd.Series(kl.tasks[present]).groupby(kl.tasks[present]).cumcount().to_numpy()
+    half = np.zeros(len(present), dtype=bool)
+    half[np.flatnonzero(present)] = position % 2 == 1
+    kl_out, score_out, picks = np.full(len(half), np.nan), np.full(len(half), np.nan), []
+    for chosen_on in (present & ~half, present & half):
+        with np.errstate(all="ignore"):
+            means = inference.stratified_mean(kl.values[:, chosen_on], kl.tasks[chosen_on])
+        means = np.where(eligible & np.isfinite(means), means, np.inf)
+        if not np.isfinite(means).any():
+            continue
+        pick = int(np.argmin(means))
+        judged = present & ~chosen_on
+        kl_out[judged] = kl.values[pick, judged]
+        score_out[judged] = score.values[pick, judged]
+        picks.append(keys[pick])
+    if len(picks) == 2 and picks[0] == picks[1]:
+        return f"{picks[0]} (both halves)", kl_out, score_out
+    return " / ".join(picks), kl_out, score_out
+
+
+def _tests(table: pd.DataFrame, names, values: inference.Samples, pairs, lower_is_better: bool, seed: int) -> None:
+    """One measure's paired comparisons against each budget's baseline, one Holm family over the table."""
+    delta, low, high, p, p_holm, verdict, mdd = names
+    tests = compare(values, pairs, seed=seed)
+    for name in (delta, low, high, p, p_holm, mdd):
+        table[name] = np.nan
+    rows = [i for i, _ in pairs]
+    for name, source in zip((delta, low, high, p, p_holm, mdd), ("delta", "low", "high", "p", "p_holm", "mdd")):
+        table.loc[rows, name] = tests[source].to_numpy()
+    if not lower_is_better:  # scores: 2 decimals, the interval widened to hold the point shown
+        point = np.round(tests["delta"].to_numpy(), 2)
+        table.loc[rows, delta] = point
+        table.loc[rows, low] = _floor2(np.minimum(tests["low"].to_numpy(), point))
+        table.loc[rows, high] = _ceil2(np.maximum(tests["high"].to_numpy(), point))
+    table[verdict] = [
+        "baseline" if base else (KINDS["aware"] if kind == KINDS["aware"] else inference.verdict(lo, hi, q, lower_is_better))
+        for base, kind, lo, hi, q in zip(table["is_base"], table["kind"], table[low], table[high], table[p_holm])]
 
 
 def allocation_markdown(table: pd.DataFrame) -> str:
-    """The table as markdown: differences with their intervals, gap shares as percentages."""
-    def paired(row, point, low, high, digits):
-        if pd.isna(row[point]):
-            return "(baseline)"
-        return f"{row[point]:+.{digits}f} [{row[low]:+.{digits}f}, {row[high]:+.{digits}f}]"
+    """The table as markdown: fidelity first, differences with intervals, raw and Holm p, verdicts."""
+    def paired(row, names, digits):
+        delta, low, high, p, p_holm, verdict, _ = names
+        if pd.isna(row[delta]):
+            return row[verdict] or "", ""
+        return (f"{row[delta]:+.{digits}f} [{row[low]:+.{digits}f}, {row[high]:+.{digits}f}]",
+                f"{row[p]:.3g} ({row[p_holm]:.3g}) {row[verdict]}")
 
     def share(value):
         return "" if pd.isna(value) else f"{100 * value:.0f}%"
 
-    lines = [{"budget": int(r["budget"]), "method": f"{r['method']}{' (ceiling)' if r['ceiling'] else ''}",
-              "score": f"{r['avg']:.2f}", "score vs uniform [95% CI]": paired(r, "delta_vs_uniform", "delta_ci_low", "delta_ci_high", 2),
-              "KL": f"{r['kl']:.3f}", "KL vs uniform [95% CI]": paired(r, "kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high", 3),
-              "KL gap closed": share(r["kl_gap_closed"]), "score gap closed": share(r["score_gap_closed"])}
-             for _, r in table.iterrows()]
-    return pd.DataFrame(lines).to_markdown(index=False) + "\n"
+    lines = []
+    for _, r in table.iterrows():
+        kl_diff, kl_p = paired(r, KL_TEST, 3)
+        score_diff, score_p = paired(r, SCORE_TEST, 2)
+        label = r["method"] if r["kind"] in (KINDS["method"], KINDS["cross"]) else f"{r['method']} ({r['kind']})"
+        lines.append({"budget": int(r["budget"]), "method": label + (f": {r['picks']}" if r["picks"] else ""),
+                      "KL": f"{r['kl']:.3f}", "KL vs uniform [95% CI]": kl_diff, "p (Holm), verdict": kl_p,
+                      "KL gap share (leave-one-out)": share(r["kl_gap_share"]),
+                      "score": "" if pd.isna(r["avg_informative"]) else f"{r['avg_informative']:.2f}",
+                      "score vs uniform [95% CI]": score_diff, "score p (Holm), verdict": score_p})
+    return pd.DataFrame(lines).to_markdown(index=False, disable_numparse=True) + "\n"
 
 
 def best_by_budget(table: pd.DataFrame) -> dict[int, str]:
-    """Per budget, the real (not ceiling) allocator closest to the full cache (lowest KL)."""
-    real = table[~table["ceiling"].astype(bool)]
+    """Per budget, the allocator (not answer-aware, bound or cross-fit) closest to the full cache (lowest KL)."""
+    real = table[table["kind"] == KINDS["method"]]
     return {int(b): str(group.loc[group["kl"].idxmin(), "method"]) for b, group in real.groupby("budget")}
-

@@ -1,6 +1,7 @@
 """The report's plots: score and KL against budget, one line per method with its intervals, and the
 per-layer budgets of a prompt of typical length. They read the tables of `analysis.tables` (or the
-result lines) and write PNGs through `runs.safeio`.
+result lines) and write PNGs through `runs.safeio`. Each method keeps its look (`plots.series_styles`)
+across the plots; answer-aware variants are grey and hollow, labelled as such, never drawn as bounds.
 """
 
 from __future__ import annotations
@@ -10,28 +11,36 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ripplekv.analysis.plots import pyplot
+from ripplekv.analysis.plots import AWARE_COLOUR, pyplot, series_styles
 from ripplekv.runs.files import REFERENCE, is_ceiling
 from ripplekv.runs.safeio import save_figure
 
-STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
 KL_FLOOR = 1e-8  # kl of a variant that keeps everything can be 0; a log axis needs a floor
+AWARE = "answer-aware"
 
 
 _pyplot = pyplot
 
 
-def plot_score_vs_budget(board: pd.DataFrame, path: Path, ceilings=None) -> None:
+def score_column(board: pd.DataFrame) -> tuple[str, str]:
+    """(the column the score plots show, its name): the informative tasks' average when the run has one."""
+    if "avg_informative" in board and board["avg_informative"].notna().any():
+        return "avg_informative", "average score, informative tasks (95% CI)"
+    return "avg", "average score, all tasks (95% CI)"
+
+
+def plot_score_vs_budget(board: pd.DataFrame, path: Path, ceilings=None, styles=None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.4, 4.6))
-    _method_lines(ax, board, "avg", ceilings=ceilings)
+    column, label = score_column(board)
+    _method_lines(ax, board, column, ceilings=ceilings, styles=styles)
     full = board[board["method"] == REFERENCE]
-    if len(full):
-        ax.axhline(float(full["avg"].iloc[0]), color="black", linestyle="--", linewidth=1, label="full (reference)")
-        if "avg_ci_low" in full:
-            ax.axhspan(float(full["avg_ci_low"].iloc[0]), float(full["avg_ci_high"].iloc[0]), color="black", alpha=0.07)
+    if len(full) and pd.notna(full[column].iloc[0]):
+        ax.axhline(float(full[column].iloc[0]), color="black", linestyle="--", linewidth=1, label="full (reference)")
+        if f"{column}_ci_low" in full:
+            ax.axhspan(float(full[f"{column}_ci_low"].iloc[0]), float(full[f"{column}_ci_high"].iloc[0]), color="black", alpha=0.07)
     _budget_axis(ax, board)
-    ax.set_ylabel("average score (95% CI)")
+    ax.set_ylabel(label)
     ax.set_title("Score vs KV budget")
     _legend_beside(ax)
     fig.tight_layout()
@@ -39,13 +48,13 @@ def plot_score_vs_budget(board: pd.DataFrame, path: Path, ceilings=None) -> None
     plt.close(fig)
 
 
-def plot_kl_vs_budget(board: pd.DataFrame, path: Path, ceilings=None) -> None:
+def plot_kl_vs_budget(board: pd.DataFrame, path: Path, ceilings=None, styles=None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.4, 4.6))
-    _method_lines(ax, board, "kl", floor=KL_FLOOR, ceilings=ceilings)
+    _method_lines(ax, board, "kl", floor=KL_FLOOR, ceilings=ceilings, styles=styles)
     ax.set_yscale("log")
     _budget_axis(ax, board)
-    ax.set_ylabel("KL(full || variant) per answer token (95% CI)")
+    ax.set_ylabel("KL(full || variant) per answer token, log scale (95% CI)")
     ax.set_title("Fidelity to the full cache vs KV budget")
     _legend_beside(ax)
     fig.tight_layout()
@@ -53,26 +62,28 @@ def plot_kl_vs_budget(board: pd.DataFrame, path: Path, ceilings=None) -> None:
     plt.close(fig)
 
 
-def _method_lines(ax, board: pd.DataFrame, column: str, floor: float | None = None, ceilings=None) -> None:
-    """One line per compressed method: `column` against budget, with its `_ci_low/_ci_high` as error bars;
-    `ceilings` (labels that know the answer, `runs.files.is_ceiling`) are drawn as bounds."""
+def _method_lines(ax, board: pd.DataFrame, column: str, floor: float | None = None, ceilings=None, styles=None) -> None:
+    """One line per compressed method: `column` against budget, with its `_ci_low/_ci_high` as error bars, in
+    its own colour, marker and line style; answer-aware variants (`runs.files.is_ceiling`) grey and hollow."""
     compressed = board[board["method"] != REFERENCE]
+    styles = styles or series_styles(compressed["method"])
     count = compressed["method"].nunique()
     for i, (method, group) in enumerate(compressed.groupby("method", sort=False)):
         dodge = 2 ** (0.04 * (i - (count - 1) / 2))  # side by side on the log2 axis, so the bars stay apart
         group = group.sort_values("budget")
         value = group[column].astype(float).clip(lower=floor)
+        if value.isna().all():
+            continue
         yerr = None
         if f"{column}_ci_low" in group:
             low = group[f"{column}_ci_low"].astype(float).clip(lower=floor)
             high = group[f"{column}_ci_high"].astype(float).clip(lower=floor)
             yerr = np.vstack([(value - low).clip(lower=0), (high - value).clip(lower=0)])
-        marker, line = STYLES[i % len(STYLES)]
-        if is_ceiling(method, ceilings):  # a bound, not a method: grey, dotted, named as such
-            ax.errorbar(group["budget"].astype(int) * dodge, value, yerr=yerr, marker="^", linestyle=":", capsize=3,
-                        color="grey", label=f"{method} (ceiling)")
-            continue
-        ax.errorbar(group["budget"].astype(int) * dodge, value, yerr=yerr, marker=marker, linestyle=line, capsize=3, label=method)
+        style = styles[method]
+        aware = is_ceiling(method, ceilings)
+        ax.errorbar(group["budget"].astype(int) * dodge, value, yerr=yerr, marker=style.marker, linestyle=style.line,
+                    capsize=3, color=AWARE_COLOUR if aware else style.colour, markerfacecolor="white" if aware else style.face,
+                    label=f"{method} ({AWARE})" if aware else method)
 
 
 def _legend_beside(ax) -> None:

@@ -1,7 +1,12 @@
-"""Forest plots: per budget, each method's paired difference to the uniform baseline with its 95% interval,
+"""Forest plots: per budget, each method's paired comparison with the uniform baseline and its 95% interval,
 sorted, so "which methods are closer to the full cache than SnapKV, by how much, how sure" reads off one
-picture. Methods are coloured by family (`defaults.METHOD_FAMILIES`); a ceiling is a dashed line at its
-difference, never a ranked row. They read the leaderboard of `analysis.tables.add_uncertainty`.
+picture. They read the leaderboard of `analysis.tables.add_uncertainty`.
+
+KL is drawn as its ratio to the baseline's mean KL (`kl_ratio_vs_uniform`, a paired delta-method interval of
+the log ratio) on a log axis with labelled ticks (x0.5, x1, x2, ...), so a method 16% closer and one twice as
+far sit at distances that mean what they say. Scores are differences on a linear axis. Every row keeps its
+method's colour and marker (`plots.series_styles`); `*` marks a difference significant after Holm's
+adjustment. Answer-aware variants are not drawn: they are no methods and no bounds (the tables show them).
 """
 
 from __future__ import annotations
@@ -11,28 +16,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ripplekv.analysis.plots import pyplot
-from ripplekv.analysis.tables import baseline_of
-from ripplekv.defaults import METHOD_FAMILIES
+from ripplekv.analysis.plots import pyplot, series_styles
 from ripplekv.runs.files import REFERENCE, is_ceiling
 from ripplekv.runs.safeio import save_figure
 
-OTHER = "other"
-KL_LINEAR = 0.1  # the KL axis is linear within +-0.1 of the baseline and logarithmic beyond
-# One colour per family (matplotlib's tab10, in the order of METHOD_FAMILIES), grey for the rest.
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#7f7f7f")
-# (leaderboard value, its difference to the baseline, the interval's columns, axis label, lower is better)
+RATIO_TICKS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+FINE_TICKS = (2 / 3, 0.8, 1.25, 1.5)  # added when the axis spans little more than one doubling
+# (the point, the interval's columns, Holm p, axis label)
 MEASURES = {
-    "kl": ("kl", "kl_delta_vs_uniform", "kl_delta_ci_low", "kl_delta_ci_high",
-           "KL − {base}'s KL (95% CI)\n← closer to the full cache"),
-    "score": ("avg", "delta_vs_uniform", "delta_ci_low", "delta_ci_high", "score − {base}'s score (95% CI)\nbetter →"),
+    "kl": ("kl_ratio_vs_uniform", "kl_ratio_ci_low", "kl_ratio_ci_high", "p_kl_vs_uniform_holm",
+           "KL ÷ {base}'s KL, log scale (95% CI)\n← closer to the full cache"),
+    "score": ("delta_vs_uniform", "delta_ci_low", "delta_ci_high", "p_vs_uniform_holm",
+              "score − {base}'s score, informative tasks (95% CI)\nbetter →"),
 }
-
-
-def family_of(label: str) -> str:
-    """The family of a method label (`ripplekv:split=adakv` is RippleKV's)."""
-    preset = str(label).split(":", 1)[0].strip()
-    return next((family for family, names in METHOD_FAMILIES.items() if preset in names), OTHER)
 
 
 def short_label(label: str) -> str:
@@ -42,68 +38,70 @@ def short_label(label: str) -> str:
     return ":".join([name, *(o for o in options if not o.partition("=")[2].endswith(".csv"))])
 
 
-def colours() -> dict[str, str]:
-    return {family: PALETTE[i % (len(PALETTE) - 1)] for i, family in enumerate(METHOD_FAMILIES)} | {OTHER: PALETTE[-1]}
-
-
-def forest_rows(board: pd.DataFrame, budget, measure: str,
-                ceilings=None) -> tuple[pd.DataFrame, list[tuple[str, float]], str | None]:
-    """At one budget: the methods' differences with intervals (sorted, best at the top), each ceiling's
-    difference, and the baseline's name (None when the budget has none). `ceilings`: the run's answer-aware
-    labels (`runs.files.run_ceilings`; None: the name rule of runs made before they were recorded)."""
-    value, delta, low, high, _ = MEASURES[measure]
+def forest_rows(board: pd.DataFrame, budget, measure: str, ceilings=None) -> tuple[pd.DataFrame, str | None]:
+    """At one budget: every compressed method with a comparison (`method, delta, low, high, p_holm`), best at the
+    top, answer-aware variants left out (`ceilings`: the run's answer-aware labels; None: by name), and the
+    baseline's name (None when the budget has none). For KL, `delta`, `low` and `high` are ratios to the baseline."""
+    point, low, high, p_holm, _ = MEASURES[measure]
+    empty = pd.DataFrame(columns=["method", "delta", "low", "high", "p_holm"])
     rows = board[(board["budget"] == budget) & (board["method"] != REFERENCE)]
-    base = baseline_of(rows["method"])
-    if base is None:
-        return rows.iloc[0:0], [], None
-    base_value = float(rows.loc[rows["method"] == base, value].iloc[0])
-    ceiling = rows["method"].map(lambda label: is_ceiling(label, ceilings)).astype(bool)
-    ceilings = [(m, float(v) - base_value) for m, v in zip(rows.loc[ceiling, "method"], rows.loc[ceiling, value])]
-    ranked = rows[~ceiling & rows[delta].notna()][["method", delta, low, high]]
-    ranked = ranked.rename(columns={delta: "delta", low: "low", high: "high"})
-    # Best at the top: lowest KL difference, highest score difference.
-    ranked = ranked.sort_values("delta", ascending=(measure == "kl"), kind="stable")
-    return ranked.reset_index(drop=True), ceilings, base
+    if point not in rows or rows[point].isna().all() or "versus" not in rows:
+        return empty, None
+    rows = rows[rows[point].notna() & ~rows["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)]
+    out = pd.DataFrame({"method": rows["method"], "delta": rows[point], "low": rows[low], "high": rows[high],
+                        "p_holm": rows[p_holm]})
+    out = out.sort_values("delta", ascending=(measure == "kl"), kind="stable")  # best at the top
+    return out.reset_index(drop=True), str(rows["versus"].dropna().iloc[0]) if rows["versus"].notna().any() else None
 
 
-CEILING_STYLES = ("--", ":", "-.")
-
-
-def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl", ceilings=None) -> None:
-    """One panel per budget: a row per method, its paired difference to the baseline and 95% interval."""
+def plot_forest(board: pd.DataFrame, path: Path, measure: str = "kl", ceilings=None, styles=None) -> None:
+    """One panel per budget: a row per method, its comparison with the baseline and 95% interval."""
     plt = pyplot()
+    styles = styles or series_styles(board.loc[board["method"] != REFERENCE, "method"])
     budgets = sorted(int(b) for b in board["budget"].dropna().unique())
     panels = [(b, *forest_rows(board, b, measure, ceilings)) for b in budgets]
-    panels = [p for p in panels if p[3] is not None] or [(None, pd.DataFrame(columns=["method", "delta", "low", "high"]), [], None)]
+    panels = [p for p in panels if p[2] is not None] or [(None, forest_rows(board.iloc[0:0], None, measure)[0], None)]
     tallest = max(len(p[1]) for p in panels)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 1.2 + 0.28 * max(tallest, 3)), squeeze=False)
-    palette = colours()
-    seen: dict[str, object] = {}
-    styles: dict[str, str] = {}
-    for ax, (budget, rows, ceilings, base) in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 1.3 + 0.28 * max(tallest, 3)), squeeze=False)
+    for ax, (budget, rows, base) in zip(axes[0], panels):
         y = np.arange(len(rows))[::-1]  # the first row (the best) at the top
-        for family, group in rows.groupby(rows["method"].map(family_of), sort=False):
-            where = y[group.index.to_numpy()]
-            err = np.vstack([(group["delta"] - group["low"]).clip(lower=0), (group["high"] - group["delta"]).clip(lower=0)])
-            seen[family] = ax.errorbar(group["delta"], where, xerr=err, fmt="o", markersize=4, capsize=2,
-                                       color=palette[family], label=family)
-        ax.axvline(0, color="black", linewidth=0.8)
-        for name, offset in ceilings:  # one line style each, the same in every panel, so two ceilings read apart
-            style = styles.setdefault(name, CEILING_STYLES[len(styles) % len(CEILING_STYLES)])
-            seen[f"{name} (ceiling)"] = ax.axvline(offset, color="grey", linestyle=style, linewidth=1.2,
-                                                   label=f"{name} (ceiling)")
-        ax.set_yticks(y, [short_label(m) for m in rows["method"]], fontsize="small")
+        for at, row in zip(y, rows.itertuples()):
+            style = styles.get(row.method) or series_styles([row.method])[row.method]
+            err = [[max(row.delta - row.low, 0)], [max(row.high - row.delta, 0)]]
+            ax.errorbar([row.delta], [at], xerr=err, fmt=style.marker, markersize=5, capsize=2, color=style.colour,
+                        markerfacecolor=style.face)
+        ax.axvline(1.0 if measure == "kl" else 0.0, color="black", linewidth=0.8)
+        labels = [short_label(r.method) + (" *" if pd.notna(r.p_holm) and r.p_holm < 0.05 else "") for r in rows.itertuples()]
+        ax.set_yticks(y, labels, fontsize="small")
         ax.set_ylim(-0.7, max(len(rows), 1) - 0.3)
         ax.set_title(f"B={budget}" if budget is not None else "no baseline in this run", fontsize="medium")
         ax.set_xlabel(MEASURES[measure][4].format(base=base or "the baseline"), fontsize="small")
         ax.grid(axis="x", alpha=0.3)
-        if measure == "kl":  # linear near 0, where methods differ by hundredths; compressed for outliers
-            ax.set_xscale("symlog", linthresh=KL_LINEAR)
-    if seen:  # below the panels, never over the data
-        fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 4), fontsize="small",
-                   frameon=False, bbox_to_anchor=(0.5, 0.0))
-    title = "Fidelity: paired KL difference" if measure == "kl" else "Score: paired difference"
-    fig.suptitle(f"{title} to the uniform baseline, per budget", fontsize="medium")
-    fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(seen) // 4), 1, 1))
+        if measure == "kl" and len(rows):
+            ratio_axis(ax, float(rows["low"].min()), float(rows["high"].max()))
+    title = "Fidelity: KL relative to" if measure == "kl" else "Score: paired difference to"
+    fig.suptitle(f"{title} the uniform baseline, per budget (* significant after Holm's adjustment)", fontsize="medium")
+    fig.tight_layout()
     save_figure(fig, path, dpi=110)
     plt.close(fig)
+
+
+def ratio_ticks(low: float, high: float) -> list[float]:
+    """The labelled ticks of a ratio axis from `low` to `high`: powers of 2, and finer steps on a short axis."""
+    ticks = [t for t in RATIO_TICKS if low <= t <= high]
+    if len(ticks) < 3:
+        ticks = sorted(ticks + [t for t in FINE_TICKS if low <= t <= high])
+    return ticks or [1.0]
+
+
+def ratio_axis(ax, low: float, high: float) -> None:
+    """A log axis of the KL ratio holding 1, with its ticks written as multiples (x0.5, x1, x2)."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    low, high = min(low, 1.0) / 1.15, max(high, 1.0) * 1.15
+    ax.set_xscale("log")
+    ax.set_xlim(low, high)
+    ticks = ratio_ticks(low, high)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"×{t:.3g}" for t in ticks], fontsize="x-small")

@@ -1,45 +1,61 @@
-"""Two methods head to head: their paired score and KL differences at each budget, with intervals.
+"""Two methods head to head: their paired score and KL differences at each budget, with intervals and tests.
 
 The leaderboard pairs every method with the uniform baseline; a question like "does GraceKV as published beat
-its fixed-slot reading" pairs two methods directly, on the same resampled samples (`stats.Bootstrap`).
+its fixed-slot reading" pairs two methods directly, on the samples both ran (`analysis.inference`: stratified t
+interval, sign-flip p, Holm over the table's budgets, per measure).
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from ripplekv.analysis import stats
+from ripplekv.analysis import inference
+from ripplekv.analysis.tables import compare
 
-COLUMNS = ["budget", "method", "versus", "samples", "score_delta", "score_ci_low", "score_ci_high",
-           "kl_delta", "kl_ci_low", "kl_ci_high"]
+COLUMNS = ["budget", "method", "versus", "samples", "score_delta", "score_ci_low", "score_ci_high", "p_score",
+           "p_score_holm", "kl_delta", "kl_ci_low", "kl_ci_high", "p_kl", "p_kl_holm"]
 
 
-def head_to_head(frame: pd.DataFrame, method: str, versus: str, resamples: int = stats.RESAMPLES,
-                 seed: int = stats.SEED) -> pd.DataFrame:
-    """Per budget both methods ran at: `method` minus `versus` (score x 100 as the leaderboard, KL per answer
-    token), point and 95% interval, over the samples both have. Empty when they share no budget."""
-    rows = []
-    for budget, group in frame[frame["method"].isin([method, versus]) & frame["budget"].notna()].groupby("budget"):
-        both = group.groupby(["task", "id"])["method"].transform("nunique") == 2
-        group = group[both]
-        if group.empty:
-            continue
-        group = group.assign(key=group["method"])
-        boot = stats.Bootstrap.draw(group, resamples, seed)
-        line = {"budget": int(budget), "method": method, "versus": versus, "samples": int(both.sum() // 2)}
-        for column, name, scale in (("score", "score", 100.0), ("kl", "kl", 1.0)):
-            point, draws = boot.replicates(group, column, [method, versus])
-            low, high = stats.interval(scale * (draws[0] - draws[1]))
-            line.update({f"{name}_delta": float(scale * (point[0] - point[1])), f"{name}_ci_low": float(low),
-                         f"{name}_ci_high": float(high)})
-        rows.append(line)
-    return pd.DataFrame(rows, columns=COLUMNS)
+def head_to_head(frame: pd.DataFrame, method: str, versus: str, seed: int = inference.SEED,
+                 counted: list[str] | None = None) -> pd.DataFrame:
+    """Per budget both methods ran at: `method` minus `versus` (score x 100 over the `counted` tasks, default all;
+    KL per answer token), point, 95% interval, p and Holm's p, over the samples both have. Empty when they share no
+    budget."""
+    rows = frame[frame["method"].isin([method, versus]) & frame["budget"].notna()]
+    rows = rows[rows.groupby(["task", "id", "budget"])["method"].transform("nunique") == 2]
+    if rows.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    budgets = sorted(int(b) for b in rows["budget"].unique())
+    keys = [(m, b) for b in budgets for m in (method, versus)]
+    number = {key: i for i, key in enumerate(keys)}
+    rows = rows.assign(key=[number[(m, int(b))] for m, b in zip(rows["method"], rows["budget"])],
+                       score=100 * rows["score"])
+    pairs = [(2 * i, 2 * i + 1) for i in range(len(budgets))]
+    kl = compare(inference.sample_matrix(rows, "kl", list(range(len(keys)))), pairs, seed=seed)
+    counted = list(dict.fromkeys(rows["task"])) if counted is None else counted
+    chosen = rows[rows["task"].isin(counted)]
+    score = compare(inference.sample_matrix(chosen, "score", list(range(len(keys)))), pairs, seed=seed)
+    samples = rows.groupby("budget")["id"].size() // 2
+    return pd.DataFrame({
+        "budget": budgets, "method": method, "versus": versus, "samples": [int(samples[b]) for b in budgets],
+        "score_delta": score["delta"], "score_ci_low": score["low"], "score_ci_high": score["high"],
+        "p_score": score["p"], "p_score_holm": score["p_holm"],
+        "kl_delta": kl["delta"], "kl_ci_low": kl["low"], "kl_ci_high": kl["high"], "p_kl": kl["p"],
+        "p_kl_holm": kl["p_holm"]}, columns=COLUMNS)
 
 
 def head_to_head_markdown(table: pd.DataFrame) -> str:
-    """The table as markdown, differences with their intervals."""
+    """The table as markdown, differences with their intervals, p (Holm) and verdict."""
+    def line(r, name, digits, lower):
+        if pd.isna(getattr(r, f"{name}_delta")):
+            return "– (no informative task)" if name == "score" else "–"
+        word = inference.verdict(getattr(r, f"{name}_ci_low"), getattr(r, f"{name}_ci_high"), getattr(r, f"p_{name}_holm"), lower)
+        return (f"{getattr(r, f'{name}_delta'):+.{digits}f} [{getattr(r, f'{name}_ci_low'):+.{digits}f}, "
+                f"{getattr(r, f'{name}_ci_high'):+.{digits}f}], p {getattr(r, f'p_{name}'):.2g} "
+                f"(Holm {getattr(r, f'p_{name}_holm'):.2g}) {word}")
+
     lines = [{"budget": int(r.budget), "samples": int(r.samples),
-              f"score, {r.method} - {r.versus} [95% CI]": f"{r.score_delta:+.2f} [{r.score_ci_low:+.2f}, {r.score_ci_high:+.2f}]",
-              f"KL, {r.method} - {r.versus} [95% CI]": f"{r.kl_delta:+.3f} [{r.kl_ci_low:+.3f}, {r.kl_ci_high:+.3f}]"}
+              f"KL, {r.method} - {r.versus} [95% CI], p": line(r, "kl", 3, True),
+              f"score, {r.method} - {r.versus} [95% CI], p": line(r, "score", 2, False)}
              for r in table.itertuples()]
-    return pd.DataFrame(lines).to_markdown(index=False) + "\n"
+    return pd.DataFrame(lines).to_markdown(index=False, disable_numparse=True) + "\n"

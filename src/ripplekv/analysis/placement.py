@@ -1,16 +1,14 @@
 """The placement study's verdict: the route's rank among random placements, with intervals.
 
-Every placement (the route first) is scored on the same calibration samples, so each placement is
-compared with the route by `stats.Bootstrap`'s paired bootstrap: one set of resampled samples for all
-placements (the calibration samples form one stratum: there are too few per task to stratify), the
-difference of mean KLs (placement - route) recomputed on each. A placement is significantly better
-(worse) than the route when the difference's interval lies wholly below (above) 0.
+Every placement (the route first) is scored on the same calibration samples, so each is compared with the
+route on paired per-sample differences of KL (placement - route; the calibration samples form one stratum:
+there are too few per task to stratify) by `analysis.inference`: a t interval, a sign-flip p-value and
+Holm's adjustment over all the placements. A placement is significantly better (worse) than the route when
+its adjusted p is below 0.05 and its interval lies wholly below (above) 0; `tie` otherwise.
 
 The route's rank (1 = lowest mean KL) comes with two intervals: the bootstrap percentile interval of the
-rank recomputed on each resample, and the range the significance verdicts allow, from 1 + (placements
-significantly better) to 1 + (placements not significantly worse). Each verdict is one test at the
-confidence level with no correction for the many placements, so about 5% of equally good placements
-are expected on either side by chance.
+rank recomputed on each paired resample (`stats.Bootstrap`), and the range the verdicts allow, from 1 +
+(placements significantly better) to 1 + (placements not significantly worse).
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ripplekv.analysis.stats import CONFIDENCE, RESAMPLES, SEED, Bootstrap, interval, p_value
+from ripplekv.analysis import inference
+from ripplekv.analysis.stats import CONFIDENCE, RESAMPLES, SEED, Bootstrap, interval
 
 STRATUM = "calibration"
 
@@ -32,7 +31,8 @@ class PlacementVerdict:
     difference: np.ndarray  # [P + 1] mean KL of the placement minus the route's (0 for the route)
     low: np.ndarray
     high: np.ndarray
-    p: np.ndarray
+    p: np.ndarray  # sign-flip p, raw
+    p_holm: np.ndarray  # Holm-adjusted over the placements
     verdict: list[str]  # "route", "better", "worse" or "tie"
     rank: int  # 1 + placements with lower mean KL than the route
     rank_low: float  # bootstrap percentile interval of the rank
@@ -61,6 +61,7 @@ class PlacementVerdict:
             "share_worse": self.worse / total if total else None,
             "confidence": self.confidence,
             "resamples": RESAMPLES,
+            "test": "sign-flip, Holm-adjusted over the placements",
         }
 
     def line(self) -> str:
@@ -88,12 +89,18 @@ def placement_verdict(kl: np.ndarray, sample_ids: list[str] | None = None, resam
     })
     bootstrap = Bootstrap.draw(frame, resamples, seed)
     point, draws = bootstrap.replicates(frame, "kl", list(range(count)))
-    differences = draws - draws[0]  # [P + 1, R], paired: the same resampled samples for every placement
-    low, high = interval(differences, confidence)
-    p = p_value(differences)
-    verdict = ["route"] + ["better" if high[i] < 0 else "worse" if low[i] > 0 else "tie" for i in range(1, count)]
+    tasks = np.zeros(samples, dtype=int)
+    differences = (kl - kl[:, :1]).T  # [P + 1, samples], paired: placement minus route on each sample
+    estimate = inference.t_interval(differences, tasks, confidence)
+    p = np.full(count, np.nan)
+    p[1:] = inference.sign_flip_p(differences[1:], tasks, seed=seed)
+    p_holm = np.full(count, np.nan)
+    p_holm[1:] = inference.holm(p[1:])
+    words = {"closer": "better", "further": "worse", "tied": "tie"}
+    verdict = ["route"] + [words[inference.verdict(estimate.low[i], estimate.high[i], p_holm[i], lower_is_better=True)]
+                           for i in range(1, count)]
     ranks = 1 + (draws[1:] < draws[0]).sum(0)
     rank_low, rank_high = interval(ranks.astype(float), confidence)
-    return PlacementVerdict(point - point[0], low, high, p, verdict, 1 + int((point[1:] < point[0]).sum()),
-                            float(rank_low), float(rank_high), verdict.count("better"), verdict.count("worse"),
-                            samples, confidence)
+    return PlacementVerdict(point - point[0], estimate.low, estimate.high, p, p_holm, verdict,
+                            1 + int((point[1:] < point[0]).sum()), float(rank_low), float(rank_high),
+                            verdict.count("better"), verdict.count("worse"), samples, confidence)

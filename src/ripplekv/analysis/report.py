@@ -11,25 +11,38 @@ in `analysis.summary`; this module loads the result lines and renders them all i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
 
-from ripplekv.analysis import stats
-from ripplekv.analysis.allocation import allocation_markdown, allocation_table, method_specs
+from ripplekv.analysis import inference, stats
+from ripplekv.analysis.allocation import allocation_headline, allocation_markdown, allocation_parts, method_specs
 from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plot_score_vs_budget
 from ripplekv.analysis.forest import plot_forest
+from ripplekv.analysis.headline import closest_pairs
+from ripplekv.analysis.informative import counted_tasks, informative_tasks
+from ripplekv.analysis.plots import series_styles
 from ripplekv.analysis.summary import summary_markdown
-from ripplekv.analysis.tables import add_uncertainty, leaderboard, leaderboard_wide, length_table, task_scores
+from ripplekv.analysis.tables import (
+    BASELINES,
+    _board_rows,
+    add_uncertainty,
+    leaderboard,
+    leaderboard_wide,
+    length_table,
+    task_scores,
+)
 from ripplekv.analysis.time_spent import samples_timed, time_markdown, time_table
 from ripplekv.errors import UserError
 from ripplekv.metrics.rouge import check_rouge
 from ripplekv.metrics.scoring import metric_label, score_sample
-from ripplekv.runs.files import CONFIG, PREDICTIONS, is_ceiling, run_ceilings, without_torn_sample
+from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, is_ceiling, run_ceilings, without_torn_sample
 from ripplekv.runs.jsonl import read_jsonl
 from ripplekv.runs.safeio import write_csv, write_text
 
 FLOAT_FORMAT = "%.6g"
+PRIMARY_BASELINE = "primary_baseline"  # config.json: the label a run declares its primary comparisons against
 
 
 def check_run_folder(run_dir: str | Path) -> Path:
@@ -90,30 +103,71 @@ def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
 
 # What `render` writes (listed at the end of `ripplekv eval` and `ripplekv report`; lengths.csv only when
 # samples carry a length).
+FIGURES = ("score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png", "score_forest.png")
+
+
+def plots_wanted() -> bool:
+    """Whether eval's closing report draws its figures: RIPPLEKV_PLOTS=0 leaves them out (the tables and
+    summary.md are the same). Drawing is ~95% of a small run's report (~2 s of CPU): the test suite runs about
+    a hundred evals whose figures no test looks at. `ripplekv report` always draws."""
+    return os.environ.get("RIPPLEKV_PLOTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def declared_baseline(run_dir: str | Path) -> str | None:
+    """The baseline the run declares for its primary comparisons (config.json's `primary_baseline`), if any."""
+    try:
+        config = json.loads((Path(run_dir) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    declared = config.get(PRIMARY_BASELINE) if isinstance(config, dict) else None
+    return str(declared) if declared else None
+
+
+def primary_comparisons(board: pd.DataFrame) -> list[str]:
+    """`method vs baseline at B` for each comparison the leaderboard makes (what report.json records)."""
+    rows = board[board["versus"].notna() & (board["versus"] != board["method"])]
+    return [f"{m} vs {v} at B={int(b)}" for m, v, b in zip(rows["method"], rows["versus"], rows["budget"])]
 
 
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,
-           seed: int = stats.SEED) -> dict[str, pd.DataFrame]:
-    """Write scores.csv, leaderboard.csv, leaderboard_wide.csv, ranks.csv, lengths.csv (when samples have
-    a length), allocation_only.csv and .md (when several methods share the uniform baseline's scorer), the plots,
-    summary.md and report.json (the settings) into `run_dir`; with the run's timings.csv, where the time went
-    (`analysis.time_spent`) closes summary.md and is returned as "time"."""
+           seed: int = stats.SEED, plots: bool = True) -> dict[str, pd.DataFrame]:
+    """Write scores.csv, informative.csv, leaderboard.csv, headline.csv, leaderboard_wide.csv, ranks.csv,
+    lengths.csv (when samples have a prompt length), allocation_only.csv and .md (when several methods share
+    the uniform baseline's scorer), the plots, summary.md and report.json (the settings) into `run_dir`; with
+    the run's timings.csv, where the time went (`analysis.time_spent`) closes summary.md and is returned as
+    "time". Without `plots`, FIGURES are not drawn and any left from an earlier render are removed (they would
+    no longer match the tables)."""
     run_dir = Path(run_dir)
     check_rouge(rouge)
     if resamples < 1:
         raise UserError(f"--resamples must be a positive number, got {resamples}")
     frame = rescore_rouge(load_predictions(run_dir), rouge)
-    scores = task_scores(frame)
+    informative = informative_tasks(frame, rouge)
+    counted = counted_tasks(informative)
+    scores = task_scores(frame, informative)
     ceilings = ceilings_of(run_dir, frame)
-    board, ranks = add_uncertainty(frame, leaderboard(scores, ceilings), resamples, seed, ceilings)
+    declared = declared_baseline(run_dir)
+    board, ranks = add_uncertainty(frame, leaderboard(scores, ceilings, counted), resamples, seed, ceilings, counted,
+                                   declared)
+    headline = run_headline(frame, board, ceilings, counted, seed)
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
-    allocation = allocation_table(frame, method_specs(run_dir), resamples, seed, ceilings)
+    parts = allocation_parts(frame, method_specs(run_dir), ceilings, counted, seed, declared)
+    allocation = None if parts is None else parts[0]
+    if parts is not None:
+        headline = pd.concat([headline, allocation_headline(parts, seed)], ignore_index=True)
     spent = time_table(run_dir)
-    settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": stats.CONFIDENCE}
+    settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": inference.CONFIDENCE,
+                "interval": "stratified t (Welch-Satterthwaite)", "test": "stratified paired sign-flip",
+                "permutations": inference.PERMUTATIONS, "exact_up_to": inference.EXACT_LIMIT,
+                "adjustment": "Holm, per table and measure", "informative_tasks": counted,
+                "baseline": declared or "first of " + ", ".join(BASELINES) + " present at each budget",
+                "primary_comparisons": primary_comparisons(board)}
     try:
         write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "informative.csv", informative, float_format=FLOAT_FORMAT)
         write_csv(run_dir / "leaderboard.csv", board, float_format=FLOAT_FORMAT)
+        write_csv(run_dir / "headline.csv", headline, float_format=FLOAT_FORMAT)
         write_csv(run_dir / "leaderboard_wide.csv", wide, float_format=FLOAT_FORMAT)
         write_csv(run_dir / "ranks.csv", ranks, float_format=FLOAT_FORMAT)
         if lengths is not None:
@@ -122,16 +176,32 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             write_csv(run_dir / "allocation_only.csv", allocation, float_format=FLOAT_FORMAT)
             write_text(run_dir / "allocation_only.md", allocation_markdown(allocation))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
-        plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings)
-        plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings)
-        plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-        plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings)
-        plot_forest(board, run_dir / "score_forest.png", "score", ceilings)
-        text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings)
+        styles = series_styles(m for m in dict.fromkeys(frame["method"]) if m != REFERENCE)  # the run's order
+        if plots:
+            plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings, styles)
+            plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings, styles)
+            plot_layer_budgets(frame, run_dir / "layer_budgets.png")
+            plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings, styles)
+            plot_forest(board, run_dir / "score_forest.png", "score", ceilings, styles)
+        else:
+            for name in FIGURES:
+                (run_dir / name).unlink(missing_ok=True)
+        text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative)
         if spent is not None:
             text += "\n" + time_markdown(spent, samples_timed(run_dir))
         write_text(run_dir / "summary.md", text)
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths,
-            "allocation": allocation, "time": spent}
+            "allocation": allocation, "time": spent, "headline": headline, "informative": informative}
+
+
+def run_headline(frame: pd.DataFrame, board: pd.DataFrame, ceilings, counted: list[str], seed: int) -> pd.DataFrame:
+    """headline.csv: per budget, the real method closest to the full cache and the runner-up (`analysis.headline`)."""
+    keyed = frame.assign(key=_board_rows(board, frame), score=100 * frame["score"])
+    order = list(range(len(board)))
+    kl = inference.sample_matrix(keyed, "kl", order)
+    chosen = keyed[keyed["task"].isin(counted)]
+    score = inference.sample_matrix(chosen, "score", order) if len(chosen) else None
+    real = (board["method"] != REFERENCE) & ~board["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)
+    return closest_pairs(board.assign(score=board["avg_informative"]), real, kl, score, "all methods", seed)

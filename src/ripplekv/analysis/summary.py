@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ripplekv.analysis import stats
-from ripplekv.analysis.tables import baseline_of, kl_verdict, verdict
+from ripplekv.analysis import inference, stats
+from ripplekv.analysis.headline import headline_markdown
+from ripplekv.analysis.tables import KL_RATIO, KL_TEST, SCORE_TEST
 from ripplekv.metrics.scoring import LENGTH_BUCKETS
 from ripplekv.runs.files import REFERENCE
 
@@ -38,40 +39,80 @@ def _interval(low, high, digits: str = ".2f") -> str:
 
 
 def leaderboard_view(board: pd.DataFrame) -> pd.DataFrame:
-    """The leaderboard for reading: intervals as `[low, high]` next to their value, no test columns."""
-    view = board.drop(columns=["delta_vs_uniform", "delta_ci_low", "delta_ci_high", "p_vs_uniform", "kl_delta_vs_uniform",
-                               "kl_delta_ci_low", "kl_delta_ci_high", "p_kl_vs_uniform"])
-    view.insert(view.columns.get_loc("avg_ci_low"), "95% CI", [_interval(a, b) for a, b in zip(board["avg_ci_low"], board["avg_ci_high"])])
-    view.insert(view.columns.get_loc("kl_ci_low"), "kl 95% CI", [_interval(a, b, ".3g") for a, b in zip(board["kl_ci_low"], board["kl_ci_high"])])
-    return view.drop(columns=["avg_ci_low", "avg_ci_high", "kl_ci_low", "kl_ci_high"])
+    """The leaderboard for reading, fidelity first: intervals as `[low, high]` next to their value, no test
+    columns (those are in the differences view)."""
+    tests = [*KL_TEST, *KL_RATIO, *SCORE_TEST, "versus", "informative_tasks"]
+    view = board.drop(columns=[c for c in tests if c in board])
+    view["kl"] = view["kl"].map(lambda v: f"{v:.3g}")
+    view["agreement"] = view["agreement"].map(lambda v: f"{v:.3f}")
+    for name, digits in (("kl", ".3g"), ("agreement", ".3f"), ("avg_informative", ".2f"), ("avg", ".2f")):
+        view.insert(view.columns.get_loc(f"{name}_ci_low"), f"{name} 95% CI",
+                    [_interval(a, b, digits) for a, b in zip(board[f"{name}_ci_low"], board[f"{name}_ci_high"])])
+        view = view.drop(columns=[f"{name}_ci_low", f"{name}_ci_high"])
+    return view.rename(columns={"avg_informative": "score (informative)", "avg_informative 95% CI": "score 95% CI",
+                                "avg": "avg (all tasks)", "avg 95% CI": "avg 95% CI"})
 
 
 def differences_view(board: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
-    """Per budget and compressed method: difference to the uniform baseline, its interval, p, verdict, ranks."""
+    """Per budget and compressed method: its paired differences to the baseline, KL first, with interval, raw
+    and Holm-adjusted p and verdict; then rank probabilities."""
     rows = board[board["method"] != REFERENCE].merge(ranks, on=["method", "budget"], how="left")
-    baseline = {b: baseline_of(g["method"]) for b, g in rows.groupby("budget")}
+
+    def p(raw, adjusted):
+        return "–" if pd.isna(raw) else f"{raw:.3g} ({adjusted:.3g})"
+
     return pd.DataFrame({
         "budget": rows["budget"],
         "method": rows["method"],
-        "avg": rows["avg"],
-        "vs": [baseline[b] or "–" for b in rows["budget"]],
-        "difference": rows["delta_vs_uniform"],
-        "95% CI": [_interval(a, b) for a, b in zip(rows["delta_ci_low"], rows["delta_ci_high"])],
-        "p": rows["p_vs_uniform"],
-        "verdict": ["baseline" if m == baseline[b] else verdict(r) or "–" for m, b, (_, r) in
-                    zip(rows["method"], rows["budget"], rows.iterrows())],
+        "vs": rows["versus"].fillna("–"),
+        "KL difference": rows["kl_delta_vs_uniform"].map(lambda v: "–" if pd.isna(v) else f"{v:+.3f}"),
+        "KL 95% CI": [_interval(a, b, ".3f") for a, b in zip(rows["kl_delta_ci_low"], rows["kl_delta_ci_high"])],
+        "KL p (Holm)": [p(a, b) for a, b in zip(rows["p_kl_vs_uniform"], rows["p_kl_vs_uniform_holm"])],
+        "KL verdict": rows["kl_verdict"].replace("", "–").fillna("–"),
+        "score difference": rows["delta_vs_uniform"].map(lambda v: "–" if pd.isna(v) else f"{v:+.2f}"),
+        "score 95% CI": [_interval(a, b) for a, b in zip(rows["delta_ci_low"], rows["delta_ci_high"])],
+        "score p (Holm)": [p(a, b) for a, b in zip(rows["p_vs_uniform"], rows["p_vs_uniform_holm"])],
+        "score verdict": rows["verdict"].replace("", "–").fillna("–"),
         "P(rank 1)": rows["p_rank1"],
         "expected rank": rows["expected_rank"],
-        "KL difference": rows["kl_delta_vs_uniform"],
-        "KL 95% CI": [_interval(a, b, ".3f") for a, b in zip(rows["kl_delta_ci_low"], rows["kl_delta_ci_high"])],
-        "KL verdict": ["baseline" if m == baseline[b] else kl_verdict(r) or "–" for m, b, (_, r) in
-                       zip(rows["method"], rows["budget"], rows.iterrows())],
+    })
+
+
+def detectable_line(board: pd.DataFrame) -> str:
+    """The minimum detectable differences of the table's comparisons, as one sentence."""
+    def median(column):
+        values = board[column].dropna() if column in board else pd.Series(dtype=float)
+        return values.median() if len(values) else None
+
+    kl, score = median("kl_mdd"), median("score_mdd")
+    if kl is None:
+        return ""
+    said = f"KL {kl:.3f}" + (f", score {score:.2f} points" if score is not None else "")
+    return (f"Minimum detectable difference at this n (median over the comparisons; `(t_0.975,df + t_0.8,df) x SE` "
+            f"of each paired difference, 80% power at alpha 0.05, per row in `kl_mdd` / `score_mdd`): {said}.")
+
+
+def informative_view(informative: pd.DataFrame) -> pd.DataFrame:
+    """informative.csv for reading: the trivial answer cut to 40 characters."""
+    def cut(text):
+        if not isinstance(text, str):
+            return "–"
+        flat = " ".join(text.split())
+        return "`" + (flat[:40] + "…" if len(flat) > 40 else flat).replace("|", "\\|") + "`"
+
+    return pd.DataFrame({
+        "task": informative["task"], "samples": informative["samples"], "full cache": informative["full_score"],
+        "best constant answer": informative["trivial_answer"].map(cut), "its score": informative["trivial_score"],
+        "margin (one-sided 95% low)": [_interval(m, lo, ".2f").replace(", ", " (").replace("]", ")").strip("[")
+                                       if pd.notna(m) else "–" for m, lo in zip(informative["margin"], informative["margin_low"])],
+        "informative": informative["informative"].map(lambda v: "–" if pd.isna(v) else ("yes" if v else "no")),
     })
 
 
 def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFrame, run_dir: Path,
                      ranks: pd.DataFrame | None = None, lengths: pd.DataFrame | None = None,
-                     settings: dict | None = None, ceilings=()) -> str:
+                     settings: dict | None = None, ceilings=(), headline: pd.DataFrame | None = None,
+                     informative: pd.DataFrame | None = None) -> str:
     samples = frame.drop_duplicates(["task", "id"])
     settings = settings or {}
     lines = ["# ripplekv eval summary", ""]
@@ -84,54 +125,76 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
         except (OSError, json.JSONDecodeError):
             pass
     rouge = settings.get("rouge", "official")
+    tokens = pd.to_numeric(samples["prompt_tokens"], errors="coerce") if "prompt_tokens" in samples else pd.Series(dtype=float)
     lines += [
-        f"{len(samples)} samples over {samples['task'].nunique()} tasks; prompts of "
-        f"{int(samples['prompt_tokens'].min())}-{int(samples['prompt_tokens'].max())} tokens.",
+        f"{len(samples)} samples over {samples['task'].nunique()} tasks"
+        + (f"; prompts of {int(tokens.min())}-{int(tokens.max())} tokens." if tokens.notna().any() else "."),
         "ROUGE-L: " + ("official (`rouge` package, LongBench parity)." if rouge == "official"
                        else "Google's `rouge-score` (rougeL F1, Porter stemmer) instead of the official scorer."),
         "",
+        "How to read the numbers: fidelity (`kl`, KL(full || variant) per answer token along the full cache's answer; "
+        "`agreement`, the share of those tokens the variant also predicts) is the primary outcome; scores follow. "
+        "Means are over tasks of per-task means; 95% intervals are stratified t intervals; each difference is paired "
+        "(the same samples on both sides) and tested by a sign-flip permutation test stratified by task "
+        f"({settings.get('permutations', inference.PERMUTATIONS)} random sign patterns, exact below "
+        f"{inference.EXACT_LIMIT + 1} nonzero differences); p-values are shown raw and Holm-adjusted over every "
+        "comparison of the table (per measure). `better` / `worse` (`closer` / `further` for KL) only where the "
+        "adjusted p is below 0.05 and the interval excludes 0, `tied` otherwise.",
+        "",
+    ]
+    if headline is not None and len(headline):
+        lines += ["## Headline", "",
+                  "Per budget, the real method closest to the full cache (lowest mean KL), the runner-up, and their paired "
+                  "difference (Holm over the budgets); their scores on the informative tasks, compared the same way.", "",
+                  headline_markdown(headline[headline["scope"] == headline["scope"].iloc[0]]), ""]
+    if informative is not None and len(informative):
+        lines += ["## Informative tasks", "",
+                  "A task counts in the score averages (`score (informative)`) when the full cache beats the best constant "
+                  "answer (picked in hindsight among the task's full-cache predictions and gold answers) with a one-sided 95% "
+                  "lower bound above 0; the others stay in the tables (`avg`, per task), flagged.", "",
+                  markdown_table(informative_view(informative)), ""]
+    lines += [
         "## Leaderboard",
         "",
-        "Scores are LongBench-style (per task 100 x mean, averages over tasks). `kl` is KL(full || variant) "
-        "per answer token along the full cache's answer, `agreement` the share of those tokens the variant "
-        "also predicts. Ranks are per budget among compressed methods; `full` is the reference and unranked. "
-        f"Intervals are 95% paired bootstrap intervals ({settings.get('resamples', stats.RESAMPLES)} resamples "
-        f"of the samples within each task, seed {settings.get('seed', stats.SEED)}).",
+        "Ranks are per budget among compressed methods by mean KL (1 = closest to the full cache); `full` is the "
+        f"reference and unranked. `rank` P(rank 1) and expected rank come from {settings.get('resamples', stats.RESAMPLES)} "
+        f"paired bootstrap resamples of the samples within each task (seed {settings.get('seed', stats.SEED)}).",
         "",
         markdown_table(leaderboard_view(board)),
         "",
     ]
     marked = [m for m in dict.fromkeys(board["method"]) if m in set(ceilings or ())]
     if marked:
-        lines += [f"Ceilings, not methods: {', '.join(f'`{m}`' for m in marked)} "
-                  f"{'know' if len(marked) > 1 else 'knows'} the full cache's answer (a part of "
-                  f"{'each' if len(marked) > 1 else 'it'} reads it), so "
-                  f"{'they are' if len(marked) > 1 else 'it is'} left out of ranks; `headroom` is how far above the "
-                  "best ranked method at its budget.", ""]
+        lines += [f"Answer-aware, not methods: {', '.join(f'`{m}`' for m in marked)} "
+                  f"{'read' if len(marked) > 1 else 'reads'} the full cache's answer, so "
+                  f"{'they are' if len(marked) > 1 else 'it is'} left out of ranks and verdicts; "
+                  "none is a bound on what a method can reach.", ""]
     if ranks is not None:
         lines += [
             "## Differences to the uniform baseline",
             "",
-            "Each compressed method against `uniform` (else `snapkv`) at the same budget, on the same resampled "
-            "samples (paired). `better` / `worse`: the 95% interval of the difference excludes 0; `n.s.`: it "
-            "does not, and the data cannot tell the two apart. `p` is two-sided. `P(rank 1)` and `expected rank`: "
-            "how often the method had the best average at its budget over the resamples, and its mean rank.",
+            "The primary comparisons: each compressed method against the budget's baseline (`vs`), paired. "
+            + detectable_line(board),
             "",
             markdown_table(differences_view(board, ranks)),
             "",
         ]
     if lengths is not None:
         buckets = list(dict.fromkeys(lengths["bucket"]))
-        by_length = lengths.pivot_table(index=["method", "budget"], columns="bucket", values="avg", sort=False, dropna=False)
         keys = pd.MultiIndex.from_frame(board[["method", "budget"]])
-        by_length = by_length.reindex(keys)[buckets].reset_index()
+        parts = []
+        for value, name in (("kl", "KL"), ("avg", "avg")):
+            part = lengths.pivot_table(index=["method", "budget"], columns="bucket", values=value, sort=False, dropna=False)
+            parts.append(part.reindex(keys)[buckets].rename(columns=lambda b, name=name: f"{name} {b}"))
+        by_length = pd.concat(parts, axis=1).reset_index()
         by_length.columns.name = None
         reference = lengths[lengths["method"] == lengths["method"].iloc[0]]
-        described = ", ".join(f"{r.bucket}: {r.samples} samples of {r.length_min}-{r.length_max} words"
+        described = ", ".join(f"{r.bucket}: {r.samples} samples of {r.length_min}-{r.length_max} {r.unit}"
                               for r in reference.itertuples())
         how = ("LongBench-E buckets" if set(buckets) <= set(LENGTH_BUCKETS)
-               else "each task's samples split into thirds by length, so every bucket holds every task")
-        lines += ["## By context length", "", f"Average score by context length ({how}; {described}).", "",
+               else "the samples cut at the 1/3 and 2/3 quantiles of their prompt tokens, so buckets never overlap")
+        lines += ["## By context length", "", f"KL and average score (all tasks present) by context length ({how}; "
+                  f"{described}).", "",
                   markdown_table(by_length), ""]
     lines += [
         "## Per task",
@@ -146,15 +209,17 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
     return "\n".join(lines)
 
 
-def summary_table(board: pd.DataFrame, title: str = "average score (kl) by method and budget"):
-    """A rich table: methods x budgets, each cell `score (kl)`, marked when significantly better or
-    worse than the uniform baseline at that budget."""
+def summary_table(board: pd.DataFrame, title: str = "kl (score) by method and budget"):
+    """A rich table: methods x budgets, each cell `kl (score)`, the score on the informative tasks when the run
+    has them; marked when the KL is significantly closer or further than the baseline's after Holm's adjustment."""
     from rich.table import Table
 
     budgets = sorted(int(b) for b in board["budget"].dropna().unique())
-    marked = "delta_ci_low" in board
-    caption = ("▲ / ▼: better / worse than uniform (else snapkv) at that budget, 95% paired bootstrap interval "
-               "of the difference excluding 0; unmarked: no significant difference") if marked else None
+    marked = "kl_verdict" in board
+    score = "avg_informative" if "avg_informative" in board and board["avg_informative"].notna().any() else "avg"
+    caption = ("▲ / ▼: KL closer to / further from the full cache than the budget's baseline (Holm-adjusted "
+               "sign-flip p < 0.05, interval excluding 0); unmarked: tied. Score: "
+               + ("informative tasks" if score == "avg_informative" else "all tasks")) if marked else None
     table = Table(title=title, caption=caption)
     table.add_column("method")
     for budget in budgets:
@@ -162,7 +227,7 @@ def summary_table(board: pd.DataFrame, title: str = "average score (kl) by metho
     for method in dict.fromkeys(board["method"]):
         rows = board[board["method"] == method]
         if method == REFERENCE:
-            cell = f"{rows['avg'].iloc[0]:.2f} (ref)"
+            cell = f"0 ({rows[score].iloc[0]:.2f}, ref)"
             table.add_row(method, *([cell] * len(budgets)))
             continue
         cells = []
@@ -172,7 +237,7 @@ def summary_table(board: pd.DataFrame, title: str = "average score (kl) by metho
                 cells.append("–")
                 continue
             row = match.iloc[0]
-            mark = {"better": "▲", "worse": "▼"}.get(verdict(row), "") if marked else ""
-            cells.append(f"{mark}{row['avg']:.2f} ({row['kl']:.3g})")
+            mark = {"closer": "▲", "further": "▼"}.get(row["kl_verdict"], "") if marked else ""
+            cells.append(f"{mark}{row['kl']:.3g} ({row[score]:.2f})")
         table.add_row(method, *cells)
     return table

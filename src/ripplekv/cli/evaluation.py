@@ -46,13 +46,13 @@ from ripplekv.cli.options import (
     snap_options,
     worker_settings,
 )
-from ripplekv.defaults import DEFAULT_EVAL_METHODS
+from ripplekv.defaults import DEFAULT_EVAL_METHODS, GENERATED_SUITES
 
 EvalOut = out_option("Run directory; a rerun resumes it and adds what is new", DEFAULT_EVAL)
 ScoreOut = out_option("Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)", DEFAULT_SCORE,
                       "CSV")
 EvalSeed = seed_option("the offline suite's generated samples (0: the published ones)")
-ReportSeed = seed_option("the bootstrap resamples")
+ReportSeed = seed_option("the bootstrap resamples and the sign-flip test's random patterns")
 
 
 def eval_command(
@@ -61,12 +61,13 @@ def eval_command(
     methods: str = typer.Option(",".join(DEFAULT_EVAL_METHODS), "--methods", metavar="SPECS",
                                 help=METHODS_HELP + " full is always included."),
     suite: Annotated[SuiteName | None, typer.Option(
-        "--suite", help="offline is bundled; default: longbench when its files are on disk, else offline.")] = None,
+        "--suite", help="offline and ruler are generated here; default: longbench when its files are on disk, "
+                        "else offline.")] = None,
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated tasks of the suite (default: all)."),
     limit: int | None = typer.Option(
         None, "--limit",
-        help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the offline suite (a first look in "
-             "minutes; a rerun with a higher --limit adds samples), all on LongBench."),
+        help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the generated suites, offline and ruler "
+             "(a first look in minutes; a rerun with a higher --limit adds samples), all on LongBench."),
     allocation: str | None = typer.Option(
         None, "--allocation", metavar="CSV",
         help=f"Allocation CSV for ripplekv (and depthkv, routed-ripplekv); default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
@@ -109,7 +110,7 @@ def eval_command(
         methods=names,
         suite=suite,
         tasks=eval_plan.parse_names(tasks, "--tasks"),
-        limit=OFFLINE_FIRST_LOOK if limit is None and suite == "offline" else limit,
+        limit=OFFLINE_FIRST_LOOK if limit is None and suite in GENERATED_SUITES else limit,
         allocation=allocation,
         model=model,
         data_dir=data_dir,
@@ -141,7 +142,7 @@ def model_is_bundled(model: str | None) -> bool:
 def report_command(
     run_dir: str = typer.Argument(..., help="A directory written by `ripplekv eval`."),
     rouge: Rouge = "official",
-    resamples: int = typer.Option(2000, "--resamples", help="Bootstrap resamples for intervals, p-values and rank probabilities."),
+    resamples: int = typer.Option(2000, "--resamples", help="Paired bootstrap resamples for rank probabilities (intervals are t intervals, p-values sign-flip tests)."),
     seed: ReportSeed = 0,
 ) -> None:
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
@@ -162,7 +163,7 @@ def print_tables(tables: dict, run_dir) -> None:
     from ripplekv.analysis import summary, time_spent
 
     console = Console()
-    console.print(summary.summary_table(tables["leaderboard"], title=f"average score (kl): {run_dir}"))
+    console.print(summary.summary_table(tables["leaderboard"], title=f"kl (score): {run_dir}"))
     if tables.get("time") is not None:
         console.print(time_spent.time_rich_table(tables["time"], title=f"where the time went: {run_dir}"))
 

@@ -66,7 +66,7 @@ def inspect_command(
 
     chosen = make_method(method, shared={"allocation": allocation, "route": route})
     if chosen.knows_answer:  # said before any model work, whatever the spec calls its answer-aware part
-        raise UserError(f"{method} is a ceiling that needs the full cache's answer, so it runs only in "
+        raise UserError(f"{method} is answer-aware (it needs the full cache's answer), so it runs only in "
                         "`ripplekv eval`; inspect a method that does not know the answer (e.g. snapkv)")
     if chosen.is_full and decode_budget == "total":
         raise UserError("full keeps every entry; --decode-budget total applies to a compressed method")

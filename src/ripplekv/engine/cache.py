@@ -9,6 +9,9 @@ Attention over it is our own function, registered in transformers' AttentionInte
 When every variant keeps the same prompt entries (the full cache, or profiling, where variants differ only
 by a value perturbation in one layer), the prompt part is stored once and shared: variants are folded
 into the query rows instead of copying keys V times.
+
+A sliding-window layer (Gemma's local layers) evicts as the model does while decoding: a query at position
+p sees only entries from positions after p - window, whatever a method kept (`slide`).
 """
 
 from __future__ import annotations
@@ -64,10 +67,20 @@ class CompressedLayer(CacheLayerMixin):
         # evicted) and the evictor that keeps every head at its count; None otherwise.
         self.decoded_bias = None
         self.evictor = None
+        # A sliding-window layer: its window, and the source positions [1 or V, H_kv, K] of its prompt entries
+        # (None: positions 0..K-1); None on a layer that sees the whole context.
+        self.window: int | None = None
+        self.prompt_positions = None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - built eagerly
         pass
+
+    def slide(self, window: int | None, positions: torch.Tensor | None = None) -> CompressedLayer:
+        """Make this a sliding-window layer of `window` whose prompt entries come from `positions`
+        ([1 or V, H_kv, K]; None: 0..K-1). A window of None leaves the layer seeing everything."""
+        self.window, self.prompt_positions = window, (positions if window is not None else None)
+        return self
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.keys is None:
@@ -104,6 +117,8 @@ class CompressedLayer(CacheLayerMixin):
             self.prompt_values = _keep_rows(self.prompt_values, index, in_place)
         if self.prompt_bias is not None and self.prompt_bias.shape[0] > 1:
             self.prompt_bias = _keep_rows(self.prompt_bias, index, in_place)
+        if self.prompt_positions is not None and self.prompt_positions.shape[0] > 1:
+            self.prompt_positions = self.prompt_positions.index_select(0, index)
         if self.keys is not None:
             self.keys = self.keys.index_select(0, index)
             self.values = self.values.index_select(0, index)
@@ -188,11 +203,14 @@ def build_cache(state, variants: list[list[LayerEntries]] | None, num_variants: 
         else:
             chosen = [variant[layer_idx] for variant in variants]
             shared = chosen[0] if all(entry is chosen[0] for entry in chosen) else None
+        window = _window(state, layer_idx)
         if shared is not None:
-            layers.append(CompressedLayer(shared.keys[None], shared.values[None], _unsqueeze(shared.bias()), state.length))
+            layers.append(CompressedLayer(shared.keys[None], shared.values[None], _unsqueeze(shared.bias()), state.length)
+                          .slide(window, shared.positions[None]))
             continue
         keys, values, bias = entries.pad_variants(chosen)
-        layers.append(CompressedLayer(keys, values, bias, state.length))
+        layers.append(CompressedLayer(keys, values, bias, state.length)
+                      .slide(window, _padded_positions(chosen) if window is not None else None))
     count = len(variants) if variants is not None else (num_variants or 1)
     return CompressedCache(layers, count)
 
@@ -204,6 +222,7 @@ def build_lazily(state, builds, lengths: list[list[int]]) -> CompressedCache:
     layer that every variant keeps whole (the prefill's own entries object) is stored once, as there."""
     count = len(lengths)
     layers: list[list] = [[None, None, None, None] for _ in range(state.num_layers)]  # shared, keys, values, bias
+    positions: list = [None] * state.num_layers  # a sliding layer's stacked entry positions (-1 on padding)
     for row, variant in enumerate(builds):
         for layer_idx, entry in enumerate(variant):
             slot = layers[layer_idx]
@@ -214,26 +233,33 @@ def build_lazily(state, builds, lengths: list[list[int]]) -> CompressedCache:
                 longest = max(length[layer_idx] for length in lengths)
                 slot[1] = entry.keys.new_zeros(count, entry.num_heads, longest, entry.keys.shape[-1])
                 slot[2] = torch.zeros_like(slot[1])
+                if _window(state, layer_idx) is not None:
+                    positions[layer_idx] = torch.full(slot[1].shape[:3], -1, dtype=torch.long, device=slot[1].device)
                 for earlier in range(row):
-                    _put(slot, earlier, slot[0])
-            _put(slot, row, entry)
+                    _put(slot, earlier, slot[0], positions[layer_idx])
+            _put(slot, row, entry, positions[layer_idx])
     built = []
-    for shared, keys, values, bias in layers:
+    for layer_idx, (shared, keys, values, bias) in enumerate(layers):
+        window = _window(state, layer_idx)
         if keys is None:
-            built.append(CompressedLayer(shared.keys[None], shared.values[None], _unsqueeze(shared.bias()), state.length))
+            built.append(CompressedLayer(shared.keys[None], shared.values[None], _unsqueeze(shared.bias()), state.length)
+                         .slide(window, shared.positions[None]))
         else:
-            built.append(CompressedLayer(keys, values, bias, state.length))
+            built.append(CompressedLayer(keys, values, bias, state.length).slide(window, positions[layer_idx]))
     return CompressedCache(built, count)
 
 
-def _put(slot: list, row: int, entry: LayerEntries) -> None:
+def _put(slot: list, row: int, entry: LayerEntries, positions: torch.Tensor | None = None) -> None:
     """Copy one variant's entries into row `row` of a stacked layer, padded as `entries.pad_variants` pads
-    (bias -inf past its entries; no bias tensor while every row is unpadded plain tokens)."""
+    (bias -inf past its entries; no bias tensor while every row is unpadded plain tokens); on a sliding layer
+    their positions into `positions` too."""
     keys = slot[1]
     if entry.capacity > keys.shape[2]:
         raise ValueError(f"a variant built {entry.capacity} entries in a layer planned for {keys.shape[2]}")
     keys[row, :, : entry.capacity] = entry.keys
     slot[2][row, :, : entry.capacity] = entry.values
+    if positions is not None:
+        positions[row, :, : entry.capacity] = entry.positions
     bias = entry.bias()
     if slot[3] is None and (bias is not None or entry.capacity < keys.shape[2]):
         slot[3] = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
@@ -256,6 +282,29 @@ def _keep_rows(tensor: torch.Tensor, index: torch.Tensor, in_place: bool) -> tor
 
 def _unsqueeze(bias):
     return None if bias is None else bias[None]
+
+
+def _window(state, layer: int) -> int | None:
+    """The sliding window of `layer` (None: it sees the whole context, or the state predates windows)."""
+    return state.window(layer) if hasattr(state, "window") else None
+
+
+def _padded_positions(layers: list[LayerEntries]) -> torch.Tensor:
+    """The entries' positions of one layer's variants stacked [V, H_kv, K], -1 on padding (as `pad_variants`)."""
+    longest = max(entry.capacity for entry in layers)
+    return torch.stack([torch.nn.functional.pad(e.positions, (0, longest - e.capacity), value=-1) for e in layers])
+
+
+def _outside_window(layer: CompressedLayer, new_len: int, group: int) -> torch.Tensor:
+    """Bool [1 or V, H_kv or 1, group * P, K]: the prompt entries each new query cannot see on a sliding layer
+    (source position at most p - window, for the query at position p), rows ordered as in `compressed_attention`."""
+    device = layer.prompt_keys.device
+    queries = layer.original_length + layer.decoded_length() - new_len + torch.arange(new_len, device=device)
+    positions = layer.prompt_positions
+    if positions is None:
+        positions = torch.arange(layer.prompt_keys.shape[2], device=device)[None, None]
+    gone = positions[:, :, None, :] <= (queries - layer.window)[None, None, :, None]
+    return gone.repeat(1, 1, group, 1)
 
 
 def _scores_against(query_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -289,6 +338,8 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
     prompt_scores = _scores_against(rows, layer.prompt_keys).float() * scaling
     if layer.prompt_bias is not None:
         prompt_scores = prompt_scores + layer.prompt_bias[:, :, None, :]
+    if layer.window is not None:  # the model's own sliding eviction: what is past the window is not seen
+        prompt_scores = prompt_scores.masked_fill(_outside_window(layer, new_len, group), float("-inf"))
     override = layer.override
     if override is not None and override.key_bias is not None:
         prompt_scores[override.variant] += override.key_bias[:, None, :]
@@ -296,7 +347,10 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
     new_scores = torch.matmul(rows, new_keys.transpose(-1, -2)).float() * scaling  # [V, H, g*P, T]
     # Query p of the P new tokens sits at decoded index decoded - P + p and sees decoded keys up to it.
     steps = torch.arange(decoded, device=query.device)
-    visible = steps[None, :] <= (decoded - new_len + torch.arange(new_len, device=query.device))[:, None]
+    at = (decoded - new_len + torch.arange(new_len, device=query.device))[:, None]
+    visible = steps[None, :] <= at
+    if layer.window is not None:
+        visible &= steps[None, :] > at - layer.window
     new_scores = new_scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     if layer.hidden is not None:
         new_scores[..., : layer.hidden.shape[-1]] += layer.hidden[:, None, None, :]

@@ -54,12 +54,13 @@ class LayerEntries:
         return int(self.counts.sum())
 
 
-def full(keys: torch.Tensor, values: torch.Tensor) -> LayerEntries:
-    """Every token of a layer, sharing the prefill's tensors (no copy)."""
+def full(keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> LayerEntries:
+    """Every token of a layer from prompt position `start` on (a sliding-window layer holds only its last
+    tokens), sharing the prefill's tensors (a view, no copy)."""
     heads, length = keys.shape[0], keys.shape[1]
-    positions = torch.arange(length, device=keys.device).expand(heads, length)
-    counts = torch.full((heads,), length, dtype=torch.long, device=keys.device)
-    return LayerEntries(keys, values, positions, counts)
+    positions = torch.arange(start, length, device=keys.device).expand(heads, length - start)
+    counts = torch.full((heads,), length - start, dtype=torch.long, device=keys.device)
+    return LayerEntries(keys[:, start:], values[:, start:], positions, counts)
 
 
 def gather(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> LayerEntries:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from transformers import DynamicCache
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
@@ -69,6 +70,9 @@ class PrefillState:
     # the recorded signals by name (`engine.recorders`): the window queries always, the rest when declared
     signals: dict = field(default_factory=dict, repr=False)
     memos: dict = field(default_factory=dict, repr=False)  # `memo`'s results, by key
+    # per layer, the attention window of a sliding-window layer (None: the layer sees the whole prompt); None
+    # when no layer slides. A sliding layer holds only its last `capacity(layer)` prompt entries.
+    windows: list | None = None
     _full: dict = field(default_factory=dict, repr=False)
 
     def signal(self, name: str, default=_NOTHING):
@@ -105,10 +109,33 @@ class PrefillState:
         return captured[:, captured.shape[1] - window :]
 
     def full_entries(self, layer: int) -> entries.LayerEntries:
-        """Every token of `layer` as entries: one shared object, so caches store it once."""
+        """Every token `layer` holds as entries (a sliding layer: its window's): one shared object, so caches
+        store it once."""
         if layer not in self._full:
-            self._full[layer] = entries.full(self.keys[layer], self.values[layer])
+            self._full[layer] = entries.full(self.keys[layer], self.values[layer], self.held_from(layer))
         return self._full[layer]
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: it sees the whole prompt)."""
+        return None if self.windows is None else self.windows[layer]
+
+    def capacity(self, layer: int) -> int:
+        """How many prompt entries `layer` can hold: the prompt, or a sliding layer's last window - 1
+        (`adapter.layer_capacities`)."""
+        return self.capacities[layer]
+
+    @property
+    def capacities(self) -> list[int]:
+        return adapter.layer_capacities(self.length, self.windows or [None] * self.num_layers)
+
+    def held_from(self, layer: int) -> int:
+        """The first prompt position `layer` holds (0 but on a sliding layer with a longer prompt)."""
+        return self.length - self.capacity(layer)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer holds less than the prompt (a sliding window shorter than it)."""
+        return any(cap < self.length for cap in self.capacities)
 
     @property
     def device(self) -> torch.device:
@@ -149,10 +176,14 @@ def prefill(
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
     adapter.check_length(model.config, len(ids), reserve)
     recorders = recorders_for(needs, model, len(ids), needs.capture_window, context)
+    # A plain cache keeps every prompt position in every layer (a model's own would cut sliding layers to their
+    # window); the attention masks, sliding ones included, are the model's, so K/V and logits do not change.
     watching = [recorder for recorder in recorders if not isinstance(recorder, FromSample)]
-    out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1, ripplekv_recorders=watching)
+    out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
+                ripplekv_recorders=watching)
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
+    windows = adapter.layer_windows(model.config)
     state = PrefillState(
         input_ids=ids,
         keys=[dyn.layers[i].keys[0] for i in range(num_layers)],
@@ -160,6 +191,7 @@ def prefill(
         last_logits=out.logits[0, -1].float(),
         scaling=adapter.attention_scaling(model),
         model=model,
+        windows=windows if any(window is not None for window in windows) else None,
     )
     for recorder in recorders:
         keep(state, recorder.signal, recorder.result(num_layers))

@@ -28,8 +28,8 @@ class ProbeRunner:
         self.model, self.state = model, state
         self.probe = torch.tensor(probe_ids, dtype=torch.long, device=state.device)[None]
         self.positions = torch.arange(state.length, state.length + self.probe.shape[1], device=state.device)[None]
-        self.layers = [
-            CompressedLayer(state.keys[i][None], state.values[i][None], None, state.length)
+        self.layers = [  # every prompt position; a sliding layer sees its window of them, as the model does
+            CompressedLayer(state.keys[i][None], state.values[i][None], None, state.length).slide(state.window(i))
             for i in range(state.num_layers)
         ]
         self.clean_inputs: list[torch.Tensor] = []
@@ -61,7 +61,7 @@ class ProbeRunner:
         self._prepare(joins, changes)
         counts = np.bincount(np.asarray(joins, dtype=np.int64), minlength=len(self.layers))
         hidden = adapter.embed(self.model, self.probe) if record else None
-        rotary = adapter.rotary(self.model, hidden if record else self.clean_inputs[0], self.positions)
+        rotary = adapter.rotary_by_layer(self.model, hidden if record else self.clean_inputs[0], self.positions)
         for index, decoder in enumerate(adapter.decoder_layers(self.model)):
             if record:
                 self.clean_inputs.append(hidden)
@@ -76,7 +76,7 @@ class ProbeRunner:
                 position_ids=self.positions,
                 cache=cache,
                 use_cache=True,
-                position_embeddings=rotary,
+                position_embeddings=rotary[index],
                 ripplekv_cache=cache,
             )
         return torch.log_softmax(adapter.logits(self.model, hidden), -1)

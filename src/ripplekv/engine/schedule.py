@@ -3,11 +3,13 @@
 A variant is a method at a budget (`Variant`). Once a prompt is prefilled and the full cache has answered,
 `decode_variants` runs them all, as `ripplekv eval`, the Python API and the benchmarks do:
 1. allocate: each variant's entry counts per (layer, KV head) (its method's budgets, timed as its build);
-2. plan: the bytes left beside what the sample holds (`memory.variant_room`; a variant that cannot decode
-   even alone is a UserError before any decoding) and groups of similar kept length within them;
+2. plan: the bytes left beside what the sample's own tensors hold (`memory.variant_room`; a variant that
+   cannot decode even alone is a UserError before any decoding) and groups of similar kept length within them,
+   never from the process's measured memory, so a resumed sample decodes in the groups (and gives the numbers)
+   of an uninterrupted run;
 3. build a group's entries only when it decodes (`memory.LazyVariants`), decode it, release it with its cache;
-4. re-plan the variants left from what the sample holds then (`memory.room_left`: scores a build cached,
-   the allocator's keep).
+4. re-plan the variants left from the sample's tensors then (`memory.room_left`: scores a build cached, the
+   allocator's keep).
 Under a total decode budget every variant decodes with its own method's eviction policy (`engine.budgeted`).
 `SampleMemory` is the sample's byte budget and the meter of its peak, started before its prefill.
 """
@@ -87,7 +89,8 @@ class Decoded:
 class SampleMemory:
     """What one sample may hold and what it held: its byte budget (default `memory.default_budget`: the weights
     plus most of what is free), the weights' bytes, and the meter of its peak from the moment it is made (before
-    the prefill; on CPU the resident set, with freed blocks handed back so a finished group leaves it)."""
+    the prefill; on CPU the resident set, with freed blocks handed back so a finished group leaves it: the peak
+    each line records, never what groups are planned from)."""
 
     def __init__(self, model, budget: int | None = None):
         device = adapter.device(model)
@@ -96,10 +99,6 @@ class SampleMemory:
         self.meter = PeakMemory(device)
         self.weights = held_bytes(device, model)
         self.budget = budget or default_budget(device, self.weights)
-
-    def held(self) -> int:
-        """Bytes the sample holds now, as measured (the weights and what it grew by)."""
-        return self.weights + self.meter.grown()
 
     def peak(self) -> int:
         return self.meter.peak()
@@ -127,7 +126,6 @@ def decode_variants(model, state: PrefillState, reference: Reference, variants: 
     `reference`: the full cache's answer (after `question`, read through each compressed cache first).
     `memory`: the sample's budget and meter, started before the prefill."""
     question = list(question)
-    before = memory.meter.current()
     prefilled = memory.weights + max(0, memory.meter.mark() - memory.meter.origin)  # prefill's and reference's peak
     if prefilled > memory.budget:
         note_prefill_over(state.length, prefilled, memory.budget)
@@ -135,14 +133,13 @@ def decode_variants(model, state: PrefillState, reference: Reference, variants: 
     for variant in variants:  # a method's allocation is part of its build
         with timings.phase(timings.BUILD, variant.label):
             counts.append(variant.method.budgets(state, variant.budget))
-    scoring = max(0, memory.meter.mark() - before)  # what scoring took at its height: a build's reserve
     lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
     scorers = len({id(variant.method) for variant in variants})
     room = variant_room(model, state, reference, [str(v) for v in variants], lengths, scorers, memory.budget,
-                        len(question), decoding.max_new_tokens, held=memory.held(), building=scoring)
+                        len(question), decoding.max_new_tokens)
 
-    def room_now() -> int:  # between groups, from what the sample holds then
-        return room_left(model, state, reference, lengths, scorers, memory.budget, memory.held(), scoring)
+    def room_now() -> int:  # between groups, from the sample's tensors then (never the process's history)
+        return room_left(model, state, reference, lengths, scorers, memory.budget)
 
     lazy = LazyVariants(lengths, lambda index: build(state, variants[index], counts[index]))
     caps = [capacities(count, variant.budget) for count, variant in zip(counts, variants)] if decoding.total else None

@@ -1,12 +1,14 @@
-"""`allocation-ceiling`: layer and head budgets chosen knowing the answer, SnapKV choosing the entries.
+"""`answer-allocation` (earlier `allocation-ceiling`): layer and head budgets chosen knowing the answer, SnapKV
+choosing the entries.
 
-A ceiling, not a method: it bounds what allocation alone can gain at a budget on that sample. Every head
+Answer-aware, not a method, and not a bound: attention the answer pays is not what the answer's KL needs, so
+learned allocators beat it (on the bundled model, uniform does too at B >= 256). Every head
 keeps its scorer's window; the rest of the L x H_kv x B entries go to the (layer, head, prefix entry)
 triples the full cache's answer attends to most (the oracle's answer-aware scores, `methods.oracle`,
 competing over all layers and heads at once), and a head's count is its window plus the triples it won.
 The counts sum to exactly L x H_kv x B with no rounding. Which entries a head then keeps is the scorer's
-choice (SnapKV's in the `allocation-ceiling` preset), so the gap between this and `uniform` is what
-allocation is worth with that scorer. It needs the answer, so only `ripplekv eval` runs it.
+choice (SnapKV's in the `answer-allocation` preset): what an allocation read off the answer's attention
+gets with that scorer. It needs the answer, so only `ripplekv eval` runs it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class AnswerBudgets(Allocator):
         return OracleScorer().requirements()  # what the answer-aware scores need, declared as the oracle declares it
 
     def layer_budgets(self, num_layers, budget, length, floor):
-        raise UserError(f"the allocation ceiling's budgets depend on each sample's answer; {self.prompt_note}")
+        raise UserError(f"the answer-aware allocation's budgets depend on each sample's answer; {self.prompt_note}")
 
     def allocate(self, state, budget, scorer):
         check_budget(budget)

@@ -7,12 +7,18 @@ Most methods are an allocator x a scorer (`AllocatorScorer`):
 - The method gathers the tokens the scorer keeps (a subclass may merge them instead, see `compress`).
 A method that is not built from the two (GraceKV's prototype trees) implements the protocol itself.
 
+On a model with sliding-window layers a layer holds at most its window (`PrefillState.capacity`): a scorer's
+candidates before it score -inf (`held_only`, applied to every `Scorer.scores`), and an allocator's shares are
+fitted to the capacities by one rule for every method (`budgets.fit_layers` before the head split, and
+`budgets.fit_to_capacities` on the final counts of allocators that split heads themselves).
+
 Scorers and allocators are small frozen dataclasses registered by name; their fields are the options a
 method spec can set (see `methods.presets`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Protocol
@@ -23,7 +29,13 @@ import torch
 from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
+from ripplekv.methods.selection import (  # noqa: F401 - the selection helpers, found here as before
+    per_head,
+    recent_mask,
+    top_indices,
+    top_scored_mask,
+)
 
 SCORERS: dict[str, Callable[..., Scorer]] = {}
 ALLOCATORS: dict[str, Callable[..., Allocator]] = {}
@@ -63,14 +75,47 @@ def options_of(component) -> dict:
     return chosen
 
 
+def held_only(state: PrefillState, layer: int, scores: torch.Tensor) -> torch.Tensor:
+    """`scores` [.., m] of candidates at positions 0..m-1, with those `layer` cannot hold (a sliding layer's
+    positions before its window) at -inf: no selection or competition over scores picks them."""
+    start = state.held_from(layer) if hasattr(state, "held_from") else 0
+    if start <= 0:
+        return scores
+    scores = scores.clone()
+    scores[..., :start] = float("-inf")
+    return scores
+
+
+def _within_capacity(scores: Callable) -> Callable:
+    @functools.wraps(scores)
+    def held(self, state, layer):
+        return held_only(state, layer, scores(self, state, layer))
+
+    return held
+
+
 @dataclass(frozen=True)
 class Scorer:
     """Which entries a head keeps."""
+
+    def __init_subclass__(cls, **kwargs):
+        """Every scorer's `scores` leaves out what a sliding layer cannot hold (`held_only`), so no scorer,
+        head split or competition across layers needs to know about windows."""
+        super().__init_subclass__(**kwargs)
+        if "scores" in cls.__dict__:
+            cls.scores = _within_capacity(cls.__dict__["scores"])
 
     name = "scorer"
     routable = True  # False: cannot be one layer's scorer in a route (the router itself)
     # True: it reads the full cache's answer (a ceiling, not a deployable method); any method using it is one
     knows_answer: ClassVar[bool] = False
+    # True: its scores are the same in every KV head of a layer, so a head split by them is the even split
+    same_for_every_head: ClassVar[bool] = False
+
+    def unused_options(self) -> dict[str, str]:
+        """Options this scorer takes that change nothing with its other options as set: name -> why
+        (`presets.make_method` refuses them when a spec sets them)."""
+        return {}
 
     def floor(self) -> int:
         """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
@@ -122,14 +167,20 @@ class Allocator:
     # competitions): the one flag for it; a method is prompt-dependent when its allocator is or splits heads.
     prompt_dependent: ClassVar[bool] = False
     prompt_note = "its per-layer totals are uniform, and its per-head counts are recorded per sample by `ripplekv eval`"
+    # True: every layer gets the same budget (its head split aside): it spreads nothing across layers
+    same_budget_every_layer: ClassVar[bool] = False
     split: str | None = field(default=None, metadata=COMPOSITION)
     head_alpha: float | None = field(default=None, metadata=COMPOSITION)
 
     def __post_init__(self):
         self.check_heads()
 
+    def splits_itself(self) -> bool:
+        """Whether this allocator sets head counts itself (so `split=` does not apply)."""
+        return type(self).allocate is not Allocator.allocate
+
     def check_heads(self) -> None:
-        if self.split is not None and type(self).allocate is not Allocator.allocate:
+        if self.split is not None and self.splits_itself():
             raise UserError(f"allocator {self.name} splits heads itself; split= applies to the layer allocators "
                             f"({', '.join(LAYER_ALLOCATORS)})")
         if self.split is not None and self.split not in HEAD_SPLITS:
@@ -142,6 +193,15 @@ class Allocator:
     @property
     def splits_heads(self) -> bool:
         return self.split not in (None, "even")
+
+    @property
+    def splits_by_scores(self) -> bool:
+        """Whether a layer's heads share its budget by the scorer's scores (a head split, or an allocator that is one)."""
+        return self.splits_heads
+
+    def unused_options(self) -> dict[str, str]:
+        """Options this allocator takes that change nothing with its other options as set: name -> why."""
+        return {}
 
     def layer_weights(self, num_layers: int, budget: int, floor: int) -> list[float]:
         """Real-valued per-layer weights; only proportions matter."""
@@ -162,7 +222,7 @@ class Allocator:
 
     def allocate(self, state: PrefillState, budget: int, scorer: Scorer) -> np.ndarray:
         """The `[L, H_kv]` budget matrix for one prefilled prompt: layer budgets, then the head split."""
-        per_layer = self.prompt_budgets(state, budget, scorer)
+        per_layer = fit_layers(self.prompt_budgets(state, budget, scorer), state.capacities)
         return HEAD_SPLITS[self.split or "even"](state, per_layer, scorer, self.split_alpha())
 
     def split_alpha(self) -> float | None:
@@ -271,18 +331,21 @@ class AllocatorScorer:
     def floor(self) -> int:
         return self.scorer.floor() if self.scorer is not None else 1
 
-    def layer_budgets(self, num_layers: int, budget: int, length: int) -> list[int]:
-        """Entries per KV head in each layer (prompt-independent allocators only)."""
+    def layer_budgets(self, num_layers: int, budget: int, length: int | list[int]) -> list[int]:
+        """Entries per KV head in each layer (prompt-independent allocators only); `length` is the prompt's, or
+        each layer's capacity (`PrefillState.capacities`: a sliding layer holds its window)."""
+        caps = capacities_of(length, num_layers)
         if self.is_full:
-            return [length] * num_layers
+            return caps
         self.scorer.check_layers(num_layers)
-        return self.allocator.layer_budgets(num_layers, budget, length, self.floor())
+        return fit_layers(self.allocator.layer_budgets(num_layers, budget, max(caps), self.floor()), caps)
 
     def budgets(self, state: PrefillState, budget: int) -> np.ndarray:
-        """The `[L, H_kv]` entry counts for this prompt."""
+        """The `[L, H_kv]` entry counts for this prompt, fitted to what each layer can hold."""
+        caps = state.capacities
         if self.is_full:
-            return np.full((state.num_layers, state.num_kv_heads), state.length, dtype=np.int64)
-        return self.allocator.allocate(state, budget, self.scorer)
+            return np.repeat(np.asarray(caps, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
+        return fit_to_capacities(self.allocator.allocate(state, budget, self.scorer), caps)
 
     def select(self, state: PrefillState, budget: int) -> torch.Tensor:
         """Bool mask [L, H_kv, n] of the tokens kept (for token-selecting methods)."""
@@ -290,8 +353,8 @@ class AllocatorScorer:
         masks = []
         for layer in range(state.num_layers):
             layer_counts = torch.as_tensor(counts[layer], device=state.device)
-            if bool((layer_counts >= state.length).all()):
-                masks.append(torch.ones(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device))
+            if bool((layer_counts >= state.capacity(layer)).all()):
+                masks.append(held_mask(state, layer))
             else:
                 masks.append(self.scorer.keep(state, layer, layer_counts))
         return torch.stack(masks)
@@ -302,46 +365,17 @@ class AllocatorScorer:
             return [state.full_entries(layer) for layer in range(state.num_layers)]
         masks = self.select(state, budget)
         return [
-            state.full_entries(layer) if bool(mask.all()) else entries.gather(state.keys[layer], state.values[layer], mask)
+            state.full_entries(layer) if bool((mask == held_mask(state, layer)).all())
+            else entries.gather(state.keys[layer], state.values[layer], mask)
             for layer, mask in enumerate(masks)
         ]
 
 
-def recent_mask(num_heads: int, length: int, count: int, device=None) -> torch.Tensor:
-    """Keep the last `count` positions in every head."""
-    mask = torch.zeros(num_heads, length, dtype=torch.bool, device=device)
-    if count > 0:
-        mask[:, length - count :] = True
+def held_mask(state: PrefillState, layer: int) -> torch.Tensor:
+    """Bool [H_kv, n]: every position `layer` holds (the whole prompt, or a sliding layer's window)."""
+    mask = torch.zeros(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device)
+    mask[:, state.held_from(layer):] = True
     return mask
-
-
-def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the `count` highest scores along the last dimension, highest first; among equal scores the
-    lowest index wins. Every selection goes through here: a stable sort makes the choice a function of the
-    scores alone, where `torch.topk` leaves ties to its kernel (CPU and CUDA keep different tied entries,
-    and max-pooled scores tie often)."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
-
-
-def top_scored_mask(scores: torch.Tensor, length: int, window: int, count: int) -> torch.Tensor:
-    """Keep the window (or its last `count` entries) plus the top `count - window` prefix entries per head.
-
-    `scores` [H, n - window] rank the prefix; the window is the last `window` positions.
-    """
-    kept_window = min(window, count)
-    mask = recent_mask(scores.shape[0], length, kept_window, scores.device)
-    extra = count - kept_window
-    if extra > 0:
-        mask.scatter_(1, top_indices(scores, extra), True)
-    return mask
-
-
-def per_head(counts: torch.Tensor, build: Callable[[slice, int], torch.Tensor]) -> torch.Tensor:
-    """Apply `build(heads, count)` once when every head keeps the same count, else head by head."""
-    values = [int(c) for c in counts.tolist()]
-    if len(set(values)) == 1:
-        return build(slice(None), values[0])
-    return torch.cat([build(slice(h, h + 1), count) for h, count in enumerate(values)])
 
 
 def check_integers(values: dict, minimum: int = 1, why: str = "") -> None:

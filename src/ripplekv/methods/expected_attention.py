@@ -7,9 +7,11 @@ positions (R: mu' = R mu, S' = R S R^T). For a Gaussian query, E[exp(q.k/sqrt d)
 exp(mu'.k/sqrt d + k^T S' k / (2d)); a softmax of these logits over the prompt's entries (past the sinks),
 averaged over the query heads sharing a KV head, times the value norm ||v||_2 (+ epsilon first), is the
 score. It needs no question, so it is question-agnostic. The statistics are summed during the one prefill
-(the `query_statistics` signal, `methods.query_statistics`), never stored per query. Defaults follow kvpress: n_future_positions
-512, n_sink 4 (kept always), use_covariance and use_vnorm on, epsilon 0. As for KNorm, the last `window`
-tokens (32) are kept too: kvpress compresses the context alone, our with-question protocol does not.
+(the `query_statistics` signal, `methods.query_statistics`), never stored per query. Defaults follow kvpress:
+n_future_positions 512, n_sink 4 (kept always), use_covariance and use_vnorm on, epsilon 0. Unlike kvpress,
+the last `window` tokens (32) are kept too: kvpress compresses the context alone, our with-question protocol
+compresses the question with it; `expected-attention:window=0` is kvpress's `ExpectedAttentionPress` (make
+check-references).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from ripplekv.methods.query_statistics import FIRST_QUERIES, QUERY_STATISTICS
 from ripplekv.methods.snapkv import WindowScorer
 
 
-def average_rotation(model, start: int, count: int, dim: int, device) -> torch.Tensor:
-    """The RoPE rotation matrix [d, d] averaged over positions start..start+count-1 (float32)."""
-    cos, sin = adapter.rope_at(model, torch.arange(start, start + count), torch.zeros(1, device=device))
+def average_rotation(model, start: int, count: int, dim: int, device, layer: int | None = None) -> torch.Tensor:
+    """The RoPE rotation matrix [d, d] averaged over positions start..start+count-1 (float32), as `layer` rotates."""
+    cos, sin = adapter.rope_at(model, torch.arange(start, start + count), torch.zeros(1, device=device), layer)
     half = dim // 2
     swap = torch.zeros(dim, dim, device=device)  # rotate_half as a matrix: x -> (-x[half:], x[:half])
     swap[:half, half:] = -torch.eye(half, device=device)
@@ -46,8 +48,8 @@ class ExpectedAttentionScorer(WindowScorer):
     epsilon: float = 0.0
 
     def __post_init__(self):
-        check_positive(window=self.window, n_future_positions=self.n_future_positions)
-        check_integers({"n_sink": self.n_sink}, minimum=0)
+        check_positive(n_future_positions=self.n_future_positions)
+        check_integers({"n_sink": self.n_sink, "window": self.window}, minimum=0)
         if self.n_sink > FIRST_QUERIES:
             raise UserError(f"option n_sink must be at most {FIRST_QUERIES}, got {self.n_sink}")
         for name in ("use_covariance", "use_vnorm"):
@@ -55,6 +57,9 @@ class ExpectedAttentionScorer(WindowScorer):
                 raise UserError(f"option {name} must be 0 or 1, got {getattr(self, name)!r}")
         if not self.epsilon >= 0:
             raise UserError(f"option epsilon must be >= 0, got {self.epsilon!r}")
+
+    def floor(self) -> int:
+        return max(self.window, 1)
 
     def requirements(self) -> Requirements:
         return super().requirements().union(Requirements(signals={QUERY_STATISTICS}))
@@ -75,7 +80,7 @@ def expected_scores(state, layer: int, n_future_positions: int, n_sink: int, use
     kv_heads, length, dim = keys.shape
     sinks = min(n_sink, length - 1)
     mean, cov = state.signal(QUERY_STATISTICS)[layer].moments(n_sink)  # [H_q, d], [H_q, d, d]
-    rotation = average_rotation(state.model, length, n_future_positions, dim, keys.device)
+    rotation = average_rotation(state.model, length, n_future_positions, dim, keys.device, layer)
     mean = mean @ rotation.T
     group = mean.shape[0] // kv_heads
     rest = keys[:, sinks:]  # [H_kv, m, d]
@@ -89,3 +94,13 @@ def expected_scores(state, layer: int, n_future_positions: int, n_sink: int, use
         scores = (scores + epsilon) * state.values[layer][:, sinks:].float().norm(dim=-1)
     top = scores.max() + 1
     return torch.cat([top.expand(kv_heads, sinks), scores], dim=1)
+
+
+@register_scorer("lukv")
+@dataclass(frozen=True)
+class LUKVScorer(ExpectedAttentionScorer):
+    """LU-KV's default scorer (and kvpress LUKVPress's): Expected Attention with epsilon 0.02, its 4 sinks and a
+    window of 1 kept."""
+
+    window: int = 1
+    epsilon: float = 0.02

@@ -25,7 +25,7 @@ import torch
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, per_head, register_scorer, top_scored_mask
+from ripplekv.methods.base import check_integers, held_only, per_head, register_scorer, top_scored_mask
 from ripplekv.methods.column_sums import COLUMN_SUMS
 from ripplekv.methods.snapkv import WindowScorer
 
@@ -78,7 +78,7 @@ class H2OScorer(WindowScorer):
         def build(heads, count):
             nonlocal columns
             if columns is None:
-                columns = self.column_scores(state, layer)
+                columns = held_only(state, layer, self.column_scores(state, layer))
             recent = self.recent_count(count)
             return top_scored_mask(columns[heads, : state.length - recent], state.length, recent, count)
 

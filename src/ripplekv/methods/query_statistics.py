@@ -54,9 +54,13 @@ class QueryMoments(PerLayer):
 
     def __init__(self, setup):
         super().__init__(setup)
-        probe = torch.zeros(1, device=adapter.device(setup.model), dtype=adapter.dtype(setup.model))
-        self.cos, self.sin = adapter.rope_at(setup.model, torch.arange(setup.length), probe)
-        self.scale = adapter.rope_scale(setup.model)
+        self.ropes: dict = {}  # (cos, sin, scale) by the layer's RoPE (Gemma 3's differ by layer type)
 
     def layer(self, index, query, key, value, attention_mask, scaling):
-        self.layers[index] = query_statistics(query[0], self.cos, self.sin, self.scale)
+        model = self.setup.model
+        kind = adapter.rope_kind(model, index)
+        if kind not in self.ropes:
+            probe = torch.zeros(1, device=adapter.device(model), dtype=adapter.dtype(model))
+            cos, sin = adapter.rope_at(model, torch.arange(self.setup.length), probe, index)
+            self.ropes[kind] = (cos, sin, adapter.rope_scale(model, index))
+        self.layers[index] = query_statistics(query[0], *self.ropes[kind])

@@ -33,6 +33,16 @@ def check_pooling(pooling: str) -> None:
         raise UserError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
 
 
+def pooling_unused(kernel: int, pooling: str) -> dict[str, str]:
+    """Which of `kernel` and `pooling` changes nothing: pooling with kernel=1, the kernel with pooling=none."""
+    unused = {}
+    if kernel == 1:
+        unused["pooling"] = "kernel=1 pools nothing"
+    if pooling == "none":
+        unused["kernel"] = "pooling=none uses no kernel"
+    return unused
+
+
 def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:
     """Attention [H_kv, group, window, n] (float32) of the last `window` prompt queries over all keys."""
     queries = state.window_queries(layer, window, who).float()  # [H_q, w, d]
@@ -40,9 +50,12 @@ def window_attention(state: PrefillState, layer: int, window: int, who: str = "S
     kv_heads, length = keys.shape[0], keys.shape[1]
     group = queries.shape[0] // kv_heads
     logits = torch.matmul(queries.reshape(kv_heads, group * window, -1), keys.transpose(-1, -2)) * state.scaling
-    # Window query i sits at position n - w + i and sees keys up to it.
+    # Window query i sits at position n - w + i and sees keys up to it (on a sliding layer, only its window's).
     positions = torch.arange(length, device=keys.device)
-    visible = positions[None, :] <= (length - window + torch.arange(window, device=keys.device))[:, None]
+    at = (length - window + torch.arange(window, device=keys.device))[:, None]
+    visible = positions[None, :] <= at
+    if getattr(state, "windows", None) and state.windows[layer] is not None:
+        visible &= positions[None, :] > at - state.windows[layer]
     logits = logits.masked_fill(~visible.repeat(group, 1), float("-inf"))
     return torch.softmax(logits, dim=-1).view(kv_heads, group, window, length)
 
@@ -107,6 +120,9 @@ class SnapKVScorer(WindowScorer):
 
     def requirements(self) -> Requirements:
         return Requirements(capture_window=self.window)  # the observation window's queries
+
+    def unused_options(self) -> dict[str, str]:
+        return pooling_unused(self.kernel, self.pooling)
 
     def decode_policy(self, every: int):
         from ripplekv.methods.decoding import Rescored

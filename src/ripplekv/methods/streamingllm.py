@@ -13,6 +13,7 @@ from ripplekv.methods.base import Scorer, check_integers, per_head, recent_mask,
 @dataclass(frozen=True)
 class SinksAndRecent(Scorer):
     sinks: int = 4
+    same_for_every_head = True  # positions only
 
     def __post_init__(self):
         check_integers({"sinks": self.sinks}, minimum=0)
@@ -35,7 +36,8 @@ class SinksAndRecent(Scorer):
 
     def keep(self, state, layer, counts):
         def build(heads, count):
-            sinks = min(self.sinks, count)
+            # a sliding layer that no longer holds the first tokens has no sinks to keep (the model let them go)
+            sinks = min(self.sinks, count) if state.held_from(layer) == 0 else 0
             mask = recent_mask(state.num_kv_heads, state.length, count - sinks, state.device)[heads]
             mask[:, :sinks] = True
             return mask

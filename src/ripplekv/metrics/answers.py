@@ -115,3 +115,22 @@ def string_match_score(prediction: str, ground_truth: str | Sequence[str], **kwa
     if not golds:
         return 0.0
     return sum(gold in prediction for gold in golds) / len(golds)
+
+
+_CHOICE_PATTERNS = (re.compile(r"The correct answer is \(([A-D])\)"), re.compile(r"The correct answer is ([A-D])"))
+
+
+def extract_choice(response: str) -> str | None:
+    """LongBench v2's answer extraction (`pred.py`): `*` removed, then "The correct answer is (X)", else
+    "The correct answer is X"; None when neither is there."""
+    response = response.strip().replace("*", "")
+    for pattern in _CHOICE_PATTERNS:
+        match = pattern.search(response)
+        if match:
+            return match.group(1)
+    return None
+
+
+def choice_accuracy_score(prediction: str, ground_truth: str, **kwargs) -> float:
+    """1 when the extracted choice is the gold letter (LongBench v2's `judge`), else 0."""
+    return float(extract_choice(prediction) == ground_truth)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ripplekv.errors import UserError
 from ripplekv.metrics.answers import (
+    choice_accuracy_score,
     classification_score,
     code_sim_score,
     count_score,
@@ -34,6 +35,7 @@ from ripplekv.metrics.rouge import (
     rouge_score,
     rouge_zh_score,
 )
+from ripplekv.metrics.ruler import string_match_all_score, string_match_part_score
 
 # --------------------------------------------------------------------------- tables
 
@@ -48,13 +50,16 @@ METRICS: dict[str, Callable[..., float]] = {
     "count": count_score,
     "code_sim": code_sim_score,
     "string_match": string_match_score,
+    "string_match_all": string_match_all_score,  # RULER's, from its package
+    "string_match_part": string_match_part_score,
+    "choice_accuracy": choice_accuracy_score,  # LongBench v2
 }
 
 # Replacements under `rouge="rouge-score"`.
 _GOOGLE_ROUGE = {"rouge": google_rouge_score, "rouge_zh": google_rouge_zh_score}
 
 # Metrics that score the whole answer list at once instead of the best single answer.
-_WHOLE_LIST_METRICS = {"string_match"}
+_WHOLE_LIST_METRICS = {"string_match", "string_match_all", "string_match_part"}
 
 LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
 
@@ -224,6 +229,7 @@ def load_predictions(path: Path) -> list[dict]:
                 "length": length,
                 "method": rec.get("method"),
                 "budget": rec.get("budget"),
+                **{field: rec.get(field) for field in task_of(dataset).score_by},
             }
         )
     if not records:
@@ -241,7 +247,9 @@ def score_predictions(records: list[dict], rouge: str = "official"):
     """Score loaded records -> (per-dataset table, per-sample table) as pandas DataFrames.
 
     Per-dataset rows `dataset,n,score,metric` in order of first appearance; each LongBench-E dataset
-    is followed by one row per non-empty length bucket, named `<dataset>@0-4k`, `@4-8k`, `@8k+`.
+    is followed by one row per non-empty length bucket, named `<dataset>@0-4k`, `@4-8k`, `@8k+`, and a task
+    with `score_by` fields (LongBench v2) by one row per value of each (`longbench_v2@easy`, `@hard`,
+    `@short`, `@medium`, `@long`).
     `metric` names the metric (`rouge:rouge-score` under `rouge="rouge-score"`).
     Per-sample rows `line,dataset,score` with the score x100 rounded to 2 decimals.
     Records with a `method` (ripplekv's own output) are scored per (dataset, method, budget), and
@@ -259,7 +267,7 @@ def score_predictions(records: list[dict], rouge: str = "official"):
             raise UserError(f"line {rec['line'] + 1}: {err}") from None
         variant = {col: rec.get(col) for col in variant_cols}
         sample_rows.append({"line": rec["line"], "dataset": rec["dataset"], **variant, "score": round(100 * value, 2)})
-        by_dataset.setdefault((rec["dataset"], *variant.values()), []).append((value, rec["length"]))
+        by_dataset.setdefault((rec["dataset"], *variant.values()), []).append((value, rec))
 
     dataset_rows = []
     for (dataset, *variant), items in by_dataset.items():
@@ -267,14 +275,19 @@ def score_predictions(records: list[dict], rouge: str = "official"):
         metric = metric_label(dataset, rouge)
         dataset_rows.append({"dataset": dataset, **variant, "n": len(items), "score": aggregate([v for v, _ in items]),
                              "metric": metric})
+        buckets: dict[str, list[float]] = {}
         if is_longbench_e(dataset):
-            buckets: dict[str, list[float]] = {name: [] for name in LENGTH_BUCKETS}
-            for value, length in items:
-                buckets[length_bucket(length)].append(value)
-            for name, values in buckets.items():
-                if values:
-                    dataset_rows.append({"dataset": f"{dataset}@{name}", **variant, "n": len(values),
-                                         "score": aggregate(values), "metric": metric})
+            buckets = {name: [] for name in LENGTH_BUCKETS}
+            for value, rec in items:
+                buckets[length_bucket(rec["length"])].append(value)
+        for field in task_of(dataset).score_by:  # LongBench v2: by difficulty, by length class
+            for value, rec in items:
+                if rec.get(field) is not None:
+                    buckets.setdefault(str(rec[field]), []).append(value)
+        for name, values in buckets.items():
+            if values:
+                dataset_rows.append({"dataset": f"{dataset}@{name}", **variant, "n": len(values),
+                                     "score": aggregate(values), "metric": metric})
     datasets = pd.DataFrame(dataset_rows, columns=["dataset", *variant_cols, "n", "score", "metric"])
     samples = pd.DataFrame(sample_rows, columns=["line", "dataset", *variant_cols, "score"])
     if variant_cols:  # budgets stay integers next to the full cache's empty budget

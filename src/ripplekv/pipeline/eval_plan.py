@@ -119,6 +119,9 @@ class Plan:
     notes: list = field(default_factory=list)  # `note:` lines for the user (names that were aliases)
 
 
+RULER_CHAT_ROOM = 64  # tokens a chat template may add around RULER's task text
+
+
 def plan_eval(settings: EvalSettings) -> Plan:
     """Validate the user's input and build the config; raises UserError before any model is loaded."""
     from ripplekv import __version__
@@ -151,6 +154,10 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError(f"--target-tokens must be positive, got {settings.target_tokens}")
     if settings.max_length < 2:
         raise UserError(f"--max-length must be at least 2 tokens, got {settings.max_length}")
+    if settings.suite == "ruler" and settings.target_tokens + RULER_CHAT_ROOM > settings.max_length:
+        # RULER's prompts fill --target-tokens, plus the chat template: cut in the middle they would lose needles
+        raise UserError(f"RULER prompts of --target-tokens {settings.target_tokens} need --max-length "
+                        f"{settings.target_tokens + RULER_CHAT_ROOM} or more (got {settings.max_length})")
     # The full cache is always computed (it is the reference for fidelity), so it is always reported.
     shared = {**settings.method_options, "allocation": settings.allocation, "route": settings.route}
     notes: list[str] = []

@@ -29,8 +29,8 @@ from ripplekv.errors import UserError
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.sample_lines import SampleLines
-from ripplekv.pipeline.samples import check_eval_window
-from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS
+from ripplekv.pipeline.samples import check_eval_window, check_sliding_layers
+from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS, report_is_current
 from ripplekv.runs.resume import append_rows, existing_lines
 from ripplekv.runs.safeio import exclusive, open_append, write_json
 from ripplekv.runs.timings import TimingsLog
@@ -161,10 +161,13 @@ def load_all_samples(plan: Plan, tokenizer) -> list[tuple[object, str, dict]]:
 
 
 def check_model_fits(plan: Plan) -> None:
-    """Per-layer budgets need the model's layer count (an allocation may not match): fail before loading weights."""
+    """Per-layer budgets need the model's layer count (an allocation may not match), and a model with
+    sliding-window layers the methods and decode budget that handle them: fail before loading weights."""
     from ripplekv.engine.models import load_config
 
-    layers = load_config(plan.settings.model).num_hidden_layers
+    config = load_config(plan.settings.model)
+    layers = config.num_hidden_layers
+    check_sliding_layers(config, plan.methods, plan.settings.decode_budget)
     for method in plan.methods.values():
         if not method.prompt_dependent:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
@@ -244,16 +247,27 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
 
 def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console, workers=None) -> dict:
     """The part of `run_eval` that writes: only one process at a time per run directory."""
+    import json
+
+    import pandas as pd
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ripplekv.analysis import report
+    from ripplekv.analysis.time_spent import time_table
     from ripplekv.pipeline.progress import Throughput, WorkClock, _eta_column
 
     have = existing_lines(out)
     times = TimingsLog(out / TIMINGS)  # a torn last row (a kill mid-write) is cut here
+    times.mark_untimed(have)  # lines written, timings row lost (killed between the two): said, not guessed
     jobs = plan_jobs(plan, config, work, have, tokenizer)
-    write_json(out / CONFIG, merge_config(old, config))
+    merged = merge_config(old, config)
+    unchanged = json.loads(json.dumps(merged)) == old
+    if not jobs and unchanged and report_is_current(out):  # a resume with nothing to do: the report stands
+        console.print(f"all {len(work)} samples already done in {out}; its report is up to date", soft_wrap=True)
+        return {"leaderboard": pd.read_csv(out / "leaderboard.csv"), "time": time_table(out)}
+    if not unchanged:  # an unchanged config keeps its file, whose time dates the report
+        write_json(out / CONFIG, merged)
     written = []
     if jobs:
         again = [job for job in jobs if not job.with_full]
@@ -299,9 +313,9 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
             raise
         written.append(out / PREDICTIONS)
     else:
-        console.print(f"all {len(work)} samples already done in {out}; re-rendering the report")
+        console.print(f"all {len(work)} samples already done in {out}; re-rendering the report", soft_wrap=True)
     start = perf_counter()
-    tables = report.render(out)
+    tables = report.render(out, plots=report.plots_wanted())
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])
     written += [out / TIMINGS, out / CONFIG, *(out / name for name in REPORT_FILES if (out / name).exists())]
     console.print("wrote: " + ", ".join(str(path) for path in written), soft_wrap=True)

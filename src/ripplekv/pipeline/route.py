@@ -18,6 +18,9 @@ the preferences, so the rank is not measured on the data the route was chosen on
 compared with the route by a paired bootstrap over those samples (`analysis.placement`): placements.csv
 gives every placement's difference to the route with its interval and verdict, route.json the route's
 rank with its intervals and the shares of placements significantly better and worse.
+
+Stability: routes are also chosen on the even and the odd preference prompts apart; route.json records on how
+many layers the two halves agree, beside the agreement expected by chance (`analysis.agreement`).
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ripplekv.analysis.agreement import route_agreement
 from ripplekv.analysis.placement import placement_verdict
 from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES, PROBE_TOKENS
 from ripplekv.engine import entries
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
+from ripplekv.methods.base import held_mask
 from ripplekv.methods.budgets import check_budget, uniform_budgets
+from ripplekv.pipeline.route_choice import choose_route, parse_caps, random_placements  # noqa: F401 - as before
 from ripplekv.pipeline.route_plots import plot_placements, plot_preferences, plot_route
 from ripplekv.runs.files import ROUTE_FILES
 from ripplekv.runs.safeio import check_output, other_files, write_csv, write_text
@@ -66,25 +72,45 @@ class RouteSettings:
 
 
 def candidate_methods(specs) -> list:
-    """The candidate methods, resolved through the registry; only their scorers are used."""
-    from ripplekv.methods import PRESETS, AllocatorScorer, make_method, parse_spec
+    """The candidate methods, resolved through the registry; only their scorers are used (`router.routed_scorer`
+    refuses a method that is more than its scorer), and two candidates with one scorer are refused."""
+    from ripplekv.methods import PRESETS, make_method, parse_spec
     from ripplekv.methods.presets import check_distinct
+    from ripplekv.methods.router import routed_scorer, scorer_identity
 
     if len(specs) < 1:
         raise UserError("--methods is empty; name at least one candidate, e.g. --methods snapkv,streamingllm")
-    built = []
+    built, scorers = [], []
     for spec in specs:
         if parse_spec(spec)[0] not in PRESETS:
             raise UserError(f"candidate method {spec!r} is not registered in this version; "
                             "pass --methods with methods from `ripplekv methods`")
         method = make_method(spec)
         if method.knows_answer:
-            raise UserError(f"candidate {spec!r} is a ceiling that needs the full cache's answer, not a method to route to")
-        if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
-            raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
+            raise UserError(f"candidate {spec!r} is answer-aware (it needs the full cache's answer), not a method to route to")
+        try:
+            scorers.append(scorer_identity(routed_scorer(spec, method)))
+        except UserError as err:
+            raise UserError(f"candidate {err}") from None
         built.append(method)
     check_distinct(built)
+    seen: dict[str, str] = {}
+    for spec, identity in zip(specs, scorers):  # another name for a scorer already given (`uniform` for `snapkv`)
+        if identity in seen:
+            raise UserError(f"--methods names one scorer twice ({seen[identity]} and {spec} select the same entries in "
+                            "a layer); name each candidate once")
+        seen[identity] = spec
     return built
+
+
+def check_placement_study(candidates: int, placements: int, placement_samples: int) -> None:
+    """A placement study needs two candidates (with one, every placement is the route) and prompts to score them."""
+    if placements and candidates < 2:
+        raise UserError(f"a placement study over one candidate ranks {placements} placements identical to the route; "
+                        "name two or more --methods, or pass --placements 0")
+    if placements and placement_samples < 1:
+        raise UserError(f"--placement-samples {placement_samples} leaves no prompts to score the {placements} "
+                        "placements on; give 1 or more (2 for an interval), or pass --placements 0 to skip the study")
 
 
 def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
@@ -94,10 +120,11 @@ def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
 
 
 def layer_keep(state, method, layer: int, budget: int) -> torch.Tensor:
-    """Bool mask [H_kv, n]: the entries `method`'s scorer keeps in `layer` at the uniform budget B."""
-    count = uniform_budgets(state.num_layers, budget, state.length)[layer]
-    if count >= state.length:
-        return torch.ones(state.num_kv_heads, state.length, dtype=torch.bool, device=state.device)
+    """Bool mask [H_kv, n]: the entries `method`'s scorer keeps in `layer` at the uniform budget B (fitted to
+    what each layer can hold, as every method's budgets are)."""
+    count = uniform_budgets(state.num_layers, budget, state.capacities)[layer]
+    if count >= state.capacity(layer):
+        return held_mask(state, layer)
     counts = torch.full((state.num_kv_heads,), count, dtype=torch.long, device=state.device)
     return method.scorer.keep(state, layer, counts)
 
@@ -121,49 +148,6 @@ def preference_prompt(model, prompt, candidates, settings: RouteSettings) -> np.
     return kl.reshape(state.num_layers, len(candidates))
 
 
-def parse_caps(items, labels: list[str], num_layers: int) -> dict[str, int]:
-    """`--max-share` items (`m=0.5`, or a bare `0.5` for every candidate) -> most layers per method."""
-    shares: dict[str, float] = {}
-    for item in [part.strip() for text in items for part in str(text).split(",") if part.strip()]:
-        name, sep, value = item.rpartition("=")
-        try:
-            share = float(value)
-        except ValueError:
-            share = float("nan")
-        if not 0 < share <= 1:
-            raise UserError(f"--max-share {item!r}: the share must be a number in (0, 1], e.g. snapkv=0.5")
-        if not sep:
-            shares.update({label: share for label in labels})
-        elif name in labels:
-            shares[name] = share
-        else:
-            raise UserError(f"--max-share {item!r}: {name!r} is not a candidate ({', '.join(labels)})")
-    caps = {label: int(np.floor(shares.get(label, 1.0) * num_layers + 1e-9)) for label in labels}
-    if sum(caps.values()) < num_layers:
-        raise UserError(f"--max-share caps allow only {sum(caps.values())} of {num_layers} layers; raise the shares")
-    return caps
-
-
-def choose_route(preferences: np.ndarray, labels: list[str], caps: dict[str, int] | None = None) -> list[str]:
-    """Per layer the lowest-KL method; under caps, the assignment with the lowest total KL."""
-    from scipy.optimize import linear_sum_assignment
-
-    num_layers = preferences.shape[0]
-    caps = caps or {label: num_layers for label in labels}
-    slots = [index for index, label in enumerate(labels) for _ in range(min(caps[label], num_layers))]
-    rows, cols = linear_sum_assignment(preferences[:, slots])
-    route = [""] * num_layers
-    for row, col in zip(rows, cols):
-        route[row] = labels[slots[col]]
-    return route
-
-
-def random_placements(route: list[str], count: int, seed: int) -> list[list[str]]:
-    """`count` random reorderings of the route: the same method counts in random layers."""
-    rng = np.random.default_rng(seed)
-    return [[route[i] for i in rng.permutation(len(route))] for _ in range(count)]
-
-
 @torch.inference_mode()
 def placement_prompt(model, prompt, candidates, assignments: list[list[str]], settings: RouteSettings, stop_ids):
     """Fidelity of each assignment (a method label per layer) on one prompt, from one prefill."""
@@ -177,7 +161,7 @@ def placement_prompt(model, prompt, candidates, assignments: list[list[str]], se
     def layer_entries(layer: int, label: str) -> entries.LayerEntries:
         if (layer, label) not in built:
             keep = layer_keep(state, by_label[label], layer, settings.budget)
-            full = bool(keep.all())
+            full = bool((keep == held_mask(state, layer)).all())
             built[(layer, label)] = state.full_entries(layer) if full else entries.gather(state.keys[layer], state.values[layer], keep)
         return built[(layer, label)]
 
@@ -213,6 +197,16 @@ class RouteResult:
             return None
         return placement_verdict(self.placement_kl, self.placement_ids)
 
+    def split_half(self) -> dict | None:
+        """Routes chosen on the even and on the odd preference prompts apart (same caps), and how many layers
+        they agree on beside chance; None under 2 prompts."""
+        samples = self.preferences.shape[0]
+        if samples < 2:
+            return None
+        halves = [choose_route(self.preferences[part::2].mean(0), self.labels, self.caps) for part in (0, 1)]
+        return {**route_agreement(*halves), "samples": [len(range(0, samples, 2)), len(range(1, samples, 2))],
+                "routes": halves}
+
 
 def run_route(model, preference_prompts, placement_prompts, settings: RouteSettings, progress=None) -> RouteResult:
     """Preferences on `preference_prompts`, the route, then the placement study on `placement_prompts`."""
@@ -227,7 +221,9 @@ def run_route(model, preference_prompts, placement_prompts, settings: RouteSetti
     preferences = np.stack(per_sample)
     caps = parse_caps(settings.max_share, labels, preferences.shape[1])
     route = choose_route(preferences.mean(0), labels, caps)
-    assignments = [route, *random_placements(route, settings.placements, settings.seed)] if settings.placements else []
+    # A route with one method in every layer has no placement but itself: nothing to rank it among.
+    studied = settings.placements and len(set(route)) > 1
+    assignments = [route, *random_placements(route, settings.placements, settings.seed)] if studied else []
     kl, agreement = [], []
     stop = stop_tokens(model)
     for prompt in placement_prompts if assignments else []:
@@ -259,12 +255,12 @@ def check_route_dir(out: Path, model: str | None = None) -> Path:
 
 
 def check_route_window(model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-                       target_tokens: int, with_answer: bool) -> None:
+                       target_tokens: int, with_answer: bool, draw=None) -> None:
     """A sliding-window model: the calibration prompts (and the answers placements decode) must fit it,
     said before the model loads or the route folder is made, with a --target-tokens that fits."""
     from ripplekv.engine.models import load_tokenizer
     from ripplekv.pipeline.samples import check_calibration_window, model_window
-    from ripplekv.tasks.calibration import calibration_prompts
+    from ripplekv.tasks.calibration import Draw, calibration_prompts
 
     if model_window(model) is None:
         return
@@ -272,26 +268,28 @@ def check_route_window(model, settings: RouteSettings, *, calib_samples: int, pl
 
     def build(target: int):
         return calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target,
-                                   with_answer=with_answer)
+                                   with_answer=with_answer, draw=draw or Draw())
 
     check_calibration_window(model, build(target_tokens), build, target_tokens,
                              reserve=settings.max_new_tokens if placement_samples else 0)
 
 
 def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None) -> tuple[dict, int, int]:
+               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None,
+               draw=None) -> tuple[dict, int, int]:
     """The whole `ripplekv route` after its checks: load the model, take calibration prompts (the first
-    `calib_samples` for preferences, `placement_samples` more held out for the placement study), route and
-    write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
+    `calib_samples` of `draw`'s share for preferences, `placement_samples` more held out for the placement
+    study), route and write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
     (a context manager, an advance callback), as the CLI's bar does."""
     from contextlib import nullcontext
 
     from ripplekv.engine.models import load_model, runtime_info
-    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+    from ripplekv.tasks.calibration import Draw, calibration_hash, calibration_prompts
 
+    draw = draw or Draw()
     loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
     prompts = calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target_tokens,
-                                  with_answer=with_answer)
+                                  with_answer=with_answer, draw=draw)
     chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
     if placement_samples and not scored:
         raise UserError(f"the calibration split has only {len(prompts)} prompts; lower --calib-samples to leave some for placements")
@@ -299,7 +297,7 @@ def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int,
     with bar:
         result = run_route(loaded, chosen, scored, settings, progress=advance)
     meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
-            "target_tokens": target_tokens, "device": device, "dtype": dtype, **runtime_info(device)}
+            "target_tokens": target_tokens, **draw.record(), "device": device, "dtype": dtype, **runtime_info(device)}
     return write_route(result, settings, Path(out), meta), len(result.route), len(scored)
 
 
@@ -332,7 +330,8 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
         })
         if verdict is not None:
             placements = placements.assign(kl_minus_route=verdict.difference, diff_low=verdict.low,
-                                           diff_high=verdict.high, p_value=verdict.p, verdict=verdict.verdict)
+                                           diff_high=verdict.high, p_value=verdict.p, p_holm=verdict.p_holm,
+                                           verdict=verdict.verdict)
         placements["methods"] = [";".join(a) for a in result.assignments]
         write_csv(out / "placements.csv", placements, float_format="%.8g")
         count = len(result.assignments)
@@ -357,6 +356,7 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
         "placements_scored": max(len(result.assignments) - 1, 0),
         "placement_study": verdict.summary() if verdict is not None else None,
         "placement_summary": verdict.line() if verdict is not None else None,
+        "split_half": result.split_half(),
     }
     write_text(out / "route.json", json.dumps(meta, indent=2) + "\n")
     plot_preferences(mean, result.labels, result.route, out / "preferences.png")

@@ -38,6 +38,7 @@ class SampleLines:
         }
         if record.get("all_classes"):  # classification tasks: `ripplekv score` needs the class names to rescore
             base["all_classes"] = list(record["all_classes"])
+        base.update({field: record.get(field) for field in task.fields})  # a needle's depth, a question's difficulty
         total = decode_budget if decode_budget == "total" else None
         return cls(task, record, tokenizer, base, state.num_kv_heads, peak, total)
 

@@ -54,16 +54,34 @@ def file_prompt(tokenizer, path: str | Path) -> Prompt:
 
 
 def model_window(model_spec) -> int | None:
-    """The attention window a model's layers are limited to (sliding window), from its config alone."""
+    """The attention window every layer of a model is limited to (None for a hybrid model: its global layers
+    read the whole prompt), from its config alone."""
     from ripplekv.engine.adapter import sliding_window
     from ripplekv.engine.models import load_config
 
     return sliding_window(load_config(model_spec))
 
 
+def check_sliding_layers(config, methods: dict, decode_budget: str = "prompt") -> None:
+    """A model with sliding-window layers runs the methods that handle layers holding less than the prompt (all
+    but those marked `sliding_layers = False`) under prompt budgets: the model evicts those layers itself while
+    decoding. Refused in one line before any weights load."""
+    from ripplekv.engine.adapter import has_sliding_layers
+
+    if not has_sliding_layers(config):
+        return
+    refused = [label for label, method in methods.items() if not getattr(method, "sliding_layers", True)]
+    if refused:
+        raise UserError(f"{', '.join(refused)} cannot run on a model with sliding-window layers yet: "
+                        "drop it from --methods for this model")
+    if decode_budget == "total":
+        raise UserError("--decode-budget total is not supported on a model with sliding-window layers (the model "
+                        "evicts those layers itself while decoding): use --decode-budget prompt")
+
+
 def check_window(window: int | None, longest, option: str, value: int, lowest: int) -> None:
-    """Refuse, before any model work, prompts a sliding-window model cannot attend to whole (ripplekv computes
-    full attention): `longest(v)` is the longest prompt plus answer, chat template included, that the command
+    """Refuse, before any model work, prompts a model whose every layer slides cannot attend to whole (no layer
+    reads the prompt's start): `longest(v)` is the longest prompt plus answer, chat template included, that the command
     builds with `option` set to v. The refusal names the largest value that fits, found by building again."""
     if window is None:
         return
@@ -72,7 +90,7 @@ def check_window(window: int | None, longest, option: str, value: int, lowest: i
     if total <= room:
         return
     why = (f"prompt plus answer is {total} tokens (chat template included) but this model attends only to its last "
-           f"{window} (sliding_window={window}); ripplekv computes full attention, so")
+           f"{window} (sliding_window={window}) in every layer, so no layer reads the prompt's start:")
     fit = value - (total - room)
     while fit >= lowest:
         built = longest(fit)

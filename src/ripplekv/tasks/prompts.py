@@ -83,23 +83,30 @@ def format_prompt(task, record: dict) -> str:
                         "records need the LongBench fields 'context' and 'input'") from None
 
 
-def _final_text(task, prompt: str, tokenizer) -> tuple[str, bool]:
+def answer_prefix(task, record: dict) -> str:
+    """What the model reads after the prompt (and after the chat template's assistant turn): RULER's answer
+    prefix for tasks whose records carry one, else nothing."""
+    return record.get("answer_prefix", "") if task.answer_prefix else ""
+
+
+def _final_text(task, prompt: str, tokenizer, prefix: str = "") -> tuple[str, bool]:
     """The text the model reads and whether the tokenizer adds its special tokens to it.
 
-    Wrapped in the chat template (one user turn) unless the task says not to. The chat template text
-    already holds any BOS the model wants, so it is tokenized without adding special tokens again; a
-    tokenizer without a chat template gets the plain prompt (pred.py does the same for base models).
+    Wrapped in the chat template (one user turn) unless the task says not to, then `prefix` (the answer's
+    start, RULER's answer prefix) after it. The chat template text already holds any BOS the model wants,
+    so it is tokenized without adding special tokens again; a tokenizer without a chat template gets the
+    plain prompt (pred.py does the same for base models).
     """
     if task.chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-        return text, False
-    return prompt, True
+        return text + prefix, False
+    return prompt + prefix, True
 
 
-def _final_ids(task, prompt: str, tokenizer) -> list[int]:
-    text, special = _final_text(task, prompt, tokenizer)
+def _final_ids(task, prompt: str, tokenizer, prefix: str = "") -> list[int]:
+    text, special = _final_text(task, prompt, tokenizer, prefix)
     return list(tokenizer(text, add_special_tokens=special, truncation=False).input_ids)
 
 
@@ -123,7 +130,8 @@ def question_start(task, record: dict, tokenizer, max_length: int) -> int:
     Found by locating the template's text after `{context}` in the final text and mapping that
     character offset to a token with the fast tokenizer's offsets (the prompt itself is unchanged).
     """
-    text, special = _final_text(task, _middle_truncated(task, record, tokenizer, max_length), tokenizer)
+    text, special = _final_text(task, _middle_truncated(task, record, tokenizer, max_length), tokenizer,
+                                answer_prefix(task, record))
     template = task.prompt_template
     tail = template.split("{context}", 1)[1] if "{context}" in template else ""
     try:
@@ -149,11 +157,13 @@ def build_prompt_ids(task, record: dict, tokenizer, max_length: int) -> list[int
     3. if len(ids) > max_length: keep the first and last max_length//2 ids, decode each half with
        skip_special_tokens=True and join the two strings (truncation in the middle keeps the
        instructions at both ends)
-    4. apply the chat template unless task.chat_template is False, and tokenize the result.
+    4. apply the chat template unless task.chat_template is False, add the answer prefix (RULER), and
+       tokenize the result.
     """
-    return _final_ids(task, _middle_truncated(task, record, tokenizer, max_length), tokenizer)
+    prompt = _middle_truncated(task, record, tokenizer, max_length)
+    return _final_ids(task, prompt, tokenizer, answer_prefix(task, record))
 
 
 def prompt_length(task, record: dict, tokenizer) -> int:
     """Untruncated prompt length in tokens, chat template included (what the model would read)."""
-    return len(_final_ids(task, format_prompt(task, record), tokenizer))
+    return len(_final_ids(task, format_prompt(task, record), tokenizer, answer_prefix(task, record)))

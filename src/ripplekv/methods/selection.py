@@ -1,0 +1,46 @@
+"""How a head's kept entries are picked from its scores: the top scores by a stable sort (so a selection is a
+function of the scores, never of the device), the most recent window, and a rule applied head by head only
+when heads keep different counts. Every scorer selects through these."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def recent_mask(num_heads: int, length: int, count: int, device=None) -> torch.Tensor:
+    """Keep the last `count` positions in every head."""
+    mask = torch.zeros(num_heads, length, dtype=torch.bool, device=device)
+    if count > 0:
+        mask[:, length - count :] = True
+    return mask
+
+
+def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` highest scores along the last dimension, highest first; among equal scores the
+    lowest index wins. Every selection goes through here: a stable sort makes the choice a function of the
+    scores alone, where `torch.topk` leaves ties to its kernel (CPU and CUDA keep different tied entries,
+    and max-pooled scores tie often)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
+
+
+def top_scored_mask(scores: torch.Tensor, length: int, window: int, count: int) -> torch.Tensor:
+    """Keep the window (or its last `count` entries) plus the top `count - window` prefix entries per head.
+
+    `scores` [H, n - window] rank the prefix; the window is the last `window` positions.
+    """
+    kept_window = min(window, count)
+    mask = recent_mask(scores.shape[0], length, kept_window, scores.device)
+    extra = count - kept_window
+    if extra > 0:
+        mask.scatter_(1, top_indices(scores, extra), True)
+    return mask
+
+
+def per_head(counts: torch.Tensor, build: Callable[[slice, int], torch.Tensor]) -> torch.Tensor:
+    """Apply `build(heads, count)` once when every head keeps the same count, else head by head."""
+    values = [int(c) for c in counts.tolist()]
+    if len(set(values)) == 1:
+        return build(slice(None), values[0])
+    return torch.cat([build(slice(h, h + 1), count) for h, count in enumerate(values)])
