@@ -55,8 +55,8 @@ def one_sample(loaded, memory_budget: int, monkeypatch, grown_by: int = 0) -> tu
     with monkeypatch.context() as patch:
         patch.setattr(decode, "plan_groups", recorded)
         patch.setattr(memory.PeakMemory, "grown", lambda self: real_grown(self) + grown_by)
-        rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, (16, 96), sid="s",
-                                        memory_budget=memory_budget)
+        rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, (16, 96),
+                                        evaluate.SampleSettings(memory_budget=memory_budget), sid="s")
     return rows, sizes
 
 
@@ -64,7 +64,7 @@ def test_a_samples_groups_and_numbers_do_not_depend_on_what_the_process_holds(lo
     """Under a bound that binds, a process holding 40 MiB more (earlier samples, lazy library state) plans the
     same groups, so the same text and bit-identical KL: the plan reads the sample's own tensors, not the
     resident set."""
-    from ripplekv.pipeline import evaluate
+    from ripplekv.engine import schedule
 
     real = memory.variant_room
     seen = {}
@@ -78,7 +78,7 @@ def test_a_samples_groups_and_numbers_do_not_depend_on_what_the_process_holds(lo
         return room
 
     with monkeypatch.context() as patch:
-        patch.setattr(evaluate, "variant_room", capture)
+        patch.setattr(schedule, "variant_room", capture)
         free, free_groups = one_sample(loaded, 2**40, monkeypatch)
     budget = seen["fixed"] + 2 * seen["alone"]  # room for two variants a group, not for all six
     quiet, quiet_groups = one_sample(loaded, budget, monkeypatch)
