@@ -273,9 +273,9 @@ def test_eval_runs_every_baseline_with_exact_totals(run_cli, tiny_model_dir, tmp
     flags = []
     real = evaluate.prefill
 
-    def recording(*args, **kwargs):
-        flags.append(COLUMN_SUMS in kwargs["needs"].signals)
-        return real(*args, **kwargs)
+    def recording(model, ids, needs, *args, **kwargs):
+        flags.append(COLUMN_SUMS in needs.signals)
+        return real(model, ids, needs, *args, **kwargs)
 
     monkeypatch.setattr(evaluate, "prefill", recording)
     alloc = tmp_path / "alloc.csv"
