@@ -134,7 +134,7 @@ def evaluate_sample(
     with timings.phase(timings.PREFILL):  # its recorders count apart (`engine.timings`)
         state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens,
                         context=SampleContext(tokenizer, tuple(question)))
-    n, layers, heads = state.length, state.num_layers, state.num_kv_heads
+    n, heads = state.length, state.num_kv_heads
     report("prefill", n)
     stops = stop_tokens(model, tokenizer, task.stop_at_newline)
     with timings.phase(timings.REFERENCE_DECODE):
@@ -222,7 +222,7 @@ def evaluate_sample(
             fields["peak_entries"] = peak_entries(entry_counts, len(out_tokens) - 1, cap)
         return fields
 
-    full_counts = np.full((layers, heads), n, dtype=np.int64)
+    full_counts = np.repeat(np.asarray(state.capacities, dtype=np.int64)[:, None], heads, axis=1)  # a sliding layer's window
     rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)] if with_full else []
     for index, ((name, budget, _), entry_counts, out_tokens, fid) in enumerate(zip(variants, counts, tokens, quality)):
         rows.append(row(name, budget, out_tokens, entry_counts, fid.kl, fid.agreement, caps[index] if total else None))
