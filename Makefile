@@ -2,6 +2,9 @@
 PY      := .venv/bin/python
 RKV     := .venv/bin/ripplekv
 STAMP   := .venv/.installed
+# The reference venv of check-references and bench-peer (kvpress): inside the project, ignored by git;
+# `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
+REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
 .PHONY: install test reproduce reproduce-quick reproduce-full bench clean check-references bench-peer
 
@@ -41,12 +44,12 @@ reproduce-full: install
 check-references: install
 	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing);
 	# REFARGS sizes the run, e.g. REFARGS="--prompts 2 --target-tokens 1000" on a busy machine.
-	bash scripts/check_references.sh --venv $(or $(REFVENV),/work/refvenv) $(REFARGS)
+	bash scripts/check_references.sh --venv $(REFVENV) $(REFARGS)
 
 bench-peer: install
 	# kvpress 0.5.5's own loop (each press x budget: prefill + greedy decode, batch 1) against `ripplekv eval`,
 	# kvpress in the check-references venv; PEERARGS sizes it, e.g. PEERARGS="--prompts 1 --methods snapkv,tova".
-	PYTHONPATH=src HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) scripts/bench_peer.py --venv $(or $(REFVENV),/work/refvenv) $(PEERARGS)
+	PYTHONPATH=src HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) scripts/bench_peer.py --venv $(REFVENV) $(PEERARGS)
 
 clean:
 	rm -rf .venv build *.egg-info src/*.egg-info

@@ -28,11 +28,11 @@ BUDGET = 2048
 def specs() -> list[str]:
     """88 method specs at one budget (head splits, a global split, many scorer settings)."""
     chosen = []
-    for window in (16, 32, 64):
-        for kernel in (1, 3, 5, 7):
+    for window in (16, 32, 64):  # kernel=1 pools nothing, so it takes no pooling= (presets.check_used): 3..9
+        for kernel in (3, 5, 7, 9):
             for pooling in ("max", "avg"):
                 chosen.append(f"snapkv:window={window}:kernel={kernel}:pooling={pooling}")
-        for kernel in (1, 3, 5, 7):
+        for kernel in (3, 5, 7, 9):
             for pooling in ("max", "avg"):
                 chosen.append(f"adakv:window={window}:kernel={kernel}:pooling={pooling}")
         for kernel in (1, 5, 7):

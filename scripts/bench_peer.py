@@ -23,8 +23,9 @@ variant is a separate run in its loop); ours is one eval of the set. Printed per
 over repeats), and per method the share of (prompt, budget) whose greedy answers are the same text.
 Kept sets are compared by `make check-references` (on its own prompts); its lines for these methods are
 printed from its output directory (`--kept-from`) when one is there. kvpress keeps AdaKV's and KVzip's unequal heads
-by masking a full-length cache, and its PyramidKVPress is uniform SnapKV below B = 640 (see UNLIKE): that is
-the peer's own cost and behaviour, measured as it is.
+by masking a full-length cache: that is the peer's own cost, measured as it is. Each of our specs is the one that
+reproduces its press (kvpress's PyramidKV schedule, no window for Expected Attention, KeyDiff and KVzip, KVzip's
+chat-template start and entry-level global budget: docs/methods.md).
 
     PYTHONPATH=src .venv/bin/python scripts/bench_peer.py [--prompts 2] [--target-tokens 3500] [--repeats 2]
         [--budgets 128,512] [--sets "22 variants,8 cheap variants"] [--methods snapkv,tova] [--out CSV]
@@ -46,20 +47,21 @@ SNAP = ("SnapKVPress", {"window_size": WINDOW, "kernel_size": KERNEL})
 METHODS = {
     "streamingllm": ("StreamingLLMPress", {"n_sink": 4}),
     f"snapkv:kernel={KERNEL}:pooling=avg": SNAP,
-    f"pyramidkv:kernel={KERNEL}:pooling=avg": ("PyramidKVPress", {"window_size": WINDOW, "kernel_size": KERNEL}),
+    f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress": ("PyramidKVPress", {"window_size": WINDOW, "kernel_size": KERNEL}),
     "tova": ("TOVAPress", {}),
     "knorm": ("KnormPress", {}),
-    "expected-attention": ("ExpectedAttentionPress", {}),
-    "keydiff": ("KeyDiffPress", {}),
+    "expected-attention:window=0": ("ExpectedAttentionPress", {}),
+    "keydiff:window=0": ("KeyDiffPress", {}),
     f"criticalkv:kernel={KERNEL}:pooling=avg": ("CriticalKVPress", {"press": SNAP}),
-    f"adakv:kernel={KERNEL}:pooling=avg": ("AdaKVPress", {"press": SNAP}),
-    "kvzip": ("KVzipPress", {}),
+    f"adakv:kernel={KERNEL}:pooling=avg:rule=kvpress": ("AdaKVPress", {"press": SNAP}),
+    "kvzip:granularity=entry:skip_template=1:window=0": ("KVzipPress", {}),
     "h2o:norm=mean:recent=0": ("ObservedAttentionPress", {}),
 }
 CHEAP = ("streamingllm", "snapkv", "pyramidkv", "tova")
 EAGER = ("ObservedAttentionPress",)  # presses that read the attention weights sdpa does not return
-# Methods whose answers are not expected to match, and why (left out of the overall agreement line).
-UNLIKE = {"pyramidkv": f"kvpress's PyramidKVPress is uniform SnapKV below B = 20 x {WINDOW} (its smallest layer must keep the window)"}
+# Methods whose answers are not expected to match, and why (left out of the overall agreement line). Every spec in
+# METHODS is the one that reproduces its press (make check-references holds their kept sets), so none today.
+UNLIKE: dict[str, str] = {}
 
 
 def base(spec: str) -> str:
@@ -75,7 +77,9 @@ def pick(names: str) -> tuple[str, ...]:
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in {base(s) for s in METHODS}]
     if unknown:
-        sys.exit(f"--methods: {', '.join(unknown)} not in both (choose from {', '.join(base(s) for s in METHODS)})")
+        from ripplekv.errors import UserError
+
+        raise UserError(f"--methods: {', '.join(unknown)} not in both (choose from {', '.join(base(s) for s in METHODS)})")
     return tuple(s for s in METHODS if base(s) in wanted)
 
 
@@ -84,9 +88,14 @@ def variants(specs, budgets) -> list[tuple[str, int]]:
     return [(spec, budget) for spec in specs for budget in budgets]
 
 
-def keep_ratio(budget: int, length: int) -> float:
-    """kvpress's compression_ratio that keeps `budget` entries per head of a `length`-token prompt: it keeps
-    int(length * (1 - ratio)) (PyramidKV in its mean layer, AdaKV and KVzip on average over heads)."""
+def keep_ratio(budget: int, length: int, press: str = "", entries: int = 0) -> float:
+    """kvpress's compression_ratio that keeps `budget` entries per head of a `length`-token prompt: most presses
+    keep int(length * (1 - ratio)) (AdaKV on average over heads); PyramidKV averages length * (1 - ratio) over its
+    layers and KVzip keeps all but int(entries * ratio) of the `entries` = L x H_kv x n (check_references_worker)."""
+    if press == "KVzipPress":
+        return 1 - (entries * budget / length - 0.5) / entries
+    if press == "PyramidKVPress":
+        return 1 - budget / length
     return 1 - (budget + 0.5) / length
 
 
@@ -154,7 +163,8 @@ def peer_run(model, ids, press, budget, max_new_tokens, stops) -> list[int]:
     cache = DynamicCache()
     with torch.no_grad():
         if press is not None:
-            press.compression_ratio = keep_ratio(budget, n)
+            entries = model.config.num_hidden_layers * model.config.num_key_value_heads * n
+            press.compression_ratio = keep_ratio(budget, n, type(press).__name__, entries)
         with press(model) if press is not None else contextlib.nullcontext():
             hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
         token = model.lm_head(hidden[:, -1]).argmax(-1)
@@ -251,7 +261,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sets", default=",".join(SETS), help="method sets to time, comma-separated")
     parser.add_argument("--methods", help="time only these methods (names, e.g. snapkv,tova) as one set")
-    parser.add_argument("--venv", default=os.environ.get("RIPPLEKV_REFVENV", "/work/refvenv"))
+    parser.add_argument("--venv", default=None,
+                        help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/bench-peer/bench_peer.csv")
     parser.add_argument("--kept-from", default="runs/check-references",
                         help="a check-references output directory whose kept-set comparison is printed too")
@@ -263,7 +274,9 @@ def main() -> None:
     if args.worker:
         worker(args.model_dir, args.threads)
         return
-    run(args)
+    from reference_venv import one_line
+
+    one_line(lambda: run(args))
 
 
 def run(args) -> None:
@@ -272,30 +285,35 @@ def run(args) -> None:
     import numpy as np
     import pandas as pd
     import torch
-    from check_references import ensure_venv
+    from reference_venv import check_venv_path, default_venv, ensure_venv
     from rich.console import Console
     from rich.table import Table
 
     from ripplekv.engine.decode import stop_tokens
     from ripplekv.engine.models import _source_and_location, load_model
+    from ripplekv.errors import UserError
     from ripplekv.pipeline.eval_plan import EvalSettings, parse_budgets, plan_eval
     from ripplekv.pipeline.evaluate import load_all_samples
+    from ripplekv.runs.safeio import check_output
     from ripplekv.tasks import build_prompt_ids, get_tasks
 
     if args.threads:
         torch.set_num_threads(args.threads)
     budgets = parse_budgets([args.budgets])
     if any(b <= WINDOW for b in budgets):
-        sys.exit(f"--budgets must exceed the window ({WINDOW})")
+        raise UserError(f"--budgets must exceed the window ({WINDOW}), got {args.budgets}")
+    if args.prompts < 1 or args.repeats < 1 or args.target_tokens < 1:
+        raise UserError("--prompts, --repeats and --target-tokens must be at least 1")
     if args.methods:
         sets = {f"{len(pick(args.methods)) * len(budgets)} variants ({args.methods})": pick(args.methods)}
     else:
         chosen = [s.strip() for s in args.sets.split(",") if s.strip()]
         if [s for s in chosen if s not in SETS]:
-            sys.exit(f"--sets: choose from {', '.join(SETS)}")
+            raise UserError(f"--sets: choose from {', '.join(SETS)}")
         sets = {name: SETS[name] for name in chosen}
-    python = ensure_venv(Path(args.venv))
-    out = Path(args.out)
+    venv = check_venv_path(args.venv or default_venv())  # before anything is made: the venv, then the output
+    out = check_output(args.out, kind="file")
+    python = ensure_venv(venv)
     out.parent.mkdir(parents=True, exist_ok=True)
     tasks = tuple(task.name for task in get_tasks("offline")[: args.prompts])
     settings = {name: EvalSettings(budgets=budgets, methods=specs, tasks=tasks, limit=1, target_tokens=args.target_tokens,

@@ -5,19 +5,20 @@ Two halves, two environments:
   method keeps, in the layout of `ripplekv inspect`'s kept.npz (`analysis.kept.kept_arrays`); PyramidKV's
   schedule comes from `ripplekv budgets` itself.
 - `--worker` (a separate venv, `--venv`, made when missing: the same CPU torch, kvpress 0.5.5,
-  transformers 5.2.0): load the same dequantized weights with eager attention, run one forward per
-  prompt and, in a hook on every attention layer, call each kvpress press's own `compress` on the
-  layer's keys with the values replaced by their positions, so the values it returns are the positions
-  it kept. The hook leaves the cache alone; compression after prefill never changes prefill's outputs.
+  transformers 5.2.0; `check_references_worker`): load the same dequantized weights and let each kvpress
+  press's own code choose: the scorer presses' `compress` in an eager hook (values replaced by their
+  positions, so the values it returns are the positions it kept), the masking presses (AdaKV,
+  CriticalAdaKV, LU-KV with our curve set on it) in an sdpa hook, and KVzipPress's own reconstruction pass.
 
 For each method with reference code it prints the share of identical (layer, KV head) kept sets and the
-mean Jaccard over prompts x budgets x layers x heads (for KnormPress also the share identical up to tied
-scores: equal key norms, where a top-k's choice among ties is unspecified, and that share is what passes); PyramidKV's and CAKE's per-layer budgets are
-compared with their formulas re-implemented here (PyramidKV paper's linear schedule; cakekv's
-`pref / sum(pref) * L * (B - w)` with its truncation and `adjust_budgets`), DynamicKV's and LAVa's with
-their code's rules (`check_references_allocators`). The AdaKV rule (FFY0's
-allocation, with exact totals) is re-implemented here on kvpress's SnapKV scores. Last line:
-`reference parity: N/M methods >= 0.99`.
+mean Jaccard over prompts x budgets x layers x heads, and where the reference's scores are recorded the
+share identical up to tied scores (equal scores, where a top-k's choice among ties is unspecified; that share
+is what passes). A deliberate difference of ours (exact budgets, a default window) is checked through the
+spec that reproduces the reference (PAIRS); docs/methods.md says why each differs. PyramidKV's and CAKE's
+per-layer budgets are also compared with their formulas re-implemented here (PyramidKV paper's linear
+schedule; cakekv's `pref / sum(pref) * L * (B - w)` with its truncation and `adjust_budgets`), DynamicKV's and
+LAVa's with their code's rules (`check_references_allocators`), and AdaKV with FFY0's allocation (exact
+totals) on kvpress's SnapKV scores. Last line: `reference parity: N/M methods >= 0.99`.
 
 Run: `make check-references` or `bash scripts/check_references.sh [--prompts 4] [--budgets 128,512]`.
 """
@@ -32,13 +33,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from check_references_worker import KERNEL, WINDOW
+from reference_venv import check_venv_path, default_venv, ensure_venv, one_line
 
-WINDOW = 32  # SnapKV's observation window, CAKE's window
-KERNEL = 5  # kvpress's SnapKV pools with avg_pool1d; ours is asked for the same
-PINS = ("kvpress==0.5.5", "transformers==5.2.0", "gguf", "accelerate")
-TORCH = "torch==2.13.0"
+PYRAMID_BUDGET = 700  # kvpress's PyramidKVPress is uniform below B = 20 x window: its pyramid is checked here too
+SHIPPED_CURVE = "lukv"  # the bundled model's LU-KV curve (Expected Attention, epsilon 0.02) that LUKVPress is given
 
-# method -> (our spec, reference key in the worker's output)
+# name in the output -> (our spec, reference key in the worker's output); a spec with options beside our
+# default is the one that reproduces the reference (docs/methods.md says why our default differs)
 PAIRS = {
     "snapkv": (f"snapkv:kernel={KERNEL}:pooling=avg", "snapkv"),
     "streamingllm": ("streamingllm", "streamingllm"),
@@ -46,6 +48,14 @@ PAIRS = {
     "knorm": ("knorm", "knorm"),
     "h2o:norm=mean": ("h2o:norm=mean:recent=0", "observed"),
     "adakv": (f"adakv:kernel={KERNEL}:pooling=avg", "adakv"),
+    "adakv:rule=kvpress": (f"adakv:kernel={KERNEL}:pooling=avg:rule=kvpress", "adakvpress"),
+    "criticalkv": (f"criticalkv:kernel={KERNEL}:pooling=avg", "criticalkv"),
+    "criticaladakv": (f"criticaladakv:kernel={KERNEL}:pooling=avg:rule=kvpress:safeguard=0.2", "criticaladakv"),
+    "expected-attention": ("expected-attention:window=0", "expected"),
+    "keydiff": ("keydiff:window=0", "keydiff"),
+    "kvzip": ("kvzip:granularity=entry:skip_template=1:window=0", "kvzip"),
+    "pyramidkv:schedule=kvpress": (f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress", "pyramidkv"),
+    "lukv": ("lukv:rounding=kvpress", "lukv"),
 }
 # Our earlier defaults against the same references: printed for information (they should not match).
 EARLIER = {
@@ -54,89 +64,25 @@ EARLIER = {
     "h2o:recent=0:window=32": ("h2o:recent=0:window=32", "observed"),
     "knorm:window=32": ("knorm:window=32", "knorm"),
     "adakv:rule=floor": (f"adakv:kernel={KERNEL}:pooling=avg:rule=floor", "adakv"),
+    "keydiff (window 32)": ("keydiff", "keydiff"),
+    "expected-attention (window 32)": ("expected-attention", "expected"),
+    "kvzip (our default)": ("kvzip", "kvzip"),
+    "criticaladakv (FFY0 split)": (f"criticaladakv:kernel={KERNEL}:pooling=avg", "criticaladakv"),
 }
 
 
-# --------------------------------------------------------------------------- the reference venv
+# --------------------------------------------------------------------------- the reference venv (reference_venv.py)
 
 
-def ensure_venv(venv: Path) -> Path:
-    """The reference venv's python; created (CPU torch from the local wheel first, then the pins) when missing."""
-    python = venv / "bin" / "python"
-    probe = "import kvpress, transformers, torch; assert transformers.__version__ == '5.2.0'; assert '+cpu' in torch.__version__"
-    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
-        return python
-    print(f"creating the reference venv {venv} (torch CPU, {', '.join(PINS)})", file=sys.stderr)
-    subprocess.run([os.environ.get("REFVENV_PYTHON", "python3.11"), "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", TORCH], check=True)
-    torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
-                                   capture_output=True, text=True, check=True).stdout.strip()
-    constraints = venv / "constraints.txt"
-    constraints.write_text(f"torch=={torch_version}\n")  # never let the resolver swap in a CUDA build
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(constraints), *PINS], check=True)
-    subprocess.run([str(python), "-c", probe], check=True)
-    return python
+def parse_reference_budgets(text: str) -> list[int]:
+    """--budgets as the comparison takes them: positive integers above the window, comma-separated."""
+    from ripplekv.errors import UserError
+    from ripplekv.pipeline.eval_plan import parse_budgets
 
-
-# --------------------------------------------------------------------------- worker (reference venv)
-
-
-def worker(args) -> None:
-    import kvpress
-    import torch
-    import transformers
-    from check_references_allocators import signals as allocator_signals
-    from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    presses = {"snapkv": SnapKVPress(window_size=WINDOW, kernel_size=KERNEL), "streamingllm": StreamingLLMPress(n_sink=4),
-               "tova": TOVAPress(), "knorm": KnormPress(), "observed": ObservedAttentionPress()}
-    for press in presses.values():
-        press.post_init_from_model(model)
-    budgets = [int(b) for b in args.budgets.split(",")]
-    out = Path(args.out)
-    for ids_path in sorted(out.glob("prompt_*.npy")):
-        ids = torch.as_tensor(np.load(ids_path), dtype=torch.long)[None]
-        n = ids.shape[1]
-        record: dict[str, np.ndarray] = {}
-        prefs = {}
-
-        def hook(module, inputs, kwargs, output):
-            layer = module.layer_idx
-            cache_layer = kwargs["past_key_values"].layers[layer]
-            keys, values = cache_layer.keys, cache_layer.values
-            attentions = output[1]
-            positions = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand_as(values).contiguous()
-            for name, press in presses.items():
-                for budget in budgets:
-                    press.compression_ratio = 1 - (budget + 0.5) / n  # int(n * (1 - ratio)) == budget
-                    _, kept = press.compress(module, kwargs["hidden_states"], keys, positions, attentions, kwargs)
-                    record[f"{name}/{budget}/{layer}"] = np.sort(kept[0, :, :, 0].round().long().numpy(), axis=-1)
-            record[f"knorm_norms/{layer}"] = keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
-            snap = presses["snapkv"].score(module, kwargs["hidden_states"], keys, values, attentions, kwargs)
-            record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
-            window = attentions[0, :, -WINDOW:, : n - WINDOW].float()
-            entropy = float(-(window * torch.log(window + 1e-10)).sum())  # cakekv's calculate_entropy
-            variance = float(torch.var(window, dim=-2).sum())
-            prefs[layer] = (entropy, variance)
-            record.update(allocator_signals(layer, attentions, values, n))  # DynamicKV's and LAVa's
-            return output
-
-        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-        try:
-            with torch.no_grad():
-                model(ids, past_key_values=DynamicCache(config=model.config))
-        finally:
-            for handle in hooks:
-                handle.remove()
-        record["cake_prefs"] = np.asarray([prefs[layer] for layer in range(len(prefs))], dtype=np.float64)
-        np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
-        print(f"reference: {ids_path.stem} ({n} tokens) done", file=sys.stderr)
-    (out / "reference_versions.json").write_text(json.dumps(
-        {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
-         "transformers": transformers.__version__, "torch": torch.__version__}))
+    budgets = list(parse_budgets([text]))
+    if any(b <= WINDOW for b in budgets):
+        raise UserError(f"--budgets must exceed the window ({WINDOW}) for the comparison, got {text}")
+    return budgets
 
 
 # --------------------------------------------------------------------------- the rules re-implemented
@@ -210,32 +156,52 @@ def cakekv_budgets(prefs: np.ndarray, budget: int, window: int, length: int, tau
 # --------------------------------------------------------------------------- our side and the comparison
 
 
+def budgets_of(name: str, budgets: list[int]) -> list[int]:
+    """The budgets a pair is compared at: kvpress's pyramid also at PYRAMID_BUDGET, where it is one."""
+    return budgets + [PYRAMID_BUDGET] if name == "pyramidkv:schedule=kvpress" and PYRAMID_BUDGET not in budgets else budgets
+
+
+def shipped_curve(out: Path) -> bool:
+    """Our LU-KV curve for the bundled model, saved for the worker to set on LUKVPress; False when none is shipped."""
+    from ripplekv.engine.models import DEFAULT_MODEL
+    from ripplekv.methods.lukv import SHIPPED, read_curve
+
+    path = SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv"
+    if not path.is_file():
+        return False
+    np.save(out / "lukv_curve.npy", read_curve(path)[0])
+    return True
+
+
 def our_side(args, out: Path) -> tuple[int, list[int]]:
     """Prompts' ids (prompt_*.npy) and our kept sets (ours_*.npz, inspect's kept.npz layout); (layers, lengths)."""
     import torch
 
     from ripplekv.analysis.kept import kept_arrays
     from ripplekv.engine.models import load_model
-    from ripplekv.engine.prefill import prefill
+    from ripplekv.engine.prefill import Requirements, prefill_for
+    from ripplekv.engine.recorders import SampleContext
     from ripplekv.methods import make_method
     from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 
     model, tokenizer, _ = load_model(None, device="cpu", dtype="float32")
     budgets = [int(b) for b in args.budgets.split(",")]
-    methods = {name: make_method(spec) for name, (spec, _) in {**PAIRS, **EARLIER}.items()}
+    pairs = {name: spec for name, (spec, _) in {**PAIRS, **EARLIER}.items() if name != "lukv" or args.lukv}
+    methods = {name: make_method(spec) for name, spec in pairs.items()}
     methods["cake"] = make_method("cake")
     methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
+    needs = Requirements.of_all(methods.values())
     lengths = []
     for index, task in enumerate(get_tasks("offline")[: args.prompts]):
         record = load_samples(task, tokenizer, limit=1, target_tokens=args.target_tokens)[0]
         ids = build_prompt_ids(task, record, tokenizer, 7500)
         np.save(out / f"prompt_{index}.npy", np.asarray(ids, dtype=np.int64))
-        state = prefill(model, ids, accumulate=True)
+        state = prefill_for(model, ids, needs, context=SampleContext(tokenizer=tokenizer))
         lengths.append(state.length)
         arrays = {}
         with torch.no_grad():
             for name, method in methods.items():
-                for budget in budgets:
+                for budget in budgets_of(name, budgets):
                     kept = kept_arrays(method.compress(state, budget))
                     arrays[f"{name}/{budget}/positions"] = kept["positions"]
                     arrays[f"{name}/{budget}/counts"] = kept["counts"]
@@ -248,7 +214,10 @@ def our_pyramid(budget: int, length: int) -> np.ndarray:
     """PyramidKV's layer budgets as `ripplekv budgets` prints them (the public surface)."""
     command = [sys.executable, "-m", "ripplekv.cli", "budgets", "--methods", "pyramidkv", "--budget", str(budget),
                "--prompt-len", str(length), "--format", "csv"]
-    text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"`{' '.join(command[1:])}` failed:\n{done.stderr}")
+    text = done.stdout
     import csv
     import io
 
@@ -264,17 +233,32 @@ def kept_sets(positions: np.ndarray) -> list[list[set[int]]]:
 def tied_swap(scores: np.ndarray | None, head: int, kept: set[int], theirs: set[int]) -> bool:
     """Whether two kept sets of one head differ only by entries of equal score (which of tied entries a top-k keeps
     is not specified: ours keeps the earliest, `methods.base.top_indices`). Key norms tie exactly where two positions
-    hold the same token's key in layer 0 (RoPE leaves norms unchanged)."""
+    hold the same token's key in layer 0 (RoPE leaves norms unchanged); KVzip's reconstruction scores where no
+    query attends (kvpress leaves the chat template's opening at 0)."""
     if scores is None or len(kept) != len(theirs):
         return False
     row = scores[head]
     return sorted(row[sorted(kept)].tolist()) == sorted(row[sorted(theirs)].tolist())
 
 
+def lukv_drift(ours_files, layers: int, budgets: list[int]) -> str:
+    """How far kvpress's rounding of our curve (its nearest-percent row, per-layer rounding) moves the total from
+    L x H x B, over the prompts and budgets: ours keeps L x H x B exactly."""
+    from ripplekv.engine.models import DEFAULT_MODEL
+    from ripplekv.methods.lukv import SHIPPED, kvpress_counts, read_curve
+
+    curve = read_curve(SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv")[0]
+    drifts = [kvpress_counts(curve, b, int(json.loads(str(np.load(p)["meta"]))["tokens"])).mean() / b - 1
+              for p in ours_files for b in budgets]
+    return (f"; kvpress's rounding of the curve keeps {min(drifts):+.2%} to {max(drifts):+.2%} of L x H x B "
+            f"(`lukv`, exact, keeps it)")
+
+
 def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> list[tuple[str, bool, str]]:
     lines = []
     ours_files = sorted(out.glob("ours_prompt_*.npz"))
-    pairs = {**PAIRS, **EARLIER}
+    first = np.load(ours_files[0])
+    pairs = {name: pair for name, pair in {**PAIRS, **EARLIER}.items() if f"{name}/{budgets[0]}/positions" in first.files}
     stats = {name: [] for name in pairs}
     own_round_agree = []
     cake_diffs = []
@@ -282,7 +266,7 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
         ours = np.load(ours_path)
         ref = np.load(out / f"reference_{ours_path.stem[len('ours_'):]}.npz")
         for name, (_, key) in pairs.items():
-            for budget in budgets:
+            for budget in budgets_of(name, budgets):
                 mine = kept_sets(ours[f"{name}/{budget}/positions"])
                 for layer in range(layers):
                     if key == "adakv":
@@ -292,12 +276,12 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
                         if name == "adakv":
                             own_round_agree.extend((own + WINDOW == ours[f"{name}/{budget}/counts"][layer]).tolist())
                     else:
-                        theirs = [set(row.tolist()) for row in ref[f"{key}/{budget}/{layer}"]]
-                    norms = ref[f"knorm_norms/{layer}"] if key == "knorm" and f"knorm_norms/{layer}" in ref else None
+                        theirs = [set(int(p) for p in row if p >= 0) for row in ref[f"{key}/{budget}/{layer}"]]
+                    scores = ref[f"{key}_scores/{layer}"] if f"{key}_scores/{layer}" in ref.files else None
                     for head, kept in enumerate(mine[layer]):
                         union = kept | theirs[head]
                         stats[name].append((kept == theirs[head], len(kept & theirs[head]) / max(len(union), 1),
-                                            kept == theirs[head] or tied_swap(norms, head, kept, theirs[head])))
+                                            kept == theirs[head] or tied_swap(scores, head, kept, theirs[head])))
         for budget in budgets:
             length = int(json.loads(str(ours["meta"]))["tokens"])
             cake_ref = cakekv_budgets(ref["cake_prefs"], budget, WINDOW, length)
@@ -309,8 +293,10 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
         jaccard = np.mean([v[1] for v in values])
         tied = np.mean([v[2] for v in values])
         extra = f"; FFY0's own per-head round gives the same counts in {np.mean(own_round_agree):.3f} of heads" if name == "adakv" else ""
+        extra += lukv_drift(ours_files, layers, budgets) if name == "lukv" else ""
+        extra += f" (B = {','.join(map(str, budgets_of(name, budgets)))})" if budgets_of(name, budgets) != budgets else ""
         if name in EARLIER:
-            lines.append((name, None, f"  (earlier default) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))
+            lines.append((name, None, f"  (not the reference's setting) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))
             continue
         ties = f"; identical up to tied scores {tied:.4f}" if tied > same else ""
         lines.append((name, max(same, tied) >= 0.99, f"{name:<14} identical kept sets {same:.4f} of {len(values)} (layer, KV head, "
@@ -346,33 +332,53 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="offline-suite prompts (one per task)")
     parser.add_argument("--budgets", default="128,512")
     parser.add_argument("--target-tokens", type=int, default=3500)
-    parser.add_argument("--venv", default=os.environ.get("RIPPLEKV_REFVENV", "/work/refvenv"))
+    parser.add_argument("--venv", default=default_venv(),
+                        help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/check-references")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        from check_references_worker import worker
+
         worker(args)
         return
-    budgets = [int(b) for b in args.budgets.split(",")]
-    if any(b <= WINDOW for b in budgets):
-        sys.exit(f"budgets must exceed the window ({WINDOW}) for the comparison")
-    out = Path(args.out)
+    one_line(lambda: check_and_compare(args))
+
+
+def check_and_compare(args) -> None:
+    """Every option (budgets, prompts, the venv's path, the output folder) before anything is made, then the run."""
+    from ripplekv.errors import UserError
+    from ripplekv.runs.safeio import check_output
+
+    budgets = parse_reference_budgets(args.budgets)
+    args.budgets = ",".join(map(str, budgets))
+    if args.prompts < 1 or args.target_tokens < 1:
+        raise UserError(f"--prompts and --target-tokens must be at least 1, got {args.prompts} and {args.target_tokens}")
+    if args.target_tokens < PYRAMID_BUDGET + 64:
+        raise UserError(f"--target-tokens must be at least {PYRAMID_BUDGET + 64}: kvpress's pyramid is checked at "
+                        f"B = {PYRAMID_BUDGET}")
+    check_venv_path(args.venv)
+    out = check_output(args.out, kind="dir")
+    python = ensure_venv(Path(args.venv))
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("*.npz")) + list(out.glob("*.npy")):
         old.unlink()
-    python = ensure_venv(Path(args.venv))
     from ripplekv.engine.models import _source_and_location
 
     _, model_dir = _source_and_location(None)
+    args.lukv = shipped_curve(out)
     layers, lengths = our_side(args, out)
     subprocess.run([str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir, "--out", str(out),
-                    "--budgets", args.budgets], check=True, env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-                         "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
+                    "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets)))], check=True,
+                   env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1",
+                        "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
     lines = compare(out, layers, lengths, budgets)
     versions = json.loads((out / "reference_versions.json").read_text())
     print(f"reference code: kvpress {versions['kvpress']}, transformers {versions['transformers']}, torch {versions['torch']}; "
           f"{len(lengths)} prompts ({min(lengths)}-{max(lengths)} tokens), B = {args.budgets}")
+    if not args.lukv:
+        print("lukv: no curve shipped for the bundled model (src/ripplekv/data/lukv/), so LUKVPress is not checked")
     for _, _, text in sorted(lines, key=lambda line: line[1] is None):
         print(text)
     checked = [ok for _, ok, _ in lines if ok is not None]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from ripplekv.analysis.calibration_report import calibration_lines, draw_dirs, route_stability_lines, tuned_lines
+
 # The make target behind each config, for the page title.
 TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick", "full.env": "make reproduce-full"}
 
@@ -145,8 +147,8 @@ def allocation_lines(eval_dir: Path) -> list[str]:
             "", allocation_markdown(table)]
 
 
-# Methods compared head to head when a run holds both (the first against its earlier reading).
-HEAD_TO_HEAD = (("gracekv", "gracekv:slots=fixed"),)
+# Methods compared head to head when a run holds both (GraceKV against its earlier reading, each against SnapKV).
+HEAD_TO_HEAD = (("gracekv", "gracekv:slots=fixed"), ("gracekv", "snapkv"), ("gracekv:slots=fixed", "snapkv"))
 
 
 def head_to_head_lines(eval_dir: Path) -> list[str]:
@@ -323,6 +325,30 @@ def route_lines(out: Path) -> list[str]:
     ]
 
 
+# ---- DepthKV against the baselines its paper compares with (#42; the calibration draws' sections: analysis.calibration_report)
+
+
+def depthkv_versus_lines(out: Path) -> list[str]:
+    """DepthKV against uniform H2O (its paper's comparison) and SnapKV, paired, at its headline ratio."""
+    eval_dir = out / "eval-headline"
+    if not (eval_dir / "predictions.jsonl").is_file():
+        return []
+    from ripplekv.analysis.pairs import head_to_head, head_to_head_markdown
+    from ripplekv.analysis.report import load_predictions
+
+    frame = load_predictions(eval_dir)
+    labels = set(frame["method"])
+    depthkv = sorted(m for m in labels if m.split(":")[0] == "depthkv")
+    lines = []
+    for method in depthkv:
+        for versus in ("h2o", "snapkv"):
+            table = head_to_head(frame, method, versus) if versus in labels else pd.DataFrame()
+            if not table.empty:
+                lines += ["", f"`{method}` against `{versus}` at the headline ratio ({int(table['samples'].iloc[0])} "
+                          "samples, paired):", "", head_to_head_markdown(table)]
+    return lines
+
+
 def max_new_tokens(tasks: list[str]) -> int:
     from ripplekv.tasks import get_tasks
 
@@ -376,8 +402,10 @@ def main(out: Path, config: str, final: str | None = None) -> None:
         if not line.startswith("# ") and not line.startswith("![")
     )
     stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "profile-evict-kl", "profile-infonce",
-              "predictors", "compresskv-profile", "route", "eval", "eval-headline", "eval-compare", "eval-context-only", "long-prompt",
-              "long-total", "needle")
+              "compresskv-profile", "route", "predictors", "tune", "eval", "eval-draws", "eval-headline", "eval-compare",
+              "eval-context-only", "long-prompt", "long-total", "needle")
+    draw_stages = [f"{stage}-d{d}" for d, _, _ in draw_dirs(out)[1:] for stage in stages[:8]]  # draws 1.. (#42)
+    stages = stages[:8] + tuple(draw_stages) + stages[8:]
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"bash scripts/reproduce.sh {config}")
@@ -415,8 +443,10 @@ def main(out: Path, config: str, final: str | None = None) -> None:
             sweep.to_markdown(index=False, floatfmt=".4g"),
         ]
     lines += context_only_lines(out)
-    lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out), *route_lines(out),
-              *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"), *long_lines(out), *needle_lines(out), *time_lines(out)]
+    lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out),
+              *depthkv_versus_lines(out), *route_lines(out), *route_stability_lines(out), *calibration_lines(out),
+              *tuned_lines(out), *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"),
+              *long_lines(out), *needle_lines(out), *time_lines(out)]
     lines += [
         "",
         "## Exact commands",

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from ripplekv.errors import UserError
 from ripplekv.methods import make_method
 from tests.conftest import load_script
 
@@ -25,7 +26,7 @@ def test_the_sets_count_22_and_8_variants_at_two_budgets_and_every_spec_is_ours(
 
 def test_pick_keeps_the_table_order_and_refuses_unknown_names_in_one_line(bench):
     assert bench.pick("tova, snapkv") == ("snapkv:kernel=5:pooling=avg", "tova")
-    with pytest.raises(SystemExit, match="ripplekv not in both"):
+    with pytest.raises(UserError, match="ripplekv not in both"):
         bench.pick("snapkv,ripplekv")
 
 

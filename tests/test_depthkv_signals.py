@@ -199,3 +199,24 @@ def test_predictor_table_ranks_signals_against_the_drop(tmp_path):
     assert table["low"][2] < 0.5  # an unrelated signal's interval is wide
     with pytest.raises(UserError, match="not a task-drop profile"):
         predictor_table(folders[0], [drop_dir])
+
+
+def test_draws_of_a_profile_pool_into_one_and_must_be_disjoint(tmp_path):
+    from ripplekv.analysis.predictors import predictor_table, read_layer_profile
+
+    rng = np.random.default_rng(1)
+    layers = 6
+    truth = np.linspace(0.0, 0.5, layers)
+    values = truth + rng.normal(0, 0.05, size=(18, layers))
+    ids = [f"c{i}" for i in range(18)]
+    drops = [write_fake_profile(tmp_path / f"drop{d}", "evict", "drop", values[d::3], ids[d::3], measure="task-drop")
+             for d in range(3)]
+    kls = [write_fake_profile(tmp_path / f"kl{d}", "evict", "kl", 2 * values[d::3], ids[d::3]) for d in range(3)]
+    pooled = read_layer_profile(",".join(map(str, drops)))
+    assert len(pooled.sample_ids) == 18 and pooled.values.shape == (18, layers)
+    table = predictor_table(",".join(map(str, drops)), [",".join(map(str, kls))], resamples=100)
+    assert table["samples_drop"][0] == 18 and bool(table["paired"][0]) and table["spearman"][0] == pytest.approx(1.0)
+    with pytest.raises(UserError, match="share calibration samples"):
+        read_layer_profile([drops[0], drops[0]])
+    with pytest.raises(UserError, match="pool only draws of one profile"):
+        read_layer_profile([drops[0], kls[1]])

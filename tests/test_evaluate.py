@@ -177,17 +177,34 @@ def test_rerunning_a_finished_run_recomputes_nothing(base_run, eval_args, tmp_pa
     def fail(*args, **kwargs):
         raise AssertionError("a finished run must not prefill or load the model again")
 
+    from ripplekv.analysis import report
+
     monkeypatch.setattr(evaluate, "prefill", fail)
     monkeypatch.setattr("ripplekv.engine.models.load_model", fail)
+    render = report.render
+    monkeypatch.setattr(report, "render", lambda *a, **k: pytest.fail("a current report is not rendered again"))
     config = (out / "config.json").read_text()
-    code, _, _ = run_cli(*eval_args(out, "--seed", "0"))  # the default seed is the run's: nothing differs
-    assert code == 0
+    code, stdout, err = run_cli(*eval_args(out, "--seed", "0"))  # the default seed is the run's: nothing differs
+    assert code == 0 and "its report is up to date" in err and "kl (score)" in stdout
     assert lines(out) == lines(base_run) and (out / "config.json").read_text() == config
     for name in CSVS:
         assert (out / name).read_text() == (base_run / name).read_text()
-    # Re-rendered without figures (RIPPLEKV_PLOTS=0, as the suite runs): the same tables, and the copied
-    # figures, which would no longer be the report's, are gone.
-    assert (out / "summary.md").is_file() and not any((out / name).exists() for name in report.FIGURES)
+    # A report older than its predictions (lines appended after it), or one missing a file, is rendered again.
+    for stale in ("predictions.jsonl", "summary.md"):
+        if stale == "summary.md":
+            (out / stale).unlink()
+        else:
+            (out / stale).touch()
+        rendered = []
+        monkeypatch.setattr(report, "render", lambda *a, seen=rendered, **k: seen.append(1) or render(*a, **k))
+        code, _, err = run_cli(*eval_args(out))
+        assert code == 0 and "re-rendering the report" in err and rendered == [1], stale
+        assert (out / "summary.md").is_file()
+        for name in CSVS:
+            assert (out / name).read_text() == (base_run / name).read_text()
+    # Rendered without figures (RIPPLEKV_PLOTS=0, as the suite runs): figures that would no longer be the
+    # report's are not left beside it.
+    assert not any((out / name).exists() for name in report.FIGURES)
 
 
 @pytest.mark.slow

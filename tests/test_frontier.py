@@ -64,7 +64,7 @@ def test_criticalkv_scores_and_two_stages_match_the_formula(setup):
         base = maps.sum(1).view(KV, GROUP, N).mean(1)[:, : N - 8]
         base = F.max_pool1d(base[:, None], 7, stride=1, padding=3)[:, 0]
         values = out.past_key_values.layers[layer].values[0].float()
-        expected = (base + 1e-4) * wov_l1(eager, values, layer)[:, : N - 8]
+        expected = (base / 8 + 1e-4) * wov_l1(eager, values, layer)[:, : N - 8]  # epsilon on the window's mean, as kvpress
         assert torch.allclose(method.scorer.critical_scores(state, layer), expected, rtol=1e-4, atol=1e-7)
         keep = method.scorer.keep(state, layer, torch.tensor([30, 30]))
         for head in range(KV):
@@ -279,10 +279,9 @@ def test_eval_runs_the_new_methods_and_reports_the_oracle_as_a_ceiling(tiny_mode
     assert len({r["kept_entries"] for r in compressed}) == 1 == len({r["compressed_tokens"] for r in rows})
     board = pd.read_csv(out / "leaderboard.csv")
     oracle = board[board["method"] == "oracle"].iloc[0]
-    assert pd.isna(oracle["rank"]) and not pd.isna(oracle["headroom"])
-    best = board[(board["method"] != "oracle") & board["rank"].notna()]["avg"].max()
-    assert oracle["headroom"] == pytest.approx(oracle["avg"] - best, abs=0.011)
-    assert board[board["method"] != "oracle"]["headroom"].isna().all()
+    assert pd.isna(oracle["rank"]), "a ceiling is reported beside the ranking, never in it"
+    assert board[(board["method"] != "oracle") & (board["method"] != "full")]["rank"].notna().all()
+    assert "headroom" not in board.columns  # a score gap to the best of noisy means overclaims (#42)
 
 
 def test_the_new_scorers_are_route_candidates(tiny_model_dir):

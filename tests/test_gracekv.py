@@ -357,17 +357,21 @@ def test_inspect_reports_the_split_kinds_gracekv_used(tiny_model_dir, tmp_path, 
     assert int(kept["counts"].sum()) == 4 * 2 * 48
 
 
-def test_lazy_pricing_keeps_the_order_of_pricing_every_tree_first(monkeypatch):
-    """Slot trees are grown in batches when the heap first adds their root; one batch of every slot gives
-    the same entries, so laziness only saves work."""
+def test_pricing_what_the_greedy_can_reach_and_sharing_trees_across_budgets_keep_every_entry(monkeypatch):
+    """Only the splits that could be among a budget's pops are priced, and budgets share the trees of the slots
+    whose floor tokens agree: each budget's entries equal those of pricing every node of a fresh state."""
     from ripplekv.methods import gracekv_global
 
+    spec, budgets = "gracekv:min_slot=8:slot=16:max_slot=32", (20, 60, 150, 390)
     state = fake_state(2, 400, kv_heads=2, query_heads=4)
-    built = {}
-    for batch in (1, 10**9):
-        monkeypatch.setattr(gracekv_global, "BATCH", batch)
+    shared = {budget: make_method(spec).compress(state, budget) for budget in budgets}
+    monkeypatch.setattr(gracekv_global, "PRICE_ALL", True)
+    for budget in budgets:
         state.scores.clear()
-        built[batch] = make_method("gracekv:min_slot=8:slot=16:max_slot=32").compress(state, 60)
-    for lazy, eager in zip(built[1], built[10**9]):
-        assert torch.equal(lazy.positions, eager.positions) and torch.equal(lazy.keys, eager.keys)
-        assert torch.equal(lazy.log_weights, eager.log_weights)
+        for lazy, eager in zip(shared[budget], make_method(spec).compress(state, budget)):
+            assert torch.equal(lazy.positions, eager.positions) and torch.equal(lazy.keys, eager.keys)
+            assert torch.equal(lazy.values, eager.values)
+            assert (lazy.log_weights is None) == (eager.log_weights is None)
+            assert lazy.log_weights is None or torch.equal(lazy.log_weights, eager.log_weights)
+    trees = next(value for key, value in state.scores.items() if key[0] == "gracekv-trees")
+    assert len(trees.count) > 0

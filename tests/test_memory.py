@@ -80,16 +80,16 @@ def run_sample(loaded, methods, monkeypatch=None, tight: float | None = None, **
         real, real_left = memory.variant_room, memory.room_left
         squeezed_budget = []
 
-        def squeezed(model, state, reference, labels, lengths, count, budget, prefix, max_new, **measured):
-            fixed = budget - real(model, state, reference, labels, lengths, count, budget, prefix, max_new, **measured)
+        def squeezed(model, state, reference, labels, lengths, count, budget, prefix, max_new):
+            fixed = budget - real(model, state, reference, labels, lengths, count, budget, prefix, max_new)
             costs = memory.StepCosts.of(model, state)
             fed = max(1, prefix + len(reference.tokens) - 1)
             alone = max(costs.group(1, length, fed, fed + max_new) for length in lengths)
             squeezed_budget.append(fixed + int(tight * alone))
-            return real(model, state, reference, labels, lengths, count, squeezed_budget[0], prefix, max_new, **measured)
+            return real(model, state, reference, labels, lengths, count, squeezed_budget[0], prefix, max_new)
 
-        def squeezed_left(model, state, reference, lengths, count, budget, held, building):  # the same bound later
-            return real_left(model, state, reference, lengths, count, squeezed_budget[0], held, building)
+        def squeezed_left(model, state, reference, lengths, count, budget):  # the same bound later
+            return real_left(model, state, reference, lengths, count, squeezed_budget[0])
 
         monkeypatch.setattr(evaluate, "variant_room", squeezed)
         monkeypatch.setattr(evaluate, "room_left", squeezed_left)
@@ -119,8 +119,17 @@ def test_a_tight_memory_bound_changes_no_prediction_kl_or_agreement(loaded, tmp_
 
 
 def test_a_variant_that_cannot_fit_alone_is_one_line_naming_it(loaded, tmp_path):
-    with pytest.raises(UserError, match=r"(?s)at budget \d+ needs .* raise --memory-budget to at least"):
+    """Below the weights: the line names the options as they are spelt (--budget) and a bound that is then
+    accepted (every variant of the sample fits in it, rounded up, from the sample's own tensors)."""
+    import re
+
+    with pytest.raises(UserError, match=r"(?s)at budget \d+ needs .* raise --memory-budget to at least") as caught:
         run_sample(loaded, sample_methods(tmp_path), memory_budget=2**20)
+    message = str(caught.value)
+    assert "lower --budget or" in message and "--budgets" not in message
+    bound = memory.parse_bytes(re.search(r"at least ([0-9.]+ [GM]iB)", message).group(1).replace(" ", ""))
+    rows = run_sample(loaded, sample_methods(tmp_path), memory_budget=bound)
+    assert len(rows) == 1 + 5 * 2
 
 
 def test_the_peak_meter_sees_a_new_allocation():

@@ -121,7 +121,7 @@ def test_a_file_option_is_labelled_by_its_file_name(tmp_path):
         ("snapkv:pooling=mean", "unknown pooling"),
         ("pyramidkv:beta=0.5", "beta"),
         ("adakv:alpha=2", "alpha"),
-        ("adakv:rule=kvpress", "rule"),
+        ("adakv:rule=kvzip", "rule"),
         ("h2o:norm=max", "norm"),
         ("h2o:recent=1.5", "recent"),
         ("snapkv:window=0", "positive integer"),

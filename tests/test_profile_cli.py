@@ -42,9 +42,14 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
     assert list(table.columns) == ["layer", "sensitivity", "multiplier", "map"] and (table["map"] == "exponential").all()
     assert table["multiplier"].mean() == pytest.approx(1.0)
     sweep = pd.read_csv(tmp_path / "alloc.sweep.csv")
-    assert sorted(sweep["ratio"]) == [1.0, 4.0] and sweep["chosen"].sum() == 1
-    chosen = json.loads((tmp_path / "alloc.choice.json").read_text())["ratio"]
-    assert chosen == sweep.sort_values("kl").iloc[0]["ratio"]
+    choice = json.loads((tmp_path / "alloc.choice.json").read_text())
+    chosen = choice["ratio"]
+    assert {1.0, 4.0} <= set(sweep["ratio"]) and sweep["chosen"].sum() == 1
+    assert chosen == sweep.sort_values(["kl", "ratio"]).iloc[0]["ratio"] and choice["initial"] == [1.0, 4.0]
+    # The pick is bracketed by the grid (extended by doubling when 4 won), or its note says why not.
+    grid = sorted(sweep["ratio"])
+    assert grid == choice["candidates"] and grid[: 2] == [1.0, 4.0] and grid[2:] == [4.0 * 2 ** k for k in range(1, len(grid) - 1)]
+    assert min(grid) < chosen < max(grid) or choice["notes"]
     assert table["multiplier"].max() / table["multiplier"].min() == pytest.approx(chosen)
     assert (tmp_path / "alloc.png").stat().st_size > 1000
 

@@ -21,6 +21,7 @@ stage, args = sys.argv[1], sys.argv[2:]
 if os.environ.get("FAIL_AT") == stage:
     sys.exit(f"{stage} failed")
 out = Path(args[args.index("--out") + 1])
+draw = args[args.index("--calib-draw") + 1] if "--calib-draw" in args else ""
 if stage == "profile":
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.csv").write_text("layer,kl_mean\n0,1\n")
@@ -28,18 +29,27 @@ if stage == "profile":
     measure = args[args.index("--measure") + 1] if "--measure" in args else None
     column = {"task-drop": "drop"}.get(measure, "infonce" if signal == "infonce" else "kl")
     (out / "per_sample.csv").write_text(f"sample_id,seed,layer,{column}\n" + "".join(
-        f"{sid},0,{layer},{(layer + 1) * (2 if sid == 'a' else 1) + (sid == 'b') * layer ** 2}\n"
+        f"{sid}{draw},0,{layer},{(layer + 1) * (2 if sid == 'a' else 1) + (sid == 'b') * layer ** 2}\n"
         for sid in ("a", "b") for layer in range(3)))
     (out / "profile.json").write_text(json.dumps({"model": "m", "signal": signal, "eta": 0.3, "seeds": 1,
-        "probe_tokens": 16, "calibration_ids": ["a", "b"], "split_half_spearman": None, "evict_budget": 128,
+        "probe_tokens": 16, "calibration_ids": ["a" + draw, "b" + draw], "split_half_spearman": None, "evict_budget": 128,
         **({"measure": measure, "prune_ratio": 0.6, "evict_method": "h2o"} if measure else {})}))
 elif stage == "allocate":
-    out.write_text("layer,multiplier\n0,1\n")
+    out.write_text("layer,multiplier\n0,1\n1,1\n")
+    if args.count("--ratio") > 1:
+        (out.parent / (out.stem + ".choice.json")).write_text(json.dumps({"ratio": 4 + 4 * (draw == "1"),
+            "candidates": [2, 4, 8, 16], "initial": [2, 4], "extensions": 2, "notes": [], "budget": 128}))
+        (out.parent / (out.stem + ".sweep.csv")).write_text("ratio,kl,chosen\n2,0.5,False\n4,0.4,True\n")
 elif stage == "route":
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ROUTE.csv").write_text("layer,method\n0,snapkv\n")
+    methods = ["snapkv", "h2o"] if draw == "1" else ["snapkv", "snapkv"]
+    (out / "ROUTE.csv").write_text("layer,method\n" + "".join(f"{i},{m}\n" for i, m in enumerate(methods)))
     (out / "route.json").write_text(json.dumps({"budget": 128, "method_counts": {"snapkv": 1, "h2o": 0},
-        "calibration_ids": ["a", "b"], "placement_ids": ["c"], "placement_rank": 2, "placements_scored": 3}))
+        "calibration_ids": ["a", "b"], "placement_ids": ["c"], "placement_rank": 2, "placements_scored": 3,
+        "split_half": {"agreement": 1, "layers": 2, "chance": 1.0, "samples": [1, 1]}}))
+elif stage == "tune":
+    out.write_text(json.dumps({"budget": 128, "calibration_ids": ["a0", "b0"], "tuned": {"cake": "cake:tau1=2"},
+        "methods": {"cake": {"spec": "cake:tau1=2", "grid": "cake:tau1=0.5,1", "summary": "chose tau1 2"}}}))
 elif "--decode-budget" in args:
     out.mkdir(parents=True, exist_ok=True)
     total = args[args.index("--decode-budget") + 1] == "total"
@@ -53,7 +63,23 @@ elif "--decode-budget" in args:
     (out / "predictions.jsonl").write_text("\n".join(lines) + "\n")
 else:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "predictions.jsonl").write_text("{}\n")
+    specs = args[args.index("--methods") + 1].split(",")
+
+    def make_label(spec):  # the label rule of methods.presets: sorted options, files by their name
+        name, *options = spec.split(":")
+        pairs = sorted(option.split("=", 1) for option in options)
+        return name + "".join(f":{k}={Path(v).name if k in ('allocation', 'route', 'profile') else v}" for k, v in pairs)
+
+    budgets = [int(args[i + 1]) for i, a in enumerate(args) if a == "--budget"]
+    lines = []
+    for sample in range(3):
+        for index, spec in enumerate(specs):
+            label = make_label(spec)
+            for budget in [None] if label == "full" else budgets:
+                lines.append(json.dumps({"id": f"s{sample}", "task": "niah", "category": "Synthetic", "method": label,
+                    "budget": budget, "score": 1.0 if label == "full" else 0.5, "agreement": 1.0,
+                    "kl": 0.0 if label == "full" else 0.1 * (1 + index + sample) / (budget or 1)}))
+    (out / "predictions.jsonl").write_text("\n".join(lines) + "\n")
     (out / "summary.md").write_text("# eval\n\n| method |\n")
     (out / "config.json").write_text(json.dumps({"samples": {"niah": ["s0", "s1"]}}))
     head = "method,budget,kl,agreement,versus,kl_delta_vs_uniform,kl_delta_ci_low,kl_delta_ci_high,"
@@ -137,6 +163,7 @@ def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
     predictors = (results / "predictors.csv").read_text()
     assert predictors.count("\n") == 4 and "infonce" in predictors and "Spearman rho with the drop" in readme
     assert "--budget 800 --methods full,h2o,depthkv:allocation=results/depthkv.csv" in readme  # 0.4 x 2000 tokens
+    assert "`depthkv:allocation=depthkv.csv` against `h2o` at the headline ratio (3 samples, paired)" in readme
     assert (results / "eval-headline" / "predictions.jsonl").is_file()
     # Without the optional settings the stages are skipped and eval gets neither flag.
     config.write_text(CONFIG)
@@ -171,7 +198,7 @@ def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_repl
 @pytest.mark.slow
 def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project):
     config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + 'CONTEXT_METHODS=full,snapkv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n')
+    config.write_text(CONFIG + 'CONTEXT_METHODS=full,snapkv,ripplekv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n')
     done = reproduce(project)
     assert done.returncode == 0, done.stderr
     results = project / "results"
@@ -187,7 +214,7 @@ def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headl
 
 
 LONG = """LONG_TASKS=paragraph_recall
-LONG_METHODS=full,snapkv
+LONG_METHODS=full,snapkv,ripplekv
 LONG_BUDGETS="64"
 LONG_LIMIT=1
 LONG_TARGET_TOKENS=2000
@@ -204,7 +231,7 @@ def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(p
     assert (results / "long" / "prompt" / "predictions.jsonl").is_file()
     readme = (results / "README.md").read_text()
     assert "## Long answers under decode budgets" in readme
-    assert "--tasks paragraph_recall --budget 64 --methods full,snapkv" in readme
+    assert "--tasks paragraph_recall --budget 64 --methods full,snapkv,ripplekv" in readme
     assert "--decode-budget prompt --out results/long/prompt" in readme and "--decode-budget total" in readme
     # snapkv at B=64: prompt mode peaks at 64 + 100 fed tokens; total holds 64.
     snap = next(line for line in readme.splitlines() if line.startswith("| snapkv"))
@@ -216,3 +243,93 @@ def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(p
     assert again.returncode == 0, again.stderr
     assert not (results / "long").exists() and "Long answers" not in (results / "README.md").read_text()
 
+
+
+DRAWS = """DRAWS=3
+DRAW_BUDGETS="64"
+RATIOS="2 4"
+TUNE="cake:tau1=0.5,1"
+METHODS=full,snapkv,ripplekv,depthkv:scorer=snapkv,routed,cake
+"""
+
+
+def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_the_spread(project):
+    config = project / "configs" / "reproduce.env"
+    config.write_text(CONFIG + OPTIONAL_STAGES + DRAWS)
+    failed = reproduce(project, fail_at="eval")  # interrupted after every draw's calibration
+    assert failed.returncode != 0
+    staging = project / "runs" / ".staging" / "results"
+    for d in (1, 2):
+        assert (staging / "draws" / f"d{d}" / f"allocation-d{d}.csv").is_file()
+        assert (staging / "draws" / f"d{d}" / f"depthkv-d{d}.csv").is_file()
+        assert (staging / "draws" / f"d{d}" / f"ROUTE-d{d}.csv").is_file()
+    assert "--calib-draw 2 --calib-draws 3" in (staging / ".profile-d2.cmd").read_text()
+    assert "--placements 0" in (staging / ".route-d1.cmd").read_text()  # the placement study is draw 0's
+    # Predictors pool the three draws' profiles (the record is `printf %q`'s, commas escaped).
+    assert "results/profile-evict,results/draws/d1/profile-evict,results/draws/d2/profile-evict" in \
+        (staging / ".predictors.cmd").read_text().replace("\\,", ",")
+
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    assert "profile-d2: up to date" in done.stdout and "route-d1: up to date" in done.stdout
+    results = project / "results"
+    draws = (results / "draws.csv").read_text().splitlines()
+    assert draws[0] == "method,draw,variant" and len(draws) == 1 + 3 * 3  # ripplekv, depthkv, routed x 3 draws
+    assert "ripplekv,1,ripplekv:allocation=allocation-d1.csv" in draws
+    assert "routed,2,routed:route=ROUTE-d2.csv" in draws
+    assert "depthkv:allocation=depthkv.csv:scorer=snapkv,2,depthkv:allocation=depthkv-d2.csv:scorer=snapkv" in draws
+    readme = (results / "README.md").read_text()
+    # The tuned baseline is evaluated as tuned; the draws' eval runs at DRAW_BUDGETS beside draw 0's.
+    assert "--methods full,snapkv,ripplekv,depthkv:allocation=results/depthkv.csv:scorer=snapkv,routed,cake:tau1=2" in readme
+    assert "--budget 64 --methods full,ripplekv:allocation=results/draws/d1/allocation-d1.csv," in readme
+    assert "## Calibration draws" in readme and "## Baselines tuned on calibration prompts" in readme
+    spread = (results / "calibration_spread.csv").read_text().splitlines()
+    assert len(spread) == 1 + 3 and all(",64,3,3," in line for line in spread[1:])  # 3 methods at B=64, 3 draws, 3 samples
+    assert "draw 0 **4** of {2, 4, 8, 16} (grid extended 2x past its edge); draw 1 **8**" in readme
+    assert "draw 1 agrees on 1 of 2 layers (chance 1.0)" in readme  # snapkv,h2o vs snapkv,snapkv
+    assert "draw 0: 1 vs 1 prompts agree on 1 of 2 layers (chance 1.0)" in readme
+
+
+CHANGES = [
+    ("TASKS=niah,nope", "TASKS (the eval stage): unknown task 'nope'"),
+    ("METHODS=full,snapkv,nope", "unknown method 'nope'"),
+    ("COMPARE_METHODS=full,snapkv,nosuch", "COMPARE_METHODS (the eval-compare stage"),
+    ("METHODS=full,snapkv,ripplekv,compresskv", "set COMPRESSKV_CALIB_SAMPLES"),
+    ("HEADLINE_METHODS=full,h2o,depthkv", "set EVICT_CALIB_SAMPLES"),
+    ("BUDGETS=64 0", "BUDGETS='64 0': budget must be a positive integer"),
+    ("LIMIT=0", "LIMIT='0' must be an integer >= 1"),
+    ("METHODS=full,gracekv:slots=fixed:shape=2,ripplekv", "option shape changes nothing here"),
+    ("CONTEXT_METHODS=full,snapkv\nCONTEXT_BUDGETS=128\nCONTEXT_LIMIT=1", "--allocation applies to none"),
+    ("ROUTE_CALIB_SAMPLES=2\nROUTE_BUDGET=128\nPLACEMENTS=5\nPLACEMENT_SAMPLES=0", "leaves no prompts to score"),
+]
+
+
+@pytest.mark.parametrize("change, message", CHANGES)
+def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypatch, capsys):
+    """scripts/check_config.py, as reproduce.sh runs it with the config's settings in the environment."""
+    from tests.conftest import load_script
+
+    check = load_script("check_config")
+    settings = dict(line.split("=", 1) for line in (CONFIG + change + "\n").splitlines() if "=" in line)
+    for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value.strip('"'))
+    monkeypatch.setattr(sys, "argv", ["check_config.py", "configs/reproduce.env"])
+    assert check.main() == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: configs/reproduce.env: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("change, message", [CHANGES[0], CHANGES[3]])
+def test_reproduce_refuses_a_bad_config_before_any_stage(project, change, message):
+    """An unknown task, a method whose input comes from a stage the config leaves off: one line, exit 2, before
+    the first stage runs or anything is built."""
+    config = project / "configs" / "reproduce.env"
+    config.write_text(CONFIG + change + "\n")
+    done = reproduce(project)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: configs/reproduce.env: ") and message in lines[0], done.stderr
+    assert "== profile" not in done.stdout and not (project / "runs").exists()
+    assert sorted(p.name for p in (project / "results").iterdir()) == ["committed.txt"]

@@ -264,6 +264,11 @@ def test_route_cli_writes_every_output_deterministically(routed):
     assert meta["placement_rank"] == 1 + int((placements["kl"][1:] < placements["kl"][0]).sum())
     assert not set(meta["calibration_ids"]) & set(meta["placement_ids"])
     assert f"route ranks {meta['placement_rank']} of 7" in result.stderr
+    # Split-half stability: each half's route (one prompt each here), under the same caps, and their agreement.
+    half = meta["split_half"]
+    assert half["samples"] == [1, 1] and half["layers"] == 4 and 0 <= half["agreement"] <= 4
+    assert all((pd.Series(r) == "streamingllm").sum() <= 2 for r in half["routes"])
+    assert f"agree on {half['agreement']} of 4 layers" in result.stderr
     assert list(placements.columns) == ["placement", "is_route", "kl", "agreement", "kl_minus_route", "diff_low",
                                         "diff_high", "p_value", "p_holm", "verdict", "methods"]
     study = meta["placement_study"]

@@ -118,3 +118,18 @@ def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(
     assert table["phase"].tolist()[:2] == [timings.PREFILL, "build m6"]
     assert table["phase"].tolist()[-1] == "build (2 other methods)" and table["seconds"].iloc[-1] == 3.0
     assert table["share"].sum() == pytest.approx(1.0)
+
+
+def test_a_sample_written_but_not_timed_gets_one_untimed_row_and_the_report_counts_it(tmp_path):
+    """Lines on disk but no timings row (killed between the two): the next run cannot time it without running it
+    again, so it marks it once; the report counts every sample of the predictions, timed or not."""
+    log = TimingsLog(tmp_path / "timings.csv")
+    log.append("niah", "a", [(timings.PREFILL, "", 1.5)])
+    assert log.mark_untimed([("niah", "a"), ("niah", "b")]) == 1
+    assert TimingsLog(tmp_path / "timings.csv").mark_untimed([("niah", "a"), ("niah", "b")]) == 0  # once
+    assert time_spent.samples_timed(tmp_path) == (1, 1)
+    table = time_spent.time_table(tmp_path)
+    assert list(table["phase"]) == [timings.PREFILL]  # the mark is no phase
+    text = time_spent.time_markdown(table, time_spent.samples_timed(tmp_path))
+    assert "over the 1 of 2 samples timed" in text and "1 sample was written but not timed" in text
+    assert "over the 3 samples timed" in time_spent.time_markdown(table, (3, 0))

@@ -239,6 +239,9 @@ class Answer:
     kl: float  # mean KL(full || variant) along the full cache's answer (0 for full)
     agreement: float  # share of the full answer's tokens the variant also ranks first
     score: float | None  # against `answers` with the metric of `score_as`; None without answers
+    # True for a bound that reads the full cache's answer (oracle, allocation-ceiling): not a method to deploy
+    # or to rank against methods (reports leave ceilings out of ranks); False for methods and `full`
+    ceiling: bool = False
 
 
 def _text_task(question: str | None, max_new_tokens: int, score_as: str, chat: bool):
@@ -298,5 +301,6 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     rows = evaluate_sample(model, tokenizer, task, record, built, chosen_budgets, sid="text", max_length=NO_TRUNCATION,
                            batch_size=batch_size, protocol=protocol, memory_budget=limit)
     return [Answer(row["method"], row["budget"], row["prediction"], row["new_tokens"], row["kept_entries"],
-                   row["layer_budgets"], row["kl"], row["agreement"], row["score"] if answers else None)
+                   row["layer_budgets"], row["kl"], row["agreement"], row["score"] if answers else None,
+                   ceiling=bool(built[row["method"]].knows_answer))
             for row in rows]

@@ -21,7 +21,7 @@ METHOD_FAMILIES = {
     "RippleKV": ("ripplekv", "routed-ripplekv"),
     "seed systems": ("depthkv", "routed", "gracekv"),
     "layer and head allocators": ("pyramidkv", "cake", "adakv", "layer-defensivekv", "kvzip", "dynamickv", "lava",
-                                  "squeezeattention", "pyramidinfer", "compresskv"),
+                                  "squeezeattention", "pyramidinfer", "compresskv", "lukv"),
     "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff"),
     "answer-aware": CEILINGS,
 }

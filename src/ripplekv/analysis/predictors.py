@@ -7,6 +7,8 @@ resampled together (paired); otherwise each profile's samples are resampled on t
 with its sign turned (a lower loss is a higher mutual-information bound, which the allocation reads as
 the more sensitive layer), so a positive rho always means "the signal ranks layers as the drop does".
 A resample in which either side is constant over layers has no rank correlation and is left out.
+A profile may be several folders, one per calibration draw (`a,b,c`): their samples are pooled into one profile,
+so the correlation rests on the union of the draws' prompts.
 """
 
 from __future__ import annotations
@@ -36,8 +38,26 @@ class LayerProfile:
     values: np.ndarray  # [samples, layers]
 
 
-def read_layer_profile(folder: str | Path) -> LayerProfile:
-    """A profile folder's per_sample.csv (and profile.json for its name), as a `LayerProfile`."""
+def read_layer_profile(folders: str | Path | list) -> LayerProfile:
+    """A profile folder's per_sample.csv (and profile.json for its name), as a `LayerProfile`; several folders
+    (a list, or one string joining them with commas: a profile's calibration draws) pool their samples, which must
+    be of one signal and share no sample."""
+    parts = [p for p in str(folders).split(",") if p.strip()] if isinstance(folders, (str, Path)) else list(folders)
+    profiles = [_read_one(part) for part in parts]
+    if not profiles:
+        raise UserError("no profile folder given")
+    first = profiles[0]
+    for other, part in zip(profiles[1:], parts[1:]):
+        if other.name != first.name or other.values.shape[1] != first.values.shape[1]:
+            raise UserError(f"{part} is a {other.name} profile of {other.values.shape[1]} layers, {parts[0]} a "
+                            f"{first.name} one of {first.values.shape[1]}: pool only draws of one profile")
+    ids = [sid for profile in profiles for sid in profile.sample_ids]
+    if len(set(ids)) < len(ids):
+        raise UserError(f"the profiles {', '.join(map(str, parts))} share calibration samples; pool disjoint draws only")
+    return LayerProfile(first.name, ids, np.concatenate([profile.values for profile in profiles]))
+
+
+def _read_one(folder: str | Path) -> LayerProfile:
     folder = Path(folder)
     table_path, meta_path = folder / "per_sample.csv", folder / "profile.json"
     if not table_path.is_file() or not meta_path.is_file():
@@ -94,6 +114,7 @@ def predictor_table(drop_folder: str | Path, signal_folders: list[str | Path], *
     drop = read_layer_profile(drop_folder)
     if "drop" not in drop.name:
         raise UserError(f"{drop_folder} is not a task-drop profile (profile --signal evict --measure task-drop)")
-    rows = [{**rank_agreement(read_layer_profile(folder), drop, **options), "profile": str(folder)}
+    rows = [{**rank_agreement(read_layer_profile(folder), drop, **options),
+             "profile": ",".join(str(part) for part in (folder if isinstance(folder, list) else [folder]))}
             for folder in signal_folders]
     return pd.DataFrame(rows)

@@ -15,7 +15,7 @@ from ripplekv.cli.evaluation import eval_command, report_command, score
 from ripplekv.cli.inspecting import inspect_command
 from ripplekv.cli.listing import budgets, methods_command, tasks_command
 from ripplekv.cli.needle import needle_command
-from ripplekv.cli.stages import allocate, profile, route_command
+from ripplekv.cli.stages import allocate, profile, route_command, tune
 from ripplekv.errors import UserError
 
 app = typer.Typer(
@@ -48,6 +48,7 @@ app.command()(budgets)
 app.command()(profile)
 app.command()(allocate)
 app.command("route")(route_command)
+app.command()(tune)
 app.command("eval")(eval_command)
 app.command("report")(report_command)
 app.command("score")(score)

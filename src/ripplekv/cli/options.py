@@ -55,6 +55,9 @@ TARGET_TOKENS_HELP = ("Length in tokens of the prompts built from the offline su
                       "ruler suite RULER's --max_seq_length (task text plus its generation length, at most this).")
 MAX_LENGTH_HELP = "Prompts longer than this are truncated in the middle."
 CALIB_SAMPLES_HELP = "Calibration prompts (the offline suite's calibration split, disjoint from eval's samples)."
+CALIB_DRAW_HELP = ("Which of the --calib-draws disjoint draws of the calibration split to calibrate on (0 = the first; "
+                   "sample i of every task belongs to draw i mod N).")
+CALIB_DRAWS_HELP = "How many disjoint draws the calibration split is dealt into (1: the whole split)."
 PROBE_TOKENS_HELP = "Final prompt tokens used as probes (the question)."
 WITH_ANSWER_HELP = "Also teacher-force the reference answer as probes."
 DEVICE_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N."
@@ -89,6 +92,8 @@ DataDir = Annotated[str | None, typer.Option("--data-dir", metavar="DIR", help=D
 TargetTokens = Annotated[int, typer.Option("--target-tokens", metavar="N", help=TARGET_TOKENS_HELP)]
 MaxLength = Annotated[int, typer.Option("--max-length", metavar="N", help=MAX_LENGTH_HELP)]
 CalibSamples = Annotated[int, typer.Option("--calib-samples", metavar="N", help=CALIB_SAMPLES_HELP)]
+CalibDraw = Annotated[int, typer.Option("--calib-draw", metavar="I", help=CALIB_DRAW_HELP)]
+CalibDraws = Annotated[int, typer.Option("--calib-draws", metavar="N", help=CALIB_DRAWS_HELP)]
 ProbeTokens = Annotated[int, typer.Option("--probe-tokens", metavar="N", help=PROBE_TOKENS_HELP)]
 WithAnswer = Annotated[bool, typer.Option("--with-answer", help=WITH_ANSWER_HELP)]
 Device = Annotated[str, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)]

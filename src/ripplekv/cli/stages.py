@@ -1,7 +1,8 @@
-"""The calibration stages: `profile`, `allocate` and `route`.
+"""The calibration stages: `profile`, `allocate`, `route` and `tune`.
 
-`profile` measures each layer's sensitivity, `allocate` turns a profile into per-layer budget multipliers
-and `route` picks a method per layer; each checks its options, then hands the work to ripplekv.pipeline.
+`profile` measures each layer's sensitivity, `allocate` turns a profile into per-layer budget multipliers,
+`route` picks a method per layer and `tune` chooses a baseline's knobs (CAKE's temperatures, PyramidKV's beta) on
+calibration prompts; each checks its options, then hands the work to ripplekv.pipeline.
 They are grouped because they are the steps that prepare what `eval` later reads.
 """
 
@@ -18,6 +19,8 @@ from ripplekv.cli.options import (
     DEFAULT_PROFILE,
     DEFAULT_ROUTE,
     TARGET_TOKENS,
+    CalibDraw,
+    CalibDraws,
     CalibSamples,
     Device,
     Dtype,
@@ -61,6 +64,10 @@ Mapping = Annotated[Literal[MAPS], typer.Option(
     "--map", help="exponential (RippleKV: ratio-bounded) or proportional (DepthKV: budgets proportional to sensitivity).")]
 RouteSeed = seed_option("the random placements")
 CalibrationBudget = budget_option("Calibration compares the ratios at this budget.")
+TuneBudget = budget_option("Calibration compares the grid's points at this budget.")
+MaxExtensions = Annotated[int, typer.Option(
+    "--max-extensions", metavar="N", help="When calibration picks a value at an edge of the grid, add one beyond it "
+    "(doubling, or halving), at most N times per knob; the output notes a pick left at an edge.")]
 RouteBudget = budget_option("Each layer is compressed to it in turn.")
 
 
@@ -68,14 +75,19 @@ def profile(
     out: ProfileOut = None,
     model: Model = None,
     calib_samples: CalibSamples = 4,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
     seeds: int = typer.Option(PROFILE_SEEDS, "--seeds", metavar="N", help="Noise draws per sample; make reproduce uses 2."),
     eta: float = typer.Option(PROFILE_ETA, "--eta", help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
     signal: Signal = "noise",
-    evict_budget: int = typer.Option(128, "--evict-budget", metavar="B",
-                                     help="Budget a layer is evicted to with --signal evict (the global ratio: the evaluation budget)."),
-    evict_method: str = typer.Option(EVICTION_METHOD, "--evict-method", metavar="SPEC",
-                                     help="Method whose selection evicts the layer with --signal evict (DepthKV: h2o)."),
-    measure: Measure = "task-drop",
+    evict_budget: int | None = typer.Option(None, "--evict-budget", metavar="B",
+                                            help="With --signal evict --measure kl: the budget a layer is evicted to "
+                                                 "(default 128; the global ratio: the evaluation budget)."),
+    evict_method: str | None = typer.Option(None, "--evict-method", metavar="SPEC",
+                                            help=f"Method whose selection evicts the layer with --signal evict (default "
+                                                 f"{EVICTION_METHOD}, DepthKV's); uniform budgets, so every layer is "
+                                                 "pruned alike."),
+    measure: Measure = None,
     prune_ratio: float | None = typer.Option(
         None, "--prune-ratio", metavar="R", help=f"With --signal evict: prune this share of a layer's prompt entries "
         f"(default {PRUNE_RATIO} with --measure task-drop, DepthKV's headline; with kl, --evict-budget unless given)."),
@@ -95,11 +107,15 @@ def profile(
 
     from ripplekv.engine.models import resolve_device_dtype
     from ripplekv.methods.budgets import check_budget
-    from ripplekv.pipeline.profile import ProfileSettings, profile_into
+    from ripplekv.pipeline.profile import ProfileSettings, check_given, profile_into
+    from ripplekv.tasks.calibration import Draw
 
-    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(evict_budget), batch_size, evict_method,
-                               measure, prune_ratio)
-    if signal == "evict" and measure == "task-drop" and with_answer:
+    draw = Draw(calib_draw, calib_draws).check()
+    check_given(signal, measure or "task-drop", {"--evict-method": evict_method, "--evict-budget": evict_budget,
+                                                 "--measure": measure, "--prune-ratio": prune_ratio})
+    settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(128 if evict_budget is None else evict_budget),
+                               batch_size, evict_method or EVICTION_METHOD, measure or "task-drop", prune_ratio)
+    if signal == "evict" and settings.measure == "task-drop" and with_answer:
         raise UserError("--with-answer feeds the answer as probe tokens (a KL measure); the task-drop measure "
                         "scores the model's own answer: drop --with-answer or pass --measure kl")
     if calib_samples < 1:
@@ -109,7 +125,7 @@ def profile(
     out_dir = Path(out) if out else DEFAULT_PROFILE
     device, dtype = resolve_device_dtype(device, dtype)
     count, meta = profile_into(out_dir, model, settings, calib_samples=calib_samples, target_tokens=target_tokens,
-                               with_answer=with_answer, device=device, dtype=dtype, workers=scale,
+                               with_answer=with_answer, device=device, dtype=dtype, workers=scale, draw=draw,
                                bar=lambda total, done: _progress_bar("profiling", total, done),
                                announce=lambda: _say_out(console, "profile", out_dir, out is not None))
     rho = meta["split_half_spearman"]
@@ -137,6 +153,9 @@ def allocate(
     model: Model = None,
     budget: CalibrationBudget = 128,
     calib_samples: CalibSamples = 7,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    max_extensions: MaxExtensions = 3,
     target_tokens: TargetTokens = TARGET_TOKENS,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -145,7 +164,11 @@ def allocate(
     from rich.console import Console
 
     from ripplekv.pipeline.allocate import check_bounds, run_allocate
+    from ripplekv.tasks.calibration import Draw
 
+    draw = Draw(calib_draw, calib_draws).check()
+    if max_extensions < 0:
+        raise UserError(f"--max-extensions must be 0 or more, got {max_extensions}")
     if mapping == "proportional" and ratio:
         raise UserError("--ratio applies to --map exponential only; --map proportional takes no ratio")
     check_bounds(floor, cap)
@@ -166,7 +189,8 @@ def allocate(
 
     written = run_allocate(sensitivity, out_path, ratio or [4.0], model, budget, calib_samples, target_tokens, console,
                            bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype,
-                           mapping=mapping, announce=announce, floor=floor, cap=cap)
+                           mapping=mapping, announce=announce, floor=floor, cap=cap, draw=draw,
+                           max_extensions=max_extensions)
     _say_written(console, written)
 
 
@@ -177,6 +201,8 @@ def route_command(
                                 help="Candidate methods (only their scorers are used), comma-separated specs."),
     budget: RouteBudget = 128,
     calib_samples: CalibSamples = 8,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
     placements: int = typer.Option(100, "--placements", metavar="N",
                                    help="Random placements (same method counts) to rank the route among; 0 skips."),
     placement_samples: int = typer.Option(8, "--placement-samples", metavar="N",
@@ -201,12 +227,15 @@ def route_command(
     from ripplekv.pipeline.route import (
         RouteSettings,
         candidate_methods,
+        check_placement_study,
         check_route_dir,
         check_route_window,
         parse_caps,
     )
     from ripplekv.runs.safeio import exclusive
+    from ripplekv.tasks.calibration import Draw
 
+    draw = Draw(calib_draw, calib_draws).check()
     listed = [part.strip() for part in methods.split(",") if part.strip()]
     if len(set(listed)) < len(listed):
         raise UserError(f"--methods lists a candidate twice ({methods}); name each candidate once")
@@ -217,32 +246,78 @@ def route_command(
     parse_caps(settings.max_share, labels, model_shape(model)[0])  # bad caps fail before the model loads
     if calib_samples < 1 or placement_samples < 0:
         raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
+    check_placement_study(len(labels), placements, placement_samples)
     out_dir = check_route_dir(Path(out) if out else DEFAULT_ROUTE, model)
     console = Console(stderr=True)
     device, dtype = resolve_device_dtype(device, dtype)
     if out is None:  # said once the options are known to be good, so a mistake is still one line
         _say_out(console, "route", out_dir, False)
     check_route_window(model, settings, calib_samples=calib_samples, placement_samples=placement_samples if placements else 0,
-                       target_tokens=target_tokens, with_answer=with_answer)
+                       target_tokens=target_tokens, with_answer=with_answer, draw=draw)
     with exclusive(out_dir, "route"):
         _route_locked(out_dir, model, settings, calib_samples, placement_samples, placements, probe_tokens,
-                      target_tokens, with_answer, budget, device, dtype, console)
+                      target_tokens, with_answer, budget, device, dtype, console, draw)
 
 
 def _route_locked(out, model, settings, calib_samples, placement_samples, placements, probe_tokens, target_tokens,
-                  with_answer, budget, device, dtype, console) -> None:
+                  with_answer, budget, device, dtype, console, draw) -> None:
     from ripplekv.pipeline.route import route_into
 
     meta, layers, scored = route_into(out, model, settings, calib_samples=calib_samples,
                                       placement_samples=placement_samples if placements else 0,
                                       target_tokens=target_tokens, with_answer=with_answer, device=device, dtype=dtype,
-                                      progress_bar=lambda total: _progress_bar("routing", total))
+                                      progress_bar=lambda total: _progress_bar("routing", total), draw=draw)
     counts = ", ".join(f"{label} x{count}" for label, count in meta["method_counts"].items())
     rank = meta["placement_rank"]
     console.print(f"route over {layers} layers: {counts}; wrote {out}/ROUTE.csv")
+    if meta.get("split_half"):
+        from ripplekv.analysis.agreement import agreement_text
+
+        half = meta["split_half"]
+        console.print(f"split-half stability: the routes of the even and odd calibration prompts "
+                      f"({half['samples'][0]} and {half['samples'][1]}) agree on {agreement_text(half)}")
     if meta.get("placement_summary"):
         console.print(f"placement study (teacher-forced KL on {scored} held-out calibration prompts, B={budget}): "
                       f"{meta['placement_summary']}")
     elif rank is not None:
         console.print(f"placement study: route ranks {rank} of {meta['placements_scored'] + 1} "
                       f"(teacher-forced KL on {scored} held-out calibration prompt, B={budget}; no interval from one)")
+    elif placements:
+        console.print(f"note: the route uses {meta['route'][0]} in every layer, so every placement is the route itself; "
+                      "no placement study", soft_wrap=True)
+
+
+def tune(
+    grids: list[str] = typer.Argument(
+        ..., metavar="GRID...", help="A method spec whose options list values to choose among, e.g. "
+        "cake:tau1=0.5,1,2:tau2=0.5,1,2 or pyramidkv:beta=5,10,20,40 (an option with one value is fixed)."),
+    out: str = typer.Option(..., "--out", metavar="JSON", help="Tune result to write (JSON; every point's KL beside it "
+                                                                "as .csv)."),
+    model: Model = None,
+    budget: TuneBudget = 128,
+    calib_samples: CalibSamples = 7,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    max_extensions: MaxExtensions = 3,
+    target_tokens: TargetTokens = TARGET_TOKENS,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+) -> None:
+    """Choose baselines' knobs on calibration prompts (teacher-forced KL to the full cache), as allocate chooses the ratio."""
+    from rich.console import Console
+
+    from ripplekv.pipeline.tune import parse_grid, run_tune
+    from ripplekv.tasks.calibration import Draw
+
+    draw = Draw(calib_draw, calib_draws).check()
+    if calib_samples < 1:
+        raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
+    if max_extensions < 0:
+        raise UserError(f"--max-extensions must be 0 or more, got {max_extensions}")
+    parsed = [parse_grid(text) for text in grids]
+    console = Console(stderr=True)
+    written = run_tune(parsed, Path(out), model, budget, calib_samples, target_tokens, console,
+                       bar=lambda total, done: _progress_bar("tuning", total, done), device=device, dtype=dtype,
+                       draw=draw, max_extensions=max_extensions,
+                       announce=lambda: _say_out(console, "tune", Path(out), True))
+    _say_written(console, written)

@@ -10,6 +10,7 @@ model of `StepCosts`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import resource
 from collections.abc import Callable, Sequence
@@ -36,8 +37,13 @@ def parse_bytes(text: str | int, option: str = "--memory-budget") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def format_bytes(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+def format_bytes(count: int, up: bool = False) -> str:
+    """GiB to 2 decimals, or MiB to 1; `up`: rounded up, so the size shown is never below `count` (a bound to set)."""
+    unit, digits, name = (2**30, 2, "GiB") if count >= 2**30 else (2**20, 1, "MiB")
+    shown = count / unit
+    if up:
+        shown = math.ceil(shown * 10**digits) / 10**digits
+    return f"{shown:.{digits}f} {name}"
 
 
 def _available_ram() -> int:
@@ -287,41 +293,41 @@ def plan_groups(lengths: list[list[int]], steps: list[int], group_bytes: Callabl
 
 
 def variant_room(model, state, reference, labels: Sequence[str], lengths: list[list[int]], methods: int,
-                 memory_budget: int, prefix: int, max_new_tokens: int, held: int = 0, building: int = 0) -> int:
-    """Bytes left for the variants decoded together: `memory_budget` less what the sample holds now
-    (weights, prefill, reference, the scores methods shared) and a reserve for building one variant and for
-    the scores still to come (one float32 [L, H_kv, n] per method of the `methods`). A UserError names the
-    first variant (`labels[i]`, kept entries per layer `lengths[i]`) that cannot decode even alone.
+                 memory_budget: int, prefix: int, max_new_tokens: int) -> int:
+    """Bytes left for the variants decoded together: `memory_budget` less what the sample holds (weights,
+    prefill, reference, the scores methods shared) and a reserve for building one variant and for the scores
+    still to come (one float32 [L, H_kv, n] per method of the `methods`). A UserError names the first variant
+    (`labels[i]`, kept entries per layer `lengths[i]`) that cannot decode even alone.
 
-    `held`: the bytes the sample holds as measured (`PeakMemory`: on CPU the resident set, which also counts
-    what the tensors' bookkeeping cannot see); `building`: the measured peak of building variants so far
-    (a scorer's temporaries). Each is used where it is larger than the tensors' own count."""
+    What the sample holds is counted from its own tensors, never measured on the process (the resident set,
+    the allocator's totals): those depend on what ran before in the process (a resumed run starts a fresh
+    one), and the groups must not, since a variant's float32 numbers depend on what shares its batch. So a
+    sample decodes in the same groups, and gives the same numbers, however it was reached."""
     costs = StepCosts.of(model, state)
-    fixed = _fixed_bytes(model, state, reference, lengths, methods, held, building)
+    fixed = _fixed_bytes(model, state, reference, lengths, methods)
     fed = max(1, prefix + len(reference.tokens) - 1)
     room = memory_budget - fixed
-    for label, length in zip(labels, lengths):
-        alone = costs.group(1, length, fed, fed + max_new_tokens)
-        if alone > room:
-            raise UserError(f"{label} needs {format_bytes(alone)} to decode beside the weights and the prefill "
-                            f"({format_bytes(fixed)}), over --memory-budget {format_bytes(memory_budget)}: raise "
-                            f"--memory-budget to at least {format_bytes(fixed + alone)}, lower --budgets or "
-                            "--max-length, or drop the method from --methods")
+    alone = [costs.group(1, length, fed, fed + max_new_tokens) for length in lengths]
+    largest = max(range(len(alone)), key=alone.__getitem__, default=None)
+    if largest is not None and alone[largest] > room:  # the bound named fits every variant of the sample
+        raise UserError(f"{labels[largest]} needs {format_bytes(alone[largest])} to decode beside the weights and the "
+                        f"prefill ({format_bytes(fixed)}), over --memory-budget {format_bytes(memory_budget)}: raise "
+                        f"--memory-budget to at least {format_bytes(fixed + alone[largest], up=True)}, lower --budget "
+                        "or --max-length, or drop the method from --methods")
     return max(room, 1)
 
 
-def room_left(model, state, reference, lengths: list[list[int]], methods: int, memory_budget: int, held: int,
-              building: int) -> int:
-    """`variant_room` again between groups, from what the sample holds then (`held`, measured), without its
+def room_left(model, state, reference, lengths: list[list[int]], methods: int, memory_budget: int) -> int:
+    """`variant_room` again between groups, from the sample's tensors then (scores a build cached), without its
     check: a group always has at least one variant, and the check ran before the first."""
-    return max(memory_budget - _fixed_bytes(model, state, reference, lengths, methods, held, building), 1)
+    return max(memory_budget - _fixed_bytes(model, state, reference, lengths, methods), 1)
 
 
-def _fixed_bytes(model, state, reference, lengths, methods: int, held: int, building: int) -> int:
+def _fixed_bytes(model, state, reference, lengths, methods: int) -> int:
     costs = StepCosts.of(model, state)
     scores = methods * state.num_layers * state.num_kv_heads * state.length * 4
-    modelled = max((costs.building(length, state.length) for length in lengths), default=0)
-    return max(held_bytes(state.device, model, state, reference), held) + scores + max(modelled, building)
+    building = max((costs.building(length, state.length) for length in lengths), default=0)
+    return tensor_bytes(model, state, reference) + scores + building
 
 
 _SAID: set = set()

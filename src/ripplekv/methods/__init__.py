@@ -17,6 +17,7 @@ from ripplekv.methods import (  # noqa: F401  (registration)
     knorm,
     kvzip,
     lava,
+    lukv,
     oracle,
     pyramidinfer,
     random_keep,

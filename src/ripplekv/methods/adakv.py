@@ -11,6 +11,10 @@ head), so a layer keeps exactly `H_kv * b_l`.
 
 `rule=floor` is our earlier rule (kvpress-like): every head first gets its window plus `alpha` of the
 rest of an even share, then the top remaining candidates across heads fill the layer's total.
+`rule=kvpress` is kvpress's `AdaKVPress` (and `CriticalAdaKVPress`): every head first keeps its top
+`int(alpha * b)` entries, the window counted among them (the window scores above every prefix entry), so
+the floor is `max(window, int(alpha * b))`; then the top remaining candidates across heads (make
+check-references holds it against kvpress).
 """
 
 from __future__ import annotations
@@ -59,13 +63,13 @@ def ffy0_split(scores: torch.Tensor, base: int, alpha: float) -> np.ndarray:
     return np.minimum(counts, candidates)
 
 
-RULES = ("ffy0", "floor")
+RULES = ("ffy0", "floor", "kvpress")
 DEFAULT_ALPHA = 0.2
 
 
 def adakv_split(state, per_layer, scorer, alpha: float | None, rule: str = "ffy0") -> np.ndarray:
     """AdaKV's head split of every layer's budget (`per_layer[l]` entries per head on average), safeguard
-    `alpha` (AdaKV's 0.2 when None); `rule` ffy0 (the published one) or floor (our earlier one). The head
+    `alpha` (AdaKV's 0.2 when None); `rule` ffy0 (the published one), floor (our earlier one) or kvpress. The head
     level of a composition (`split=adakv`)."""
     alpha = DEFAULT_ALPHA if alpha is None else alpha
     heads = state.num_kv_heads
@@ -81,7 +85,10 @@ def adakv_split(state, per_layer, scorer, alpha: float | None, rule: str = "ffy0
         if rule == "ffy0":
             matrix[layer] = reserved + ffy0_split(scorer.scores(state, layer), count - reserved, alpha)
             continue
-        floor = reserved + math.floor(alpha * (count - reserved))
+        if rule == "kvpress":
+            floor = max(reserved, int(alpha * count))
+        else:
+            floor = reserved + math.floor(alpha * (count - reserved))
         if floor >= count:  # nothing left to compete for: every head keeps the even share
             matrix[layer] = count
             continue
@@ -99,6 +106,7 @@ class AdaKV(Allocator):
     alpha: float = DEFAULT_ALPHA
     rule: str = "ffy0"
     prompt_dependent = True
+    same_budget_every_layer = True
 
     def __post_init__(self):
         self.check_heads()
@@ -106,6 +114,10 @@ class AdaKV(Allocator):
             raise UserError(f"option alpha must be in [0, 1], got {self.alpha!r}")
         if self.rule not in RULES:
             raise UserError(f"option rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+
+    @property
+    def splits_by_scores(self) -> bool:
+        return True
 
     def allocate(self, state, budget, scorer):
         per_layer = self.layer_budgets(state.num_layers, budget, state.length, scorer.floor())

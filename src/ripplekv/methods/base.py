@@ -103,6 +103,13 @@ class Scorer:
     routable = True  # False: cannot be one layer's scorer in a route (the router itself)
     # True: it reads the full cache's answer (a ceiling, not a deployable method); any method using it is one
     knows_answer: ClassVar[bool] = False
+    # True: its scores are the same in every KV head of a layer, so a head split by them is the even split
+    same_for_every_head: ClassVar[bool] = False
+
+    def unused_options(self) -> dict[str, str]:
+        """Options this scorer takes that change nothing with its other options as set: name -> why
+        (`presets.make_method` refuses them when a spec sets them)."""
+        return {}
 
     def floor(self) -> int:
         """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
@@ -154,14 +161,20 @@ class Allocator:
     # competitions): the one flag for it; a method is prompt-dependent when its allocator is or splits heads.
     prompt_dependent: ClassVar[bool] = False
     prompt_note = "its per-layer totals are uniform, and its per-head counts are recorded per sample by `ripplekv eval`"
+    # True: every layer gets the same budget (its head split aside): it spreads nothing across layers
+    same_budget_every_layer: ClassVar[bool] = False
     split: str | None = field(default=None, metadata=COMPOSITION)
     head_alpha: float | None = field(default=None, metadata=COMPOSITION)
 
     def __post_init__(self):
         self.check_heads()
 
+    def splits_itself(self) -> bool:
+        """Whether this allocator sets head counts itself (so `split=` does not apply)."""
+        return type(self).allocate is not Allocator.allocate
+
     def check_heads(self) -> None:
-        if self.split is not None and type(self).allocate is not Allocator.allocate:
+        if self.split is not None and self.splits_itself():
             raise UserError(f"allocator {self.name} splits heads itself; split= applies to the layer allocators "
                             f"({', '.join(LAYER_ALLOCATORS)})")
         if self.split is not None and self.split not in HEAD_SPLITS:
@@ -174,6 +187,15 @@ class Allocator:
     @property
     def splits_heads(self) -> bool:
         return self.split not in (None, "even")
+
+    @property
+    def splits_by_scores(self) -> bool:
+        """Whether a layer's heads share its budget by the scorer's scores (a head split, or an allocator that is one)."""
+        return self.splits_heads
+
+    def unused_options(self) -> dict[str, str]:
+        """Options this allocator takes that change nothing with its other options as set: name -> why."""
+        return {}
 
     def layer_weights(self, num_layers: int, budget: int, floor: int) -> list[float]:
         """Real-valued per-layer weights; only proportions matter."""

@@ -79,8 +79,14 @@ def calibrate(model, prompts, budget: int, window: int = 32) -> list[float]:
 
 def write_profile(path: str | Path, errors) -> Path:
     """The `layer,error` CSV that `compresskv:profile=` reads."""
+    from ripplekv.errors import write_failure
+
     path = Path(path)
-    path.write_text("layer,error\n" + "".join(f"{layer},{error!r}\n" for layer, error in enumerate(errors)))
+    try:  # a missing folder is made, as the commands make theirs; a failure is one line naming the file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("layer,error\n" + "".join(f"{layer},{error!r}\n" for layer, error in enumerate(errors)))
+    except OSError as err:
+        raise write_failure(path, err, "run the script again") from None
     return path
 
 

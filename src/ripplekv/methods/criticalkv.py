@@ -8,7 +8,11 @@ the query heads h sharing its KV head. Selection has two stages, as in the refer
 the top `first_stage_ratio` of its budget by the base attention score alone (SnapKV's pooled window
 attention, window and pooling as for `snapkv`), then fills the rest by (attention + epsilon) x value norm.
 Defaults follow kvpress: epsilon 1e-4, first_stage_ratio 0.5. `scores()` (what AdaKV's head split and
-the global allocator compare) is the base attention, as CriticalAdaKVPress splits heads by it.
+the global allocator compare) is the base attention, as CriticalAdaKVPress splits heads by it. In kvpress's
+CriticalAdaKVPress the AdaKV safeguard (each head's top `int(alpha * b)` entries, b the layer's mean
+count) also outlives the second stage; `safeguard=alpha` does the same (with `rule=kvpress` on the split:
+`criticaladakv:rule=kvpress:safeguard=0.2` is that press, make check-references); 0, the default, leaves
+the first stage at `first_stage_ratio` of the head's count.
 """
 
 from __future__ import annotations
@@ -49,22 +53,27 @@ def projected_value_norms(state, layer: int) -> torch.Tensor:
 class CriticalKVScorer(SnapKVScorer):
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
+    safeguard: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 <= self.first_stage_ratio <= 1:
-            raise UserError(f"option first_stage_ratio must be in [0, 1], got {self.first_stage_ratio!r}")
+        for name in ("first_stage_ratio", "safeguard"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UserError(f"option {name} must be in [0, 1], got {getattr(self, name)!r}")
         if not self.epsilon >= 0:
             raise UserError(f"option epsilon must be >= 0, got {self.epsilon!r}")
 
     def critical_scores(self, state, layer) -> torch.Tensor:
-        """(attention + epsilon) x ||v W_o||_1 over the prefix [H_kv, n - window] (the second stage's ranking)."""
-        base = self.scores(state, layer)
+        """(attention + epsilon) x ||v W_o||_1 over the prefix [H_kv, n - window] (the second stage's ranking). The
+        attention is the window queries' mean, as kvpress's SnapKVPress scores: our `snapkv` sums over the window,
+        and epsilon is added on the mean's scale."""
+        base = self.scores(state, layer) / max(min(self.window, state.length), 1)
         return (base + self.epsilon) * projected_value_norms(state, layer)[:, : base.shape[1]]
 
     def keep(self, state, layer, counts):
         window = min(self.window, state.length)
         base = critical = None
+        guarded = int(self.safeguard * (int(counts.sum()) // len(counts)))  # safeguard x the layer's mean count
 
         def build(heads, count):
             nonlocal base, critical
@@ -74,7 +83,7 @@ class CriticalKVScorer(SnapKVScorer):
                 return mask
             if base is None:
                 base, critical = self.scores(state, layer), self.critical_scores(state, layer)
-            first = min(max(int(count * self.first_stage_ratio) - window, 0), extra)
+            first = min(max(max(int(count * self.first_stage_ratio), guarded) - window, 0), extra)
             ranked = critical[heads].clone()
             if first > 0:
                 chosen = top_indices(base[heads], first)

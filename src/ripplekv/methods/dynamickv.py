@@ -34,7 +34,7 @@ from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Allocator, check_integers, register_allocator, register_scorer
 from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, window_attention
+from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, pooling_unused, window_attention
 
 
 def pooled_head_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -90,6 +90,9 @@ class DynamicKV(Allocator):
 
     def requirements(self) -> Requirements:
         return Requirements(capture_window=self.window)
+
+    def unused_options(self) -> dict[str, str]:
+        return pooling_unused(self.kernel, self.pooling)
 
     def layer_budgets(self, num_layers, budget, length, floor):
         raise UserError(f"dynamickv's per-layer budgets depend on each prompt's attention; {self.prompt_note}")

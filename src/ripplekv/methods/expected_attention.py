@@ -8,8 +8,9 @@ exp(mu'.k/sqrt d + k^T S' k / (2d)); a softmax of these logits over the prompt's
 averaged over the query heads sharing a KV head, times the value norm ||v||_2 (+ epsilon first), is the
 score. It needs no question, so it is question-agnostic. The statistics are summed during the one prefill
 (`Requirements.query_statistics`), never stored per query. Defaults follow kvpress: n_future_positions
-512, n_sink 4 (kept always), use_covariance and use_vnorm on, epsilon 0. As for KNorm, the last `window`
-tokens (32) are kept too: kvpress compresses the context alone, our with-question protocol does not.
+512, n_sink 4 (kept always), use_covariance and use_vnorm on, epsilon 0. Unlike kvpress, the last `window`
+tokens (32) are kept too: kvpress compresses the context alone, our with-question protocol compresses the
+question with it; `expected-attention:window=0` is kvpress's `ExpectedAttentionPress` (make check-references).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class ExpectedAttentionScorer(WindowScorer):
     epsilon: float = 0.0
 
     def __post_init__(self):
-        check_positive(window=self.window, n_future_positions=self.n_future_positions)
-        check_integers({"n_sink": self.n_sink}, minimum=0)
+        check_positive(n_future_positions=self.n_future_positions)
+        check_integers({"n_sink": self.n_sink, "window": self.window}, minimum=0)
         if self.n_sink > FIRST_QUERIES:
             raise UserError(f"option n_sink must be at most {FIRST_QUERIES}, got {self.n_sink}")
         for name in ("use_covariance", "use_vnorm"):
@@ -55,6 +56,9 @@ class ExpectedAttentionScorer(WindowScorer):
                 raise UserError(f"option {name} must be 0 or 1, got {getattr(self, name)!r}")
         if not self.epsilon >= 0:
             raise UserError(f"option epsilon must be >= 0, got {self.epsilon!r}")
+
+    def floor(self) -> int:
+        return max(self.window, 1)
 
     def requirements(self) -> Requirements:
         return super().requirements().union(Requirements(query_statistics=True))
@@ -91,3 +95,13 @@ class ExpectedAttentionScorer(WindowScorer):
 
     def scores(self, state, layer):
         return self.expected(state, layer)[:, : state.length - min(self.window, state.length)]
+
+
+@register_scorer("lukv")
+@dataclass(frozen=True)
+class LUKVScorer(ExpectedAttentionScorer):
+    """LU-KV's default scorer (and kvpress LUKVPress's): Expected Attention with epsilon 0.02, its 4 sinks and a
+    window of 1 kept."""
+
+    window: int = 1
+    epsilon: float = 0.02

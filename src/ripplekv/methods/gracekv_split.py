@@ -45,16 +45,21 @@ class LayerTokens:
     omega: torch.Tensor  # [U]
     scaling: float
 
-    def sums(self, idx, nid, nodes: int, exact_keys: bool = True) -> Sums:
+    def __post_init__(self):
+        # per token, once: what every node's sums and value spread read (a row's norm is the same alone or in a batch)
+        self.unrotated_norms = self.unrotated.norm(dim=-1)
+        self.value_norms = self.values.norm(dim=-1)
+
+    def sums(self, idx, nid, nodes: int, exact_keys: bool = True, groups=None) -> Sums:
         """Sums of nodes `nid` over tokens `idx` as [1, nodes] (the layout `prototypes` takes), in one product.
         Without `exact_keys` the rotated keys are not summed (a one-token node's key is then wrong: pricing
-        never reads it, since a single token has no distortion)."""
-        keys, unrot, values, rel = self.keys[idx], self.unrotated[idx], self.values[idx], self.relevance[idx]
-        ones = torch.ones(len(idx), 1, device=keys.device)
-        scalars = torch.cat([ones, unrot.norm(dim=-1, keepdim=True), self.positions[idx, None].float(), rel[:, None]], 1)
-        vectors = [keys, unrot, values, rel[:, None] * values] if exact_keys else [unrot, values, rel[:, None] * values]
-        total = segment_sum(nid, torch.cat([scalars, *vectors], 1), nodes)[None]
-        d = keys.shape[1]
+        never reads it, since a single token has no distortion). `groups`: `grouping(nid, nodes)`, when made."""
+        unrot, values, rel = self.unrotated[idx], self.values[idx], self.relevance[idx]
+        ones = torch.ones(len(idx), 1, device=unrot.device)
+        scalars = torch.cat([ones, self.unrotated_norms[idx, None], self.positions[idx, None].float(), rel[:, None]], 1)
+        vectors = [self.keys[idx], unrot, values, rel[:, None] * values] if exact_keys else [unrot, values, rel[:, None] * values]
+        total = segment_sum(nid, torch.cat([scalars, *vectors], 1), nodes, groups)[None]
+        d = unrot.shape[1]
         count, norms, positions, relevance = total[..., 0], total[..., 1], total[..., 2], total[..., 3]
         parts = [total[..., 4 + i * d : 4 + (i + 1) * d] for i in range(len(vectors))]
         if not exact_keys:
@@ -62,31 +67,29 @@ class LayerTokens:
         return Sums(count, parts[0], parts[1], norms, positions, relevance, parts[2], parts[3])
 
 
-def segment_sum(nid: torch.Tensor, x: torch.Tensor, nodes: int) -> torch.Tensor:
-    """Sums of the rows of `x` [A] or [A, k] by node `nid` [A], as a sparse (nodes x A) one-hot product
-    (several times faster on a CPU than index_add_ or scatter_add_ over rows)."""
-    flat = x if x.dim() == 2 else x[:, None]
+def grouping(nid: torch.Tensor, nodes: int, dtype=torch.float32) -> torch.Tensor:
+    """The sparse (nodes x A) one-hot matrix that sums rows by node `nid` [A] (`segment_sum`); made once, it
+    serves every sum over the same rows."""
     rows = torch.stack([nid, torch.arange(len(nid), device=nid.device)])
-    ones = torch.sparse_coo_tensor(rows, torch.ones(len(nid), device=x.device, dtype=x.dtype), (nodes, len(nid)),
+    return torch.sparse_coo_tensor(rows, torch.ones(len(nid), device=nid.device, dtype=dtype), (nodes, len(nid)),
                                    is_coalesced=True, check_invariants=False)
-    out = torch.sparse.mm(ones, flat) if len(nid) else torch.zeros(nodes, flat.shape[1], device=x.device, dtype=x.dtype)
+
+
+def segment_sum(nid: torch.Tensor, x: torch.Tensor, nodes: int, groups=None) -> torch.Tensor:
+    """Sums of the rows of `x` [A] or [A, k] by node `nid` [A], as a sparse (nodes x A) one-hot product
+    (several times faster on a CPU than index_add_ or scatter_add_ over rows); `groups`: `grouping(nid, nodes)`."""
+    flat = x if x.dim() == 2 else x[:, None]
+    if not len(nid):
+        out = torch.zeros(nodes, flat.shape[1], device=x.device, dtype=x.dtype)
+    else:
+        out = torch.sparse.mm(grouping(nid, nodes, x.dtype) if groups is None else groups, flat)
     return out if x.dim() == 2 else out[:, 0]
-
-
-@dataclass
-class Level:
-    idx: torch.Tensor  # tokens in this level's nodes
-    nid: torch.Tensor  # their node
-    count: list  # per node
-    gain: list  # split gain per node (-inf: a single token)
-    kind: list  # BISECT, PULL or MIDDLE
-    child: list  # index of the first child in the next level (-1: none)
-    priced: bool
 
 
 def node_costs(lay: LayerTokens, idx, nid, nodes: int, rope, beta: float):
     """(count [N], relevance [N], E [N], head [N]) of nodes `nid` over tokens `idx`."""
-    sums = lay.sums(idx, nid, nodes, exact_keys=False)
+    groups = grouping(nid, nodes)
+    sums = lay.sums(idx, nid, nodes, exact_keys=False, groups=groups)
     proto = prototypes(rope, sums, beta)
     count, relevance = sums.count[0], sums.relevance[0]
     head = torch.zeros(nodes, dtype=torch.long, device=idx.device).index_put_((nid,), lay.head[idx])
@@ -99,9 +102,8 @@ def node_costs(lay: LayerTokens, idx, nid, nodes: int, rope, beta: float):
     logits = logits * lay.scaling
     proto_mass = torch.exp(logits - lay.shift[head] + proto.log_weights[0][:, None])
     attn = lay.attn[idx]
-    values = lay.values[idx]
-    far = (values - proto.values[0][nid]).norm(dim=-1)
-    masses = segment_sum(nid, torch.cat([attn, attn * far[:, None], attn * values.norm(dim=-1)[:, None]], 1), nodes)
+    far = (lay.values[idx] - proto.values[0][nid]).norm(dim=-1)
+    masses = segment_sum(nid, torch.cat([attn, attn * far[:, None], attn * lay.value_norms[idx, None]], 1), nodes, groups)
     true_mass, spread, scale = masses[:, :queries], masses[:, queries : 2 * queries], masses[:, 2 * queries :]
     mass_error = ((proto_mass - true_mass).abs() / true_mass.clamp(min=TINY)).clamp(max=LARGE)
     output_error = (spread / scale.clamp(min=TINY)).clamp(max=LARGE)
@@ -135,53 +137,3 @@ def middle_side(idx, nid, nodes: int, count):
     rank = torch.arange(len(idx), device=idx.device)
     first = torch.full((nodes,), len(idx), device=idx.device, dtype=torch.long).scatter_reduce(0, nid, rank, "amin")
     return (rank - first[nid]) >= torch.div(count.long(), 2, rounding_mode="floor")[nid]
-
-
-def grow(lay: LayerTokens, roots: torch.Tensor, num_roots: int, opts, rope) -> tuple[list[Level], torch.Tensor]:
-    """Every level of the layer's trees (root level first) and the roots' add gains omega x R - E."""
-    idx = torch.nonzero(roots >= 0)[:, 0]
-    nid = roots[idx]
-    count, relevance, cost, head = node_costs(lay, idx, nid, num_roots, rope, opts.beta)
-    add = lay.omega[head] * relevance - cost
-    levels = []
-    nodes = num_roots
-    while True:
-        multi = count >= 2
-        gain = torch.full((nodes,), -torch.inf, device=idx.device)
-        kind = torch.zeros(nodes, dtype=torch.long, device=idx.device)
-        children = torch.cumsum(multi.long(), 0) - 1
-        child = torch.where(multi, 2 * children, -1)
-        priced = len(levels) < opts.depth
-        level = Level(idx, nid, count.tolist(), [], [], child.tolist(), priced)
-        levels.append(level)
-        if not bool(multi.any()):
-            level.gain, level.kind = gain.tolist(), kind.tolist()
-            return levels, add
-        active = multi[nid]
-        aidx, anid = idx[active], nid[active]
-        if priced:
-            right = bisect_side(lay, aidx, anid, nodes)
-            pulled = first_by(lay.relevance[aidx], lay.positions[aidx], anid, nodes)
-            keep = ~pulled  # one pass prices both kinds: bisect children 0..2N-1, pull remainders 2N..3N-1
-            _, _, both, _ = node_costs(lay, torch.cat([aidx, aidx[keep]]), torch.cat([2 * anid + right, 2 * nodes + anid[keep]]),
-                                       3 * nodes, rope, opts.beta)
-            cost2, cost3 = both[: 2 * nodes], both[2 * nodes :]
-            gain_bisect = cost - cost2[0::2] - cost2[1::2]
-            gain_pull = cost - cost3
-            use_pull = gain_pull > gain_bisect
-            side = torch.where(use_pull[anid], pulled, right)
-            gain = torch.where(multi, torch.maximum(gain_bisect, gain_pull), gain)
-            kind = torch.where(use_pull, PULL, BISECT)
-            first_cost = torch.where(use_pull, cost3, cost2[0::2])
-            second_cost = torch.where(use_pull, torch.zeros_like(cost3), cost2[1::2])
-            next_cost = torch.stack([first_cost, second_cost], 1)[multi].reshape(-1)
-        else:
-            side = middle_side(aidx, anid, nodes, count)
-            gain = torch.where(multi, -float(len(levels)), gain)  # unpriced: shallower first
-            kind = torch.full_like(kind, MIDDLE)
-            next_cost = None
-        level.gain, level.kind = gain.tolist(), kind.tolist()
-        idx, nid = aidx, 2 * children[anid] + side.long()
-        nodes = 2 * int(multi.sum())
-        count = segment_sum(nid, torch.ones(len(idx), device=idx.device), nodes)
-        cost = next_cost if next_cost is not None else torch.zeros(nodes, device=idx.device)

@@ -85,6 +85,14 @@ class GraceKVOptions:
             if not getattr(self, name) >= 0:
                 raise UserError(f"option {name} must be >= 0, got {getattr(self, name)!r}")
 
+    def unused_options(self) -> dict[str, str]:
+        """With slots=fixed, the options of the published form's curvature cut, relevance and splits do nothing."""
+        if self.slots != "fixed":
+            return {}
+        why = "used by slots=curvature only; slots=fixed bisects fixed slots"
+        return {name: why for name in ("min_slot", "max_slot", "shape", "widths", "spread", "mix", "seeds", "hops",
+                                       "depth")}
+
 # --------------------------------------------------------------------------- layout
 
 

@@ -5,8 +5,8 @@ KeyDiffPress scores it (read, not copied): the anchor is the mean of a head's un
 prompt entries, post-RoPE as stored), and an entry's score is minus its key's cosine similarity to the
 anchor. It needs no queries, so it is question-agnostic. kvpress compresses the context alone and has
 no window; our with-question protocol compresses the question too, so the last `window` tokens are always
-kept (32, as for SnapKV and KNorm; `keydiff:window=..`). The paper's block-wise eviction is not modelled:
-one scoring after the prefill, as kvpress does by default.
+kept (32, as for SnapKV; `keydiff:window=0` is kvpress's `KeyDiffPress`, make check-references). The paper's
+block-wise eviction is not modelled: one scoring after the prefill, as kvpress does by default.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from ripplekv.methods.base import check_positive, register_scorer
+from ripplekv.methods.base import check_integers, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
 
 
@@ -23,7 +23,10 @@ from ripplekv.methods.snapkv import WindowScorer
 @dataclass(frozen=True)
 class KeyDiffScorer(WindowScorer):
     def __post_init__(self):
-        check_positive(window=self.window)
+        check_integers({"window": self.window}, minimum=0)
+
+    def floor(self) -> int:
+        return max(self.window, 1)
 
     def scores(self, state, layer):
         key = ("keydiff", layer)  # of every entry, cut to the prefix below: the window does not change them

@@ -12,6 +12,13 @@ pays it. The first `n_sink` (4) entries score 1. Defaults follow the reference: 
 (all layers and heads compete: the `global` allocator), n_sink 4, chunk 2048. As for SnapKV, the last
 `window` (32) tokens are always kept too.
 
+kvpress's KVzipPress differs in three ways, each an option here: it keeps no window (`window=0`); it
+reconstructs only what follows the chat template's opening (the system prompt and user header, whose
+length it measures on a dummy message), so those entries past the sinks score 0 and go first and the first
+chunk's queries also see the sinks (`skip_template=1`); a layer's total need not be a multiple of H_kv
+(`granularity=entry` on the `global` allocator). `kvzip:granularity=entry:skip_template=1:window=0` is that
+press (make check-references).
+
 Cost: the reconstruction is a second forward over about as many tokens as the prompt (timed in
 `state.scores["kvzip-seconds"]`, printed by scripts/bench_engine.py): about 3 prefills on a 3.5k prompt,
 since its queries attend (sdpa) over the whole prompt and the repeat so far, about three times the causal
@@ -65,9 +72,20 @@ def assistant_opening(tokenizer) -> list[int]:
     return tokenizer.encode(text.split(marker, 1)[1], add_special_tokens=False)
 
 
-def reconstruction_scores(state, n_sink: int, chunk: int) -> torch.Tensor:
-    """Scores [L, H_kv, n] of every prompt entry by the reconstruction pass (computed once per prefill)."""
-    key = ("kvzip", n_sink, chunk)
+def template_opening(tokenizer) -> int:
+    """Tokens of the chat template before a user message's text (0 without a template), measured as kvpress's
+    KVzipPress measures them."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    marker = "\u2063KVZIP\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text.split(marker, 1)[0], add_special_tokens=False))
+
+
+def reconstruction_scores(state, n_sink: int, chunk: int, skip_template: int = 0) -> torch.Tensor:
+    """Scores [L, H_kv, n] of every prompt entry by the reconstruction pass (computed once per prefill); with
+    `skip_template` the pass starts after the chat template's opening, whose entries keep score 0."""
+    key = ("kvzip", n_sink, chunk) + (("template",) if skip_template else ())
     if key in state.scores:
         return state.scores[key]
     if state.model is None:
@@ -79,11 +97,12 @@ def reconstruction_scores(state, n_sink: int, chunk: int) -> torch.Tensor:
     length = len(ids)
     scores = torch.zeros(state.num_layers, state.num_kv_heads, length, dtype=torch.float32, device=state.device)
     scores[..., :n_sink] = 1.0
-    for start in range(0, length, chunk):
+    first = min(template_opening(tokenizer), length - 1) if skip_template else 0
+    for start in range(first, length, chunk):
         stop = min(length, start + chunk)
-        request = tokenizer.encode(FIRST_REQUEST if start == 0 else LATER_REQUEST, add_special_tokens=False)
-        if start > 0:
-            request = request + ids[max(0, start - OVERLAP):start]
+        request = tokenizer.encode(FIRST_REQUEST if start == first else LATER_REQUEST, add_special_tokens=False)
+        if start > first:
+            request = request + ids[max(first, start - OVERLAP):start]
         tokens = request + opening + ids[start:stop]
         sink = min(n_sink, start)
 
@@ -105,14 +124,21 @@ def reconstruction_scores(state, n_sink: int, chunk: int) -> torch.Tensor:
 class KVzipScorer(WindowScorer):
     n_sink: int = 4
     chunk: int = 2048
+    skip_template: int = 0
 
     def __post_init__(self):
-        check_positive(window=self.window, chunk=self.chunk)
-        check_integers({"n_sink": self.n_sink}, minimum=0)
+        check_positive(chunk=self.chunk)
+        check_integers({"n_sink": self.n_sink, "window": self.window}, minimum=0)
+        if self.skip_template not in (0, 1):
+            raise UserError(f"option skip_template must be 0 or 1, got {self.skip_template!r}")
+
+    def floor(self) -> int:
+        return max(self.window, 1)
 
     def requirements(self) -> Requirements:
         return super().requirements().union(Requirements(tokenizer=True))
 
     def scores(self, state, layer):
         window = min(self.window, state.length)
-        return reconstruction_scores(state, self.n_sink, self.chunk)[layer, :, : state.length - window]
+        scores = reconstruction_scores(state, self.n_sink, self.chunk, self.skip_template)
+        return scores[layer, :, : state.length - window]

@@ -15,6 +15,7 @@ options override them.
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -23,6 +24,7 @@ from ripplekv import defaults
 from ripplekv.errors import UserError
 from ripplekv.methods.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
 from ripplekv.methods.gracekv import GraceKV
+from ripplekv.methods.lukv import CurveMethod
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {}
 # Options naming a file: labels show the file name only.
-FILE_OPTIONS = ("allocation", "route", "profile")
+FILE_OPTIONS = ("allocation", "route", "profile", "curve")
 
 
 def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
@@ -85,6 +87,9 @@ preset("layer-defensivekv", "global", "defensivekv", "Layer-DefensiveKV: Defensi
        "and head competing for one budget (FFY0/DefensiveKV)")
 preset("kvzip", "global", "kvzip", "KVzip: max attention from a context-reconstruction pass (a second "
        "forward), all layers and heads competing (kvpress KVzipPress)")
+preset("lukv", "lukv", "lukv", "LU-KV: per-layer and per-head budgets from an offline curve (a greedy over oracle "
+       "importance on calibration prompts), Expected Attention scores (epsilon 0.02, 4 sinks, window 1; kvpress LUKVPress)",
+       kind=CurveMethod)
 preset("dynamickv", "dynamickv", "dynamickv", "DynamicKV: layer budgets from a global top-k of every layer's window "
        "attention (all layers at once), SnapKV scores at window 8, average pooling (DreamMr/DynamicKV)")
 preset("lava", "lava", "lava", "LAVa: layer budgets from the entropy of value-weighted window attention, heads "
@@ -130,20 +135,23 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def _convert(component: type, key: str, value, spec: str):
-    """A string option converted to the field's type (ints, floats, strings, tuples of floats)."""
-    if not isinstance(value, str):
-        return value
-    hint = str(typing.get_type_hints(component).get(key, str))
-    try:
-        if "tuple" in hint:
-            return tuple(float(v) for v in value.split("/"))
-        if "float" in hint:
-            return float(value)
-        if "int" in hint:
-            return int(value)
-    except ValueError:
-        kind = "numbers separated by /" if "tuple" in hint else ("a number" if "float" in hint else "an integer")
-        raise UserError(f"method spec {spec!r}: option {key} must be {kind}, got {value!r}") from None
+    """A string option converted to the field's type (ints, floats, strings, tuples of floats). No option takes
+    an infinite or undefined number: inf and nan are refused here, for every method, before any arithmetic."""
+    if isinstance(value, str):
+        hint = str(typing.get_type_hints(component).get(key, str))
+        try:
+            if "tuple" in hint:
+                value = tuple(float(v) for v in value.split("/"))
+            elif "float" in hint:
+                value = float(value)
+            elif "int" in hint:
+                value = int(value)
+        except ValueError:
+            kind = "numbers separated by /" if "tuple" in hint else ("a number" if "float" in hint else "an integer")
+            raise UserError(f"method spec {spec!r}: option {key} must be {kind}, got {value!r}") from None
+    numbers = value if isinstance(value, tuple) else (value,)
+    if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+        raise UserError(f"method spec {spec!r}: option {key} must be a finite number, got {value!r}")
     return value
 
 
@@ -202,9 +210,51 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
         built = {part: cls(**converted[part]) for part, cls in classes.items()}
     except UserError as err:
         raise UserError(f"method {label!r}: {err}") from None
+    check_used(label, built, keys, set(strict) | ({"allocator", "scorer"} & set(raw)))
     if chosen.own is not None:
         return chosen.own(label, name, built["options"])
     return chosen.kind(label, name, built["allocator"], built["scorer"])
+
+
+def unused_options(built: dict) -> dict[str, str]:
+    """The options of a method's parts (`built`: {"allocator": ..., "scorer": ...} or {"options": ...}) that change
+    nothing with the others as set, name -> why: those each part says it leaves unused (an option two parts
+    take is unused only when both leave it), and a head split by scores that are the same in every head."""
+    said: dict[str, list[str]] = {}
+    takers: dict[str, int] = {}
+    for part in built.values():
+        for key in _option_names(type(part)):
+            takers[key] = takers.get(key, 0) + 1
+        for key, why in part.unused_options().items():
+            said.setdefault(key, []).append(why)
+    unused = {key: whys[0] for key, whys in said.items() if len(whys) == takers.get(key, 0)}
+    allocator, scorer = built.get("allocator"), built.get("scorer")
+    if allocator is not None and scorer is not None and allocator.splits_by_scores and scorer.same_for_every_head:
+        why = (f"scorer {scorer.name}'s scores are the same in every KV head, so a head split by them is the even "
+               "split")
+        for key in ("split", "head_alpha"):
+            unused.setdefault(key, why)
+    return unused
+
+
+def check_used(label: str, built: dict, keys: dict, given: set) -> None:
+    """The one check every method family's options pass: an option the spec (or a caller) sets that changes
+    nothing, given the others, is refused in one line naming what the method does take; otherwise two specs
+    that compute the same thing would be ranked as rivals."""
+    allocator, scorer = built.get("allocator"), built.get("scorer")
+    if (allocator is not None and scorer is not None and allocator.same_budget_every_layer
+            and allocator.splits_by_scores and scorer.same_for_every_head and {"allocator", "scorer"} & given
+            and "split" not in given):
+        raise UserError(f"method {label!r}: allocator {allocator.name} only splits each layer's budget over its heads "
+                        f"by the scorer's scores, and scorer {scorer.name}'s are the same in every KV head, so this is "
+                        f"{scorer.name}'s selection at uniform budgets: use the method that names it (e.g. "
+                        f"snapkv:scorer={scorer.name}) once")
+    unused = unused_options(built)
+    idle = sorted(key for key in given if key in unused)
+    if idle:
+        takes = sorted(set().union(*keys.values()) - set(unused))
+        raise UserError(f"method {label!r}: option {', '.join(idle)} changes nothing here ({unused[idle[0]]}); "
+                        f"drop it; with these settings it takes: {', '.join(takes) or 'nothing'}")
 
 
 def options_taken(specs) -> set[str]:

@@ -58,6 +58,7 @@ class PyramidInfer(Allocator):
 @dataclass(frozen=True)
 class PyramidInferScorer(WindowScorer):
     sinks: int = 4
+    same_for_every_head = True  # a layer's mean over all its query heads
 
     def __post_init__(self):
         check_integers({"window": self.window})
@@ -65,6 +66,15 @@ class PyramidInferScorer(WindowScorer):
 
     def requirements(self) -> Requirements:
         return Requirements(capture_window=self.window)
+
+    def degenerate(self, budget: int) -> str | None:
+        """As StreamingLLM's note: sinks that fill what the window leaves of B leave nothing to score."""
+        if self.window >= budget:
+            return super().degenerate(budget)
+        if self.sinks >= budget - self.window:
+            return (f"its sinks ({self.sinks}) fill what its window ({self.window}) leaves of the budget, so a layer "
+                    f"given {budget} entries keeps only its first and most recent entries (no scoring)")
+        return None
 
     def scores(self, state, layer):
         window = min(self.window, state.length)

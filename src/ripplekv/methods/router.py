@@ -26,6 +26,38 @@ def read_route(path: str | Path) -> list[tuple[int, str]]:
     return rows
 
 
+def routed_scorer(spec: str, method) -> Scorer:
+    """The scorer a route uses for `method` (spec `spec`), or a UserError when a route cannot use it as it is:
+    a route keeps a method's scorer alone, at the routed method's budgets, so a method that is more than its
+    scorer (budgets spread over layers, a head split, budgets from the answer) would silently run as another.
+    Shared by route files and `ripplekv route`'s candidates."""
+    if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
+        raise UserError(f"{spec!r} cannot be routed to (a route names methods with a scorer, e.g. snapkv)")
+    allocator, scorer = method.allocator, method.scorer
+    if allocator.knows_answer or not allocator.same_budget_every_layer or allocator.splits_by_scores:
+        what = "budgets from the full cache's answer (a ceiling)" if allocator.knows_answer else (
+            "a head split" if allocator.same_budget_every_layer else "budgets spread over layers")
+        plain = uniform_spec(scorer.name)
+        raise UserError(f"{spec!r} is allocator {allocator.name} ({what}) x scorer {scorer.name}; a route keeps only "
+                        f"a method's scorer, so it would run as {plain}: name a method with uniform budgets and no "
+                        f"head split (e.g. {plain})")
+    return scorer
+
+
+def uniform_spec(scorer: str) -> str:
+    """A spec of `scorer` at uniform budgets with no head split (what a route or a pruner runs of a method)."""
+    return "snapkv" if scorer == "snapkv" else f"snapkv:scorer={scorer}"
+
+
+def scorer_identity(scorer: Scorer) -> str:
+    """What a scorer selects, whatever method names it (`snapkv` and `uniform` route to one scorer)."""
+    import json
+
+    from ripplekv.methods.base import options_of
+
+    return json.dumps({"name": scorer.name, **options_of(scorer)}, sort_keys=True, default=str)
+
+
 @register_scorer("router")
 @dataclass(frozen=True)
 class Router(Scorer):
@@ -42,12 +74,9 @@ class Router(Scorer):
         specs, scorers = [spec for _, spec in rows], []
         for number, spec in rows:
             try:
-                method = make_method(spec)
+                scorers.append(routed_scorer(spec, make_method(spec)))
             except UserError as err:
                 raise UserError(f"route file {self.route} line {number}: {err}") from None
-            if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
-                raise UserError(f"route file {self.route} line {number}: {spec!r} cannot be routed to (it needs a scorer)")
-            scorers.append(method.scorer)
         object.__setattr__(self, "scorers", tuple(scorers))
         object.__setattr__(self, "methods", tuple(specs))
 

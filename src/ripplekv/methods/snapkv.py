@@ -33,6 +33,16 @@ def check_pooling(pooling: str) -> None:
         raise UserError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
 
 
+def pooling_unused(kernel: int, pooling: str) -> dict[str, str]:
+    """Which of `kernel` and `pooling` changes nothing: pooling with kernel=1, the kernel with pooling=none."""
+    unused = {}
+    if kernel == 1:
+        unused["pooling"] = "kernel=1 pools nothing"
+    if pooling == "none":
+        unused["kernel"] = "pooling=none uses no kernel"
+    return unused
+
+
 def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:
     """Attention [H_kv, group, window, n] (float32) of the last `window` prompt queries over all keys."""
     if window > state.window_queries[layer].shape[1]:
@@ -111,6 +121,9 @@ class SnapKVScorer(WindowScorer):
 
     def requirements(self) -> Requirements:
         return Requirements(capture_window=self.window)  # the observation window's queries
+
+    def unused_options(self) -> dict[str, str]:
+        return pooling_unused(self.kernel, self.pooling)
 
     def decode_policy(self, every: int):
         from ripplekv.methods.decoding import Rescored

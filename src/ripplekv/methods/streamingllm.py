@@ -13,6 +13,7 @@ from ripplekv.methods.base import Scorer, check_integers, per_head, recent_mask,
 @dataclass(frozen=True)
 class SinksAndRecent(Scorer):
     sinks: int = 4
+    same_for_every_head = True  # positions only
 
     def __post_init__(self):
         check_integers({"sinks": self.sinks}, minimum=0)

@@ -41,6 +41,10 @@ class TOVAScorer(WindowScorer):
             raise UserError(f"option heads must be one of {', '.join(HEADS)}, got {self.heads!r}")
         check_positive(window=self.window)
 
+    @property
+    def same_for_every_head(self) -> bool:
+        return self.heads == "layer"
+
     def requirements(self) -> Requirements:
         return Requirements(capture_window=1)  # the last prompt token's query, whatever window is kept
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from ripplekv.defaults import MAPS
 from ripplekv.errors import UserError
@@ -142,48 +141,64 @@ def write_allocation(path: Path, sensitivity, mult, mapping: str = "exponential"
     write_csv(path, table, float_format="%.10g")
 
 
-SWEEP_ANSWER_TOKENS = 32  # the full answer each sweep prompt decodes, the KL reference
+def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, progress=None, log=None) -> pd.DataFrame:
+    """Teacher-forced KL(full || ripplekv@R) and agreement on calibration prompts, mean over prompts per ratio.
 
-
-@torch.inference_mode()
-def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, max_new_tokens: int = SWEEP_ANSWER_TOKENS, progress=None,
-                log=None) -> pd.DataFrame:
-    """Teacher-forced KL(full || ripplekv@R) and agreement on calibration prompts, for each ratio.
-
-    Each prompt is prefilled once; the full cache's greedy answer is the reference; all ratios are
-    scored together in one batch. With a `UnitLog`, prompts already in it are skipped and each finished
-    prompt's rows are logged, so an interrupted sweep resumes.
+    Each prompt is prefilled once; the full cache's greedy answer is the reference; all ratios are scored together
+    (`tune.calibration_fidelity`). With a `UnitLog`, prompts already in it are skipped, so an interrupted sweep
+    resumes.
     """
     from ripplekv.defaults import ALLOCATION_METHOD
-    from ripplekv.engine.decode import full_reference, measure_fidelity, stop_tokens
-    from ripplekv.engine.prefill import Requirements, prefill_for
     from ripplekv.methods import make_method
+    from ripplekv.pipeline.tune import calibration_fidelity
 
-    rows = []
     methods = [make_method(ALLOCATION_METHOD, multipliers=tuple(multipliers(sensitivity, r))) for r in ratios]
-    needs = Requirements.of_all(methods)
-    stop = stop_tokens(model)
-    for index, prompt in enumerate(prompts):
-        if log is not None and prompt.sample_id in log.done:
-            rows.extend(log.done[prompt.sample_id])
-            continue
-        first = len(rows)
-        state = prefill_for(model, prompt.context + prompt.probe, needs, reserve=max_new_tokens)
-        reference = full_reference(model, state, max_new_tokens, stop)
-        scores = measure_fidelity(model, state, [m.compress(state, budget) for m in methods], reference, len(methods))
-        for ratio, score in zip(ratios, scores):
-            rows.append({"sample_id": prompt.sample_id, "ratio": ratio, "kl": float(score.kl),
-                         "agreement": float(score.agreement)})
-        if log is not None:
-            log.append(prompt.sample_id, rows[first:])
-        if progress is not None:
-            progress(index)
-    per_sample = pd.DataFrame(rows)
+    per_sample = calibration_fidelity(model, prompts, methods, budget, progress, log)
+    per_sample["ratio"] = [ratios[i] for i in per_sample["index"]]  # every ratio's method has the same label
     return (
         per_sample.groupby("ratio", as_index=False)
         .agg(kl=("kl", "mean"), agreement=("agreement", "mean"), n=("kl", "size"))
         .assign(budget=budget)
     )
+
+
+def _choose_ratio(model_spec, values, ratios, budget, calib_samples, target_tokens, paths, console, bar, device, dtype,
+                  draw, max_extensions, location) -> float:
+    """Sweep `ratios` on the draw's calibration prompts, extending the grid while the pick is at its edge; writes
+    the sweep and the choice (with any extension or edge note) and returns the chosen ratio."""
+    from contextlib import nullcontext
+
+    from ripplekv.engine.models import load_model
+    from ripplekv.pipeline.grid import Axis, grid_search, grid_summary
+    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+
+    model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
+    prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens, draw=draw)
+    rounds: list[int] = []
+
+    def score(points: list[dict]) -> pd.DataFrame:
+        """One round: the new ratios on every prompt, logged per prompt in this round's scratch file."""
+        new = [point["ratio"] for point in points]
+        log_path = paths["log"] if not rounds else paths["log"].with_name(f"{paths['log'].stem}.{len(rounds)}.jsonl")
+        rounds.append(len(rounds))
+        settings = {"model": location, "sensitivity": [float(v) for v in values], "ratios": new, "budget": budget,
+                    "calibration_hash": calibration_hash(prompts), "rows": "per method"}
+        log = UnitLog(log_path, settings, restart=True)  # our scratch file: other settings start it over
+        context, advance = bar(len(prompts), len(log.done)) if bar else (nullcontext(), None)
+        with context:
+            return ratio_sweep(model, prompts, values, new, budget, progress=advance, log=log)
+
+    result = grid_search([Axis("ratio", tuple(ratios), low=1.0)], score, max_extensions)
+    chosen = result.pick["ratio"]
+    sweep = result.table.assign(chosen=result.table["ratio"] == chosen)
+    write_csv(paths["sweep"], sweep)
+    write_json(paths["choice"], {"ratio": chosen, "candidates": result.axes["ratio"], "initial": ratios,
+                                 "extensions": result.extensions["ratio"], "at_edge": result.at_edge,
+                                 "notes": result.notes, "budget": budget, **draw.record(),
+                                 "calibration_ids": [p.sample_id for p in prompts]})
+    console.print(sweep.to_string(index=False))
+    console.print(f"ratio: {grid_summary(result)} (lowest teacher-forced KL at B={budget}); sweep in {paths['sweep']}")
+    return chosen
 
 
 def plot_allocation(path: Path, sensitivity, mult, mapping: str, num_layers: int, prompt_len: int, budget=128) -> None:
@@ -235,14 +250,15 @@ def output_paths(out: Path) -> dict[str, Path]:
 def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, budget: int, calib_samples: int,
                  target_tokens: int, console, bar=None, device: str = "auto", dtype: str = "auto",
                  mapping: str = "exponential", announce=None, floor: float | None = None,
-                 cap: float | None = None) -> list[Path]:
-    """Check everything, sweep the ratios on calibration prompts (resumable), write the allocation;
-    returns the files written. `mapping` "proportional" (DepthKV) takes no ratio and no sweep, and
-    optional `floor` / `cap` bounds on its multipliers."""
-    from contextlib import nullcontext
+                 cap: float | None = None, draw=None, max_extensions: int = 3) -> list[Path]:
+    """Check everything, sweep the ratios on calibration prompts of `draw` (resumable; a pick at the grid's edge
+    extends it, `pipeline.grid`), write the allocation; returns the files written. `mapping` "proportional"
+    (DepthKV) takes no ratio and no sweep, and optional `floor` / `cap` bounds on its multipliers."""
 
-    from ripplekv.engine.models import load_config, load_model, resolve_model
+    from ripplekv.engine.models import load_config, resolve_model
+    from ripplekv.tasks.calibration import Draw
 
+    draw = (draw or Draw()).check()
     ratios = sorted({check_ratio(r) for r in ratios})
     source = resolve_model(model_spec)
     inputs = [sensitivity] + ([source.location] if source.kind == "gguf" else [])
@@ -259,6 +275,7 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         mult = proportional_multipliers(values, floor, cap)  # bounds that cannot hold fail before anything is said
     elif len(ratios) > 1:  # the sweep's prompts and answers must fit a sliding window: said before the model loads
         from ripplekv.engine.models import load_tokenizer
+        from ripplekv.pipeline import tune
         from ripplekv.pipeline.samples import check_calibration_window, model_window
         from ripplekv.tasks.calibration import calibration_prompts
 
@@ -266,9 +283,9 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
             tokenizer = load_tokenizer(model_spec)
 
             def build(target: int):
-                return calibration_prompts(tokenizer, calib_samples, 1, target)
+                return calibration_prompts(tokenizer, calib_samples, 1, target, draw=draw)
 
-            check_calibration_window(model_spec, build(target_tokens), build, target_tokens, reserve=SWEEP_ANSWER_TOKENS)
+            check_calibration_window(model_spec, build(target_tokens), build, target_tokens, reserve=tune.SWEEP_ANSWER_TOKENS)
     if announce is not None:  # every input checked: bad input stays one line
         announce()
     if mapping == "proportional":
@@ -279,26 +296,12 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         return [paths["csv"], paths["png"]]
     chosen = ratios[0]
     if len(ratios) > 1:
-        from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
-
-        model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
-        prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens)
-        settings = {"model": source.location, "sensitivity": [float(v) for v in values], "ratios": ratios,
-                    "budget": budget, "calibration_hash": calibration_hash(prompts)}
-        log = UnitLog(paths["log"], settings, restart=True)  # our scratch file: other settings start it over
-        context, advance = bar(len(prompts), len(log.done)) if bar else (nullcontext(), None)
-        with context:
-            sweep = ratio_sweep(model, prompts, values, ratios, budget, progress=advance, log=log)
-        chosen = float(sweep.sort_values(["kl", "ratio"]).iloc[0]["ratio"])
-        sweep = sweep.assign(chosen=sweep["ratio"] == chosen)
-        write_csv(paths["sweep"], sweep)
-        write_json(paths["choice"], {"ratio": chosen, "candidates": ratios, "budget": budget,
-                                     "calibration_ids": [p.sample_id for p in prompts]})
-        console.print(sweep.to_string(index=False))
-        console.print(f"chose ratio {chosen:g} (lowest teacher-forced KL at B={budget}); sweep in {paths['sweep']}")
+        chosen = _choose_ratio(model_spec, values, ratios, budget, calib_samples, target_tokens, paths, console, bar,
+                               device, dtype, draw, max_extensions, source.location)
     mult = multipliers(values, chosen)
     write_allocation(paths["csv"], values, mult, mapping)
     plot_allocation(paths["png"], values, mult, f"exponential, ratio {chosen:g}", num_layers, target_tokens)
-    paths["log"].unlink(missing_ok=True)
+    for log in paths["log"].parent.glob(paths["log"].stem + "*.jsonl"):  # every round's scratch log
+        log.unlink(missing_ok=True)
     console.print(f"ratio {chosen:g}; multipliers {mult.min():.3f}..{mult.max():.3f}")
     return [paths["csv"], paths["png"]] + ([paths["sweep"], paths["choice"]] if len(ratios) > 1 else [])

@@ -47,7 +47,7 @@ from ripplekv.pipeline.eval_plan import (
 )
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.samples import check_eval_window, check_sliding_layers
-from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS
+from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS, report_is_current
 from ripplekv.runs.resume import append_rows, existing_lines
 from ripplekv.runs.safeio import exclusive, open_append, write_json
 from ripplekv.runs.timings import TimingsLog
@@ -104,14 +104,15 @@ def evaluate_sample(
 
     `memory_budget`: bytes the sample may hold (default: `engine.memory.default_budget`). Variants are built
     when their group decodes, in groups sized to what weights, prefill and reference leave (`memory.variant_room`;
-    a variant that cannot fit alone is a UserError before any decodes), each group planned from what the
-    sample holds as measured then (on CPU the resident set, not only the tensors' count). Every line records
+    a variant that cannot fit alone is a UserError before any decodes), each group planned from the bytes of the
+    sample's own tensors then, never from the process's measured memory, so a resumed sample decodes in the
+    groups (and gives the numbers) of an uninterrupted run. Every line records
     `peak_memory_bytes`, as `memory.PeakMemory` measures it (CUDA: tensor bytes; CPU: the process's resident
     high-water mark). The prefill itself is not bounded: it runs before any variant.
     """
     report = progress or (lambda kind, units: None)
     device = next(model.parameters()).device
-    if device.type == "cpu":  # the CPU bound is measured on the resident set: let freed groups leave it
+    if device.type == "cpu":  # peak_memory_bytes is the resident set: let a freed group leave it
         return_freed_memory()
     meter = PeakMemory(device)
     weights = held_bytes(device, model)
@@ -146,22 +147,19 @@ def evaluate_sample(
     variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
                 if wanted is None or (label, budget) in wanted]
     counts = []
-    before = meter.current()
     prefilled = weights + max(0, meter.mark() - meter.origin)  # the prefill's and the reference's peak
     if prefilled > memory_budget:
         note_prefill_over(n, prefilled, memory_budget)
     for name, budget, method in variants:  # a method's allocation is part of its build
         with timings.phase(timings.BUILD, name):
             counts.append(method.budgets(state, budget))
-    scoring = max(0, meter.mark() - before)  # what scoring took at its height: a build's reserve
     lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
     scorers = len({id(m) for _, _, m in variants})
     room = variant_room(model, state, reference, [f"{name} at budget {budget}" for name, budget, _ in variants],
-                        lengths, scorers, memory_budget, len(question), task.max_new_tokens,
-                        held=weights + meter.grown(), building=scoring)
+                        lengths, scorers, memory_budget, len(question), task.max_new_tokens)
 
-    def room_now() -> int:  # between groups, from what the sample holds then
-        return room_left(model, state, reference, lengths, scorers, memory_budget, weights + meter.grown(), scoring)
+    def room_now() -> int:  # between groups, from the sample's tensors then (never the process's history)
+        return room_left(model, state, reference, lengths, scorers, memory_budget)
 
     def built(index: int):  # a variant's entries, when its group decodes
         name, budget, method = variants[index]
@@ -361,16 +359,27 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
 
 def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokenizer, console, workers=None) -> dict:
     """The part of `run_eval` that writes: only one process at a time per run directory."""
+    import json
+
+    import pandas as pd
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ripplekv.analysis import report
+    from ripplekv.analysis.time_spent import time_table
     from ripplekv.pipeline.progress import Throughput, WorkClock, _eta_column
 
     have = existing_lines(out)
     times = TimingsLog(out / TIMINGS)  # a torn last row (a kill mid-write) is cut here
+    times.mark_untimed(have)  # lines written, timings row lost (killed between the two): said, not guessed
     jobs = plan_jobs(plan, config, work, have, tokenizer)
-    write_json(out / CONFIG, merge_config(old, config))
+    merged = merge_config(old, config)
+    unchanged = json.loads(json.dumps(merged)) == old
+    if not jobs and unchanged and report_is_current(out):  # a resume with nothing to do: the report stands
+        console.print(f"all {len(work)} samples already done in {out}; its report is up to date", soft_wrap=True)
+        return {"leaderboard": pd.read_csv(out / "leaderboard.csv"), "time": time_table(out)}
+    if not unchanged:  # an unchanged config keeps its file, whose time dates the report
+        write_json(out / CONFIG, merged)
     written = []
     if jobs:
         again = [job for job in jobs if not job.with_full]
@@ -416,7 +425,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
             raise
         written.append(out / PREDICTIONS)
     else:
-        console.print(f"all {len(work)} samples already done in {out}; re-rendering the report")
+        console.print(f"all {len(work)} samples already done in {out}; re-rendering the report", soft_wrap=True)
     start = perf_counter()
     tables = report.render(out, plots=report.plots_wanted())
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])

@@ -47,7 +47,9 @@ def layer_overrides(state, settings, seed: int, sample_index: int) -> list[Varia
     """One override per layer: layer l's perturbation, to be applied in variant l."""
     overrides = []
     if settings.signal == "evict":
-        keep = settings.evict_pruner().select(state, evict_count(settings, state.length))
+        from ripplekv.pipeline.taskdrop import layer_prunes
+
+        keep = layer_prunes(settings.evict_pruner(), state, evict_count(settings, state.length))
     for layer in range(state.num_layers):
         if settings.signal == "noise":
             delta = noise_delta(state.values[layer], settings.eta, _generator(seed, sample_index, layer))

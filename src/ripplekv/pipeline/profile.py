@@ -43,7 +43,13 @@ from ripplekv.pipeline.samples import check_calibration_window
 from ripplekv.pipeline.signals import FINISHERS, SAMPLE_MEASURES
 from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
-from ripplekv.tasks.calibration import CalibrationPrompt, calibration_hash, calibration_prompts, split_prompt  # noqa: F401
+from ripplekv.tasks.calibration import (  # noqa: F401
+    CalibrationPrompt,
+    Draw,
+    calibration_hash,
+    calibration_prompts,
+    split_prompt,
+)
 
 DEFAULT_ETA = PROFILE_ETA
 MAX_ETA = 100.0  # far past saturation: KL stops growing once the noise drowns the values
@@ -100,8 +106,8 @@ class ProfileSettings:
     def check(self) -> None:
         if self.signal not in SIGNALS:
             raise UserError(f"unknown signal {self.signal!r}; choose one of {', '.join(SIGNALS)}")
-        if self.signal == "evict" and self.evict_pruner().is_full:
-            raise UserError("--evict-method must be a compressing method (e.g. h2o or snapkv), not full")
+        if self.signal == "evict":
+            check_pruner(self.evict_method, self.evict_pruner())
         if self.measure not in MEASURES:
             raise UserError(f"unknown measure {self.measure!r}; choose one of {', '.join(MEASURES)}")
         ratio = self.prune_ratio
@@ -114,6 +120,46 @@ class ProfileSettings:
             raise UserError("--seeds, --probe-tokens and --batch-size must be positive integers")
         if self.seeds > MAX_SEEDS:
             raise UserError(f"--seeds must be at most {MAX_SEEDS} (noise draws per sample), got {self.seeds}")
+
+
+def check_pruner(spec: str, pruner) -> None:
+    """An evict profile prunes one layer at a time to the same share in every layer, with the pruner's own
+    selection: a pruner must be an allocator x scorer whose allocator gives every layer the same budget (a head
+    split inside a layer is kept); one that spreads budgets over layers would keep more in some layers and less
+    in others than the ratio asked for, and a ceiling needs an answer a profile never has."""
+    from ripplekv.methods import AllocatorScorer
+
+    if getattr(pruner, "is_full", False):
+        raise UserError("--evict-method must be a compressing method (e.g. h2o or snapkv), not full")
+    if not isinstance(pruner, AllocatorScorer):
+        raise UserError(f"--evict-method {spec}: its budgets come from one greedy over every layer, not a selection "
+                        "a layer can make alone; an evict profile prunes one layer at a time: name a method with a "
+                        "scorer (e.g. h2o or snapkv)")
+    if pruner.knows_answer:
+        raise UserError(f"--evict-method {spec} is a ceiling (it reads the full cache's answer, which a profile does "
+                        "not decode): name a method (e.g. h2o or snapkv)")
+    if not pruner.allocator.same_budget_every_layer:
+        from ripplekv.methods.router import uniform_spec
+
+        raise UserError(f"--evict-method {spec}: its allocator ({pruner.allocator.name}) spreads the budget over "
+                        "layers, but an evict profile prunes each layer alone to the same share; name a method with "
+                        f"uniform budgets, e.g. {uniform_spec(pruner.scorer.name)} for its scorer")
+
+
+def check_given(signal: str, measure: str, given: dict) -> None:
+    """Options the command line set (`given`: option -> value, None when not given) that do nothing with the
+    chosen signal and measure, or contradict each other, each refused in one line naming what is used instead."""
+    set_ = [option for option, value in given.items() if value is not None]
+    evict_only = [o for o in set_ if o in ("--evict-method", "--evict-budget", "--measure", "--prune-ratio")]
+    if signal != "evict" and evict_only:
+        raise UserError(f"{', '.join(evict_only)} applies with --signal evict only (how a pruned layer is chosen and "
+                        f"scored); --signal {signal} does not prune: drop it, or pass --signal evict")
+    if signal == "evict" and measure == "task-drop" and "--evict-budget" in set_:
+        raise UserError("--evict-budget applies to --measure kl; the task drop prunes each layer by --prune-ratio "
+                        f"(default {PRUNE_RATIO}): drop --evict-budget, or pass --measure kl")
+    if signal == "evict" and measure == "kl" and {"--evict-budget", "--prune-ratio"} <= set(set_):
+        raise UserError("--evict-budget and --prune-ratio both set what a pruned layer keeps under --measure kl; "
+                        "give one (--prune-ratio wins otherwise)")
 
 
 @dataclass
@@ -252,7 +298,7 @@ def check_profile_dir(out: Path, inputs=()) -> Path:
 
 def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samples: int, target_tokens: int,
                  with_answer: bool = False, bar=None, device: str = "auto", dtype: str = "auto",
-                 workers=None, announce=None) -> tuple[int, dict]:
+                 workers=None, announce=None, draw: Draw = Draw()) -> tuple[int, dict]:
     """Run (or resume) a profile into `out` and write its outputs; returns (samples, profile.json's data).
 
     Every finished sample's KL matrix is appended to `samples.jsonl` and fsynced, so a killed run loses
@@ -260,7 +306,8 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     rest, and any other settings are refused. `bar(total, done)` gives (context manager, advance).
     `workers` (a `distributed.Workers` using Ray) spreads the samples over workers that load the model once;
     results arrive in any order and each sample's noise seeds follow its index, so the profile is the same.
-    `announce()` is called once every input has been checked (so bad input stays one line).
+    `announce()` is called once every input has been checked (so bad input stays one line). `draw`: which
+    disjoint draw of the calibration split to profile on (recorded in profile.json when there are several).
     """
     from contextlib import closing, nullcontext
 
@@ -274,12 +321,12 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
     check_profile_dir(out, inputs=[source.location] if source.kind == "gguf" else [])
     tokenizer = load_tokenizer(model_spec)
     prompts = calibration_prompts(tokenizer, calib_samples, settings.probe_tokens, target_tokens,
-                                  with_answer=with_answer)
+                                  with_answer=with_answer, draw=draw)
     check_calibration_window(model_spec, prompts, lambda target: calibration_prompts(
-        tokenizer, calib_samples, settings.probe_tokens, target, with_answer=with_answer), target_tokens)
+        tokenizer, calib_samples, settings.probe_tokens, target, with_answer=with_answer, draw=draw), target_tokens)
     if announce is not None:
         announce()
-    header = {"model": source.label, "model_location": source.location, **settings.record(),
+    header = {"model": source.label, "model_location": source.location, **settings.record(), **draw.record(),
               "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
     with exclusive(out, "profile"):
         log = UnitLog(out / SAMPLES_LOG, header, remedy="use a new --out directory")
@@ -300,5 +347,5 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
         finish = FINISHERS.get(settings.kind)
         stacked, extra = finish(stacked) if finish else (stacked, {})
         profile = Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, source.label,
-                          extra={**extra, "device": device, "dtype": dtype, **runtime_info(device)})
+                          extra={**extra, **draw.record(), "device": device, "dtype": dtype, **runtime_info(device)})
         return len(prompts), write_profile(profile, prompts, out)

@@ -18,6 +18,9 @@ the preferences, so the rank is not measured on the data the route was chosen on
 compared with the route by a paired bootstrap over those samples (`analysis.placement`): placements.csv
 gives every placement's difference to the route with its interval and verdict, route.json the route's
 rank with its intervals and the shares of placements significantly better and worse.
+
+Stability: routes are also chosen on the even and the odd preference prompts apart; route.json records on how
+many layers the two halves agree, beside the agreement expected by chance (`analysis.agreement`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ripplekv.analysis.agreement import route_agreement
 from ripplekv.analysis.placement import placement_verdict
 from ripplekv.defaults import DEFAULT_ROUTE_CANDIDATES, PROBE_TOKENS
 from ripplekv.engine import entries
@@ -67,13 +71,15 @@ class RouteSettings:
 
 
 def candidate_methods(specs) -> list:
-    """The candidate methods, resolved through the registry; only their scorers are used."""
-    from ripplekv.methods import PRESETS, AllocatorScorer, make_method, parse_spec
+    """The candidate methods, resolved through the registry; only their scorers are used (`router.routed_scorer`
+    refuses a method that is more than its scorer), and two candidates with one scorer are refused."""
+    from ripplekv.methods import PRESETS, make_method, parse_spec
     from ripplekv.methods.presets import check_distinct
+    from ripplekv.methods.router import routed_scorer, scorer_identity
 
     if len(specs) < 1:
         raise UserError("--methods is empty; name at least one candidate, e.g. --methods snapkv,streamingllm")
-    built = []
+    built, scorers = [], []
     for spec in specs:
         if parse_spec(spec)[0] not in PRESETS:
             raise UserError(f"candidate method {spec!r} is not registered in this version; "
@@ -81,11 +87,29 @@ def candidate_methods(specs) -> list:
         method = make_method(spec)
         if method.knows_answer:
             raise UserError(f"candidate {spec!r} is answer-aware (it needs the full cache's answer), not a method to route to")
-        if not isinstance(method, AllocatorScorer) or method.is_full or not method.scorer.routable:
-            raise UserError(f"candidate {spec!r} cannot be routed to; choose methods with a scorer (e.g. snapkv)")
+        try:
+            scorers.append(scorer_identity(routed_scorer(spec, method)))
+        except UserError as err:
+            raise UserError(f"candidate {err}") from None
         built.append(method)
     check_distinct(built)
+    seen: dict[str, str] = {}
+    for spec, identity in zip(specs, scorers):  # another name for a scorer already given (`uniform` for `snapkv`)
+        if identity in seen:
+            raise UserError(f"--methods names one scorer twice ({seen[identity]} and {spec} select the same entries in "
+                            "a layer); name each candidate once")
+        seen[identity] = spec
     return built
+
+
+def check_placement_study(candidates: int, placements: int, placement_samples: int) -> None:
+    """A placement study needs two candidates (with one, every placement is the route) and prompts to score them."""
+    if placements and candidates < 2:
+        raise UserError(f"a placement study over one candidate ranks {placements} placements identical to the route; "
+                        "name two or more --methods, or pass --placements 0")
+    if placements and placement_samples < 1:
+        raise UserError(f"--placement-samples {placement_samples} leaves no prompts to score the {placements} "
+                        "placements on; give 1 or more (2 for an interval), or pass --placements 0 to skip the study")
 
 
 def route_prefill(model, ids, candidates, probe_tokens: int, reserve: int):
@@ -215,6 +239,16 @@ class RouteResult:
             return None
         return placement_verdict(self.placement_kl, self.placement_ids)
 
+    def split_half(self) -> dict | None:
+        """Routes chosen on the even and on the odd preference prompts apart (same caps), and how many layers
+        they agree on beside chance; None under 2 prompts."""
+        samples = self.preferences.shape[0]
+        if samples < 2:
+            return None
+        halves = [choose_route(self.preferences[part::2].mean(0), self.labels, self.caps) for part in (0, 1)]
+        return {**route_agreement(*halves), "samples": [len(range(0, samples, 2)), len(range(1, samples, 2))],
+                "routes": halves}
+
 
 def run_route(model, preference_prompts, placement_prompts, settings: RouteSettings, progress=None) -> RouteResult:
     """Preferences on `preference_prompts`, the route, then the placement study on `placement_prompts`."""
@@ -229,7 +263,9 @@ def run_route(model, preference_prompts, placement_prompts, settings: RouteSetti
     preferences = np.stack(per_sample)
     caps = parse_caps(settings.max_share, labels, preferences.shape[1])
     route = choose_route(preferences.mean(0), labels, caps)
-    assignments = [route, *random_placements(route, settings.placements, settings.seed)] if settings.placements else []
+    # A route with one method in every layer has no placement but itself: nothing to rank it among.
+    studied = settings.placements and len(set(route)) > 1
+    assignments = [route, *random_placements(route, settings.placements, settings.seed)] if studied else []
     kl, agreement = [], []
     stop = stop_tokens(model)
     for prompt in placement_prompts if assignments else []:
@@ -261,12 +297,12 @@ def check_route_dir(out: Path, model: str | None = None) -> Path:
 
 
 def check_route_window(model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-                       target_tokens: int, with_answer: bool) -> None:
+                       target_tokens: int, with_answer: bool, draw=None) -> None:
     """A sliding-window model: the calibration prompts (and the answers placements decode) must fit it,
     said before the model loads or the route folder is made, with a --target-tokens that fits."""
     from ripplekv.engine.models import load_tokenizer
     from ripplekv.pipeline.samples import check_calibration_window, model_window
-    from ripplekv.tasks.calibration import calibration_prompts
+    from ripplekv.tasks.calibration import Draw, calibration_prompts
 
     if model_window(model) is None:
         return
@@ -274,26 +310,28 @@ def check_route_window(model, settings: RouteSettings, *, calib_samples: int, pl
 
     def build(target: int):
         return calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target,
-                                   with_answer=with_answer)
+                                   with_answer=with_answer, draw=draw or Draw())
 
     check_calibration_window(model, build(target_tokens), build, target_tokens,
                              reserve=settings.max_new_tokens if placement_samples else 0)
 
 
 def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None) -> tuple[dict, int, int]:
+               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None,
+               draw=None) -> tuple[dict, int, int]:
     """The whole `ripplekv route` after its checks: load the model, take calibration prompts (the first
-    `calib_samples` for preferences, `placement_samples` more held out for the placement study), route and
-    write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
+    `calib_samples` of `draw`'s share for preferences, `placement_samples` more held out for the placement
+    study), route and write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
     (a context manager, an advance callback), as the CLI's bar does."""
     from contextlib import nullcontext
 
     from ripplekv.engine.models import load_model, runtime_info
-    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+    from ripplekv.tasks.calibration import Draw, calibration_hash, calibration_prompts
 
+    draw = draw or Draw()
     loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
     prompts = calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target_tokens,
-                                  with_answer=with_answer)
+                                  with_answer=with_answer, draw=draw)
     chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
     if placement_samples and not scored:
         raise UserError(f"the calibration split has only {len(prompts)} prompts; lower --calib-samples to leave some for placements")
@@ -301,7 +339,7 @@ def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int,
     with bar:
         result = run_route(loaded, chosen, scored, settings, progress=advance)
     meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
-            "target_tokens": target_tokens, "device": device, "dtype": dtype, **runtime_info(device)}
+            "target_tokens": target_tokens, **draw.record(), "device": device, "dtype": dtype, **runtime_info(device)}
     return write_route(result, settings, Path(out), meta), len(result.route), len(scored)
 
 
@@ -360,6 +398,7 @@ def write_route(result: RouteResult, settings: RouteSettings, out: Path, meta: d
         "placements_scored": max(len(result.assignments) - 1, 0),
         "placement_study": verdict.summary() if verdict is not None else None,
         "placement_summary": verdict.line() if verdict is not None else None,
+        "split_half": result.split_half(),
     }
     write_text(out / "route.json", json.dumps(meta, indent=2) + "\n")
     plot_preferences(mean, result.labels, result.route, out / "preferences.png")

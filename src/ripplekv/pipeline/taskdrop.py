@@ -28,6 +28,19 @@ def kept_count(length: int, prune_ratio: float) -> int:
     return max(1, min(length, round((1.0 - prune_ratio) * length)))
 
 
+def layer_prunes(pruner, state, count: int) -> torch.Tensor:
+    """Bool masks [L, H_kv, n]: what each layer keeps when it alone is pruned to `count` entries per KV head, by
+    the pruner's own selection. Every layer keeps exactly H_kv x `count` (a head split may move entries between
+    a layer's heads, never between layers): the ratio a profile asks for holds in every layer, by construction
+    (`profile.check_pruner` admits only pruners whose allocator gives every layer the same budget)."""
+    keep = pruner.select(state, count)
+    kept = keep.sum((1, 2)).tolist()
+    expected = state.num_kv_heads * min(count, state.length)
+    if any(int(k) != expected for k in kept):  # a pruner that spreads budgets over layers slipped past the check
+        raise AssertionError(f"pruner {pruner.label} kept {kept} entries per layer, not {expected} in each")
+    return keep
+
+
 def eviction_bias(keep: torch.Tensor) -> torch.Tensor:
     """Additive key bias [H_kv, n]: 0 on kept entries, -inf on evicted ones."""
     return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
@@ -58,7 +71,7 @@ def task_drop(model, tokenizer, prompt, pruner, prune_ratio: float, batch_size: 
     task = task_named(prompt.task)
     ids = list(prompt.context) + list(prompt.probe)
     state = prefill_for(model, ids, pruner.requirements(), reserve=task.max_new_tokens)
-    keep = pruner.select(state, kept_count(state.length, prune_ratio))
+    keep = layer_prunes(pruner, state, kept_count(state.length, prune_ratio))
     stops = stop_tokens(model, tokenizer, task.stop_at_newline)
 
     def score(tokens: list[int]) -> float:

@@ -69,15 +69,28 @@ def run_kind(folder: Path) -> str | None:
     return None
 
 
+def report_is_current(folder: Path) -> bool:
+    """Whether an eval folder's report is there and no older than the predictions and config it renders: every
+    file `report.render` always writes, each written after both (a render cut short, or lines appended after
+    it, leave it stale)."""
+    inputs = [Path(folder) / PREDICTIONS, Path(folder) / CONFIG]
+    if not all(path.is_file() for path in inputs):
+        return False
+    newest = max(path.stat().st_mtime_ns for path in inputs)
+    files = [Path(folder) / name for name in REPORT_FILES if name not in OPTIONAL_REPORT_FILES]
+    return all(path.is_file() and path.stat().st_mtime_ns >= newest for path in files)
+
+
 def read_lines(path: Path) -> tuple[list[dict], bool]:
     """Parsed lines of a predictions file and whether a trailing partial line (a kill mid-write) was seen."""
     lines = read_jsonl(path)
     return lines.objects, bool(lines.torn)
 
 
-def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]:
+def without_torn_sample(path: Path, rows: list[dict], torn: bytes, say=None) -> list[dict]:
     """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
-    line's sample, as `eval` cuts it when it resumes); says which on stderr."""
+    line's sample, as `eval` cuts it when it resumes); says which through `say(text)` (default: a line on
+    stderr, as the commands speak; the Python API passes a warning)."""
     import sys
 
     found = torn_fields(torn)
@@ -86,7 +99,8 @@ def without_torn_sample(path: Path, rows: list[dict], torn: bytes) -> list[dict]
     variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
     kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
     sample = f"{task}/{sid}" if task is not None else str(sid)
-    print(f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
-          f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
-          "with the same options to finish it", file=sys.stderr)
+    text = (f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
+            f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "
+            "with the same options to finish it")
+    (say or (lambda line: print(line, file=sys.stderr)))(text)
     return kept

@@ -166,8 +166,16 @@ def write_csv(path: str | Path, frame, **kwargs) -> None:
 
 
 def save_figure(fig, path: str | Path, **kwargs) -> None:
-    """A matplotlib figure; the format follows the target's suffix, not the temporary name."""
+    """A matplotlib figure; the format follows the target's suffix, not the temporary name.
+
+    After `tight_layout` a figure keeps a placeholder layout engine, and savefig then draws it once without
+    rendering before the real draw; dropping the placeholder skips that draw (the same pixels: it only laid
+    out text again). Kept where savefig needs the first draw to measure (`bbox_inches="tight"`)."""
+    from matplotlib.layout_engine import PlaceHolderLayoutEngine
+
     path = Path(path)
+    if kwargs.get("bbox_inches") != "tight" and isinstance(fig.get_layout_engine(), PlaceHolderLayoutEngine):
+        fig.set_layout_engine(None)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **kwargs))
 
 

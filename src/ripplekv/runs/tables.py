@@ -64,8 +64,11 @@ def load_run(path: str | Path) -> Run:
         raise UserError(f"{folder} has no {PREDICTIONS}; pass a folder written by `ripplekv eval`")
     lines = read_jsonl(folder / PREDICTIONS)
     rows = lines.objects
-    if lines.torn.strip():  # as `report` reads it: the torn sample is left out, and named
-        rows = without_torn_sample(folder / PREDICTIONS, rows, lines.torn)
+    if lines.torn.strip():  # as `report` reads it: the torn sample is left out, and named in a warning
+        import warnings
+
+        rows = without_torn_sample(folder / PREDICTIONS, rows, lines.torn,
+                                   say=lambda text: warnings.warn(text, RuntimeWarning, stacklevel=4))
     config: dict = {}
     if (folder / CONFIG).is_file():
         try:

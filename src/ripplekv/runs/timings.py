@@ -3,7 +3,10 @@
 Rows are appended, fsynced, right after the sample's result lines, so a resumed run keeps the rows of the
 samples already done and never times a sample twice (a finished sample is not run again). A sample that
 a later run extends with more variants is prefilled again: those rows carry the next `job` number, as
-they are new work. A torn last row (a kill mid-write) is cut when the next run opens the file.
+they are new work. A torn last row (a kill mid-write) is cut when the next run opens the file. A sample whose lines were
+written but whose rows were not (a kill, or a full disk, between the two) cannot be timed afterwards
+without running it again: the next run gives it one `UNTIMED` row instead, so the table still names every
+sample the predictions hold, and the report says how many were not timed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ripplekv.runs.safeio import append_bytes, cut_to, open_append
 
 # method: "" for the phases every variant shares; task and sample_id: "" for the run's report
 COLUMNS = ("task", "sample_id", "job", "phase", "method", "seconds")
+UNTIMED = "untimed"  # the phase of a sample's one row when its lines were written but its times were lost
 
 
 def read_timings(path: str | Path) -> pd.DataFrame:
@@ -56,6 +60,13 @@ class TimingsLog:
         whole = data.rfind(b"\n") + 1
         if whole < len(data):
             cut_to(self.path, whole)
+
+    def mark_untimed(self, samples) -> int:
+        """One `UNTIMED` row for each (task, sample id) of `samples` that has no row yet; returns how many."""
+        missing = [key for key in samples if (str(key[0]), str(key[1])) not in self.jobs]
+        for task, sample_id in missing:
+            self.append(task, sample_id, [(UNTIMED, "", 0.0)])
+        return len(missing)
 
     def append(self, task: str, sample_id: str, spent: list[tuple[str, str, float]]) -> None:
         """`spent`: (phase, method, seconds) of one job of the sample (`engine.timings.Timings.rows`)."""

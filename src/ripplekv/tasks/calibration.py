@@ -1,6 +1,10 @@
 """Calibration prompts: samples of the offline suite's calibration split, cut into a context and probe tokens.
 
-`profile`, `allocate` and `route` calibrate on them; the split is disjoint from the evaluation samples.
+`profile`, `allocate`, `route` and `tune` calibrate on them; the split is disjoint from the evaluation samples.
+A calibrated method is judged on more than one calibration draw (`Draw`): the split's samples are dealt into
+`count` disjoint draws by their index (sample i of every task goes to draw i mod count), so two draws never
+share a sample whatever each stage's prompt count, and the stages of one draw take prefixes of the same sequence
+(they share prompts, as they did before draws existed). One draw (the default) is the whole split, as before.
 """
 
 from __future__ import annotations
@@ -33,6 +37,41 @@ def split_prompt(sample_id: str, prompt_ids: list[int], probe_tokens: int, answe
     return CalibrationPrompt(sample_id, list(prompt_ids[:-probe_tokens]), list(prompt_ids[-probe_tokens:]) + list(answer_ids or []))
 
 
+MAX_DRAWS = 100
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Which disjoint share of the calibration split a stage calibrates on: draw `index` of `count`."""
+
+    index: int = 0
+    count: int = 1
+
+    def check(self) -> Draw:
+        if not (isinstance(self.count, int) and 1 <= self.count <= MAX_DRAWS):
+            raise UserError(f"--calib-draws must be an integer from 1 to {MAX_DRAWS} (disjoint calibration draws), "
+                            f"got {self.count}")
+        if not (isinstance(self.index, int) and 0 <= self.index < self.count):
+            raise UserError(f"--calib-draw must be an integer from 0 to {self.count - 1} (one of the --calib-draws "
+                            f"{self.count} draws, counted from 0), got {self.index}")
+        return self
+
+    def owns(self, sample_index: int) -> bool:
+        """Whether a task's calibration sample number `sample_index` belongs to this draw."""
+        return sample_index % self.count == self.index
+
+    def sample_index(self, position: int) -> int:
+        """The task's sample index of this draw's `position`-th sample."""
+        return self.index + position * self.count
+
+    def record(self) -> dict:
+        """What outputs record about the draw: nothing for the whole split (so earlier outputs still match)."""
+        return {} if self.count == 1 else {"calib_draw": self.index, "calib_draws": self.count}
+
+    def describe(self) -> str:
+        return "the whole calibration split" if self.count == 1 else f"calibration draw {self.index} of {self.count}"
+
+
 def calibration_hash(prompts: list[CalibrationPrompt]) -> str:
     """A short fingerprint of the exact calibration tokens, so a profile can be matched to its data."""
     digest = hashlib.sha256()
@@ -51,19 +90,26 @@ def calibration_prompts(
     with_answer: bool = False,
     tasks: list[str] | None = None,
     seed: int = 0,
+    draw: Draw = Draw(),
 ) -> list[CalibrationPrompt]:
-    """`count` prompts from the offline suite's calibration split, round-robin over its tasks.
+    """`count` prompts from the offline suite's calibration split (from `draw`'s share of it), round-robin over
+    its tasks.
 
-    The calibration split is disjoint from the evaluation samples, so profiling never sees them.
+    The calibration split is disjoint from the evaluation samples, so profiling never sees them; two draws of
+    one split share no sample.
     """
     from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
 
     if count < 1:
         raise UserError(f"--calib-samples must be at least 1, got {count}")
+    draw.check()
     chosen = get_tasks("offline", tasks)
     per_task = -(-count // len(chosen))
+    built = draw.sample_index(per_task - 1) + 1  # samples build in order: a task's first `built` hold the draw's
     pools = [
-        (task, load_samples(task, tokenizer, split="calibration", limit=per_task, target_tokens=target_tokens, seed=seed))
+        (task, [record for i, record in enumerate(load_samples(task, tokenizer, split="calibration", limit=built,
+                                                               target_tokens=target_tokens, seed=seed))
+                if draw.owns(i)])
         for task in chosen
     ]
     if not any(records for _, records in pools):

@@ -1,0 +1,217 @@
+"""check-references' reference side (runs in the reference venv: kvpress 0.5.5, transformers 5.2.0, no ripplekv).
+
+Three passes over each prompt with the bundled model's dequantized weights, each press's own code deciding:
+- eager: a hook on every attention layer calls each scorer press's `compress` on the layer's keys with the
+  values replaced by their positions, so the "values" it returns are the positions it kept; its `score` is
+  redirected to the real values (Expected Attention and CriticalKV weigh by them). The hook leaves the cache
+  alone. It also records what the rules re-implemented on our side read (SnapKV scores, CAKE's and the
+  allocators' signals, key norms and each scorer's scores to tell tied entries apart).
+- sdpa: the presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV
+  with our curve set on it) run their `compress` in the same kind of hook; kept = every position not in
+  the press's `masked_key_indices`.
+- KVzip: `KVzipPress` as kvpress runs it (prefill under the press, then its own chunked reconstruction pass
+  through the cache), its final selection (`compress_post`) made once per budget from the one scoring.
+Kept sets are written as `[H, most kept]` position arrays padded with -1, one per (press, budget, layer).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+WINDOW = 32  # SnapKV's observation window, CAKE's window
+KERNEL = 5  # kvpress's SnapKV pools with avg_pool1d; ours is asked for the same
+
+
+def padded(rows: list[np.ndarray]) -> np.ndarray:
+    """Kept positions per head, sorted, padded with -1 to the longest head."""
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), -1, dtype=np.int64)
+    for head, row in enumerate(rows):
+        out[head, : len(row)] = np.sort(row)
+    return out
+
+
+def kept_by_compress(press, module, hidden, keys, values, attentions, kwargs) -> np.ndarray:
+    """The positions a scorer press's own `compress` keeps: positions in place of the values, its score on the real ones."""
+    import torch
+
+    n = keys.shape[2]
+    positions = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand_as(values).contiguous()
+    score = press.score
+    press.score = lambda m, h, k, v, a, kw: score(m, h, k, values, a, kw)
+    try:
+        _, kept = press.compress(module, hidden, keys, positions, attentions, kwargs)
+    finally:
+        del press.score
+    return padded(list(kept[0, :, :, 0].round().long().numpy()))
+
+
+def kept_by_mask(module, heads: int, n: int) -> np.ndarray:
+    """Every position a masking press left out of `module.masked_key_indices` (then cleared), per head."""
+    masked = getattr(module, "masked_key_indices", None)
+    keep = np.ones((heads, n), dtype=bool)
+    if masked is not None:
+        keep[masked[1].cpu().numpy(), masked[2].cpu().numpy()] = False
+    module.masked_key_indices = None
+    return padded([np.flatnonzero(row) for row in keep])
+
+
+def build_presses(model, curve_path: Path | None):
+    """(eager presses, sdpa presses): each name the comparison reads, configured as its pair on our side."""
+    from kvpress import (
+        AdaKVPress,
+        CriticalAdaKVPress,
+        CriticalKVPress,
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        LUKVPress,
+        ObservedAttentionPress,
+        PyramidKVPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
+
+    def snap():
+        return SnapKVPress(window_size=WINDOW, kernel_size=KERNEL)
+
+    eager = {"snapkv": snap(), "streamingllm": StreamingLLMPress(n_sink=4), "tova": TOVAPress(), "knorm": KnormPress(),
+             "observed": ObservedAttentionPress(), "expected": ExpectedAttentionPress(), "keydiff": KeyDiffPress(),
+             "criticalkv": CriticalKVPress(snap()), "pyramidkv": PyramidKVPress(window_size=WINDOW, kernel_size=KERNEL)}
+    sdpa = {"adakvpress": AdaKVPress(snap()), "criticaladakv": CriticalAdaKVPress(snap())}
+    if curve_path is not None:
+        lukv = LUKVPress(ExpectedAttentionPress(epsilon=2e-2), sink=4, window=1)
+        lukv._budget_curves = np.load(curve_path)  # our curve, in place of the one it would download
+        sdpa["lukv"] = lukv
+    for press in [*eager.values(), *sdpa.values()]:
+        if not isinstance(press, LUKVPress):
+            press.post_init_from_model(model)
+    return eager, sdpa
+
+
+def ratio(name: str, budget: int, n: int, entries: int) -> float:
+    """The compression_ratio at which press `name` keeps `budget` entries per head of an `n`-token prompt (KVzip:
+    `entries` = L x H_kv x n over the whole cache): each press turns the ratio into counts its own way."""
+    if name in ("lukv", "pyramidkv"):
+        return 1 - budget / n  # LU-KV reads its curve's row at the ratio; PyramidKV's layers average B
+    if name == "kvzip":
+        return 1 - (entries * budget / n - 0.5) / entries  # int(entries x ratio) prunes all but L x H x B
+    return 1 - (budget + 0.5) / n  # int(n x (1 - ratio)) == budget
+
+
+def worker(args) -> None:
+    import kvpress
+    import torch
+    import transformers
+    from check_references_allocators import signals as allocator_signals
+    from kvpress import KVzipPress
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    for layer in model.model.layers:
+        layer.self_attn.rotary_emb = model.model.rotary_emb  # as a press's context manager sets it
+    out = Path(args.out)
+    curve = out / "lukv_curve.npy"
+    eager, sdpa = build_presses(model, curve if curve.exists() else None)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    for ids_path in sorted(out.glob("prompt_*.npy")):
+        ids = torch.as_tensor(np.load(ids_path), dtype=torch.long)[None]
+        record = hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache)
+        record.update(kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache))
+        np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
+        print(f"reference: {ids_path.stem} ({ids.shape[1]} tokens) done", file=sys.stderr)
+    model.set_attn_implementation("eager")
+    (out / "reference_versions.json").write_text(json.dumps(
+        {"kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": transformers.__version__,
+         "torch": torch.__version__}))
+
+
+def kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache) -> dict[str, np.ndarray]:
+    """KVzipPress's kept sets at every budget from its one reconstruction pass (under sdpa, as it requires), and
+    its scores (to tell tied entries apart)."""
+    import torch
+
+    n = ids.shape[1]
+    record = {}
+    press = KVzipPress()
+    own_post = press.compress_post
+
+    def every_budget(model_):
+        for budget in budgets:
+            press.compression_ratio = ratio("kvzip", budget, n, layers * heads * n)
+            own_post(model_)
+            for layer in model_.model.layers:
+                record[f"kvzip/{budget}/{layer.self_attn.layer_idx}"] = kept_by_mask(layer.self_attn, heads, n)
+        for layer in range(layers):
+            record[f"kvzip_scores/{layer}"] = press.score_val[layer, 0].float().numpy()
+
+    press.compress_post = every_budget
+    press.compression_ratio = ratio("kvzip", budgets[0], n, layers * heads * n)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), press(model):
+        model.model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+    return record
+
+
+def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache) -> dict[str, np.ndarray]:
+    """One eager forward (the scorer presses, the signals the rules re-implemented on our side read) and one sdpa
+    forward (the masking presses) over the prompt `ids`, each press choosing in a hook on every attention layer."""
+    import torch
+
+    n = ids.shape[1]
+    record: dict[str, np.ndarray] = {}
+    prefs = {}
+
+    def eager_hook(module, inputs, kwargs, output):
+        layer = module.layer_idx
+        cache_layer = kwargs["past_key_values"].layers[layer]
+        keys, values, hidden = cache_layer.keys, cache_layer.values, kwargs["hidden_states"]
+        attentions = output[1]
+        for name, press in eager.items():
+            for budget in budgets:
+                press.compression_ratio = ratio(name, budget, n, 0)
+                record[f"{name}/{budget}/{layer}"] = kept_by_compress(press, module, hidden, keys, values, attentions, kwargs)
+        record[f"knorm_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
+        for name in ("expected", "keydiff"):
+            record[f"{name}_scores/{layer}"] = eager[name].score(module, hidden, keys, values, attentions, kwargs)[0].float().numpy()
+        snap = eager["snapkv"].score(module, hidden, keys, values, attentions, kwargs)
+        record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
+        window = attentions[0, :, -WINDOW:, : n - WINDOW].float()
+        entropy = float(-(window * torch.log(window + 1e-10)).sum())  # cakekv's calculate_entropy
+        variance = float(torch.var(window, dim=-2).sum())
+        prefs[layer] = (entropy, variance)
+        record.update(allocator_signals(layer, attentions, values, n))  # DynamicKV's and LAVa's
+        return output
+
+    def sdpa_hook(module, inputs, kwargs, output):
+        layer = module.layer_idx
+        cache_layer = kwargs["past_key_values"].layers[layer]
+        keys, values, hidden = cache_layer.keys, cache_layer.values, kwargs["hidden_states"]
+        for name, press in sdpa.items():
+            for budget in budgets:
+                press.compression_ratio = ratio(name, budget, n, 0)
+                press.compress(module, hidden, keys, values, None, kwargs)
+                record[f"{name}/{budget}/{layer}"] = kept_by_mask(module, heads, n)
+        if "lukv" in sdpa:
+            scores = sdpa["lukv"].press.score(module, hidden, keys, values, None, kwargs)
+            record[f"lukv_scores/{layer}"] = scores[0].float().numpy()
+        return output
+
+    for implementation, hook in (("eager", eager_hook), ("sdpa", sdpa_hook)):
+        model.set_attn_implementation(implementation)
+        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+        try:
+            with torch.no_grad():
+                model(ids, past_key_values=DynamicCache(config=model.config))
+        finally:
+            for handle in hooks:
+                handle.remove()
+    record["cake_prefs"] = np.asarray([prefs[layer] for layer in range(len(prefs))], dtype=np.float64)
+    return record
