@@ -49,7 +49,7 @@ def leaderboard_markdown(board: pd.DataFrame) -> str:
             word = getattr(r, "kl_verdict", "")
             word = word if isinstance(word, str) else ""
             line["KL vs uniform [95% CI], Holm p"] = (
-                word or "–" if pd.isna(r.kl_delta_vs_uniform) else
+                word or "–" if pd.isna(r.kl_delta_vs_uniform) or pd.isna(r.p_kl_vs_uniform_holm) else
                 f"{_interval(r.kl_delta_vs_uniform, r.kl_delta_ci_low, r.kl_delta_ci_high, signed=True)}, "
                 f"{r.p_kl_vs_uniform_holm:.2g} {word}")
         for name in ("avg_informative", "avg"):
@@ -61,8 +61,8 @@ def leaderboard_markdown(board: pd.DataFrame) -> str:
 
 
 def ranking_across(first: Path, second: Path, names: tuple[str, str]) -> pd.DataFrame:
-    """Per budget and pair of methods (the full cache aside) both evals ran: each model's paired KL difference
-    (first method minus second) with its verdict, and whether the order holds, is reversed or is undecided."""
+    """Per budget and pair `a vs b` of methods (the full cache aside) both evals ran: each model's paired KL
+    difference (a minus b) with its verdict, and whether the order holds, is reversed or is undecided."""
     frames = [load_predictions(first), load_predictions(second)]
     shared = [set(zip(f["method"], f["budget"])) for f in frames]
     common = {key for key in shared[0] & shared[1] if pd.notna(key[1])}
@@ -78,7 +78,7 @@ def ranking_across(first: Path, second: Path, names: tuple[str, str]) -> pd.Data
                 if row is None:
                     break
                 words.append(inference.verdict(row.kl_ci_low, row.kl_ci_high, row.p_kl_holm, lower_is_better=True))
-                line[f"{name}: KL {a} - {b} [95% CI]"] = _kl_verdict(row)
+                line[f"{name}: KL difference [95% CI]"] = _kl_verdict(row)
             if len(words) < 2:
                 continue
             decisive = [w for w in words if w in ("closer", "further")]
@@ -113,7 +113,7 @@ def second_model_lines(out: Path, folder: str = "gemma3", first_name: str = "bun
         if len(table):
             counts = table["order"].str.split(" ").str[0].value_counts()
             lines += ["", "Does the ranking hold across the two models? Each pair of methods both ran, paired KL "
-                      "difference on each model (negative: the first method is closer to its full cache). `holds`: "
+                      "difference on each model (`a vs b`: a minus b; negative: a is closer to the full cache). `holds`: "
                       "both models order the pair the same way, each decisively; `reversed`: decisively opposite; "
                       "`undecided`: tied on at least one model, which supports neither reading. "
                       + ", ".join(f"{int(n)} {word}" for word, n in counts.items()) + ".", "",
