@@ -63,9 +63,10 @@ def chosen_method(method: str, budget, allocation: str | None = None, bundled: b
 MODEL_SETTINGS = ("model", "dtype", "max_gen_toks", *LM_EVAL_SETTINGS)  # model arguments that are not the method's
 
 
-def check_model_args(arg_string: str) -> dict:
-    """The parsed `--model_args`, method and budget checked before lm-eval starts (what `ripplekv lm-eval` does)."""
-    args = simple_parse_args_string(arg_string or "")
+def check_model_args(args: dict | str) -> dict:
+    """`--model_args` (as lm-eval parsed them, or its `a=1,b=2` string) with the method and budget checked before
+    lm-eval starts (what `ripplekv lm-eval` does)."""
+    args = simple_parse_args_string(args) if isinstance(args, str) else dict(args)
     options = {k: v for k, v in args.items() if k not in MODEL_SETTINGS}
     chosen_method(options.pop("method", "full"), options.pop("budget", DEFAULT_BUDGET),
                   bundled=args.get("model") in (None, ""), **options)

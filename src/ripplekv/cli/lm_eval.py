@@ -17,19 +17,6 @@ LM_EVAL_SETTINGS = {"context_settings": {"allow_extra_args": True, "ignore_unkno
                                          "help_option_names": []}}
 
 
-def _option(args: list[str], names: tuple[str, ...]) -> str | None:
-    """The value of an lm-eval option (`--name X` or `--name=X`, any of `names`), or None when absent."""
-    for index, arg in enumerate(args):
-        if arg in names:
-            if index + 1 >= len(args):
-                raise UserError(f"{names[0]} needs a value")
-            return args[index + 1]
-        for name in names:
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
 def lm_eval_command(ctx: typer.Context) -> None:
     """Run an lm-evaluation-harness evaluation under a compressed KV cache: every argument is lm-eval's
     (`--tasks`, `--include_path`, `--output_path`, `--limit`, ...); `--model` defaults to ripplekv and
@@ -38,6 +25,7 @@ def lm_eval_command(ctx: typer.Context) -> None:
     args = list(ctx.args)
     try:
         from lm_eval.__main__ import cli_evaluate
+        from lm_eval._cli import HarnessCLI
 
         from ripplekv.lm_eval_backend import BACKEND_NAME, check_model_args
     except ImportError as err:
@@ -46,9 +34,11 @@ def lm_eval_command(ctx: typer.Context) -> None:
         sys.argv = ["lm-eval", "run", "--help"]
         cli_evaluate()
         return
-    if _option(args, ("--model", "-M")) is None:
+    if not any(arg in ("--model", "-M") or arg.startswith(("--model=", "-M=")) for arg in args):
         args = ["--model", BACKEND_NAME, *args]
-    if _option(args, ("--model", "-M")) == BACKEND_NAME:
-        check_model_args(_option(args, ("--model_args", "-a")) or "")
+    # lm-eval's own parser reads the arguments (its model_args forms: a=1,b=2 / a=1 b=2 / JSON / repeated)
+    parsed = HarnessCLI()._parser.parse_args(["run", *args])
+    if parsed.model == BACKEND_NAME:
+        check_model_args(parsed.model_args or {})
     sys.argv = ["lm-eval", "run", *args]
     cli_evaluate()
