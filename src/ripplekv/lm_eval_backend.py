@@ -188,6 +188,8 @@ class RippleKVLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             limit = int(settings.get("max_gen_toks", self.max_gen_toks))
             ids = self.tok_encode(context)
+            if not ids:
+                raise UserError("an lm-eval generation request has an empty context: there is no prompt to compress")
             done = self._compress(ids, reserve=limit)
             self.kept_per_context.append(done.kept)
             tokens = greedy_decode(self.model, done.state, None if done.entries is None else [done.entries], limit,
