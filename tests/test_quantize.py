@@ -48,14 +48,14 @@ def naive_quantize(keys, values, bits, group, residual, per_channel_keys=True, m
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("n,d,group,residual", [(100, 16, 8, 20), (37, 12, 5, 0), (9, 8, 4, 12), (64, 32, 32, 16)])
-@pytest.mark.parametrize("scheme", ["kivi", "token"])
+@pytest.mark.parametrize("scheme", ["channel", "token"])
 def test_quantize_dequantize_matches_an_independent_reading(bits, n, d, group, residual, scheme):
     generator = torch.Generator().manual_seed(n * d + bits)
     keys = torch.randn(n, d, generator=generator) * torch.linspace(0.1, 5, d)  # outlier channels, as real keys
     values = torch.randn(n, d, generator=generator)
-    spec = QuantSpec(scheme=scheme, bits=bits, group=group, residual=residual)
+    spec = QuantSpec(key_axis=scheme, bits=bits, group=group, residual=residual)
     got_k, got_v = quantize_head(keys, values, spec)
-    want_k, want_v = naive_quantize(keys.numpy(), values.numpy(), bits, group, residual, scheme == "kivi")
+    want_k, want_v = naive_quantize(keys.numpy(), values.numpy(), bits, group, residual, scheme == "channel")
     # float rounding only: both compute in float32 with the same stored minimum and scale
     np.testing.assert_allclose(got_k.numpy(), want_k, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got_v.numpy(), want_v, rtol=1e-6, atol=1e-6)
@@ -103,7 +103,7 @@ def test_head_bytes_count_packed_numbers_groups_and_residual():
     assert all(b > a for a, b in zip(sizes, sizes[1:]))  # every entry kept costs bytes
 
 
-@pytest.mark.parametrize("bad", [dict(bits=3), dict(group=0), dict(residual=-1), dict(scheme="gptq"), dict(bits=True)])
+@pytest.mark.parametrize("bad", [dict(bits=3), dict(group=0), dict(residual=-1), dict(key_axis="gptq"), dict(bits=True)])
 def test_bad_quantizer_options_are_one_line(bad):
     with pytest.raises(UserError):
         QuantSpec(**bad)

@@ -2,11 +2,10 @@
 
 A quantizer stores each (layer, KV head)'s kept entries at `bits` bits, asymmetrically: every group of
 `group` numbers has a minimum and a scale (stored at the model's dtype), and a number becomes
-`round((x - min) / scale)` in [0, 2^bits - 1]. Two groupings:
-- "kivi" (Liu et al. 2024, jy-yuan/KIVI): keys per channel (a group is `group` consecutive entries of one
-  channel, since key outliers sit in fixed channels), values per token (`group` consecutive channels of
-  one entry);
-- "token" (FlexGen's simple scheme): keys and values both per token.
+`round((x - min) / scale)` in [0, 2^bits - 1]. Values are grouped per token (`group` consecutive channels
+of one entry); keys either per channel (`key_axis="channel"`, KIVI's choice, Liu et al. 2024: a group is
+`group` consecutive entries of one channel, since key outliers sit in fixed channels) or per token like
+the values (`key_axis="token"`, FlexGen's simple scheme).
 The last `residual` entries (by prompt position) stay at full precision, as KIVI's recent-token window.
 
 One deliberate difference from KIVI's prefill code: KIVI keeps `n mod residual` recent keys at full
@@ -26,7 +25,7 @@ import torch
 
 from ripplekv.errors import UserError
 
-SCHEMES = ("kivi", "token")
+KEY_AXES = ("channel", "token")
 BITS = (2, 4, 8)
 METADATA_PER_GROUP = 2  # a minimum and a scale, each at the model's dtype
 
@@ -35,14 +34,14 @@ METADATA_PER_GROUP = 2  # a minimum and a scale, each at the model's dtype
 class QuantSpec:
     """How kept entries are stored: `bits` per number in groups of `group`, the last `residual` at full precision."""
 
-    scheme: str = "kivi"
-    bits: int = 4
+    key_axis: str = "channel"
+    bits: int = 2  # KIVI-2, the paper's main setting
     group: int = 32  # KIVI's LongBench setting
     residual: int = 128  # KIVI's LongBench setting
 
     def __post_init__(self):
-        if self.scheme not in SCHEMES:
-            raise UserError(f"quantizer must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if self.key_axis not in KEY_AXES:
+            raise UserError(f"keys are quantized per {' or per '.join(KEY_AXES)}, not {self.key_axis!r}")
         if self.bits not in BITS:
             raise UserError(f"option bits must be one of {', '.join(map(str, BITS))}, got {self.bits!r}")
         for key in ("group", "residual"):
@@ -50,11 +49,6 @@ class QuantSpec:
             minimum = 1 if key == "group" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise UserError(f"option {key} must be an integer >= {minimum}, got {value!r}")
-
-    @property
-    def key_axis(self) -> str:
-        """Which way keys are grouped: "channel" (KIVI) or "token"."""
-        return "channel" if self.scheme == "kivi" else "token"
 
 
 def quantize_groups(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> torch.Tensor:
@@ -72,38 +66,40 @@ def quantize_groups(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> torc
 
 
 def _grouped(x: torch.Tensor, group: int, bits: int, meta_dtype) -> torch.Tensor:
-    """Quantize-dequantize `x` [rows, m] in groups of `group` along m; a last partial group is its own group."""
-    rows, m = x.shape
+    """Quantize-dequantize `x` [..., m] in groups of `group` along m; a last partial group is its own group."""
+    *lead, m = x.shape
     whole = (m // group) * group
-    out = torch.empty(rows, m, dtype=torch.float32, device=x.device)
+    x = x.float().contiguous()
+    parts = []
     if whole:
-        out[:, :whole] = quantize_groups(x[:, :whole].reshape(rows, whole // group, group), bits, meta_dtype).reshape(rows, whole)
+        parts.append(quantize_groups(x[..., :whole].reshape(*lead, whole // group, group), bits, meta_dtype)
+                     .reshape(*lead, whole))
     if whole < m:
-        out[:, whole:] = quantize_groups(x[:, whole:], bits, meta_dtype)
-    return out
+        parts.append(quantize_groups(x[..., whole:], bits, meta_dtype))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
 def quantize_keys(keys: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """One head's keys [m, d] (all quantized: no residual here) -> dequantized [m, d] at the keys' dtype."""
+    """Keys [..., m, d] (all quantized: no residual here) -> dequantized [..., m, d] at the keys' dtype."""
     if spec.key_axis == "channel":
-        return _grouped(keys.T, spec.group, spec.bits, keys.dtype).T.to(keys.dtype)
+        return _grouped(keys.transpose(-1, -2), spec.group, spec.bits, keys.dtype).transpose(-1, -2).to(keys.dtype)
     return _grouped(keys, spec.group, spec.bits, keys.dtype).to(keys.dtype)
 
 
 def quantize_values(values: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """One head's values [m, d] -> dequantized [m, d], per token in groups of channels."""
+    """Values [..., m, d] -> dequantized [..., m, d], per token in groups of channels."""
     return _grouped(values, spec.group, spec.bits, values.dtype).to(values.dtype)
 
 
 def quantize_head(keys: torch.Tensor, values: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """One head's kept entries [n, d] in prompt order -> the entries attention reads: every entry but the last
-    `residual` quantize-dequantized, those left untouched."""
-    quantized = max(keys.shape[0] - spec.residual, 0)
+    """Kept entries [..., n, d] in prompt order (one head, or heads that keep the same number) -> the entries
+    attention reads: every entry but the last `residual` quantize-dequantized, those left untouched."""
+    quantized = max(keys.shape[-2] - spec.residual, 0)
     if quantized == 0:
         return keys, values
     keys, values = keys.clone(), values.clone()
-    keys[:quantized] = quantize_keys(keys[:quantized], spec)
-    values[:quantized] = quantize_values(values[:quantized], spec)
+    keys[..., :quantized, :] = quantize_keys(keys[..., :quantized, :], spec)
+    values[..., :quantized, :] = quantize_values(values[..., :quantized, :], spec)
     return keys, values
 
 
