@@ -166,3 +166,20 @@ def test_eval_records_bytes_lists_infeasible_variants_and_writes_the_memory_tabl
     assert "## Memory axis" in (out / "summary.md").read_text() and (out / "memory_axis.png").is_file()
     code, _, err = run_cli("score", str(out / "predictions.jsonl"))  # the infeasible lines have nothing to score
     assert code == 0, err
+
+
+def test_a_layer_quantizes_each_heads_entries_in_prompt_order_whatever_their_counts(state):
+    """quantize_layer on heads that keep different numbers of entries (AdaKV's split) is `quantize_head` on each
+    head's real entries sorted by position; padding is left as it was."""
+    from ripplekv.engine.quantize import QuantSpec, quantize_head
+    from ripplekv.methods.quantized import quantize_layer
+
+    spec = QuantSpec(bits=2, group=8, residual=16)
+    layers = make_method("snapkv:split=adakv").compress(state, 48)
+    for layer in layers:
+        built = quantize_layer(layer, spec)
+        for head, count in enumerate(layer.counts.tolist()):
+            order = layer.positions[head, :count].argsort()
+            want_k, want_v = quantize_head(layer.keys[head, order], layer.values[head, order], spec)
+            assert torch.equal(built.keys[head, order], want_k) and torch.equal(built.values[head, order], want_v)
+            assert torch.equal(built.keys[head, count:], layer.keys[head, count:])
