@@ -183,3 +183,21 @@ def test_a_layer_quantizes_each_heads_entries_in_prompt_order_whatever_their_cou
             want_k, want_v = quantize_head(layer.keys[head, order], layer.values[head, order], spec)
             assert torch.equal(built.keys[head, order], want_k) and torch.equal(built.values[head, order], want_v)
             assert torch.equal(built.keys[head, count:], layer.keys[head, count:])
+
+
+def test_the_python_api_reports_the_bytes_a_quantized_cache_keeps():
+    import ripplekv
+
+    model = tiny_llama(num_hidden_layers=2)
+    ids = (torch.arange(200) % 97 + 3).tolist()
+    layers, heads, d, element = 2, 2, 16, 4
+    budget_bytes_ = layers * heads * 40 * 2 * d * element
+    plain = ripplekv.compress(model, None, ids, method="snapkv", budget=40)
+    assert plain.kv_bytes == budget_bytes_
+    cache = ripplekv.compress(model, None, ids, method="snapkv:quant=kivi:bits=4:group=8:residual=16", budget=40)
+    assert cache.kept_entries > plain.kept_entries
+    assert budget_bytes_ - layers * heads * 2 * (2 * d * element) < cache.kv_bytes <= budget_bytes_
+    out = model.generate(cache.input_ids, cache=cache, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.shape[1] == cache.input_ids.shape[1] + 4  # it decodes through the dequantized entries
+    with pytest.raises(UserError, match="infeasible|over budget"):
+        ripplekv.compress(model, None, ids, method="kivi:bits=4", budget=40)
