@@ -33,6 +33,8 @@ EVALS = {
                      "TARGET_TOKENS"),
     "eval-context-only": ("CONTEXT_METHODS", True, False, "TASKS", "CONTEXT_BUDGETS", "context-only", ("prompt",),
                           "SUITE", "TARGET_TOKENS"),
+    "eval-memory": ("MEMORY_METHODS", True, False, "TASKS", "MEMORY_BUDGETS", "with-question", ("prompt",), "SUITE",
+                    "TARGET_TOKENS"),
     "long": ("LONG_METHODS", True, False, "LONG_TASKS", "LONG_BUDGETS", "with-question", ("prompt", "total"),
              "offline", "LONG_TARGET_TOKENS"),
     "gemma-eval": ("GEMMA_METHODS", True, False, "GEMMA_TASKS", "GEMMA_BUDGETS", "with-question", ("prompt",), "SUITE",
@@ -46,10 +48,10 @@ REQUIRED = ("OUT", "CALIB_SAMPLES", "SEEDS", "ETA", "PROBE_TOKENS", "RATIOS", "S
 COUNTS = ("CALIB_SAMPLES", "SEEDS", "PROBE_TOKENS", "SWEEP_SAMPLES", "LIMIT", "TARGET_TOKENS", "EVICT_CALIB_SAMPLES",
           "COMPRESSKV_CALIB_SAMPLES", "ROUTE_CALIB_SAMPLES", "HEADLINE_LIMIT", "COMPARE_LIMIT", "CONTEXT_LIMIT",
           "LONG_LIMIT", "LONG_TARGET_TOKENS", "DRAWS", "NEEDLE_LIMIT", "GEMMA_CALIB_SAMPLES", "GEMMA_LIMIT",
-          "GEMMA_TARGET_TOKENS")
+          "GEMMA_TARGET_TOKENS", "MEMORY_LIMIT")
 # Budget lists (and single budgets) a stage takes; an unset one falls back as reproduce.sh says (e.g. BUDGETS).
 BUDGET_SETTINGS = ("SWEEP_BUDGET", "ROUTE_BUDGET", "BUDGETS", "CONTEXT_BUDGETS", "LONG_BUDGETS", "COMPARE_BUDGETS",
-                   "DRAW_BUDGETS", "NEEDLE_BUDGET", "GEMMA_BUDGETS")
+                   "DRAW_BUDGETS", "NEEDLE_BUDGET", "GEMMA_BUDGETS", "MEMORY_BUDGETS")
 
 
 def setting(name: str) -> str:

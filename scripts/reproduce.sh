@@ -254,6 +254,19 @@ if [ -n "${COMPARE_METHODS:-}" ]; then
   run_eval eval-compare "eval, head-to-head comparisons" "${compare_cmd[@]}"
 fi
 
+# The memory axis (optional, MEMORY_METHODS; #44): eviction, quantization and both at matched bytes (budget B =
+# the bytes of B full-precision entries per layer and KV head), on the first MEMORY_LIMIT per task at MEMORY_BUDGETS
+# (default BUDGETS), into OUT/eval-memory, whose report holds memory_axis.csv/.md/.png. Cost: as an eval of these
+# methods (a quantized variant's build adds a bisection over its entry budget and a quantize-dequantize pass).
+if [ -n "${MEMORY_METHODS:-}" ]; then
+  memory_budget_args=()
+  for b in ${MEMORY_BUDGETS:-$BUDGETS}; do memory_budget_args+=(--budget "$b"); done
+  memory_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${task_args[@]}" "${memory_budget_args[@]}"
+    --methods "$MEMORY_METHODS" --limit "${MEMORY_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS"
+    --allocation "$OUT/allocation.csv" --out "$OUT/eval-memory")
+  run_eval eval-memory "eval, the memory axis" "${memory_cmd[@]}"
+fi
+
 # The context-only protocol (optional, CONTEXT_METHODS): the same samples' first CONTEXT_LIMIT per task.
 if [ -n "${CONTEXT_METHODS:-}" ]; then
   context_budget_args=()

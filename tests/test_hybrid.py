@@ -27,6 +27,7 @@ from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
 from ripplekv.methods.budgets import fit_to_capacities, integer_budgets
 from tests.conftest import HYBRID_BUILDERS, HYBRID_WINDOW, StubTokenizer, every_method, satisfy, tiny_gemma3
+from tests.test_budgets import check_bytes
 
 LENGTH = 70  # prompt tokens: more than a sliding layer holds (HYBRID_WINDOW - 1)
 STEPS = 24  # decoded tokens: the window slides past every prompt entry a sliding layer held
@@ -151,6 +152,9 @@ def test_every_method_keeps_exactly_its_budget_on_a_hybrid_model(hybrid_state, n
             method.compress(state, 24)
         return
     for budget in (4, 12, 24, 60, 200):
+        if getattr(method, "quantizer", None) is not None:  # budget B is bytes here (tests/test_memory_axis.py)
+            check_bytes(method, state, budget)
+            continue
         counts = method.budgets(state, budget)
         built = method.compress(state, budget)
         assert [layer.counts.tolist() for layer in built] == counts.tolist(), (name, budget)

@@ -325,6 +325,7 @@ CHANGES = [
     ("TASKS=niah,nope", "TASKS (the eval stage): unknown task 'nope'"),
     ("METHODS=full,snapkv,nope", "unknown method 'nope'"),
     ("COMPARE_METHODS=full,snapkv,nosuch", "COMPARE_METHODS (the eval-compare stage"),
+    ("MEMORY_METHODS=full,ripplekv,snapkv:quant=kivi:bits=3", "MEMORY_METHODS (the eval-memory stage"),
     ("METHODS=full,snapkv,ripplekv,compresskv", "set COMPRESSKV_CALIB_SAMPLES"),
     ("HEADLINE_METHODS=full,h2o,depthkv", "set EVICT_CALIB_SAMPLES"),
     ("BUDGETS=64 0", "BUDGETS='64 0': budget must be a positive integer"),
@@ -346,7 +347,7 @@ def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypat
     check = load_script("check_config")
     settings = dict(line.split("=", 1) for line in (CONFIG + change + "\n").splitlines() if "=" in line)
     for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS",
-                 "GEMMA_MODEL", "GEMMA_TASKS", "GEMMA_METHODS", "GEMMA_BUDGETS", "GEMMA_RATIOS"]:
+                 "GEMMA_MODEL", "GEMMA_TASKS", "GEMMA_METHODS", "GEMMA_BUDGETS", "GEMMA_RATIOS", "MEMORY_METHODS"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in settings.items():
         monkeypatch.setenv(name, value.strip('"'))
