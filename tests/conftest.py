@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -219,12 +220,15 @@ def satisfy(state, tokenizer=None):
     return state
 
 
-def every_method(num_layers: int, folder, only: str | None = None) -> dict:
-    """Every registered method, with the inputs the ones that need them get (an allocation, a route).
+def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 1) -> dict:
+    """Every registered method, with the inputs the ones that need them get (an allocation, a route, an LU-KV
+    curve for `num_layers` x `kv_heads`).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
     """
     from ripplekv.methods import make_method, method_names
+    from ripplekv.methods.lukv import RATIOS
+    from ripplekv.pipeline.head_curves import write_curve
 
     route = folder / "route.csv"
     choices = ("snapkv", "streamingllm", "random", "snapkv:kernel=3")
@@ -233,6 +237,10 @@ def every_method(num_layers: int, folder, only: str | None = None) -> dict:
     needs = {"ripplekv": {"multipliers": multipliers}, "depthkv": {"multipliers": multipliers},
              "compresskv": {"errors": multipliers}, "routed": {"route": str(route)},
              "routed-ripplekv": {"route": str(route), "multipliers": multipliers}}
+    if only in (None, "lukv"):  # heads pruned unequally around each global ratio (mean = the ratio)
+        tilt = np.linspace(0.6, 1.4, num_layers * kv_heads).reshape(num_layers, kv_heads)
+        curve = np.clip(RATIOS[:, None, None] * tilt / tilt.mean(), 0.0, 0.99)
+        needs["lukv"] = {"curve": str(write_curve(folder / "lukv.csv", curve, {}))}
     return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
 
 

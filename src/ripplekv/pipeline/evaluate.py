@@ -106,13 +106,28 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
     wanted = None if variants is None else set(variants)
     chosen = [Variant(label, budget, method) for label, method in methods.items() if label != REFERENCE
               for budget in budgets if wanted is None or (label, budget) in wanted]
+    refused = infeasible_variants(chosen, state)  # the memory axis: over its bytes on this prompt, never decoded
+    chosen = [one for one in chosen if (one.label, one.budget) not in refused]
     decoded = decode_variants(model, state, reference, chosen, decoding, memory, stops, question)
     report("decode", len(chosen) * task.max_new_tokens)
     lines = SampleLines.of(task, record, tokenizer, sid, state, question, settings.protocol, memory.peak(),
                            settings.decode_budget)
-    return ([lines.full(reference.tokens, state.num_layers)] if with_full else []) + [
+    return ([lines.full(reference.tokens)] if with_full else []) + [
         lines.line(one.variant.label, one.variant.budget, one.tokens, one.counts, one.fidelity.kl,
-                   one.fidelity.agreement, one.capacity) for one in decoded]
+                   one.fidelity.agreement, one.capacity, getattr(one.variant.method, "quantizer", None))
+        for one in decoded] + [lines.infeasible(label, budget, why) for (label, budget), why in refused.items()]
+
+
+def infeasible_variants(variants: Sequence[Variant], state) -> dict[tuple[str, int], str]:
+    """(method, budget) -> why, for the variants whose bytes cannot fit their budget on this prompt (a method
+    that stores its entries quantized says so through `infeasible`; eviction always fits)."""
+    refused = {}
+    for one in variants:
+        check = getattr(one.method, "infeasible", None)
+        why = check(state, one.budget) if check is not None else None
+        if why:
+            refused[(one.label, one.budget)] = why
+    return refused
 
 
 def prompt_parts(task, record: dict, tokenizer, settings: SampleSettings) -> tuple[list[int], list[int]]:

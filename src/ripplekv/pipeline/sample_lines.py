@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ripplekv.engine.evict import peak_entries
+from ripplekv.methods.quantized import budget_bytes, kept_bytes
 from ripplekv.runs.files import REFERENCE
 
 
@@ -19,6 +20,7 @@ class SampleLines:
     record: dict
     tokenizer: object
     base: dict  # the fields every line of the sample has
+    state: object  # the sample's prefill: what a budget's and the kept entries' bytes are counted on
     heads: int  # KV heads: a layer's entries per head are its total over this
     peak: int  # the sample's peak memory, as measured
     decode_budget: str | None = None  # "total" under a total decode budget, else None (the field is left out)
@@ -40,17 +42,25 @@ class SampleLines:
             base["all_classes"] = list(record["all_classes"])
         base.update({field: record.get(field) for field in task.fields})  # a needle's depth, a question's difficulty
         total = decode_budget if decode_budget == "total" else None
-        return cls(task, record, tokenizer, base, state.num_kv_heads, peak, total)
+        return cls(task, record, tokenizer, base, state, state.num_kv_heads, peak, total)
 
-    def full(self, tokens: list[int], layers: int) -> dict:
-        """The full cache's line: every prompt entry kept, KL 0 and agreement 1 by definition."""
-        counts = np.full((layers, self.heads), self.base["compressed_tokens"], dtype=np.int64)
+    def full(self, tokens: list[int]) -> dict:
+        """The full cache's line: every entry a layer holds (a sliding layer: its window), KL 0 and agreement 1
+        by definition."""
+        counts = np.repeat(np.asarray(self.state.capacities, dtype=np.int64)[:, None], self.heads, axis=1)
         return self.line(REFERENCE, None, tokens, counts, 0.0, 1.0)
 
+    def infeasible(self, method: str, budget: int, why: str) -> dict:
+        """A variant whose bytes cannot fit its budget on this prompt: no numbers (reports list it as infeasible,
+        never rank it)."""
+        return {**self.base, "method": method, "budget": budget, "infeasible": why, "prediction": None, "score": None,
+                "kl": None, "agreement": None, "kv_budget_bytes": budget_bytes(self.state, budget)}
+
     def line(self, method: str, budget: int | None, tokens: list[int], counts: np.ndarray, kl: float, agreement: float,
-             capacity: np.ndarray | None = None) -> dict:
+             capacity: np.ndarray | None = None, quantizer=None) -> dict:
         """A variant's line: `counts` [L, H_kv] the entries it kept, `tokens` its answer, `capacity` what each
-        (layer, KV head) was held at under a total decode budget."""
+        (layer, KV head) was held at under a total decode budget, `quantizer` how its entries are stored (None:
+        full precision)."""
         from ripplekv.metrics.scoring import score_sample
 
         prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -70,7 +80,10 @@ class SampleLines:
             # Entries per KV head in each layer (the mean over heads when heads differ; then head_budgets too).
             "layer_budgets": [int(t) // heads if t % heads == 0 else round(float(t) / heads, 3) for t in per_layer],
             "peak_memory_bytes": self.peak,
+            "kv_bytes": kept_bytes(self.state, counts, quantizer),  # what the kept entries take (`methods.quantized`)
         }
+        if budget is not None:  # the bytes budget B stands for on this prompt
+            fields["kv_budget_bytes"] = budget_bytes(self.state, budget)
         if bool((counts != counts[:, :1]).any()):
             fields["head_budgets"] = counts.tolist()
         if self.decode_budget:  # absent under prompt budgets: those lines stay as they were before the option
