@@ -35,6 +35,7 @@ class Requirements:
     query_statistics: bool = False  # mean and second moment of every prompt query before RoPE (Expected Attention)
     tokenizer: bool = False  # the prompt's tokenizer, to phrase a request to the model (KVzip)
     reference_answer: bool = False  # the full cache's answer, once decoded (the answer-aware oracle)
+    hidden_states: bool = False  # every layer's attention input [n, D] (after its norm), in the model's dtype (KVzap)
 
     def union(self, other: Requirements) -> Requirements:
         """Each field's larger value (True over False): what either needs."""
@@ -152,8 +153,13 @@ def prefill(
     recorders = recorders_for(needs, model, len(ids), needs.capture_window, context)
     # A plain cache keeps every prompt position in every layer (a model's own would cut sliding layers to their
     # window); the attention masks, sliding ones included, are the model's, so K/V and logits do not change.
-    out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
-                ripplekv_recorders=recorders)
+    hooks = [hook for recorder in recorders for hook in recorder.attach(model)]
+    try:
+        out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
+                    ripplekv_recorders=recorders)
+    finally:
+        for hook in hooks:
+            hook.remove()
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
     keys = [dyn.layers[i].keys[0] for i in range(num_layers)]

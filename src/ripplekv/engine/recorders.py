@@ -49,6 +49,10 @@ class Recorder:
     def result(self, num_layers: int):
         return None
 
+    def attach(self, model) -> list:
+        """Hooks this recorder sets on the model for the prefill's one forward (removed after it); most need none."""
+        return []
+
 
 class PerLayer(Recorder):
     """A recorder whose result is one object per layer."""
@@ -101,6 +105,22 @@ class QueryMoments(PerLayer):
         self.layers[index] = query_statistics(query[0], *self.ropes[kind])
 
 
+class HiddenStates(PerLayer):
+    """Each layer's attention input [n, D] (the hidden state after the layer's input norm, the `hidden_states` a
+    kvpress press reads), kept in the model's dtype: KVzap's surrogate scores entries from it. Attention
+    never sees it, so a forward pre-hook on each attention module reads it."""
+
+    requirement = "hidden_states"
+
+    def attach(self, model) -> list:
+        def keep(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self.layers[module.layer_idx] = hidden[0].detach().clone()
+
+        return [layer.self_attn.register_forward_pre_hook(keep, with_kwargs=True)
+                for layer in adapter.decoder_layers(model)]
+
+
 class Probe(Recorder):
     """Hands each layer's queries and keys to `callback(layer, query, key)` (teacher-forced scoring passes)."""
 
@@ -129,6 +149,8 @@ def recorders_for(needs, model, length: int, window: int, context: SampleContext
         chosen.append(ColumnSums())
     if needs.query_statistics:
         chosen.append(QueryMoments(model, length))
+    if needs.hidden_states:
+        chosen.append(HiddenStates())
     chosen += context_recorders(needs, context)
     return chosen
 

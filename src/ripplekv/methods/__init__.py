@@ -15,6 +15,7 @@ from ripplekv.methods import (  # noqa: F401  (registration)
     h2o,
     keydiff,
     knorm,
+    kvzap,
     kvzip,
     lava,
     lukv,
