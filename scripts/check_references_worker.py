@@ -6,6 +6,7 @@ Three passes over each prompt with the bundled model's dequantized weights, each
   redirected to the real values (Expected Attention and CriticalKV weigh by them). The hook leaves the cache
   alone. It also records what the rules re-implemented on our side read (SnapKV scores, CAKE's and the
   allocators' signals, key norms and each scorer's scores to tell tied entries apart).
+  KVzapPress holds our surrogate for the bundled model (`check_references_learned`), not the hub's.
 - sdpa: the presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV
   with our curve set on it) run their `compress` in the same kind of hook; kept = every position not in
   the press's `masked_key_indices`.
@@ -60,8 +61,9 @@ def kept_by_mask(module, heads: int, n: int) -> np.ndarray:
     return padded([np.flatnonzero(row) for row in keep])
 
 
-def build_presses(model, curve_path: Path | None):
+def build_presses(model, curve_path: Path | None, out: Path):
     """(eager presses, sdpa presses): each name the comparison reads, configured as its pair on our side."""
+    from check_references_learned import kvzap_presses
     from kvpress import (
         AdaKVPress,
         CriticalAdaKVPress,
@@ -91,6 +93,7 @@ def build_presses(model, curve_path: Path | None):
     for press in [*eager.values(), *sdpa.values()]:
         if not isinstance(press, LUKVPress):
             press.post_init_from_model(model)
+    eager.update(kvzap_presses(out))  # our surrogates set on KVzapPress (its own init would download the hub's)
     return eager, sdpa
 
 
@@ -118,7 +121,7 @@ def worker(args) -> None:
         layer.self_attn.rotary_emb = model.model.rotary_emb  # as a press's context manager sets it
     out = Path(args.out)
     curve = out / "lukv_curve.npy"
-    eager, sdpa = build_presses(model, curve if curve.exists() else None)
+    eager, sdpa = build_presses(model, curve if curve.exists() else None, out)
     budgets = [int(b) for b in args.budgets.split(",")]
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     for ids_path in sorted(out.glob("prompt_*.npy")):
@@ -179,7 +182,7 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
                 press.compression_ratio = ratio(name, budget, n, 0)
                 record[f"{name}/{budget}/{layer}"] = kept_by_compress(press, module, hidden, keys, values, attentions, kwargs)
         record[f"knorm_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
-        for name in ("expected", "keydiff"):
+        for name in ("expected", "keydiff", *(key for key in eager if key.startswith("kvzap"))):
             record[f"{name}_scores/{layer}"] = eager[name].score(module, hidden, keys, values, attentions, kwargs)[0].float().numpy()
         snap = eager["snapkv"].score(module, hidden, keys, values, attentions, kwargs)
         record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
