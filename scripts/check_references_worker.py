@@ -6,10 +6,11 @@ Three passes over each prompt with the bundled model's dequantized weights, each
   redirected to the real values (Expected Attention and CriticalKV weigh by them). The hook leaves the cache
   alone. It also records what the rules re-implemented on our side read (SnapKV scores, CAKE's and the
   allocators' signals, key norms and each scorer's scores to tell tied entries apart).
-  KVzapPress holds our surrogate for the bundled model (`check_references_learned`), not the hub's.
-- sdpa: the presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV
-  with our curve set on it) run their `compress` in the same kind of hook; kept = every position not in
-  the press's `masked_key_indices`.
+- sdpa: KVzapPress holding our surrogate for the bundled model (`check_references_learned`), not the hub's,
+  its `compress` as in the eager hook (sdpa is what our prefill runs, so the hidden states are ours); and the
+  presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV with our
+  curve set on it) run their `compress` in the same kind of hook; kept = every position not in the press's
+  `masked_key_indices`.
 - KVzip: `KVzipPress` as kvpress runs it (prefill under the press, then its own chunked reconstruction pass
   through the cache), its final selection (`compress_post`) made once per budget from the one scoring.
 Kept sets are written as `[H, most kept]` position arrays padded with -1, one per (press, budget, layer).
@@ -93,7 +94,9 @@ def build_presses(model, curve_path: Path | None, out: Path):
     for press in [*eager.values(), *sdpa.values()]:
         if not isinstance(press, LUKVPress):
             press.post_init_from_model(model)
-    eager.update(kvzap_presses(out))  # our surrogates set on KVzapPress (its own init would download the hub's)
+    # our surrogates set on KVzapPress (its own init would download the hub's); scored under sdpa, the attention our
+    # prefill runs, so the hidden states they read are the same numbers on both sides
+    sdpa.update(kvzap_presses(out))
     return eager, sdpa
 
 
@@ -182,7 +185,7 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
                 press.compression_ratio = ratio(name, budget, n, 0)
                 record[f"{name}/{budget}/{layer}"] = kept_by_compress(press, module, hidden, keys, values, attentions, kwargs)
         record[f"knorm_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
-        for name in ("expected", "keydiff", *(key for key in eager if key.startswith("kvzap"))):
+        for name in ("expected", "keydiff"):
             record[f"{name}_scores/{layer}"] = eager[name].score(module, hidden, keys, values, attentions, kwargs)[0].float().numpy()
         snap = eager["snapkv"].score(module, hidden, keys, values, attentions, kwargs)
         record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
@@ -198,10 +201,16 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         cache_layer = kwargs["past_key_values"].layers[layer]
         keys, values, hidden = cache_layer.keys, cache_layer.values, kwargs["hidden_states"]
         for name, press in sdpa.items():
+            scorer = name.startswith("kvzap")  # a scorer press (top-k), not a masking one
             for budget in budgets:
                 press.compression_ratio = ratio(name, budget, n, 0)
+                if scorer:
+                    record[f"{name}/{budget}/{layer}"] = kept_by_compress(press, module, hidden, keys, values, None, kwargs)
+                    continue
                 press.compress(module, hidden, keys, values, None, kwargs)
                 record[f"{name}/{budget}/{layer}"] = kept_by_mask(module, heads, n)
+            if scorer:
+                record[f"{name}_scores/{layer}"] = press.score(module, hidden, keys, values, None, kwargs)[0].float().numpy()
         if "lukv" in sdpa:
             scores = sdpa["lukv"].press.score(module, hidden, keys, values, None, kwargs)
             record[f"lukv_scores/{layer}"] = scores[0].float().numpy()
