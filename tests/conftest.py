@@ -44,6 +44,9 @@ def load_script(name: str):
     return module
 
 
+HIDDEN = TINY["hidden_size"]  # the attention inputs' width of the tiny models (and of states built without one)
+
+
 def tiny_llama(vocab_size: int = 101, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
@@ -214,11 +217,36 @@ def satisfy(state, tokenizer=None):
     needs = Requirements(tokenizer=True, reference_answer=True)
     record_context(state, needs, SampleContext(tokenizer or StubTokenizer(), (3,)))
     record_reference(state, [7, 8, 9])
+    if "hidden_states" not in state.signals:  # a state built without a prefill: attention inputs of every_method's width
+        generator = torch.Generator().manual_seed(0)
+        state.signals["hidden_states"] = [torch.randn(state.length, HIDDEN, generator=generator)
+                                          for _ in range(state.num_layers)]
     return state
 
 
-def every_method(num_layers: int, folder, only: str | None = None) -> dict:
-    """Every registered method, with the inputs the ones that need them get (an allocation, a route).
+def learned_inputs(num_layers: int, kv_heads: int, folder) -> dict:
+    """An LU-KV curve and a KVzap surrogate (random weights) for a model of `num_layers` x `kv_heads` whose attention
+    inputs are HIDDEN wide (the tiny models'), for the methods that read one."""
+    import numpy as np
+
+    from ripplekv.methods import kvzap_surrogate, make_method
+    from ripplekv.methods.lukv import scorer_identity
+    from ripplekv.methods.lukv_greedy import RATIOS
+    from ripplekv.pipeline.head_curves import write_curve
+
+    depth = np.linspace(0.6, 1.4, num_layers)[None, :, None] * np.linspace(0.9, 1.1, kv_heads)[None, None, :]
+    curve = write_curve(Path(folder) / f"curve-{num_layers}x{kv_heads}.csv", np.clip(RATIOS[:, None, None] * depth, 0, 0.98),
+                        {"scorer": scorer_identity(make_method("lukv").scorer)})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        layers = kvzap_surrogate.build("mlp", HIDDEN, kv_heads, num_layers)
+    weights = kvzap_surrogate.save(Path(folder) / f"kvzap-{num_layers}x{kv_heads}.safetensors", "mlp", layers, {})
+    return {"lukv": {"curve": str(curve)}, "kvzap": {"weights": str(weights)}}
+
+
+def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 2) -> dict:
+    """Every registered method, with the inputs the ones that need them get (an allocation, a route, LU-KV's
+    curve and KVzap's surrogate for `kv_heads` KV heads and the tiny models' width).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
     """
@@ -230,7 +258,8 @@ def every_method(num_layers: int, folder, only: str | None = None) -> dict:
     multipliers = tuple(float(m) for m in torch.linspace(2.0, 0.5, num_layers).tolist())
     needs = {"ripplekv": {"multipliers": multipliers}, "depthkv": {"multipliers": multipliers},
              "compresskv": {"errors": multipliers}, "routed": {"route": str(route)},
-             "routed-ripplekv": {"route": str(route), "multipliers": multipliers}}
+             "routed-ripplekv": {"route": str(route), "multipliers": multipliers},
+             **learned_inputs(num_layers, kv_heads, folder)}
     return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
 
 

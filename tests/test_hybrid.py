@@ -9,8 +9,6 @@ layer cannot (docs/methods.md "Hybrid attention")."""
 from __future__ import annotations
 
 import copy
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,11 +128,10 @@ def test_batched_hybrid_variants_decode_as_one_at_a_time(hybrid_model):
 
 
 @pytest.fixture(scope="module")
-def hybrid_state():
-    """One prefill of a tiny Gemma 3 recording what every registered method needs."""
+def hybrid_state(tmp_path_factory):
+    """One prefill of a tiny Gemma 3 recording what every registered method needs (the files some read stay)."""
     model = tiny_gemma3()
-    with tempfile.TemporaryDirectory() as folder:
-        methods = every_method(model.config.num_hidden_layers, Path(folder))
+    methods = every_method(model.config.num_hidden_layers, tmp_path_factory.mktemp("every-method"))
     needs = Requirements.of_all(methods.values())
     state = prefill(model, prompt(90), requirements=needs, context=SampleContext(StubTokenizer(), (3,)))
     return satisfy(state), methods

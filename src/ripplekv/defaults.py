@@ -22,7 +22,7 @@ METHOD_FAMILIES = {
     "seed systems": ("depthkv", "routed", "gracekv"),
     "layer and head allocators": ("pyramidkv", "cake", "adakv", "layer-defensivekv", "kvzip", "dynamickv", "lava",
                                   "squeezeattention", "pyramidinfer", "compresskv", "lukv"),
-    "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff"),
+    "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff", "kvzap"),
     "answer-aware": CEILINGS,
 }
 
