@@ -254,6 +254,19 @@ if [ -n "${COMPARE_METHODS:-}" ]; then
   run_eval eval-compare "eval, head-to-head comparisons" "${compare_cmd[@]}"
 fi
 
+# The memory axis (optional, MEMORY_METHODS; #44): eviction, quantization and both at matched bytes (budget B =
+# the bytes of B full-precision entries per layer and KV head), on the first MEMORY_LIMIT per task at MEMORY_BUDGETS
+# (default BUDGETS), into OUT/eval-memory, whose report holds memory_axis.csv/.md/.png. Cost: as an eval of these
+# methods (a quantized variant's build adds a bisection over its entry budget and a quantize-dequantize pass).
+if [ -n "${MEMORY_METHODS:-}" ]; then
+  memory_budget_args=()
+  for b in ${MEMORY_BUDGETS:-$BUDGETS}; do memory_budget_args+=(--budget "$b"); done
+  memory_cmd=("$RKV" eval "${model_args[@]}" --suite "$SUITE" "${task_args[@]}" "${memory_budget_args[@]}"
+    --methods "$MEMORY_METHODS" --limit "${MEMORY_LIMIT:-$LIMIT}" --target-tokens "$TARGET_TOKENS"
+    --allocation "$OUT/allocation.csv" --out "$OUT/eval-memory")
+  run_eval eval-memory "eval, the memory axis" "${memory_cmd[@]}"
+fi
+
 # The context-only protocol (optional, CONTEXT_METHODS): the same samples' first CONTEXT_LIMIT per task.
 if [ -n "${CONTEXT_METHODS:-}" ]; then
   context_budget_args=()
@@ -288,6 +301,33 @@ if [ -n "${NEEDLE_LENGTHS:-}" ]; then
     --budget "${NEEDLE_BUDGET:-128}" --methods "${NEEDLE_METHODS:-full,streamingllm,snapkv,pyramidkv,ripplekv}"
     --allocation "$OUT/allocation.csv" --out "$OUT/needle")
   run_eval needle "needle heatmap" "${needle_cmd[@]}"
+fi
+# ---------------------------------------------------------------------------------------------------------------
+
+# ---- The second model (optional, GEMMA_MODEL; #45) -------------------------------------------------------------
+# Gemma 3 270M (`gemma3-270m`: 15 sliding-window layers beside 3 global ones, 1 KV head): RippleKV's own profile
+# and allocation on its calibration prompts (the ratio sweep at SWEEP_BUDGET, GEMMA_MAX_EXTENSIONS rounds past an
+# edge pick), then GEMMA_METHODS at GEMMA_BUDGETS on the first GEMMA_LIMIT samples of GEMMA_TASKS, into OUT/gemma3
+# (profile/, allocation.csv, eval/ with leaderboard.csv, headline.csv and summary.md); the page pairs its ranking
+# with eval's.
+if [ -n "${GEMMA_MODEL:-}" ]; then
+  gemma_dir="$OUT/gemma3"
+  gemma_args=(--model "$GEMMA_MODEL")
+  run_stage gemma-profile "$gemma_dir/profile/sensitivity.csv" \
+    "$RKV" profile "${gemma_args[@]}" --calib-samples "$GEMMA_CALIB_SAMPLES" --seeds "$SEEDS" --eta "$ETA" \
+    --probe-tokens "$PROBE_TOKENS" --target-tokens "$GEMMA_TARGET_TOKENS" --out "$gemma_dir/profile"
+  gemma_ratio_args=()
+  for r in ${GEMMA_RATIOS:-$RATIOS}; do gemma_ratio_args+=(--ratio "$r"); done
+  run_stage gemma-allocate "$gemma_dir/allocation.csv" \
+    "$RKV" allocate "$gemma_dir/profile/sensitivity.csv" "${gemma_args[@]}" "${gemma_ratio_args[@]}" \
+    --max-extensions "${GEMMA_MAX_EXTENSIONS:-0}" --budget "$SWEEP_BUDGET" --calib-samples "$GEMMA_CALIB_SAMPLES" \
+    --target-tokens "$GEMMA_TARGET_TOKENS" --out "$gemma_dir/allocation.csv"
+  gemma_budget_args=()
+  for b in $GEMMA_BUDGETS; do gemma_budget_args+=(--budget "$b"); done
+  gemma_cmd=("$RKV" eval "${gemma_args[@]}" --suite "$SUITE" --tasks "$GEMMA_TASKS" "${gemma_budget_args[@]}"
+    --methods "$GEMMA_METHODS" --limit "$GEMMA_LIMIT" --target-tokens "$GEMMA_TARGET_TOKENS"
+    --allocation "$gemma_dir/allocation.csv" --out "$gemma_dir/eval")
+  run_eval gemma-eval "eval, second model ($GEMMA_MODEL)" "${gemma_cmd[@]}"
 fi
 # ---------------------------------------------------------------------------------------------------------------
 

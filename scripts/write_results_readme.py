@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from ripplekv.analysis.calibration_report import calibration_lines, draw_dirs, route_stability_lines, tuned_lines
+from ripplekv.analysis.second_model import second_model_lines
 
 # The make target behind each config, for the page title.
 TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick", "full.env": "make reproduce-full"}
@@ -403,7 +404,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
     )
     stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "profile-evict-kl", "profile-infonce",
               "compresskv-profile", "route", "predictors", "tune", "eval", "eval-draws", "eval-headline", "eval-compare",
-              "eval-context-only", "long-prompt", "long-total", "needle")
+              "eval-context-only", "long-prompt", "long-total", "needle", "gemma-profile", "gemma-allocate", "gemma-eval")
     draw_stages = [f"{stage}-d{d}" for d, _, _ in draw_dirs(out)[1:] for stage in stages[:8]]  # draws 1.. (#42)
     stages = stages[:8] + tuple(draw_stages) + stages[8:]
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
@@ -446,7 +447,8 @@ def main(out: Path, config: str, final: str | None = None) -> None:
     lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out),
               *depthkv_versus_lines(out), *route_lines(out), *route_stability_lines(out), *calibration_lines(out),
               *tuned_lines(out), *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"),
-              *long_lines(out), *needle_lines(out), *time_lines(out)]
+              *long_lines(out), *needle_lines(out), *second_model_lines(out, "gemma3", profile["model"]),
+              *time_lines(out)]
     lines += [
         "",
         "## Exact commands",

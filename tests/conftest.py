@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -224,33 +225,15 @@ def satisfy(state, tokenizer=None):
     return state
 
 
-def learned_inputs(num_layers: int, kv_heads: int, folder) -> dict:
-    """An LU-KV curve and a KVzap surrogate (random weights) for a model of `num_layers` x `kv_heads` whose attention
-    inputs are HIDDEN wide (the tiny models'), for the methods that read one."""
-    import numpy as np
-
-    from ripplekv.methods import kvzap_surrogate, make_method
-    from ripplekv.methods.lukv import scorer_identity
-    from ripplekv.methods.lukv_greedy import RATIOS
-    from ripplekv.pipeline.head_curves import write_curve
-
-    depth = np.linspace(0.6, 1.4, num_layers)[None, :, None] * np.linspace(0.9, 1.1, kv_heads)[None, None, :]
-    curve = write_curve(Path(folder) / f"curve-{num_layers}x{kv_heads}.csv", np.clip(RATIOS[:, None, None] * depth, 0, 0.98),
-                        {"scorer": scorer_identity(make_method("lukv").scorer)})
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        layers = kvzap_surrogate.build("mlp", HIDDEN, kv_heads, num_layers)
-    weights = kvzap_surrogate.save(Path(folder) / f"kvzap-{num_layers}x{kv_heads}.safetensors", "mlp", layers, {})
-    return {"lukv": {"curve": str(curve)}, "kvzap": {"weights": str(weights)}}
-
-
-def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 2) -> dict:
-    """Every registered method, with the inputs the ones that need them get (an allocation, a route, LU-KV's
-    curve and KVzap's surrogate for `kv_heads` KV heads and the tiny models' width).
+def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 1) -> dict:
+    """Every registered method, with the inputs the ones that need them get (an allocation, a route, an LU-KV
+    curve and a KVzap surrogate for `num_layers` x `kv_heads`).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
     """
     from ripplekv.methods import make_method, method_names
+    from ripplekv.methods.lukv import RATIOS
+    from ripplekv.pipeline.head_curves import write_curve
 
     route = folder / "route.csv"
     choices = ("snapkv", "streamingllm", "random", "snapkv:kernel=3")
@@ -258,8 +241,18 @@ def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int
     multipliers = tuple(float(m) for m in torch.linspace(2.0, 0.5, num_layers).tolist())
     needs = {"ripplekv": {"multipliers": multipliers}, "depthkv": {"multipliers": multipliers},
              "compresskv": {"errors": multipliers}, "routed": {"route": str(route)},
-             "routed-ripplekv": {"route": str(route), "multipliers": multipliers},
-             **learned_inputs(num_layers, kv_heads, folder)}
+             "routed-ripplekv": {"route": str(route), "multipliers": multipliers}}
+    if only in (None, "lukv"):  # heads pruned unequally around each global ratio (mean = the ratio)
+        tilt = np.linspace(0.6, 1.4, num_layers * kv_heads).reshape(num_layers, kv_heads)
+        curve = np.clip(RATIOS[:, None, None] * tilt / tilt.mean(), 0.0, 0.99)
+        needs["lukv"] = {"curve": str(write_curve(folder / "lukv.csv", curve, {}))}
+    if only in (None, "kvzap"):  # a random-weight surrogate over the tiny models' attention inputs
+        from ripplekv.methods import kvzap_surrogate
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            layers = kvzap_surrogate.build("mlp", HIDDEN, kv_heads, num_layers)
+        needs["kvzap"] = {"weights": str(kvzap_surrogate.save(Path(folder) / "kvzap.safetensors", "mlp", layers, {}))}
     return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
 
 

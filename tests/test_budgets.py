@@ -106,8 +106,10 @@ def test_every_method_keeps_exactly_the_matched_total(name, num_layers, kv_heads
     """For every registered method (layer- and head-level allocators alike): L*H*min(B, n) entries in all,
     entries built per head equal to the allocated [L, H] matrix, and no head over n."""
     state = satisfy(fake_state(num_layers, length, kv_heads=kv_heads, query_heads=2 * kv_heads))
-    with tempfile.TemporaryDirectory() as folder:  # a curve or surrogate file is read while the method runs
+    with tempfile.TemporaryDirectory() as folder:  # a method may read its inputs (a curve) when it allocates
         method = every_method(num_layers, Path(folder), only=name, kv_heads=kv_heads)[name]
+        if getattr(method, "quantizer", None) is not None:  # budget B is bytes here (tests/test_memory_axis.py)
+            return check_bytes(method, state, budget)
         counts = method.budgets(state, budget)
         built = method.compress(state, budget)
     kept = torch.stack([layer.counts for layer in built])
@@ -117,6 +119,19 @@ def test_every_method_keeps_exactly_the_matched_total(name, num_layers, kv_heads
     assert int(kept.max()) <= length
     if not method.prompt_dependent:
         assert [row[0] for row in counts.tolist()] == method.layer_budgets(num_layers, budget, length)
+
+
+def check_bytes(method, state, budget: int) -> None:
+    """A quantized method: refused in one line where its bytes cannot fit, else never over the budget's bytes."""
+    from ripplekv.methods.quantized import budget_bytes, kept_bytes
+
+    if method.infeasible(state, budget):
+        with pytest.raises(UserError, match="over budget"):
+            method.budgets(state, budget)
+        return
+    counts = method.budgets(state, budget)
+    assert [layer.counts.tolist() for layer in method.compress(state, budget)] == counts.tolist()
+    assert kept_bytes(state, counts, method.quantizer) <= budget_bytes(state, budget)
 
 
 def test_pyramidkv_decreases_with_depth_and_matches_uniform_total():

@@ -85,7 +85,7 @@ def test_every_head_holds_its_count_at_every_step(tmp_path, length, budget, step
     total is L x H_kv x B. With n < B (30 < 40) heads grow to B, then hold."""
     model = tiny_llama()
     state = prefill(model, prompt(length), capture_window=32, requirements=Requirements(accumulated_attention=True))
-    methods = every_method(state.num_layers, tmp_path)
+    methods = every_method(state.num_layers, tmp_path, kv_heads=state.num_kv_heads)
     answer = full_reference(model, state, steps + 1).tokens
     assert len(answer) == steps + 1
     for name in DECODING:
@@ -111,7 +111,7 @@ def test_a_budget_nothing_needs_evicting_under_decodes_as_prompt_budgets(tmp_pat
     """B >= n + answer: no head is ever over its capacity, so total gives plain greedy decoding's tokens."""
     model = tiny_llama()
     state = prefill(model, prompt(40), capture_window=32, requirements=Requirements(accumulated_attention=True))
-    methods = every_method(state.num_layers, tmp_path)
+    methods = every_method(state.num_layers, tmp_path, kv_heads=state.num_kv_heads)
     reference = full_reference(model, state, 30)
     for name in ("snapkv", "h2o", "tova", "streamingllm"):
         method = methods[name]
@@ -127,7 +127,7 @@ def test_small_budgets_evict_so_answers_change(tmp_path):
     """The eviction is real: at B=8 over 60 steps some method's greedy answer leaves the prompt-budget one."""
     model = tiny_llama()
     state = prefill(model, prompt(100), capture_window=32, requirements=Requirements(accumulated_attention=True))
-    methods = every_method(state.num_layers, tmp_path)
+    methods = every_method(state.num_layers, tmp_path, kv_heads=state.num_kv_heads)
     reference = full_reference(model, state, 60)
     changed = 0
     for name in ("snapkv", "h2o", "tova", "streamingllm"):
@@ -148,7 +148,7 @@ def test_methods_decoding_in_one_batch_equal_each_decoded_alone(tmp_path):
 
     model = tiny_llama()
     state = prefill(model, prompt(100), capture_window=32, requirements=Requirements(accumulated_attention=True))
-    methods = every_method(state.num_layers, tmp_path)
+    methods = every_method(state.num_layers, tmp_path, kv_heads=state.num_kv_heads)
     reference = full_reference(model, state, 50)
     names, budgets = ("snapkv", "h2o", "tova", "streamingllm"), (8, 16)
     variants = [(methods[name], budget) for name in names for budget in budgets]

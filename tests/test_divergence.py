@@ -20,7 +20,7 @@ def shared(a, b):
 
 def variants_of(state, folder, budgets=(8, 24, 400), names=("snapkv", "streamingllm", "pyramidkv", "h2o")):
     """A few methods at small budgets (they diverge early) and one above the prompt (never diverges)."""
-    methods = every_method(state.num_layers, folder)
+    methods = every_method(state.num_layers, folder, kv_heads=state.num_kv_heads)
     return [methods[name].compress(state, b) for name in names for b in budgets]
 
 

@@ -83,7 +83,7 @@ def test_compressed_decode_matches_stock_model_on_the_kept_entries(tiny_model):
 
 def test_batched_variants_decode_as_one_at_a_time(tiny_model, tmp_path):
     ids = prompt(200)
-    methods = every_method(tiny_model.config.num_hidden_layers, tmp_path).values()
+    methods = every_method(tiny_model.config.num_hidden_layers, tmp_path, kv_heads=tiny_model.config.num_key_value_heads).values()
     state = satisfy(prefill(tiny_model, ids, capture_window=64, requirements=Requirements.of_all(methods)))  # every method's needs
     # A budget under the default window (32) and one above it: each method alone is 8 decode steps, so the
     # 24 methods x 2 budgets cost 384 single-variant steps (3 budgets x 12 steps took 864, 1.5 min on 2 cores).

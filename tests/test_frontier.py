@@ -290,7 +290,8 @@ def test_the_new_scorers_are_route_candidates(tiny_model_dir):
     from ripplekv.pipeline.profile import split_prompt
     from ripplekv.pipeline.route import RouteSettings, candidate_methods, preference_prompt
 
-    names = ("snapkv", "criticalkv", "keydiff", "expected-attention", "defensivekv", "kvzip")
+    names = ("snapkv", "criticalkv", "keydiff", "expected-attention", "snapkv:scorer=defensivekv", "snapkv:scorer=kvzip")
+    # (defensivekv splits by head and kvzip spreads over layers: a route keeps a method's scorer, so it is named)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # KVzip finds the tokenizer beside it
     sample = split_prompt("s", prompt(150).tolist(), 12)
     settings = RouteSettings(methods=names, budget=40, probe_tokens=12, batch_size=8)

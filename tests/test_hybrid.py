@@ -27,6 +27,7 @@ from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
 from ripplekv.methods.budgets import fit_to_capacities, integer_budgets
 from tests.conftest import HYBRID_BUILDERS, HYBRID_WINDOW, StubTokenizer, every_method, satisfy, tiny_gemma3
+from tests.test_budgets import check_bytes
 
 LENGTH = 70  # prompt tokens: more than a sliding layer holds (HYBRID_WINDOW - 1)
 STEPS = 24  # decoded tokens: the window slides past every prompt entry a sliding layer held
@@ -129,9 +130,11 @@ def test_batched_hybrid_variants_decode_as_one_at_a_time(hybrid_model):
 
 @pytest.fixture(scope="module")
 def hybrid_state(tmp_path_factory):
-    """One prefill of a tiny Gemma 3 recording what every registered method needs (the files some read stay)."""
+    """One prefill of a tiny Gemma 3 recording what every registered method needs (their inputs, such as an
+    LU-KV curve, stay on disk while the module's tests read them)."""
     model = tiny_gemma3()
-    methods = every_method(model.config.num_hidden_layers, tmp_path_factory.mktemp("every-method"))
+    folder = tmp_path_factory.mktemp("hybrid-methods")
+    methods = every_method(model.config.num_hidden_layers, folder, kv_heads=model.config.num_key_value_heads)
     needs = Requirements.of_all(methods.values())
     state = prefill(model, prompt(90), requirements=needs, context=SampleContext(StubTokenizer(), (3,)))
     return satisfy(state), methods
@@ -149,6 +152,9 @@ def test_every_method_keeps_exactly_its_budget_on_a_hybrid_model(hybrid_state, n
             method.compress(state, 24)
         return
     for budget in (4, 12, 24, 60, 200):
+        if getattr(method, "quantizer", None) is not None:  # budget B is bytes here (tests/test_memory_axis.py)
+            check_bytes(method, state, budget)
+            continue
         counts = method.budgets(state, budget)
         built = method.compress(state, budget)
         assert [layer.counts.tolist() for layer in built] == counts.tolist(), (name, budget)

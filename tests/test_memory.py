@@ -28,7 +28,7 @@ def test_lazy_building_gives_the_cache_built_from_all_variants(tmp_path):
     model = tiny_llama()
     state = prefill(model, torch.randint(0, 101, (90,), generator=torch.Generator().manual_seed(2)),
                     capture_window=32, accumulate=True)
-    methods = every_method(state.num_layers, tmp_path)
+    methods = every_method(state.num_layers, tmp_path, kv_heads=state.num_kv_heads)
     for names in (("snapkv", "adakv", "gracekv", "pyramidkv"), ("full", "full"), ("full", "snapkv")):
         built = [methods[name].compress(state, budget) for name in names for budget in (8, 40)]
         lengths = [[layer.capacity for layer in variant] for variant in built]

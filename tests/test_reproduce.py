@@ -121,6 +121,16 @@ HEADLINE_METHODS=full,h2o,depthkv
 DEPTHKV_FLOOR=0.25
 """
 
+GEMMA = """GEMMA_MODEL=gemma3-270m
+GEMMA_CALIB_SAMPLES=2
+GEMMA_RATIOS="4 8"
+GEMMA_TASKS=niah
+GEMMA_BUDGETS="128"
+GEMMA_METHODS=full,snapkv,ripplekv
+GEMMA_LIMIT=1
+GEMMA_TARGET_TOKENS=1000
+"""
+
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
@@ -290,10 +300,32 @@ def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_th
     assert "draw 0: 1 vs 1 prompts agree on 1 of 2 layers (chance 1.0)" in readme
 
 
+@pytest.mark.slow
+def test_the_second_model_calibrates_itself_and_the_page_compares_the_rankings(project):
+    """GEMMA_MODEL's block: its own profile, allocation and eval into OUT/gemma3, and a section pairing each
+    shared pair of methods on both models, ties called ties."""
+    (project / "configs" / "reproduce.env").write_text(CONFIG + GEMMA)
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    gemma = project / "results" / "gemma3"
+    assert (gemma / "profile" / "sensitivity.csv").is_file() and (gemma / "allocation.choice.json").is_file()
+    assert (gemma / "eval" / "leaderboard.csv").is_file() and (gemma / "eval" / "summary.md").is_file()
+    readme = (project / "results" / "README.md").read_text()
+    assert "profile --model gemma3-270m --calib-samples 2" in readme
+    assert "--max-extensions 0 --budget 128 --calib-samples 2 --target-tokens 1000 --out results/gemma3/allocation.csv" \
+        in readme
+    assert "--methods full,snapkv,ripplekv --limit 1 --target-tokens 1000 --allocation results/gemma3/allocation.csv" in readme
+    assert "## Second model: `gemma3`" in readme and "allocation (ratio 4, chosen on calibration prompts)" in readme
+    # The stand-in's KL differences are the same on every sample: 3 samples cannot reject, so both models tie.
+    assert "| ripplekv vs snapkv" in readme and "undecided (tied on m and gemma3)" in readme and "1 undecided." in readme
+    assert "gemma-eval," in (project / "results" / "stages.csv").read_text()
+
+
 CHANGES = [
     ("TASKS=niah,nope", "TASKS (the eval stage): unknown task 'nope'"),
     ("METHODS=full,snapkv,nope", "unknown method 'nope'"),
     ("COMPARE_METHODS=full,snapkv,nosuch", "COMPARE_METHODS (the eval-compare stage"),
+    ("MEMORY_METHODS=full,ripplekv,snapkv:quant=kivi:bits=3", "MEMORY_METHODS (the eval-memory stage"),
     ("METHODS=full,snapkv,ripplekv,compresskv", "set COMPRESSKV_CALIB_SAMPLES"),
     ("HEADLINE_METHODS=full,h2o,depthkv", "set EVICT_CALIB_SAMPLES"),
     ("BUDGETS=64 0", "BUDGETS='64 0': budget must be a positive integer"),
@@ -301,6 +333,9 @@ CHANGES = [
     ("METHODS=full,gracekv:slots=fixed:shape=2,ripplekv", "option shape changes nothing here"),
     ("CONTEXT_METHODS=full,snapkv\nCONTEXT_BUDGETS=128\nCONTEXT_LIMIT=1", "--allocation applies to none"),
     ("ROUTE_CALIB_SAMPLES=2\nROUTE_BUDGET=128\nPLACEMENTS=5\nPLACEMENT_SAMPLES=0", "leaves no prompts to score"),
+    ("GEMMA_MODEL=gemma3-270m", "GEMMA_MODEL runs a stage that needs GEMMA_CALIB_SAMPLES"),
+    (GEMMA.replace("full,snapkv,ripplekv", "full,nope"), "GEMMA_METHODS (the gemma-eval stage"),
+    (GEMMA.replace("GEMMA_RATIOS=\"4 8\"", "GEMMA_RATIOS=\"0.5\""), "GEMMA_RATIOS='0.5': '0.5' is not a ratio >= 1"),
 ]
 
 
@@ -311,7 +346,8 @@ def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypat
 
     check = load_script("check_config")
     settings = dict(line.split("=", 1) for line in (CONFIG + change + "\n").splitlines() if "=" in line)
-    for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS"]:
+    for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS",
+                 "GEMMA_MODEL", "GEMMA_TASKS", "GEMMA_METHODS", "GEMMA_BUDGETS", "GEMMA_RATIOS", "MEMORY_METHODS"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in settings.items():
         monkeypatch.setenv(name, value.strip('"'))

@@ -72,8 +72,9 @@ class CompressedPrompt(CompressedCache):
     """
 
     def __init__(self, cache: CompressedCache, prompt_ids: torch.Tensor, first_token: int, counts: np.ndarray,
-                 label: str, budget: int):
+                 label: str, budget: int, kv_bytes: int | None = None):
         super().__init__(cache.layers, cache.num_variants)
+        self.kv_bytes = kv_bytes  # the bytes its entries take as the method stores them (`methods.quantized`)
         self.prompt_ids = prompt_ids  # [1, n]
         self.input_ids = torch.cat([prompt_ids, prompt_ids.new_tensor([[first_token]])], dim=1)
         self.counts = counts  # [L, H_kv] entries kept per layer and KV head
@@ -223,7 +224,10 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     built = chosen.compress(state, budget)
     counts = np.array([[int(c) for c in layer.counts.tolist()] for layer in built], dtype=np.int64)
     cache = build_cache(state, [built])
-    return CompressedPrompt(cache, state.input_ids[None], int(state.last_logits.argmax()), counts, chosen.label, budget)
+    from ripplekv.methods.quantized import kept_bytes
+
+    return CompressedPrompt(cache, state.input_ids[None], int(state.last_logits.argmax()), counts, chosen.label, budget,
+                            kept_bytes(state, counts, getattr(chosen, "quantizer", None)))
 
 
 @dataclass(frozen=True)

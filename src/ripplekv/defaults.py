@@ -23,6 +23,7 @@ METHOD_FAMILIES = {
     "layer and head allocators": ("pyramidkv", "cake", "adakv", "layer-defensivekv", "kvzip", "dynamickv", "lava",
                                   "squeezeattention", "pyramidinfer", "compresskv", "lukv"),
     "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff", "kvzap"),
+    "quantizers": ("kivi",),  # alone; any method composes with one (METHOD:quant=kivi:bits=4)
     "answer-aware": CEILINGS,
 }
 

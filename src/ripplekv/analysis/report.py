@@ -22,6 +22,7 @@ from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plo
 from ripplekv.analysis.forest import plot_forest
 from ripplekv.analysis.headline import closest_pairs
 from ripplekv.analysis.informative import counted_tasks, informative_tasks
+from ripplekv.analysis.memory_axis import memory_markdown, memory_table, plot_memory_axis
 from ripplekv.analysis.plots import series_styles
 from ripplekv.analysis.summary import summary_markdown
 from ripplekv.analysis.tables import (
@@ -71,7 +72,18 @@ def load_predictions(run_dir: str | Path) -> pd.DataFrame:
     if missing:
         raise UserError(f"{path} lacks field(s) {', '.join(sorted(missing))}; was it written by `ripplekv eval`?")
     frame["budget"] = frame["budget"].astype("Int64")
-    return frame
+    return without_infeasible(frame)
+
+
+def without_infeasible(frame: pd.DataFrame) -> pd.DataFrame:
+    """The lines with numbers; the variants whose bytes did not fit their budget (`infeasible`, no numbers) go to
+    `frame.attrs["infeasible"]`, for the memory-axis table to list, never to rank."""
+    if "infeasible" not in frame.columns:
+        return frame
+    refused = frame["infeasible"].notna()
+    kept = frame.loc[~refused].drop(columns="infeasible").reset_index(drop=True)
+    kept.attrs["infeasible"] = frame.loc[refused].reset_index(drop=True)
+    return kept
 
 
 def ceilings_of(run_dir: str | Path, frame: pd.DataFrame) -> frozenset[str]:
@@ -104,6 +116,7 @@ def rescore_rouge(frame: pd.DataFrame, rouge: str) -> pd.DataFrame:
 # What `render` writes (listed at the end of `ripplekv eval` and `ripplekv report`; lengths.csv only when
 # samples carry a length).
 FIGURES = ("score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png", "score_forest.png")
+MEMORY_FIGURE = "memory_axis.png"  # drawn only when the run has a quantized variant
 
 
 def plots_wanted() -> bool:
@@ -141,7 +154,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     check_rouge(rouge)
     if resamples < 1:
         raise UserError(f"--resamples must be a positive number, got {resamples}")
-    frame = rescore_rouge(load_predictions(run_dir), rouge)
+    loaded = load_predictions(run_dir)
+    frame = rescore_rouge(loaded, rouge)
     informative = informative_tasks(frame, rouge)
     counted = counted_tasks(informative)
     scores = task_scores(frame, informative)
@@ -156,6 +170,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     allocation = None if parts is None else parts[0]
     if parts is not None:
         headline = pd.concat([headline, allocation_headline(parts, seed)], ignore_index=True)
+    memory = memory_table(frame, board, method_specs(run_dir), loaded.attrs.get("infeasible"))
     spent = time_table(run_dir)
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": inference.CONFIDENCE,
                 "interval": "stratified t (Welch-Satterthwaite)", "test": "stratified paired sign-flip",
@@ -175,6 +190,9 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         if allocation is not None:  # the allocation-only table (`analysis.allocation`)
             write_csv(run_dir / "allocation_only.csv", allocation, float_format=FLOAT_FORMAT)
             write_text(run_dir / "allocation_only.md", allocation_markdown(allocation))
+        if memory is not None:  # the memory axis (`analysis.memory_axis`)
+            write_csv(run_dir / "memory_axis.csv", memory, float_format=FLOAT_FORMAT)
+            write_text(run_dir / "memory_axis.md", memory_markdown(memory))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
         styles = series_styles(m for m in dict.fromkeys(frame["method"]) if m != REFERENCE)  # the run's order
         if plots:
@@ -183,17 +201,23 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             plot_layer_budgets(frame, run_dir / "layer_budgets.png")
             plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings, styles)
             plot_forest(board, run_dir / "score_forest.png", "score", ceilings, styles)
+            if memory is not None:
+                plot_memory_axis(memory, run_dir / MEMORY_FIGURE, styles)
         else:
             for name in FIGURES:
                 (run_dir / name).unlink(missing_ok=True)
+        if memory is None or not plots:
+            (run_dir / MEMORY_FIGURE).unlink(missing_ok=True)
         text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative)
+        if memory is not None:
+            text += "\n" + memory_markdown(memory)
         if spent is not None:
             text += "\n" + time_markdown(spent, samples_timed(run_dir))
         write_text(run_dir / "summary.md", text)
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths,
-            "allocation": allocation, "time": spent, "headline": headline, "informative": informative}
+            "allocation": allocation, "memory": memory, "time": spent, "headline": headline, "informative": informative}
 
 
 def run_headline(frame: pd.DataFrame, board: pd.DataFrame, ceilings, counted: list[str], seed: int) -> pd.DataFrame:

@@ -1,7 +1,7 @@
 """The `ripplekv` command line: one Typer app, one command per pipeline stage.
 
 User mistakes raise `UserError`; `main` turns them into one line on stderr and exit code 2.
-The commands live in their own modules (listing, stages, evaluation, needle, inspecting); this module
+The commands live in their own modules (listing, stages, evaluation, needle, inspecting, lm_eval); this module
 registers them, in the order `ripplekv --help` lists them, so none of them imports the app.
 """
 
@@ -14,6 +14,7 @@ import typer
 from ripplekv.cli.evaluation import eval_command, report_command, score
 from ripplekv.cli.inspecting import inspect_command
 from ripplekv.cli.listing import budgets, methods_command, tasks_command
+from ripplekv.cli.lm_eval import LM_EVAL_SETTINGS, lm_eval_command
 from ripplekv.cli.needle import needle_command
 from ripplekv.cli.stages import allocate, profile, route_command, tune
 from ripplekv.errors import UserError
@@ -54,6 +55,7 @@ app.command("report")(report_command)
 app.command("score")(score)
 app.command("needle")(needle_command)
 app.command("inspect")(inspect_command)
+app.command("lm-eval", **LM_EVAL_SETTINGS)(lm_eval_command)
 app.command("methods")(methods_command)
 app.command("tasks")(tasks_command)
 

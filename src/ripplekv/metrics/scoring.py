@@ -193,6 +193,8 @@ def load_predictions(path: Path) -> list[dict]:
             raise UserError(f"{where}: not valid JSON ({err.msg})") from None
         if not isinstance(rec, dict):
             raise UserError(f"{where}: expected a JSON object")
+        if rec.get("infeasible"):  # a variant over its memory budget: no prediction to score
+            continue
         if "dataset" not in rec and "task" in rec and "prediction" in rec:  # ripplekv eval output
             rec = {**rec, "dataset": rec["task"], "pred": rec["prediction"]}
         dataset = rec.get("dataset")

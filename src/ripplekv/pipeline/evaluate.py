@@ -36,6 +36,7 @@ from ripplekv.engine.memory import (
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.errors import UserError
+from ripplekv.methods.quantized import budget_bytes, kept_bytes
 from ripplekv.pipeline.eval_plan import (
     DEFAULT_COMPRESS_EVERY,
     EvalSettings,
@@ -135,7 +136,7 @@ def evaluate_sample(
     with timings.phase(timings.PREFILL):  # its recorders count apart (`engine.timings`)
         state = prefill(model, ids, needs=needs, reserve=len(question) + task.max_new_tokens,
                         context=SampleContext(tokenizer, tuple(question)))
-    n, layers, heads = state.length, state.num_layers, state.num_kv_heads
+    n, heads = state.length, state.num_kv_heads
     report("prefill", n)
     stops = stop_tokens(model, tokenizer, task.stop_at_newline)
     with timings.phase(timings.REFERENCE_DECODE):
@@ -146,6 +147,8 @@ def evaluate_sample(
     wanted = None if variants is None else set(variants)
     variants = [(label, budget, method) for label, method in methods.items() if label != REFERENCE for budget in budgets
                 if wanted is None or (label, budget) in wanted]
+    refused = infeasible_variants(variants, state)  # the memory axis: over its bytes on this prompt, never decoded
+    variants = [v for v in variants if (v[0], v[1]) not in refused]
     counts = []
     prefilled = weights + max(0, meter.mark() - meter.origin)  # the prefill's and the reference's peak
     if prefilled > memory_budget:
@@ -195,7 +198,7 @@ def evaluate_sample(
         base["all_classes"] = list(record["all_classes"])
     base.update({field: record.get(field) for field in task.fields})  # a needle's depth, a question's difficulty
 
-    def row(name, budget, out_tokens, entry_counts, kl, agreement, cap=None):
+    def row(name, budget, out_tokens, entry_counts, kl, agreement, cap=None, quantizer=None):
         prediction = tokenizer.decode(out_tokens, skip_special_tokens=True)
         score = score_sample(task, prediction, record["answers"], record.get("all_classes"))
         per_layer = entry_counts.sum(1)
@@ -212,7 +215,10 @@ def evaluate_sample(
             # Entries per KV head in each layer (the mean over heads when heads differ; then head_budgets too).
             "layer_budgets": [int(t) // heads if t % heads == 0 else round(float(t) / heads, 3) for t in per_layer],
             "peak_memory_bytes": peak,
+            "kv_bytes": kept_bytes(state, entry_counts, quantizer),  # what the kept entries take (`methods.quantized`)
         }
+        if budget is not None:  # the bytes budget B stands for on this prompt
+            fields["kv_budget_bytes"] = budget_bytes(state, budget)
         if bool((entry_counts != entry_counts[:, :1]).any()):
             fields["head_budgets"] = entry_counts.tolist()
         if total:  # absent under prompt budgets: those lines stay as they were before the option
@@ -220,11 +226,27 @@ def evaluate_sample(
             fields["peak_entries"] = peak_entries(entry_counts, len(out_tokens) - 1, cap)
         return fields
 
-    full_counts = np.full((layers, heads), n, dtype=np.int64)
+    full_counts = np.repeat(np.asarray(state.capacities, dtype=np.int64)[:, None], heads, axis=1)  # a sliding layer's window
     rows = [row(REFERENCE, None, reference.tokens, full_counts, 0.0, 1.0)] if with_full else []
-    for index, ((name, budget, _), entry_counts, out_tokens, fid) in enumerate(zip(variants, counts, tokens, quality)):
-        rows.append(row(name, budget, out_tokens, entry_counts, fid.kl, fid.agreement, caps[index] if total else None))
+    for index, ((name, budget, method), entry_counts, out_tokens, fid) in enumerate(zip(variants, counts, tokens, quality)):
+        rows.append(row(name, budget, out_tokens, entry_counts, fid.kl, fid.agreement, caps[index] if total else None,
+                        getattr(method, "quantizer", None)))
+    for (name, budget), why in refused.items():  # no numbers: reports list these as infeasible, never rank them
+        rows.append({**base, "method": name, "budget": budget, "infeasible": why, "prediction": None, "score": None,
+                     "kl": None, "agreement": None, "kv_budget_bytes": budget_bytes(state, budget)})
     return rows
+
+
+def infeasible_variants(variants, state) -> dict[tuple[str, int], str]:
+    """(method, budget) -> why, for the variants whose bytes cannot fit their budget on this prompt (a method
+    that stores its entries quantized says so through `infeasible`; eviction always fits)."""
+    refused = {}
+    for name, budget, method in variants:
+        check = getattr(method, "infeasible", None)
+        why = check(state, budget) if check is not None else None
+        if why:
+            refused[(name, budget)] = why
+    return refused
 
 
 def decode_per_method(model, state, variants, built, caps, reference, max_new_tokens, stops, batch_size, every,

@@ -38,10 +38,11 @@ def run_ceilings(config) -> frozenset[str] | None:
 # no command writes into a run folder of another kind (`safeio.check_output`).
 REPORT_FILES = ("scores.csv", "informative.csv", "leaderboard.csv", "headline.csv", "leaderboard_wide.csv", "ranks.csv",
                 "lengths.csv", "allocation_only.csv",
-                "allocation_only.md", "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png",
-                "score_forest.png", "summary.md", "report.json")
+                "allocation_only.md", "memory_axis.csv", "memory_axis.md", "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png",
+                "score_forest.png", "memory_axis.png", "summary.md", "report.json")
 # written only when the run holds what they show (samples with a prompt length; several allocators with one scorer)
-OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.md")
+OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.md", "memory_axis.csv", "memory_axis.md",
+                         "memory_axis.png")
 TIMINGS = "timings.csv"  # seconds per sample and phase, appended as samples finish (`runs.timings`)
 EVAL_FILES = (PREDICTIONS, CONFIG, TIMINGS, *REPORT_FILES)
 SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from

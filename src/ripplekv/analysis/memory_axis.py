@@ -1,0 +1,101 @@
+"""The memory-axis table: at each budget (a number of bytes), every way of spending it side by side.
+
+Eviction keeps fewer entries at full precision, a quantizer keeps every entry at fewer bits, and a method
+with a quantizer does both (`methods.quantized`). The table puts each variant's bytes (mean over samples,
+and as a share of the budget's), entries and bits beside its KL to the full cache with the leaderboard's
+interval and paired comparison; a variant that did not fit its budget on some prompt is listed as
+infeasible there, with no numbers. Written only when the run has a quantized variant.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ripplekv.runs.files import REFERENCE
+
+FULL_PRECISION_BITS = 16
+COLUMNS = ["budget", "method", "bits", "entries", "kv_bytes", "bytes_share", "kl", "kl_ci_low", "kl_ci_high",
+           "kl_ratio_vs_uniform", "kl_ratio_ci_low", "kl_ratio_ci_high", "kl_verdict", "samples", "infeasible"]
+
+
+def bits_of(spec: dict) -> int:
+    """The bits a variant stores its quantized entries at (16: full precision, no quantizer)."""
+    return int(spec.get("quantizer", {}).get("bits", FULL_PRECISION_BITS))
+
+
+def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,
+                 refused: pd.DataFrame | None = None) -> pd.DataFrame | None:
+    """memory_axis.csv from the predictions (`frame`), the leaderboard, the run's resolved specs and the lines of
+    variants that did not fit (`refused`); None when no variant is quantized."""
+    if not any("quantizer" in spec for spec in specs.values()) or "kv_bytes" not in frame.columns:
+        return None
+    lines = frame[frame["method"] != REFERENCE]
+    rows = []
+    for (method, budget), group in lines.groupby(["method", "budget"], sort=False):
+        row = {"budget": budget, "method": method, "bits": bits_of(specs.get(method, {})),
+               "entries": group["kept_entries"].mean(), "kv_bytes": group["kv_bytes"].mean(),
+               "bytes_share": (group["kv_bytes"] / group["kv_budget_bytes"]).mean()
+               if "kv_budget_bytes" in group else float("nan"), "samples": len(group)}
+        found = board[(board["method"] == method) & (board["budget"] == budget)]
+        if len(found):
+            row.update({name: found.iloc[0][name] for name in COLUMNS[6:13] if name in found.columns})
+        rows.append(row)
+    if refused is not None and len(refused):
+        for (method, budget), group in refused.groupby(["method", "budget"], sort=False):
+            rows.append({"budget": budget, "method": method, "bits": bits_of(specs.get(method, {})),
+                         "infeasible": f"{len(group)} samples: {group['infeasible'].iloc[0]}"})
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    table["budget"] = table["budget"].astype("Int64")
+    return table.sort_values(["budget", "kl"], kind="stable", na_position="last").reset_index(drop=True)
+
+
+def memory_markdown(table: pd.DataFrame) -> str:
+    """The table as markdown: per budget, each variant's bytes (share of the budget), entries, bits and KL [95% CI]."""
+    lines = ["## Memory axis: eviction, quantization and both at matched bytes", "",
+             "Budget B is the bytes of B full-precision K/V entries per layer and KV head; each variant spends at "
+             "most that (bytes: mean over samples; share: of the budget's). Quantized entries are dequantized "
+             "before attention: memory is accounted, not saved, on this engine.", "",
+             "| budget | method | bits | entries | bytes (share) | KL [95% CI] | KL / baseline [95% CI] | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in table.itertuples(index=False):
+        if isinstance(row.infeasible, str):
+            lines.append(f"| {row.budget} | {row.method} | {row.bits} | | infeasible ({row.infeasible}) | | | |")
+            continue
+        ratio = "" if pd.isna(row.kl_ratio_vs_uniform) else (
+            f"{row.kl_ratio_vs_uniform:.3g} [{row.kl_ratio_ci_low:.3g}, {row.kl_ratio_ci_high:.3g}]")
+        interval = "" if pd.isna(row.kl_ci_low) else f" [{row.kl_ci_low:.3g}, {row.kl_ci_high:.3g}]"
+        verdict = "" if pd.isna(row.kl_verdict) else row.kl_verdict
+        lines.append(f"| {row.budget} | {row.method} | {row.bits} | {row.entries:.0f} | {row.kv_bytes:.0f} "
+                     f"({row.bytes_share:.3f}) | {row.kl:.4g}{interval} | {ratio} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_memory_axis(table: pd.DataFrame, path, styles=None) -> None:
+    """memory_axis.png: KL (log, 95% CI) against the bytes each variant keeps, one line per method across the
+    budgets, so the ways of spending the same memory sit at the same x and the lowest line is the front."""
+    from ripplekv.analysis.plots import pyplot, series_styles
+    from ripplekv.runs.safeio import save_figure
+
+    plt = pyplot()
+    drawn = table[table["infeasible"].isna() & table["kl"].notna()]
+    styles = styles or series_styles(drawn["method"])
+    fig, ax = plt.subplots(figsize=(8.4, 4.6))
+    for method, group in drawn.groupby("method", sort=False):
+        group = group.sort_values("kv_bytes")
+        value = group["kl"].astype(float).clip(lower=1e-8)
+        low = group["kl_ci_low"].astype(float).clip(lower=1e-8)
+        high = group["kl_ci_high"].astype(float).clip(lower=1e-8)
+        style = styles[method]
+        ax.errorbar(group["kv_bytes"] / 2**20, value, yerr=[(value - low).clip(lower=0), (high - value).clip(lower=0)],
+                    marker=style.marker, linestyle=style.line, capsize=3, color=style.colour,
+                    markerfacecolor=style.face, label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV cache bytes kept per prompt (MiB, mean over samples)")
+    ax.set_ylabel("KL(full || variant), log scale (95% CI)")
+    ax.set_title("Fidelity vs memory: eviction, quantization and both")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+    plt.close(fig)

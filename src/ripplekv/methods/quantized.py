@@ -1,0 +1,196 @@
+"""A quantizer composed with a method: budget B is memory, spent on more entries at fewer bits.
+
+`snapkv:quant=kivi:bits=4` keeps SnapKV's entries at 4 bits, as many as the bytes of budget B allow;
+`kivi:bits=4` keeps every entry at 4 bits when that fits in B's bytes and is *infeasible* otherwise (never
+silently over budget). Budget B means the bytes of `min(L x B, sum of capacities)` full-precision (the
+model's dtype) K and V entries per KV head (`budget_bytes`); a variant's bytes (`engine.quantize.head_bytes`
+summed over layers and KV heads) never exceed them.
+
+How many entries: the largest per-head entry budget B' whose counts (the wrapped method's own allocation at
+B') fit in B's bytes, found by bisection (counts grow with B'). So a quantized variant is within one step of
+B' of its budget: less than two full-precision entries per (layer, KV head) under it (one more entry per head
+costs at most one quantized key and value plus one new key group's minimums and scales). Eviction alone is
+exact: `L x H_kv x B` entries at full precision.
+
+The entries attention reads are dequantized (`engine.quantize`): memory is accounted, not saved, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ripplekv.engine import entries as kv_entries
+from ripplekv.engine.prefill import PrefillState, Requirements
+from ripplekv.engine.quantize import QuantSpec, head_bytes, quantize_head
+from ripplekv.errors import UserError
+
+QUANT_OPTIONS = ("bits", "group", "residual")  # the quantizer's own options in a spec (`quant=` names the scheme)
+# quant= -> how keys are grouped: KIVI's per channel, or FlexGen's per token (values are per token in both)
+SCHEMES = {"kivi": "channel", "token": "token"}
+
+
+def element_bytes(state: PrefillState) -> int:
+    return int(state.keys[0].element_size())
+
+
+def head_dim(state: PrefillState) -> int:
+    return int(state.keys[0].shape[-1])
+
+
+def budget_bytes(state: PrefillState, budget: int) -> int:
+    """The memory budget B stands for on this prompt: `min(L x B, sum of capacities)` full-precision K and V
+    entries in each KV head (the entries eviction alone keeps)."""
+    entries = min(state.num_layers * budget, sum(state.capacities))
+    return state.num_kv_heads * head_bytes(entries, head_dim(state), element_bytes(state), None)
+
+
+def kept_bytes(state: PrefillState, counts: np.ndarray, spec: QuantSpec | None = None) -> int:
+    """Bytes of a variant keeping `counts` [L, H_kv] entries, stored by `spec` (None: full precision)."""
+    d, size = head_dim(state), element_bytes(state)
+    return int(sum(head_bytes(int(c), d, size, spec) for c in np.asarray(counts).ravel()))
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """`inner`'s selection at the entry budget B's bytes afford, stored by `spec` (see the module's docstring)."""
+
+    label: str
+    preset: str
+    inner: object  # a Method
+    quantizer: QuantSpec
+    _entry_budgets: dict = field(default_factory=dict, compare=False, repr=False)  # (prefill id, B) -> B' or None
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+    @property
+    def is_full(self) -> bool:
+        return False
+
+    @property
+    def prompt_dependent(self) -> bool:
+        """How many entries fit depends on the prompt's length and the model's head size and dtype."""
+        return True
+
+    @property
+    def knows_answer(self) -> bool:
+        return bool(self.inner.knows_answer)
+
+    @property
+    def evicts(self) -> bool:
+        return not self.inner.is_full
+
+    def describe(self) -> dict:
+        inner = {key: value for key, value in self.inner.describe().items() if key != "preset"}
+        return {"preset": self.preset, **inner, "quantizer": asdict(self.quantizer)}
+
+    def requirements(self) -> Requirements:
+        return self.inner.requirements()
+
+    def degenerate(self, budget: int) -> str | None:
+        """At B <= residual, a method giving every layer and head B entries keeps them all in the full-precision
+        residual (one quantized entry more would cost more than B's bytes): it is the method without quantization."""
+        allocator = getattr(self.inner, "allocator", None)
+        uniform = allocator is not None and allocator.same_budget_every_layer and not allocator.splits_heads
+        if self.evicts and uniform and budget <= self.quantizer.residual:
+            return (f"every kept entry is in the {self.quantizer.residual}-entry full-precision residual: this is "
+                    f"{self.inner.label} unquantized (raise the budget or lower residual=)")
+        return self.inner.degenerate(budget)
+
+    def layer_budgets(self, num_layers: int, budget: int, length) -> list[int]:
+        raise UserError(f"{self.label} keeps as many entries as budget {budget}'s bytes allow on each prompt; "
+                        "its per-layer counts are recorded per sample by `ripplekv eval`")
+
+    def _fits(self, state: PrefillState, counts: np.ndarray, budget: int) -> bool:
+        return kept_bytes(state, counts, self.quantizer) <= budget_bytes(state, budget)
+
+    def entry_budget(self, state: PrefillState, budget: int) -> int | None:
+        """The largest B' whose counts fit in budget B's bytes (None: none does, or, without eviction, all
+        entries do not). Cached per prefill: `budgets` and `compress` ask for the same one."""
+        key = (id(state), budget)
+        if key not in self._entry_budgets:
+            self._entry_budgets.clear()  # one prefill at a time
+            self._entry_budgets[key] = self._search(state, budget)
+        return self._entry_budgets[key]
+
+    def _search(self, state: PrefillState, budget: int) -> int | None:
+        if not self.evicts:
+            return max(state.capacities) if self._fits(state, self.inner.budgets(state, 1), budget) else None
+        low, high = 0, max(state.capacities)  # low fits (0: nothing yet), high + 1 is the first that does not
+        if self._fits(state, self.inner.budgets(state, high), budget):
+            return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self._fits(state, self.inner.budgets(state, middle), budget):
+                low = middle
+            else:
+                high = middle
+        return low or None
+
+    def infeasible(self, state: PrefillState, budget: int) -> str | None:
+        """Why this variant cannot run within budget B's bytes on this prompt (None: it can)."""
+        if self.entry_budget(state, budget) is not None:
+            return None
+        needed = kept_bytes(state, self.inner.budgets(state, 1), self.quantizer)
+        what = "every entry" if not self.evicts else "the fewest entries it keeps"
+        return (f"{what} at {self.quantizer.bits} bits takes {needed} bytes, over budget {budget}'s "
+                f"{budget_bytes(state, budget)}")
+
+    def budgets(self, state: PrefillState, budget: int) -> np.ndarray:
+        """The `[L, H_kv]` entry counts: the wrapped method's at B' (all of them without eviction). An infeasible
+        variant is refused here: the pipeline asks `infeasible` first."""
+        chosen = self.entry_budget(state, budget)
+        if chosen is None:
+            raise UserError(f"{self.label} at budget {budget}: {self.infeasible(state, budget)}")
+        return self.inner.budgets(state, chosen)
+
+    def compress(self, state: PrefillState, budget: int) -> list[kv_entries.LayerEntries]:
+        """The wrapped method's entries at B', every head's quantize-dequantized (its last `residual` untouched)."""
+        self.budgets(state, budget)
+        built = self.inner.compress(state, self.entry_budget(state, budget))
+        return [quantize_layer(layer, self.quantizer) for layer in built]
+
+
+def quantize_layer(layer: kv_entries.LayerEntries, spec: QuantSpec) -> kv_entries.LayerEntries:
+    """A layer's entries with each head's real entries (in prompt order) quantize-dequantized; new tensors, so a
+    layer sharing the prefill's keys and values leaves them intact."""
+    counts = [int(c) for c in layer.counts.tolist()]
+    in_order = bool((layer.positions[:, 1:] > layer.positions[:, :-1]).all())
+    if len(set(counts)) == 1 and counts[0] == layer.capacity and in_order:  # every head alike: all at once
+        keys, values = quantize_head(layer.keys, layer.values, spec)
+        return kv_entries.LayerEntries(keys, values, layer.positions, layer.counts, layer.log_weights, layer.spans)
+    keys, values = layer.keys.clone(), layer.values.clone()
+    for head, count in enumerate(int(c) for c in layer.counts.tolist()):
+        order = layer.positions[head, :count].argsort(stable=True)  # the residual is the most recent entries
+        k, v = quantize_head(layer.keys[head, :count][order], layer.values[head, :count][order], spec)
+        keys[head, order] = k
+        values[head, order] = v
+    return kv_entries.LayerEntries(keys, values, layer.positions, layer.counts, layer.log_weights, layer.spans)
+
+
+def split_quant_options(name: str, given: dict[str, str], spec: str) -> QuantSpec | None:
+    """Pops the quantizer's options from a parsed spec: `quant=` (kivi or token) and its `bits`, `group`,
+    `residual`. The `kivi` preset is the full cache with `quant=kivi`. None: the spec has no quantizer."""
+    scheme = given.pop("quant", None)
+    if name == "kivi":
+        if scheme is not None:
+            raise UserError(f"method spec {spec!r}: kivi is the quantizer alone; write snapkv:quant=kivi:bits=4 "
+                            "to compose it with an eviction method")
+        scheme = "kivi"
+    own = {key: given.pop(key) for key in QUANT_OPTIONS if key in given}
+    if scheme is not None and scheme not in SCHEMES:
+        raise UserError(f"method spec {spec!r}: quant must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if scheme is None:
+        if own:
+            raise UserError(f"method spec {spec!r}: option {', '.join(own)} needs a quantizer: add quant=kivi "
+                            "(or quant=token)")
+        return None
+    try:
+        return QuantSpec(key_axis=SCHEMES[scheme], **{key: int(value) for key, value in own.items()})
+    except ValueError:
+        raise UserError(f"method spec {spec!r}: options {', '.join(own)} must be integers") from None
+    except UserError as err:
+        raise UserError(f"method spec {spec!r}: {err}") from None
