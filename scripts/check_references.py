@@ -7,8 +7,9 @@ Two halves, two environments:
 - `--worker` (a separate venv, `--venv`, made when missing: the same CPU torch, kvpress 0.5.5,
   transformers 5.2.0; `check_references_worker`): load the same dequantized weights and let each kvpress
   press's own code choose: the scorer presses' `compress` in an eager hook (values replaced by their
-  positions, so the values it returns are the positions it kept), the masking presses (AdaKV,
-  CriticalAdaKV, LU-KV with our curve set on it) in an sdpa hook, and KVzipPress's own reconstruction pass.
+  positions, so the values it returns are the positions it kept; KVzap's holds our fitted surrogate), the
+  masking presses (AdaKV, CriticalAdaKV, LU-KV with our curve set on it) in an sdpa hook, and KVzipPress's
+  own reconstruction pass.
 
 For each method with reference code it prints the share of identical (layer, KV head) kept sets and the
 mean Jaccard over prompts x budgets x layers x heads, and where the reference's scores are recorded the
@@ -33,11 +34,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
 from check_references_worker import KERNEL, WINDOW
 from reference_venv import check_venv_path, default_venv, ensure_venv, one_line
 
 PYRAMID_BUDGET = 700  # kvpress's PyramidKVPress is uniform below B = 20 x window: its pyramid is checked here too
-SHIPPED_CURVE = "lukv"  # the bundled model's LU-KV curve (Expected Attention, epsilon 0.02) that LUKVPress is given
 
 # name in the output -> (our spec, reference key in the worker's output); a spec with options beside our
 # default is the one that reproduces the reference (docs/methods.md says why our default differs)
@@ -56,7 +57,9 @@ PAIRS = {
     "kvzip": ("kvzip:granularity=entry:skip_template=1:window=0", "kvzip"),
     "pyramidkv:schedule=kvpress": (f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress", "pyramidkv"),
     "lukv": ("lukv:rounding=kvpress", "lukv"),
+    **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
 }
+LEARNED = {"lukv", *KVZAP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
 EARLIER = {
     "tova:heads=kv": ("tova:heads=kv", "tova"),
@@ -161,18 +164,6 @@ def budgets_of(name: str, budgets: list[int]) -> list[int]:
     return budgets + [PYRAMID_BUDGET] if name == "pyramidkv:schedule=kvpress" and PYRAMID_BUDGET not in budgets else budgets
 
 
-def shipped_curve(out: Path) -> bool:
-    """Our LU-KV curve for the bundled model, saved for the worker to set on LUKVPress; False when none is shipped."""
-    from ripplekv.engine.models import DEFAULT_MODEL
-    from ripplekv.methods.lukv import SHIPPED, read_curve
-
-    path = SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv"
-    if not path.is_file():
-        return False
-    np.save(out / "lukv_curve.npy", read_curve(path)[0])
-    return True
-
-
 def our_side(args, out: Path) -> tuple[int, list[int]]:
     """Prompts' ids (prompt_*.npy) and our kept sets (ours_*.npz, inspect's kept.npz layout); (layers, lengths)."""
     import torch
@@ -186,7 +177,7 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
 
     model, tokenizer, _ = load_model(None, device="cpu", dtype="float32")
     budgets = [int(b) for b in args.budgets.split(",")]
-    pairs = {name: spec for name, (spec, _) in {**PAIRS, **EARLIER}.items() if name != "lukv" or args.lukv}
+    pairs = {name: spec for name, (spec, _) in {**PAIRS, **EARLIER}.items() if name not in LEARNED or name in args.learned}
     methods = {name: make_method(spec) for name, spec in pairs.items()}
     methods["cake"] = make_method("cake")
     methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
@@ -239,19 +230,6 @@ def tied_swap(scores: np.ndarray | None, head: int, kept: set[int], theirs: set[
         return False
     row = scores[head]
     return sorted(row[sorted(kept)].tolist()) == sorted(row[sorted(theirs)].tolist())
-
-
-def lukv_drift(ours_files, layers: int, budgets: list[int]) -> str:
-    """How far kvpress's rounding of our curve (its nearest-percent row, per-layer rounding) moves the total from
-    L x H x B, over the prompts and budgets: ours keeps L x H x B exactly."""
-    from ripplekv.engine.models import DEFAULT_MODEL
-    from ripplekv.methods.lukv import SHIPPED, kvpress_counts, read_curve
-
-    curve = read_curve(SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv")[0]
-    drifts = [kvpress_counts(curve, b, int(json.loads(str(np.load(p)["meta"]))["tokens"])).mean() / b - 1
-              for p in ours_files for b in budgets]
-    return (f"; kvpress's rounding of the curve keeps {min(drifts):+.2%} to {max(drifts):+.2%} of L x H x B "
-            f"(`lukv`, exact, keeps it)")
 
 
 def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> list[tuple[str, bool, str]]:
@@ -362,12 +340,13 @@ def check_and_compare(args) -> None:
     out = check_output(args.out, kind="dir")
     python = ensure_venv(Path(args.venv))
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("*.npz")) + list(out.glob("*.npy")):
+    for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors")]:
         old.unlink()
     from ripplekv.engine.models import _source_and_location
 
     _, model_dir = _source_and_location(None)
-    args.lukv = shipped_curve(out)
+    has_curve, surrogates = shipped_curve(out), shipped_surrogates(out)
+    args.learned = ({"lukv"} if has_curve else set()) | set(surrogates)
     layers, lengths = our_side(args, out)
     subprocess.run([str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir, "--out", str(out),
                     "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets)))], check=True,
@@ -377,8 +356,8 @@ def check_and_compare(args) -> None:
     versions = json.loads((out / "reference_versions.json").read_text())
     print(f"reference code: kvpress {versions['kvpress']}, transformers {versions['transformers']}, torch {versions['torch']}; "
           f"{len(lengths)} prompts ({min(lengths)}-{max(lengths)} tokens), B = {args.budgets}")
-    if not args.lukv:
-        print("lukv: no curve shipped for the bundled model (src/ripplekv/data/lukv/), so LUKVPress is not checked")
+    for line in missing_lines(has_curve, surrogates):
+        print(line)
     for _, _, text in sorted(lines, key=lambda line: line[1] is None):
         print(text)
     checked = [ok for _, ok, _ in lines if ok is not None]

@@ -6,9 +6,11 @@ Three passes over each prompt with the bundled model's dequantized weights, each
   redirected to the real values (Expected Attention and CriticalKV weigh by them). The hook leaves the cache
   alone. It also records what the rules re-implemented on our side read (SnapKV scores, CAKE's and the
   allocators' signals, key norms and each scorer's scores to tell tied entries apart).
-- sdpa: the presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV
-  with our curve set on it) run their `compress` in the same kind of hook; kept = every position not in
-  the press's `masked_key_indices`.
+- sdpa: KVzapPress holding our surrogate for the bundled model (`check_references_learned`), not the hub's,
+  its `compress` as in the eager hook (sdpa is what our prefill runs, so the hidden states are ours); and the
+  presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV with our
+  curve set on it) run their `compress` in the same kind of hook; kept = every position not in the press's
+  `masked_key_indices`.
 - KVzip: `KVzipPress` as kvpress runs it (prefill under the press, then its own chunked reconstruction pass
   through the cache), its final selection (`compress_post`) made once per budget from the one scoring.
 Kept sets are written as `[H, most kept]` position arrays padded with -1, one per (press, budget, layer).
@@ -60,8 +62,9 @@ def kept_by_mask(module, heads: int, n: int) -> np.ndarray:
     return padded([np.flatnonzero(row) for row in keep])
 
 
-def build_presses(model, curve_path: Path | None):
+def build_presses(model, curve_path: Path | None, out: Path):
     """(eager presses, sdpa presses): each name the comparison reads, configured as its pair on our side."""
+    from check_references_learned import kvzap_presses
     from kvpress import (
         AdaKVPress,
         CriticalAdaKVPress,
@@ -91,6 +94,9 @@ def build_presses(model, curve_path: Path | None):
     for press in [*eager.values(), *sdpa.values()]:
         if not isinstance(press, LUKVPress):
             press.post_init_from_model(model)
+    # our surrogates set on KVzapPress (its own init would download the hub's); scored under sdpa, the attention our
+    # prefill runs, so the hidden states they read are the same numbers on both sides
+    sdpa.update(kvzap_presses(out))
     return eager, sdpa
 
 
@@ -118,7 +124,7 @@ def worker(args) -> None:
         layer.self_attn.rotary_emb = model.model.rotary_emb  # as a press's context manager sets it
     out = Path(args.out)
     curve = out / "lukv_curve.npy"
-    eager, sdpa = build_presses(model, curve if curve.exists() else None)
+    eager, sdpa = build_presses(model, curve if curve.exists() else None, out)
     budgets = [int(b) for b in args.budgets.split(",")]
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     for ids_path in sorted(out.glob("prompt_*.npy")):
@@ -195,10 +201,16 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         cache_layer = kwargs["past_key_values"].layers[layer]
         keys, values, hidden = cache_layer.keys, cache_layer.values, kwargs["hidden_states"]
         for name, press in sdpa.items():
+            scorer = name.startswith("kvzap")  # a scorer press (top-k), not a masking one
             for budget in budgets:
                 press.compression_ratio = ratio(name, budget, n, 0)
+                if scorer:
+                    record[f"{name}/{budget}/{layer}"] = kept_by_compress(press, module, hidden, keys, values, None, kwargs)
+                    continue
                 press.compress(module, hidden, keys, values, None, kwargs)
                 record[f"{name}/{budget}/{layer}"] = kept_by_mask(module, heads, n)
+            if scorer:
+                record[f"{name}_scores/{layer}"] = press.score(module, hidden, keys, values, None, kwargs)[0].float().numpy()
         if "lukv" in sdpa:
             scores = sdpa["lukv"].press.score(module, hidden, keys, values, None, kwargs)
             record[f"lukv_scores/{layer}"] = scores[0].float().numpy()

@@ -91,6 +91,19 @@ def headline_lines(eval_dir: Path, title: str) -> list[str]:
     return lines
 
 
+def memory_lines(out: Path) -> list[str]:
+    """The memory axis (OUT/eval-memory, when MEMORY_METHODS ran): per budget, the way of spending its bytes
+    closest to the full cache against the runner-up (tied where their interval holds 0), then every variant."""
+    run = out / "eval-memory"
+    table = run / "memory_axis.md"
+    if not table.is_file():
+        return []
+    lines = headline_lines(run, "Memory axis: the best way found to spend each budget's bytes")
+    body = [line for line in table.read_text().splitlines() if not line.startswith("## ")]
+    return lines + ["", "Every variant at matched bytes (`eval-memory/memory_axis.csv`):", *body,
+                    "![memory axis](eval-memory/memory_axis.png)"]
+
+
 def informative_lines(eval_dir: Path) -> list[str]:
     """One sentence: the tasks that count in the score averages and those flagged out, with their numbers."""
     path = eval_dir / "informative.csv"
@@ -404,7 +417,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
     )
     stages = ("profile", "allocate", "profile-evict", "allocate-depthkv", "profile-evict-kl", "profile-infonce",
               "compresskv-profile", "route", "predictors", "tune", "eval", "eval-draws", "eval-headline", "eval-compare",
-              "eval-context-only", "long-prompt", "long-total", "needle", "gemma-profile", "gemma-allocate", "gemma-eval")
+              "eval-context-only", "eval-memory", "long-prompt", "long-total", "needle", "gemma-profile", "gemma-allocate", "gemma-eval")
     draw_stages = [f"{stage}-d{d}" for d, _, _ in draw_dirs(out)[1:] for stage in stages[:8]]  # draws 1.. (#42)
     stages = stages[:8] + tuple(draw_stages) + stages[8:]
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in stages if (out / f".{stage}.cmd").is_file()]
@@ -419,6 +432,7 @@ def main(out: Path, config: str, final: str | None = None) -> None:
            "The committed results of `make reproduce` are in `results/README.md`."] if quick else []),
         "",
         *headline_lines(out / "eval", "Headline, with-question protocol")[1:],
+        *memory_lines(out),
         *allocation_lines(out / "eval"),
         "",
         "## Evaluation",

@@ -45,6 +45,9 @@ def load_script(name: str):
     return module
 
 
+HIDDEN = TINY["hidden_size"]  # the attention inputs' width of the tiny models (and of states built without one)
+
+
 def tiny_llama(vocab_size: int = 101, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
@@ -217,12 +220,16 @@ def satisfy(state, tokenizer=None):
     needs = Requirements(signals={TOKENIZER, REFERENCE_ANSWER})
     record_context(state, needs, SampleContext(tokenizer or StubTokenizer(), (3,)))
     record_reference(state, [7, 8, 9])
+    if "hidden_states" not in state.signals:  # a state built without a prefill: attention inputs of every_method's width
+        generator = torch.Generator().manual_seed(0)
+        state.signals["hidden_states"] = [torch.randn(state.length, HIDDEN, generator=generator)
+                                          for _ in range(state.num_layers)]
     return state
 
 
 def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 1) -> dict:
     """Every registered method, with the inputs the ones that need them get (an allocation, a route, an LU-KV
-    curve for `num_layers` x `kv_heads`).
+    curve and a KVzap surrogate for `num_layers` x `kv_heads`).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
     """
@@ -241,6 +248,13 @@ def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int
         tilt = np.linspace(0.6, 1.4, num_layers * kv_heads).reshape(num_layers, kv_heads)
         curve = np.clip(RATIOS[:, None, None] * tilt / tilt.mean(), 0.0, 0.99)
         needs["lukv"] = {"curve": str(write_curve(folder / "lukv.csv", curve, {}))}
+    if only in (None, "kvzap"):  # a random-weight surrogate over the tiny models' attention inputs
+        from ripplekv.methods import kvzap_surrogate
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            layers = kvzap_surrogate.build("mlp", HIDDEN, kv_heads, num_layers)
+        needs["kvzap"] = {"weights": str(kvzap_surrogate.save(Path(folder) / "kvzap.safetensors", "mlp", layers, {}))}
     return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
 
 

@@ -94,6 +94,9 @@ else:
         "all methods,128,2,criticalkv,0.4,snapkv,0.5,-0.1,-0.2,0.05,0.3,0.3,tied,0.3,13,12,1,-2,4,0.5,0.5,tied,8\n")
     (out / "informative.csv").write_text("task,samples,full_score,trivial_answer,trivial_score,margin,margin_low,informative\n"
                                          "niah,2,100,x,0,100,80,True\ncode,2,1.5,```,40,-38.5,-60,False\n")
+    if any("kivi" in spec for spec in specs):  # a quantized variant: the report's memory-axis table
+        (out / "memory_axis.md").write_text("## Memory axis\n\n| budget | method | bits |\n|---|---|---|\n"
+                                            "| 128 | snapkv:quant=kivi:bits=4 | 4 |\n")
 '''
 
 CONFIG = """MODEL=
@@ -221,6 +224,24 @@ def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headl
     assert "| tied " in readme and "Tied at B=128" in readme and "ceiling" not in readme and "gap closed" not in readme
     assert "-0.100 [-0.200, -0.050] closer" in readme and "2 samples" in readme  # against snapkv, from the leaderboard
     assert "Informative tasks" in readme and "code (full cache 1.50, best constant answer 40.00)" in readme
+
+
+def test_the_memory_axis_runs_only_when_configured_and_the_page_names_the_best_way_per_budget(project):
+    """MEMORY_METHODS's eval into OUT/eval-memory; the page gives its headline (closest way of spending each
+    budget's bytes against the runner-up, tied when their interval holds 0) and the memory-axis table."""
+    config = project / "configs" / "reproduce.env"
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    assert not (project / "results" / "eval-memory").exists() and "Memory axis" not in (project / "results" / "README.md").read_text()
+    config.write_text(CONFIG + 'MEMORY_METHODS=full,snapkv,ripplekv,kivi:bits=4,snapkv:quant=kivi:bits=4\nMEMORY_BUDGETS="128"\n'
+                      "MEMORY_LIMIT=2\n")
+    done = reproduce(project)
+    assert done.returncode == 0, done.stderr
+    readme = (project / "results" / "README.md").read_text()
+    assert "--out results/eval-memory" in readme and "--methods full,snapkv,ripplekv,kivi:bits=4,snapkv:quant=kivi:bits=4" in readme
+    section = readme[readme.index("## Memory axis: the best way found"):]
+    assert "`criticalkv` 0.400" in section and "| tied " in section and "| 128 | snapkv:quant=kivi:bits=4 | 4 |" in section
+    assert "![memory axis](eval-memory/memory_axis.png)" in section
 
 
 LONG = """LONG_TASKS=paragraph_recall

@@ -26,7 +26,7 @@ METHOD_FAMILIES = {
     "seed systems": ("depthkv", "routed", "gracekv"),
     "layer and head allocators": ("pyramidkv", "cake", "adakv", "layer-defensivekv", "kvzip", "dynamickv", "lava",
                                   "squeezeattention", "pyramidinfer", "compresskv", "lukv"),
-    "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff"),
+    "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff", "kvzap"),
     "quantizers": ("kivi",),  # alone; any method composes with one (METHOD:quant=kivi:bits=4)
     "answer-aware": CEILINGS,
 }

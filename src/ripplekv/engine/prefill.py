@@ -179,8 +179,13 @@ def prefill(
     # A plain cache keeps every prompt position in every layer (a model's own would cut sliding layers to their
     # window); the attention masks, sliding ones included, are the model's, so K/V and logits do not change.
     watching = [recorder for recorder in recorders if not isinstance(recorder, FromSample)]
-    out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
-                ripplekv_recorders=watching)
+    hooks = [hook for recorder in watching for hook in recorder.attach(model)]
+    try:
+        out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
+                    ripplekv_recorders=watching)
+    finally:
+        for hook in hooks:
+            hook.remove()
     dyn = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
     num_layers = model.config.num_hidden_layers
     windows = adapter.layer_windows(model.config)

@@ -64,6 +64,10 @@ class Recorder:
         """The recorded result once the full cache's answer (`tokens`) is known; unchanged by default."""
         return recorded
 
+    def attach(self, model) -> list:
+        """Hooks this recorder sets on the model for the prefill's one forward (removed after it); most need none."""
+        return []
+
 
 class PerLayer(Recorder):
     """A recorder whose result is one object per layer."""

@@ -49,7 +49,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {}
 # Options naming a file: labels show the file name only.
-FILE_OPTIONS = ("allocation", "route", "profile", "curve")
+FILE_OPTIONS = ("allocation", "route", "profile", "curve", "weights")
 
 
 def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
@@ -91,6 +91,8 @@ preset("kvzip", "global", "kvzip", "KVzip: max attention from a context-reconstr
 preset("lukv", "lukv", "lukv", "LU-KV: per-layer and per-head budgets from an offline curve (a greedy over oracle "
        "importance on calibration prompts), Expected Attention scores (epsilon 0.02, 4 sinks, window 1; kvpress LUKVPress)",
        kind=CurveMethod)
+preset("kvzap", "uniform", "kvzap", "KVzap: KVzip's scores predicted from each layer's hidden states by a surrogate "
+       "fitted here on calibration prompts (MLP; model=linear), window 32, no second pass (kvpress KVzapPress)")
 preset("dynamickv", "dynamickv", "dynamickv", "DynamicKV: layer budgets from a global top-k of every layer's window "
        "attention (all layers at once), SnapKV scores at window 8, average pooling (DreamMr/DynamicKV)")
 preset("lava", "lava", "lava", "LAVa: layer budgets from the entropy of value-weighted window attention, heads "

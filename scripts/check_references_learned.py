@@ -1,0 +1,92 @@
+"""check-references' learned parts: what the presses that download trained artefacts are given instead (ours).
+
+kvpress's `LUKVPress` reads a budget curve and `KVzapPress` a surrogate from the hub, both trained for 8B
+models; here each gets the one we profiled or fitted for the bundled model on calibration prompts
+(`src/ripplekv/data/lukv/`, `src/ripplekv/data/kvzap/`), copied into the run folder for the worker (which
+imports no ripplekv). A method whose artefact is not shipped is left out of the check, with one line saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+SHIPPED_CURVE = "lukv"  # the bundled model's LU-KV curve (Expected Attention, epsilon 0.02) that LUKVPress is given
+# check name -> (our spec reproducing the press, the worker's press key, the surrogate kind it loads)
+KVZAP_PAIRS = {"kvzap": ("kvzap:window=0", "kvzap", "mlp"),
+               "kvzap:model=linear": ("kvzap:model=linear:window=0", "kvzap-linear", "linear")}
+
+
+def shipped_curve(out: Path) -> bool:
+    """Our LU-KV curve for the bundled model, saved for the worker to set on LUKVPress; False when none is shipped."""
+    from ripplekv.engine.models import DEFAULT_MODEL
+    from ripplekv.methods.lukv import SHIPPED, read_curve
+
+    path = SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv"
+    if not path.is_file():
+        return False
+    np.save(out / "lukv_curve.npy", read_curve(path)[0])
+    return True
+
+
+def shipped_surrogates(out: Path) -> list[str]:
+    """The check names of the KVzap surrogates shipped for the bundled model, each copied (weights + shapes) into
+    `out` as `KEY.safetensors` / `KEY.json` for the worker to load into kvpress's `KVzapModel`."""
+    from ripplekv.methods.kvzap import shipped_weights
+
+    found = []
+    for name, (_, key, kind) in KVZAP_PAIRS.items():
+        path = shipped_weights(kind)
+        if path.is_file() and path.with_suffix(".json").is_file():
+            shutil.copyfile(path, out / f"{key}.safetensors")
+            shutil.copyfile(path.with_suffix(".json"), out / f"{key}.json")
+            found.append(name)
+    return found
+
+
+def missing_lines(has_curve: bool, surrogates: list[str]) -> list[str]:
+    """One line per learned method the check leaves out because its artefact is not shipped."""
+    lines = [] if has_curve else ["lukv: no curve shipped for the bundled model (src/ripplekv/data/lukv/), so LUKVPress "
+                                  "is not checked"]
+    lines += [f"{name}: no surrogate shipped for the bundled model (src/ripplekv/data/kvzap/), so KVzapPress is not "
+              "checked" for name in KVZAP_PAIRS if name not in surrogates]
+    return lines
+
+
+def lukv_drift(ours_files, layers: int, budgets: list[int]) -> str:
+    """How far kvpress's rounding of our curve (its nearest-percent row, per-layer rounding) moves the total from
+    L x H x B, over the prompts and budgets: ours keeps L x H x B exactly."""
+    from ripplekv.engine.models import DEFAULT_MODEL
+    from ripplekv.methods.lukv import SHIPPED, kvpress_counts, read_curve
+
+    curve = read_curve(SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv")[0]
+    drifts = [kvpress_counts(curve, b, int(json.loads(str(np.load(p)["meta"]))["tokens"])).mean() / b - 1
+              for p in ours_files for b in budgets]
+    return (f"; kvpress's rounding of the curve keeps {min(drifts):+.2%} to {max(drifts):+.2%} of L x H x B "
+            f"(`lukv`, exact, keeps it)")
+
+
+def kvzap_presses(out: Path) -> dict:
+    """(worker side, reference venv) worker key -> kvpress `KVzapPress` holding our surrogate from `out`, in place
+    of the hub model its `post_init_from_model` would download."""
+    import torch
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel, KVzapPress
+    from safetensors.torch import load_file
+
+    presses = {}
+    for _, key, kind in KVZAP_PAIRS.values():
+        path = out / f"{key}.safetensors"
+        if not path.is_file():
+            continue
+        info = json.loads((out / f"{key}.json").read_text())
+        config = KVzapConfig(input_dim=info["input_dim"], output_dim=info["output_dim"], hidden_dim=info["hidden_dim"],
+                             n_modules=info["n_modules"])
+        surrogate = KVzapModel(config)
+        surrogate.load_state_dict({name: value.to(torch.float32) for name, value in load_file(str(path)).items()})
+        press = KVzapPress(model_type=kind)
+        press.kvzap_model = surrogate.eval()
+        presses[key] = press
+    return presses

@@ -1,0 +1,155 @@
+"""KVzap's surrogates fitted on calibration prompts (never evaluated ones), resumable, with their held-out fit.
+
+The paper's protocol at our scale: each calibration prompt (`ripplekv profile`'s: the offline suite's
+calibration split, disjoint from every evaluated sample) is prefilled once, recording every layer's
+attention input; our KVzip scorer's reconstruction pass scores its entries, and `tokens` random positions
+(past the sinks, whose KVzip score is fixed) give (hidden state, log score per KV head) pairs. Each prompt's
+pairs land in `samples/ID.npz` and one line of `samples.jsonl` as soon as they are done, so a killed run
+resumes and other settings are refused. Every `holdout`-th prompt is held out: the surrogates (`mlp`,
+`linear`) are fitted on the rest and their rank correlation with KVzip's scores on the held-out pairs,
+per layer, goes into each weights file's provenance (`kvzap-KIND.safetensors` + `.json`).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ripplekv.errors import UserError
+from ripplekv.methods import kvzap_surrogate
+from ripplekv.runs.safeio import UnitLog, atomic_write, exclusive, other_files
+from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+
+LOG = "samples.jsonl"
+N_SINK, CHUNK = 4, 2048  # our KVzip scorer's defaults (its reconstruction pass)
+FLOOR = 1e-10  # KVzip scores below this (no query attends) are taken as this before the log
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """Everything that determines the fitted surrogates (the log's header and each file's provenance)."""
+
+    calib_samples: int = 16
+    target_tokens: int = 1000
+    tokens: int = 500  # sampled positions per prompt (the paper's 500)
+    holdout: int = 4  # every holdout-th prompt is held out for the reported fit
+    epochs: int = 15
+    seed: int = 0
+
+    def check(self) -> None:
+        if min(self.calib_samples, self.tokens, self.epochs) < 1 or self.target_tokens < 64 or self.holdout < 2:
+            raise UserError("--calib-samples, --tokens and --epochs must be positive, --target-tokens at least 64 "
+                            "and --holdout at least 2")
+        if self.calib_samples < self.holdout:
+            raise UserError(f"--calib-samples ({self.calib_samples}) must be at least --holdout ({self.holdout}): "
+                            "one prompt in every --holdout is held out to measure the fit")
+
+
+def prompt_pairs(model, tokenizer, ids: list[int], tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(hidden [L, k, D] float32, log KVzip scores [L, k, H]) at k random positions past the sinks of one prompt."""
+    from ripplekv.engine.prefill import Requirements, prefill_for
+    from ripplekv.engine.recorders import SampleContext
+    from ripplekv.methods.kvzap import HIDDEN_STATES
+    from ripplekv.methods.kvzip import TOKENIZER, reconstruction_scores
+
+    state = prefill_for(model, ids, Requirements(signals={HIDDEN_STATES, TOKENIZER}),
+                        context=SampleContext(tokenizer=tokenizer))
+    scores = reconstruction_scores(state, N_SINK, CHUNK)  # [L, H, n]
+    candidates = np.arange(N_SINK, state.length)
+    chosen = np.sort(np.random.default_rng(seed).choice(candidates, min(tokens, len(candidates)), replace=False))
+    picked = torch.as_tensor(chosen, device=state.device)
+    hidden = torch.stack([h[picked].float() for h in state.signal(HIDDEN_STATES)]).cpu().numpy()
+    targets = torch.log(scores[:, :, picked].clamp_min(FLOOR)).transpose(1, 2).cpu().numpy()
+    return hidden, targets
+
+
+def stacked(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer (inputs [N, D], targets [N, H]) over the prompts `names`."""
+    loaded = [np.load(folder / name) for name in names]
+    hidden = np.concatenate([d["hidden"] for d in loaded], axis=1)
+    targets = np.concatenate([d["targets"] for d in loaded], axis=1)
+    return [torch.from_numpy(h) for h in hidden], [torch.from_numpy(t) for t in targets]
+
+
+def held_out_fit(layers, inputs, targets) -> dict:
+    """Rank correlation (mean over KV heads) and R^2 of the predicted log scores, per layer, on held-out pairs."""
+    ranks, r2 = [], []
+    for module, x, y in zip(layers, inputs, targets):
+        predicted = kvzap_surrogate.predict(module, x).T.numpy()
+        truth = y.numpy()
+        ranks.append(float(np.mean([kvzap_surrogate.spearman(predicted[:, h], truth[:, h]) for h in range(truth.shape[1])])))
+        r2.append(float(1 - ((predicted - truth) ** 2).sum() / ((truth - truth.mean(0)) ** 2).sum()))
+    return {"spearman_per_layer": [round(v, 4) for v in ranks], "r2_per_layer": [round(v, 4) for v in r2],
+            "spearman_mean": round(float(np.mean(ranks)), 4), "r2_mean": round(float(np.mean(r2)), 4)}
+
+
+def fit_surrogates(out: Path, model_spec, settings: FitSettings, kinds=kvzap_surrogate.KINDS, device: str = "auto",
+                   dtype: str = "auto", bar=None) -> dict[str, tuple[Path, dict]]:
+    """Collect (or resume) the calibration pairs into `out`, fit each surrogate of `kinds`; kind -> (weights file,
+    held-out fit). `bar(total, done)` gives (context manager, advance) for a progress bar."""
+    from ripplekv.engine.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model
+
+    settings.check()
+    for kind in kinds:
+        kvzap_surrogate.build(kind, 1, 1, 0)  # an unknown kind is one line before any work
+    out = Path(out)
+    owned = [LOG] + [f"kvzap-{k}.{s}" for k in kvzap_surrogate.KINDS for s in ("safetensors", "json")]
+    foreign = [name for name in other_files(out, owned) if name != "samples"]
+    if foreign:
+        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
+    device, dtype = resolve_device_dtype(device, dtype)
+    source = resolve_model(model_spec)
+    prompts = calibration_prompts(load_tokenizer(model_spec), settings.calib_samples, probe_tokens=1,
+                                  target_tokens=settings.target_tokens)
+    header = {"model": source.label, **asdict(settings), "calibration_ids": [p.sample_id for p in prompts],
+              "calibration_hash": calibration_hash(prompts), "targets": f"log max(KVzip score, {FLOOR}), our kvzip scorer "
+              f"(n_sink {N_SINK}, chunk {CHUNK})", "inputs": "each layer's attention input (after its input norm)"}
+    with exclusive(out, "kvzap fit"):
+        log = UnitLog(out / LOG, header, remedy="use a new --out directory")
+        todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
+        if todo:
+            model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
+            context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
+            with context:
+                for index, prompt in todo:
+                    begun = time.perf_counter()
+                    ids = prompt.context + prompt.probe
+                    hidden, targets = prompt_pairs(model, tokenizer, ids, settings.tokens, settings.seed + index)
+                    name = f"samples/{prompt.sample_id}.npz"
+                    data = npz_bytes(hidden=hidden, targets=targets)
+                    atomic_write(out / name, lambda tmp, data=data: tmp.write_bytes(data))
+                    log.append(prompt.sample_id, {"pairs": name, "tokens": len(ids),
+                                                  "seconds": round(time.perf_counter() - begun, 2)})
+                    if advance is not None:
+                        advance(index)
+        done = [log.done[p.sample_id] for p in prompts]
+        held = [d["pairs"] for i, d in enumerate(done) if i % settings.holdout == settings.holdout - 1]
+        train = [d["pairs"] for d in done if d["pairs"] not in held]
+        inputs, targets = stacked(out, train)
+        test_inputs, test_targets = stacked(out, held)
+        written = {}
+        for kind in kinds:
+            begun = time.perf_counter()
+            torch.manual_seed(settings.seed)
+            layers = kvzap_surrogate.fit(kind, inputs, targets, epochs=settings.epochs)
+            fit = held_out_fit(layers, test_inputs, test_targets)
+            provenance = {**header, "train_prompts": len(train), "held_out_prompts": len(held),
+                          "train_pairs": int(inputs[0].shape[0]), "held_out_pairs": int(test_inputs[0].shape[0]),
+                          "held_out_fit": fit, "prompt_tokens": [d["tokens"] for d in done],
+                          "collect_seconds": round(sum(d["seconds"] for d in done), 1),
+                          "fit_seconds": round(time.perf_counter() - begun, 1)}
+            path = kvzap_surrogate.save(out / f"kvzap-{kind}.safetensors", kind, layers, provenance)
+            written[kind] = (path, fit)
+    return written
+
+
+def npz_bytes(**arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    return buffer.getvalue()
