@@ -279,14 +279,14 @@ def test_a_mistake_is_one_line_exit_2_and_touches_no_input(inputs, tiny_model_di
 
 def test_budgets_resolves_the_allocation_as_eval_does(run_cli, tmp_path, monkeypatch):
     """`budgets --methods ripplekv` on the bundled model uses the allocation shipped for it, as `eval` does."""
-    from ripplekv.cli.evaluation import default_allocation
     from ripplekv.methods import make_method
+    from ripplekv.pipeline.eval_plan import default_allocation
 
     monkeypatch.chdir(tmp_path)  # no runs/allocate/allocation.csv here: the shipped one applies
     code, out, err = run_cli("budgets", "--methods", "ripplekv", "--budget", "64", "--format", "csv")
     assert code == 0, err
     assert "using the allocation shipped for" in err
-    shipped, _ = default_allocation(None)
+    shipped, _ = default_allocation(["ripplekv"], bundled=True)
     expected = make_method("ripplekv", allocation=shipped).layer_budgets(30, 64, 3500)
     assert [int(line.split(",")[2]) for line in out.strip().splitlines()[1:]] == expected
     assert len(set(expected)) > 1  # a real allocation, not uniform

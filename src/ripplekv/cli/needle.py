@@ -49,16 +49,15 @@ def needle_command(
     """Accuracy and KL over needle depth x context length, one heatmap panel per method at each budget."""
     from rich.console import Console
 
-    from ripplekv.cli.evaluation import default_allocation
-    from ripplekv.methods.presets import options_taken
+    from ripplekv.cli.evaluation import model_is_bundled
     from ripplekv.pipeline import eval_plan
     from ripplekv.pipeline.needle import parse_lengths, run_needle
 
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_NEEDLE
     names = eval_plan.parse_names(methods, "--methods")
-    if allocation is None and "allocation" in options_taken(names):
-        allocation, note = default_allocation(model)
+    if allocation is None:  # the one rule of eval, budgets and the API
+        allocation, note = eval_plan.default_allocation(names, bundled=model_is_bundled(model))
         if note:
             console.print(note, soft_wrap=True)
     settings = eval_plan.EvalSettings(
