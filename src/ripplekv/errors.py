@@ -17,10 +17,9 @@ def _phrase(message: str, settings, spell: Callable[[str], str] | None) -> str:
     return message
 
 
-class UserError(Exception):
-    """Bad input, missing data or an unsupported model: the message says what is wrong and what to do.
-
-    `settings`: the names written `{name}` in the message (see the module docstring)."""
+class _Phrased:
+    """A message whose `args` are (text, *settings): the names written `{name}` in the text (see the module
+    docstring), spelt when the message is shown."""
 
     def __init__(self, message: str = "", *settings: str):
         super().__init__(message, *settings)
@@ -33,18 +32,13 @@ class UserError(Exception):
         return self.phrased()
 
 
-class Notice(UserWarning):
+class UserError(_Phrased, Exception):
+    """Bad input, missing data or an unsupported model: the message says what is wrong and what to do."""
+
+
+class Notice(_Phrased, UserWarning):
     """What the user should know while the work goes on (the CLI prints it as one `note:` line); the libraries
     warn with it (`warnings.warn`) instead of printing. Named settings as for `UserError`."""
-
-    def __init__(self, message: str = "", *settings: str):
-        super().__init__(message, *settings)
-
-    def phrased(self, spell: Callable[[str], str] | None = None) -> str:
-        return _phrase(str(self.args[0]) if self.args else "", self.args[1:], spell)
-
-    def __str__(self) -> str:
-        return self.phrased()
 
 
 # The errors a long run meets when its disk fills up or was never writable: the user can fix these.
