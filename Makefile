@@ -6,7 +6,7 @@ STAMP   := .venv/.installed
 # `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
 REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
-.PHONY: install test reproduce reproduce-quick reproduce-full bench clean check-references bench-peer
+.PHONY: install test reproduce reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
 
 install: $(STAMP)
 
@@ -36,6 +36,12 @@ reproduce: install
 
 reproduce-quick: install
 	bash scripts/reproduce.sh configs/quick.env
+
+reproduce-gemma: install
+	# The second model (Gemma 3 270M) into results/gemma3 (configs/gemma3.env); then results/README.md again, which
+	# pairs the two models' rankings, when results/ holds the bundled model's run.
+	bash scripts/reproduce.sh configs/gemma3.env
+	if [ -f results/eval/leaderboard.csv ]; then $(PY) scripts/write_results_readme.py results configs/reproduce.env results; fi
 
 reproduce-full: install
 	# The whole zoo, both protocols, long answers, into results-full/ (hours on 2 cores; see configs/full.env).

@@ -37,8 +37,6 @@ EVALS = {
                     "TARGET_TOKENS"),
     "long": ("LONG_METHODS", True, False, "LONG_TASKS", "LONG_BUDGETS", "with-question", ("prompt", "total"),
              "offline", "LONG_TARGET_TOKENS"),
-    "gemma-eval": ("GEMMA_METHODS", True, False, "GEMMA_TASKS", "GEMMA_BUDGETS", "with-question", ("prompt",), "SUITE",
-                   "GEMMA_TARGET_TOKENS"),
 }
 # A method (preset) whose input comes from an optional stage: preset -> (its option, the setting that runs the stage)
 STAGE_INPUTS = {"depthkv": ("allocation", "EVICT_CALIB_SAMPLES"), "compresskv": ("profile", "COMPRESSKV_CALIB_SAMPLES"),
@@ -47,11 +45,10 @@ REQUIRED = ("OUT", "CALIB_SAMPLES", "SEEDS", "ETA", "PROBE_TOKENS", "RATIOS", "S
             "BUDGETS", "METHODS", "LIMIT", "TARGET_TOKENS")
 COUNTS = ("CALIB_SAMPLES", "SEEDS", "PROBE_TOKENS", "SWEEP_SAMPLES", "LIMIT", "TARGET_TOKENS", "EVICT_CALIB_SAMPLES",
           "COMPRESSKV_CALIB_SAMPLES", "ROUTE_CALIB_SAMPLES", "HEADLINE_LIMIT", "COMPARE_LIMIT", "CONTEXT_LIMIT",
-          "LONG_LIMIT", "LONG_TARGET_TOKENS", "DRAWS", "NEEDLE_LIMIT", "GEMMA_CALIB_SAMPLES", "GEMMA_LIMIT",
-          "GEMMA_TARGET_TOKENS", "MEMORY_LIMIT")
+          "LONG_LIMIT", "LONG_TARGET_TOKENS", "DRAWS", "NEEDLE_LIMIT", "MEMORY_LIMIT")
 # Budget lists (and single budgets) a stage takes; an unset one falls back as reproduce.sh says (e.g. BUDGETS).
 BUDGET_SETTINGS = ("SWEEP_BUDGET", "ROUTE_BUDGET", "BUDGETS", "CONTEXT_BUDGETS", "LONG_BUDGETS", "COMPARE_BUDGETS",
-                   "DRAW_BUDGETS", "NEEDLE_BUDGET", "GEMMA_BUDGETS", "MEMORY_BUDGETS")
+                   "DRAW_BUDGETS", "NEEDLE_BUDGET", "MEMORY_BUDGETS")
 
 
 def setting(name: str) -> str:
@@ -112,15 +109,16 @@ def check_numbers() -> None:
     number("ETA", 0, MAX_ETA, closed=False)
     number("PRUNE_RATIO", 0, 1, closed=False)
     number("DEPTHKV_FLOOR", 0, 1)
-    for name in ("RATIOS", "GEMMA_RATIOS"):
-        for ratio in setting(name).split():
-            try:
-                ok = float(ratio) >= 1 and math.isfinite(float(ratio))
-            except ValueError:
-                ok = False
-            if not ok:
-                raise UserError(f"{name}={setting(name)!r}: {ratio!r} is not a ratio >= 1")
-    whole("GEMMA_MAX_EXTENSIONS", minimum=0)
+    for ratio in setting("RATIOS").split():
+        try:
+            ok = float(ratio) >= 1 and math.isfinite(float(ratio))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UserError(f"RATIOS={setting('RATIOS')!r}: {ratio!r} is not a ratio >= 1")
+    for kept in setting("CARRY").split():
+        if "/" in kept or kept in (".", ".."):
+            raise UserError(f"CARRY={setting('CARRY')!r}: {kept!r} is not a folder name inside OUT (e.g. gemma3)")
     for name in BUDGET_SETTINGS:
         if setting(name):
             budgets(name)
@@ -143,9 +141,7 @@ def check_numbers() -> None:
         except UserError as err:
             raise UserError(f"TUNE: {err}") from None
     for name, needs in (("CONTEXT_METHODS", ("CONTEXT_BUDGETS", "CONTEXT_LIMIT")),
-                        ("LONG_TASKS", ("LONG_METHODS", "LONG_BUDGETS", "LONG_LIMIT", "LONG_TARGET_TOKENS")),
-                        ("GEMMA_MODEL", ("GEMMA_CALIB_SAMPLES", "GEMMA_TASKS", "GEMMA_BUDGETS", "GEMMA_METHODS",
-                                         "GEMMA_LIMIT", "GEMMA_TARGET_TOKENS"))):
+                        ("LONG_TASKS", ("LONG_METHODS", "LONG_BUDGETS", "LONG_LIMIT", "LONG_TARGET_TOKENS"))):
         missing = [need for need in needs if setting(name) and not setting(need)]
         if missing:
             raise UserError(f"{name} runs a stage that needs {', '.join(missing)}; set it")
@@ -252,12 +248,6 @@ def main() -> int:
             raise UserError(f"MODEL: {err}") from None
         with tempfile.TemporaryDirectory(prefix="ripplekv-preflight-") as folder:
             check_evals(layers, Path(folder))
-        if setting("GEMMA_MODEL"):  # the second model's block: its files, and its eval's methods on its layers
-            try:
-                resolve_model(setting("GEMMA_MODEL"))
-                check_model_files(setting("GEMMA_MODEL"))
-            except UserError as err:
-                raise UserError(f"GEMMA_MODEL: {err}") from None
     except UserError as err:
         print(f"error: {config}: " + " ".join(str(err).split()), file=sys.stderr)
         return 2

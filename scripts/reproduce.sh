@@ -304,31 +304,15 @@ if [ -n "${NEEDLE_LENGTHS:-}" ]; then
 fi
 # ---------------------------------------------------------------------------------------------------------------
 
-# ---- The second model (optional, GEMMA_MODEL; #45) -------------------------------------------------------------
-# Gemma 3 270M (`gemma3-270m`: 15 sliding-window layers beside 3 global ones, 1 KV head): RippleKV's own profile
-# and allocation on its calibration prompts (the ratio sweep at SWEEP_BUDGET, GEMMA_MAX_EXTENSIONS rounds past an
-# edge pick), then GEMMA_METHODS at GEMMA_BUDGETS on the first GEMMA_LIMIT samples of GEMMA_TASKS, into OUT/gemma3
-# (profile/, allocation.csv, eval/ with leaderboard.csv, headline.csv and summary.md); the page pairs its ranking
-# with eval's.
-if [ -n "${GEMMA_MODEL:-}" ]; then
-  gemma_dir="$OUT/gemma3"
-  gemma_args=(--model "$GEMMA_MODEL")
-  run_stage gemma-profile "$gemma_dir/profile/sensitivity.csv" \
-    "$RKV" profile "${gemma_args[@]}" --calib-samples "$GEMMA_CALIB_SAMPLES" --seeds "$SEEDS" --eta "$ETA" \
-    --probe-tokens "$PROBE_TOKENS" --target-tokens "$GEMMA_TARGET_TOKENS" --out "$gemma_dir/profile"
-  gemma_ratio_args=()
-  for r in ${GEMMA_RATIOS:-$RATIOS}; do gemma_ratio_args+=(--ratio "$r"); done
-  run_stage gemma-allocate "$gemma_dir/allocation.csv" \
-    "$RKV" allocate "$gemma_dir/profile/sensitivity.csv" "${gemma_args[@]}" "${gemma_ratio_args[@]}" \
-    --max-extensions "${GEMMA_MAX_EXTENSIONS:-0}" --budget "$SWEEP_BUDGET" --calib-samples "$GEMMA_CALIB_SAMPLES" \
-    --target-tokens "$GEMMA_TARGET_TOKENS" --out "$gemma_dir/allocation.csv"
-  gemma_budget_args=()
-  for b in $GEMMA_BUDGETS; do gemma_budget_args+=(--budget "$b"); done
-  gemma_cmd=("$RKV" eval "${gemma_args[@]}" --suite "$SUITE" --tasks "$GEMMA_TASKS" "${gemma_budget_args[@]}"
-    --methods "$GEMMA_METHODS" --limit "$GEMMA_LIMIT" --target-tokens "$GEMMA_TARGET_TOKENS"
-    --allocation "$gemma_dir/allocation.csv" --out "$gemma_dir/eval")
-  run_eval gemma-eval "eval, second model ($GEMMA_MODEL)" "${gemma_cmd[@]}"
-fi
+# ---- What other targets write into FINAL (optional, CARRY) -----------------------------------------------------
+# CARRY: folders of FINAL that another target makes (`gemma3`: the second model, `make reproduce-gemma`); each is
+# copied unchanged into the new OUT, so this run replaces only what it made and the page still pairs them.
+for kept in ${CARRY:-}; do
+  if [ -d "$FINAL/$kept" ] && [ ! -e "$OUT/$kept" ]; then
+    cp -a "$FINAL/$kept" "$OUT/$kept"
+    echo "== $kept: kept from $FINAL (made by another target)"
+  fi
+done
 # ---------------------------------------------------------------------------------------------------------------
 
 .venv/bin/python scripts/write_results_readme.py "$OUT" "$config" "$FINAL"

@@ -13,7 +13,8 @@ from ripplekv.analysis.calibration_report import calibration_lines, draw_dirs, r
 from ripplekv.analysis.second_model import second_model_lines
 
 # The make target behind each config, for the page title.
-TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick", "full.env": "make reproduce-full"}
+TARGETS = {"reproduce.env": "make reproduce", "quick.env": "make reproduce-quick", "full.env": "make reproduce-full",
+           "gemma3.env": "make reproduce-gemma"}
 
 
 def shell_line(recorded: str) -> str:

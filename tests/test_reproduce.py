@@ -124,15 +124,8 @@ HEADLINE_METHODS=full,h2o,depthkv
 DEPTHKV_FLOOR=0.25
 """
 
-GEMMA = """GEMMA_MODEL=gemma3-270m
-GEMMA_CALIB_SAMPLES=2
-GEMMA_RATIOS="4 8"
-GEMMA_TASKS=niah
-GEMMA_BUDGETS="128"
-GEMMA_METHODS=full,snapkv,ripplekv
-GEMMA_LIMIT=1
-GEMMA_TARGET_TOKENS=1000
-"""
+# configs/gemma3.env's shape: the second model's own run into a folder of results/
+GEMMA = CONFIG.replace("MODEL=\nOUT=results\n", "MODEL=gemma3-270m\nOUT=results/gemma3\n")
 
 
 @pytest.fixture
@@ -322,24 +315,40 @@ def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_th
 
 
 @pytest.mark.slow
-def test_the_second_model_calibrates_itself_and_the_page_compares_the_rankings(project):
-    """GEMMA_MODEL's block: its own profile, allocation and eval into OUT/gemma3, and a section pairing each
-    shared pair of methods on both models, ties called ties."""
-    (project / "configs" / "reproduce.env").write_text(CONFIG + GEMMA)
-    done = reproduce(project)
+def test_the_second_model_runs_into_its_folder_and_the_bundled_models_run_keeps_it(project):
+    """`make reproduce-gemma` (configs/gemma3.env) builds results/gemma3 with its own profile, allocation, eval and
+    page; the results page is then rewritten to pair the two models' rankings, ties called ties; a later `make
+    reproduce` (CARRY=gemma3) replaces what it made and keeps results/gemma3 as it was."""
+    (project / "configs" / "reproduce.env").write_text(CONFIG + "CARRY=gemma3\n")
+    first = reproduce(project)
+    assert first.returncode == 0, first.stderr
+    results = project / "results"
+    assert "## Second model" not in (results / "README.md").read_text()
+
+    (project / "configs" / "gemma3.env").write_text(GEMMA)
+    done = subprocess.run(["bash", "scripts/reproduce.sh", "configs/gemma3.env"], cwd=project, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    gemma = project / "results" / "gemma3"
-    assert (gemma / "profile" / "sensitivity.csv").is_file() and (gemma / "allocation.choice.json").is_file()
-    assert (gemma / "eval" / "leaderboard.csv").is_file() and (gemma / "eval" / "summary.md").is_file()
-    readme = (project / "results" / "README.md").read_text()
-    assert "profile --model gemma3-270m --calib-samples 2" in readme
-    assert "--max-extensions 0 --budget 128 --calib-samples 2 --target-tokens 1000 --out results/gemma3/allocation.csv" \
-        in readme
-    assert "--methods full,snapkv,ripplekv --limit 1 --target-tokens 1000 --allocation results/gemma3/allocation.csv" in readme
-    assert "## Second model: `gemma3`" in readme and "allocation (ratio 4, chosen on calibration prompts)" in readme
-    # The stand-in's KL differences are the same on every sample: 3 samples cannot reject, so both models tie.
-    assert "| ripplekv vs snapkv" in readme and "undecided (tied on m and gemma3)" in readme and "1 undecided." in readme
-    assert "gemma-eval," in (project / "results" / "stages.csv").read_text()
+    gemma = results / "gemma3"
+    assert (gemma / "profile" / "sensitivity.csv").is_file() and (gemma / "eval" / "leaderboard.csv").is_file()
+    page = (gemma / "README.md").read_text()
+    assert page.startswith("# Results of `make reproduce-gemma`") and "profile --model gemma3-270m" in page
+    assert "--out results/gemma3/eval" in page and (results / "eval" / "leaderboard.csv").is_file()
+
+    subprocess.run([sys.executable, "scripts/write_results_readme.py", "results", "configs/reproduce.env", "results"],
+                   cwd=project, check=True)  # as the Makefile's reproduce-gemma does after the run
+    readme = (results / "README.md").read_text()
+    assert "## Second model: `gemma3`" in readme and "allocation. Its sliding-window layers" in readme
+    # The stand-in's KL differences are the same on every sample: 3 samples cannot reject, so both models tie,
+    # at each of the two budgets they share.
+    assert "| ripplekv vs snapkv |" in readme and "undecided (tied on m and gemma3)" in readme and "2 undecided." in readme
+
+    (gemma / "eval" / "marker").write_text("made by reproduce-gemma")
+    again = reproduce(project)
+    assert again.returncode == 0, again.stderr
+    assert "gemma3: kept from results" in again.stdout
+    assert (gemma / "eval" / "marker").read_text() == "made by reproduce-gemma"
+    assert "## Second model: `gemma3`" in (results / "README.md").read_text()
 
 
 CHANGES = [
@@ -354,9 +363,8 @@ CHANGES = [
     ("METHODS=full,gracekv:slots=fixed:shape=2,ripplekv", "option shape changes nothing here"),
     ("CONTEXT_METHODS=full,snapkv\nCONTEXT_BUDGETS=128\nCONTEXT_LIMIT=1", "--allocation applies to none"),
     ("ROUTE_CALIB_SAMPLES=2\nROUTE_BUDGET=128\nPLACEMENTS=5\nPLACEMENT_SAMPLES=0", "leaves no prompts to score"),
-    ("GEMMA_MODEL=gemma3-270m", "GEMMA_MODEL runs a stage that needs GEMMA_CALIB_SAMPLES"),
-    (GEMMA.replace("full,snapkv,ripplekv", "full,nope"), "GEMMA_METHODS (the gemma-eval stage"),
-    (GEMMA.replace("GEMMA_RATIOS=\"4 8\"", "GEMMA_RATIOS=\"0.5\""), "GEMMA_RATIOS='0.5': '0.5' is not a ratio >= 1"),
+    ("RATIOS=\"2 0.5\"", "RATIOS='2 0.5': '0.5' is not a ratio >= 1"),
+    ("CARRY=gemma3/eval", "CARRY='gemma3/eval': 'gemma3/eval' is not a folder name inside OUT"),
 ]
 
 
@@ -368,7 +376,7 @@ def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypat
     check = load_script("check_config")
     settings = dict(line.split("=", 1) for line in (CONFIG + change + "\n").splitlines() if "=" in line)
     for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS",
-                 "GEMMA_MODEL", "GEMMA_TASKS", "GEMMA_METHODS", "GEMMA_BUDGETS", "GEMMA_RATIOS", "MEMORY_METHODS"]:
+                 "CARRY", "MEMORY_METHODS"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in settings.items():
         monkeypatch.setenv(name, value.strip('"'))
