@@ -132,3 +132,16 @@ def test_methods_lists_the_quantizer_options(run_cli):
     code, out, _ = run_cli("methods")
     assert code == 0
     assert all(word in out for word in ("kbits=", "vbits=", "bits=profile", "avgbits=4", "residual=128"))
+
+
+def test_the_worked_example_of_docs_methods():
+    """docs/methods.md's bytes: 3 layers, s = (1, 100, 0), d = 64 at 2 bytes, 1,000 entries per head, B = 512."""
+    from ripplekv.engine.quantize import QuantSpec, head_bytes
+
+    per_layer = {bits: head_bytes(1000, 64, 2, QuantSpec(bits=bits)) for bits in BITS}
+    assert per_layer == {2: 74_816, 4: 102_720, 8: 158_528, 16: 256_000}
+    budget = 3 * 512 * 2 * 64 * 2
+    assert budget == 393_216
+    chosen = greedy_bits((1.0, 100.0, 0.0), lambda layer, bits: per_layer[bits], budget)
+    assert chosen == [8, 8, 2] and sum(per_layer[bits] for bits in chosen) == 391_872
+    assert head_bytes(1000, 64, 2, QuantSpec(key_bits=4, value_bits=2)) == 88_768
