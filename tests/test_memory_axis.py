@@ -10,17 +10,18 @@ import torch
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.quantized import budget_bytes, kept_bytes
+from ripplekv.methods.quantized import budget_bytes, kept_bytes, stored_as
 from tests.conftest import tiny_llama
 
 N = 160  # prompt tokens
 
 
-def independent_bytes(layers, element: int, bits: int | None, group: int, residual: int, per_channel: bool) -> int:
+def independent_bytes(layers, element: int, bits, group: int, residual: int, per_channel: bool) -> int:
     """Bytes of the built entries, from their tensors: per head, its real entries split into a full-precision
-    tail and a quantized head; integers packed, two numbers (minimum, scale) per group."""
+    tail and a quantized head; integers packed, two numbers (minimum, scale) per group; `bits` None (full
+    precision) or (key bits, value bits) per layer, 16 meaning that tensor at full precision, no groups."""
     total = 0
-    for layer in layers:
+    for number, layer in enumerate(layers):
         d = layer.keys.shape[-1]
         for count in layer.counts.tolist():
             if bits is None:
@@ -29,10 +30,13 @@ def independent_bytes(layers, element: int, bits: int | None, group: int, residu
             tail = min(count, residual)
             quantized = count - tail
             total += tail * d * element * 2
-            total += 2 * math.ceil(quantized * d * bits / 8)
             value_groups = quantized * -(-d // group)
             key_groups = d * -(-quantized // group) if per_channel else value_groups
-            total += (key_groups + value_groups) * 2 * element
+            for width, groups in zip(bits[number], (key_groups, value_groups)):
+                if width == 16:
+                    total += quantized * d * element
+                else:
+                    total += math.ceil(quantized * d * width / 8) + groups * 2 * element
     return total
 
 
@@ -56,14 +60,30 @@ def state(request):
     return prefill_for(model, torch.arange(N) % 97 + 3, Requirements(capture_window=32))
 
 
+SENSITIVITY = (1e-4, 5e-3, 2e-5, 1e-3)  # a profile of the tiny models' 4 layers: layer 1 the most sensitive
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> str:
+    """An allocation file as `ripplekv allocate` writes it (layer,sensitivity,multiplier)."""
+    path = tmp_path_factory.mktemp("profile") / "allocation.csv"
+    multipliers = (0.8, 1.3, 0.7, 1.2)
+    path.write_text("layer,sensitivity,multiplier\n" + "".join(f"{layer},{s},{m}\n" for layer, (s, m)
+                                                               in enumerate(zip(SENSITIVITY, multipliers))))
+    return str(path)
+
+
 SMALL = ":group=8:residual=16"
 QUANTIZED = [f"snapkv:quant=kivi:bits=4{SMALL}", f"snapkv:quant=kivi:bits=2{SMALL}", f"pyramidkv:quant=kivi:bits=8{SMALL}",
              f"snapkv:split=adakv:quant=kivi:bits=2{SMALL}", f"streamingllm:quant=token:bits=4{SMALL}",
-             "snapkv:quant=kivi:bits=4"]
+             "snapkv:quant=kivi:bits=4", f"snapkv:quant=kivi:kbits=4:vbits=2{SMALL}",
+             f"snapkv:quant=token:kbits=16:vbits=4{SMALL}", f"snapkv:quant=kivi:bits=profile{SMALL}",
+             f"ripplekv:quant=kivi:bits=profile:avgbits=6{SMALL}", f"snapkv:split=adakv:quant=kivi:bits=profile{SMALL}",
+             f"kivi:bits=profile{SMALL}", f"kivi:kbits=8:vbits=2{SMALL}"]
 
 
 @pytest.mark.parametrize("budget", [24, 80])
-def test_every_variant_spends_the_budgets_bytes_within_the_stated_rounding(state, budget):
+def test_every_variant_spends_the_budgets_bytes_within_the_stated_rounding(state, budget, profile):
     target = budget_bytes(state, budget)
     d, element = state.keys[0].shape[-1], state.keys[0].element_size()
     full_entry = 2 * d * element
@@ -74,22 +94,56 @@ def test_every_variant_spends_the_budgets_bytes_within_the_stated_rounding(state
         assert kept_bytes(state, counts) == independent_bytes(method.compress(state, budget), element, None, 1, 0, True)
         assert kept_bytes(state, counts) == target, spec
     for spec in QUANTIZED:
-        method = make_method(spec)
+        method = make_method(spec, shared={"allocation": profile})
         q = method.quantizer
+        if method.infeasible(state, budget):  # quantization alone, where every entry does not fit: refused
+            assert not method.evicts and budget == 24, spec
+            with pytest.raises(UserError):
+                method.budgets(state, budget)
+            continue
         counts = method.budgets(state, budget)
         layers = method.compress(state, budget)
         assert [layer.counts.tolist() for layer in layers] == counts.tolist()
-        recorded = kept_bytes(state, counts, q)
-        assert recorded == independent_bytes(layers, element, q.bits, q.group, q.residual, q.key_axis == "channel")
+        specs = stored_as(method, state, budget)
+        bits = [(one.key_bits, one.value_bits) for one in specs]
+        if "profile" not in spec:
+            assert set(bits) == {(q.key_bits, q.value_bits)}, spec
+        recorded = kept_bytes(state, counts, specs)
+        assert recorded == independent_bytes(layers, element, bits, q.group, q.residual, q.key_axis == "channel"), spec
         slack = state.num_layers * state.num_kv_heads * 2 * full_entry  # the stated rounding
         assert recorded <= target, (spec, recorded, target)
         chosen = method.entry_budget(state, budget)
         if chosen < N:  # the most entries the bytes allow (one more step does not fit); else all of them, under it
             assert target - slack < recorded, (spec, recorded, target)
-            assert kept_bytes(state, method.inner.budgets(state, chosen + 1), q) > target, spec
-        if q.residual < chosen:
+            assert kept_bytes(state, method.inner.budgets(state, chosen + 1), specs) > target, spec
+        if q.residual < chosen and method.evicts:
             assert counts.sum() > state.num_layers * state.num_kv_heads * budget, spec  # more entries than eviction
-            assert levels_within(layers[0], q.bits, q.group, q.residual), spec
+        if q.residual < chosen and bits[0][1] < 16:
+            assert levels_within(layers[0], bits[0][1], q.group, q.residual), spec
+
+
+def test_bits_from_the_profile_spend_the_bytes_on_the_sensitive_layers(state, profile):
+    """`kivi:bits=profile` keeps every entry; the greedy's bits rise with the layer's sensitivity, fit budget B's
+    bytes, and no single further upgrade would; with eviction, `avgbits` fixes the average bits per layer."""
+    method = make_method(f"kivi:bits=profile{SMALL}", shared={"allocation": profile})
+    target = budget_bytes(state, 80)
+    specs = method.layer_specs(state, 80)
+    bits = [one.key_bits for one in specs]
+    assert [one.value_bits for one in specs] == bits  # keys and values alike
+    by_sensitivity = [bits[layer] for layer in sorted(range(4), key=lambda layer: SENSITIVITY[layer])]
+    assert by_sensitivity == sorted(by_sensitivity) and bits[1] > bits[2]  # layer 1 most sensitive, 2 least
+    counts = method.budgets(state, 80)
+    assert int(counts.min()) == N and kept_bytes(state, counts, specs) <= target
+    for layer, width in enumerate(bits):
+        if width < 16:
+            upgraded = list(specs)
+            upgraded[layer] = method.quantizer.at({2: 4, 4: 8, 8: 16}[width])
+            assert kept_bytes(state, counts, upgraded) > target, (layer, bits)
+    assert make_method(f"kivi:bits=2{SMALL}").infeasible(state, 24) and method.infeasible(state, 24).startswith(
+        "every entry at 2 bits in every layer")
+    evicting = make_method(f"snapkv:quant=kivi:bits=profile:avgbits=5{SMALL}", shared={"allocation": profile})
+    widths = [one.key_bits for one in evicting.layer_specs(state, 40)]
+    assert sum(widths) <= 5 * 4 and widths[1] == max(widths) and widths[2] == min(widths)
 
 
 def test_quantization_alone_is_feasible_only_where_every_entry_fits(state):
@@ -102,7 +156,7 @@ def test_quantization_alone_is_feasible_only_where_every_entry_fits(state):
     assert method.infeasible(state, large) is None
     counts = method.budgets(state, large)
     assert int(counts.min()) == N  # every entry, quantized
-    assert kept_bytes(state, counts, method.quantizer) <= budget_bytes(state, large)
+    assert kept_bytes(state, counts, stored_as(method, state, large)) <= budget_bytes(state, large)
 
 
 def test_quantized_entries_leave_the_prefill_intact_and_the_residual_exact(state):

@@ -103,7 +103,42 @@ def test_head_bytes_count_packed_numbers_groups_and_residual():
     assert all(b > a for a, b in zip(sizes, sizes[1:]))  # every entry kept costs bytes
 
 
-@pytest.mark.parametrize("bad", [dict(bits=3), dict(group=0), dict(residual=-1), dict(key_axis="gptq"), dict(bits=True)])
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 2), (2, 8), (16, 2), (8, 16)])
+@pytest.mark.parametrize("scheme", ["channel", "token"])
+def test_keys_and_values_quantize_at_their_own_bits(key_bits, value_bits, scheme):
+    """kbits/vbits: keys as the independent reading at key_bits, values at value_bits; 16 leaves a tensor as it was."""
+    generator = torch.Generator().manual_seed(key_bits * 17 + value_bits)
+    keys = torch.randn(70, 16, generator=generator) * torch.linspace(0.1, 5, 16)
+    values = torch.randn(70, 16, generator=generator)
+    spec = QuantSpec(key_axis=scheme, key_bits=key_bits, value_bits=value_bits, group=8, residual=10)
+    assert spec.bits is None and spec.bits_text() == f"{key_bits}-bit keys and {value_bits}-bit values"
+    got_k, got_v = quantize_head(keys, values, spec)
+    for got, original, bits, tensor in ((got_k, keys, key_bits, 0), (got_v, values, value_bits, 1)):
+        if bits == 16:
+            assert torch.equal(got, original)
+            continue
+        want = naive_quantize(keys.numpy(), values.numpy(), bits, 8, 10, scheme == "channel")[tensor]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(got[:60], original[:60])
+
+
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 2), (16, 4), (2, 16), (8, 8)])
+def test_head_bytes_count_keys_and_values_at_their_own_bits(key_bits, value_bits):
+    # 200 entries, d=64, group 32, residual 128, 2-byte elements: 72 quantized entries
+    spec = QuantSpec(key_bits=key_bits, value_bits=value_bits, group=32, residual=128)
+
+    def tensor(bits, groups):
+        return 72 * 64 * 2 if bits == 16 else math.ceil(72 * 64 * bits / 8) + 2 * 2 * groups
+
+    want = tensor(key_bits, 64 * math.ceil(72 / 32)) + tensor(value_bits, 72 * 2) + 2 * 128 * 64 * 2
+    assert head_bytes(200, 64, 2, spec) == want
+    assert (spec.bits == 8) == (key_bits == value_bits)
+    assert QuantSpec(bits=4, group=32, residual=128) == QuantSpec(key_bits=4, value_bits=4, bits=None, group=32,
+                                                                    residual=128)
+
+
+@pytest.mark.parametrize("bad", [dict(bits=3), dict(group=0), dict(residual=-1), dict(key_axis="gptq"), dict(bits=True),
+                                 dict(key_bits=3), dict(value_bits=True), dict(bits=None)])
 def test_bad_quantizer_options_are_one_line(bad):
     with pytest.raises(UserError):
         QuantSpec(**bad)

@@ -228,10 +228,10 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     built = build(state, Variant(chosen.label, budget, chosen))
     counts = entry_counts(built)
     cache = build_cache(state, [built])
-    from ripplekv.methods.quantized import kept_bytes
+    from ripplekv.methods.quantized import kept_bytes, stored_as
 
     return CompressedPrompt(cache, state.input_ids[None], int(state.last_logits.argmax()), counts, chosen.label, budget,
-                            kept_bytes(state, counts, getattr(chosen, "quantizer", None)))
+                            kept_bytes(state, counts, stored_as(chosen, state, budget)))
 
 
 @dataclass(frozen=True)

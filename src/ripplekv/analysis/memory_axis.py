@@ -18,9 +18,16 @@ COLUMNS = ["budget", "method", "bits", "entries", "kv_bytes", "bytes_share", "kl
            "kl_ratio_vs_uniform", "kl_ratio_ci_low", "kl_ratio_ci_high", "kl_verdict", "samples", "infeasible"]
 
 
-def bits_of(spec: dict) -> int:
-    """The bits a variant stores its quantized entries at (16: full precision, no quantizer)."""
-    return int(spec.get("quantizer", {}).get("bits", FULL_PRECISION_BITS))
+def bits_of(spec: dict) -> int | str:
+    """The bits a variant stores its quantized entries at (16: full precision, no quantizer); `K4/V2` when keys
+    and values differ, `profile` (with its average, if it evicts) when layers differ."""
+    quantizer = spec.get("quantizer", {})
+    bits = quantizer.get("bits", FULL_PRECISION_BITS)
+    if "key_bits" in quantizer:
+        return f"K{quantizer['key_bits']}/V{quantizer['value_bits']}"
+    if isinstance(bits, str):
+        return bits + (f" (avg {quantizer['avgbits']:g})" if "avgbits" in quantizer else "")
+    return int(bits)
 
 
 def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,

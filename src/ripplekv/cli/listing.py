@@ -113,6 +113,7 @@ def methods_command() -> None:
 
     from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
     from ripplekv.methods.presets import component_names, defaults_of
+    from ripplekv.methods.quant_options import QUANT_HELP
 
     def options(component, preset=()) -> str:
         chosen = defaults_of(component)
@@ -136,6 +137,7 @@ def methods_command() -> None:
     console.print(table)
     console.print(f"allocators: {', '.join(sorted(ALLOCATORS))}; scorers: {', '.join(sorted(SCORERS))} "
                   "(swap one with allocator=NAME or scorer=NAME)")
+    console.print(QUANT_HELP)
     console.print(COMPOSITION_HELP)
 
 

@@ -13,42 +13,73 @@ precision so its kernel only sees whole groups; here the residual is the last `r
 and values alike, and a last, partial key group is quantized with its own minimum and scale (counted in
 the bytes). So bytes grow with every entry kept, which "as many entries as the bytes allow" needs.
 
+Keys and values may take different bits (`key_bits`, `value_bits`; `bits` sets both): KVTuner (Li et al. 2025)
+finds keys more sensitive than values, so `kivi:kbits=4:vbits=2` is its simple baseline. 16 bits keeps that
+tensor at the model's own precision (no groups, no minimum or scale), which per-layer bit allocation needs.
+
 This engine dequantizes at once and attends to the dequantized values: memory is *accounted*, not saved.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from ripplekv.errors import UserError
 
 KEY_AXES = ("channel", "token")
-BITS = (2, 4, 8)
+FULL_PRECISION = 16  # "16 bits": the tensor kept at the model's own dtype, not quantized
+BITS = (2, 4, 8, FULL_PRECISION)
 METADATA_PER_GROUP = 2  # a minimum and a scale, each at the model's dtype
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How kept entries are stored: `bits` per number in groups of `group`, the last `residual` at full precision."""
+    """How kept entries are stored: keys at `key_bits`, values at `value_bits` per number (`bits` sets both and,
+    after construction, is their one width, None when they differ) in groups of `group`, the last `residual`
+    at full precision."""
 
     key_axis: str = "channel"
-    bits: int = 2  # KIVI-2, the paper's main setting
+    bits: int | None = 2  # KIVI-2, the paper's main setting
     group: int = 32  # KIVI's LongBench setting
     residual: int = 128  # KIVI's LongBench setting
+    key_bits: int | None = None  # None: `bits`
+    value_bits: int | None = None  # None: `bits`
 
     def __post_init__(self):
         if self.key_axis not in KEY_AXES:
             raise UserError(f"keys are quantized per {' or per '.join(KEY_AXES)}, not {self.key_axis!r}")
-        if self.bits not in BITS:
-            raise UserError(f"option bits must be one of {', '.join(map(str, BITS))}, got {self.bits!r}")
+        for key in ("bits", "key_bits", "value_bits"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or value not in BITS):
+                raise UserError(f"option {key} must be one of {', '.join(map(str, BITS))}, got {value!r}")
+        for key, own in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            if own is None and self.bits is None:
+                raise UserError(f"give bits, or {key}")
+            object.__setattr__(self, key, self.bits if own is None else own)
+        object.__setattr__(self, "bits", self.key_bits if self.key_bits == self.value_bits else None)
         for key in ("group", "residual"):
             value = getattr(self, key)
             minimum = 1 if key == "group" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise UserError(f"option {key} must be an integer >= {minimum}, got {value!r}")
+
+    def at(self, bits: int) -> QuantSpec:
+        """The same scheme with keys and values at `bits` (a layer's share under per-layer bits)."""
+        return QuantSpec(self.key_axis, bits, self.group, self.residual)
+
+    def describe(self) -> dict:
+        """Its options for config.json: `bits` when keys and values share it (as before key/value bits), else both."""
+        described = asdict(self)
+        drop = ("key_bits", "value_bits") if self.bits is not None else ("bits",)
+        return {key: value for key, value in described.items() if key not in drop}
+
+    def bits_text(self) -> str:
+        if self.bits is not None:
+            return f"{self.bits} bits"
+        return f"{self.key_bits}-bit keys and {self.value_bits}-bit values"
 
 
 def quantize_groups(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> torch.Tensor:
@@ -81,14 +112,18 @@ def _grouped(x: torch.Tensor, group: int, bits: int, meta_dtype) -> torch.Tensor
 
 def quantize_keys(keys: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Keys [..., m, d] (all quantized: no residual here) -> dequantized [..., m, d] at the keys' dtype."""
+    if spec.key_bits == FULL_PRECISION:
+        return keys
     if spec.key_axis == "channel":
-        return _grouped(keys.transpose(-1, -2), spec.group, spec.bits, keys.dtype).transpose(-1, -2).to(keys.dtype)
-    return _grouped(keys, spec.group, spec.bits, keys.dtype).to(keys.dtype)
+        return _grouped(keys.transpose(-1, -2), spec.group, spec.key_bits, keys.dtype).transpose(-1, -2).to(keys.dtype)
+    return _grouped(keys, spec.group, spec.key_bits, keys.dtype).to(keys.dtype)
 
 
 def quantize_values(values: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Values [..., m, d] -> dequantized [..., m, d], per token in groups of channels."""
-    return _grouped(values, spec.group, spec.bits, values.dtype).to(values.dtype)
+    if spec.value_bits == FULL_PRECISION:
+        return values
+    return _grouped(values, spec.group, spec.value_bits, values.dtype).to(values.dtype)
 
 
 def quantize_head(keys: torch.Tensor, values: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,19 +138,28 @@ def quantize_head(keys: torch.Tensor, values: torch.Tensor, spec: QuantSpec) -> 
     return keys, values
 
 
+def tensor_bytes(numbers: int, groups: int, bits: int, element_bytes: int) -> int:
+    """Bytes of `numbers` stored at `bits` in `groups` groups: packed integers (rounded up to whole bytes) and a
+    minimum and a scale per group; at FULL_PRECISION the numbers themselves, no groups."""
+    if bits == FULL_PRECISION:
+        return numbers * element_bytes
+    return math.ceil(numbers * bits / 8) + METADATA_PER_GROUP * groups * element_bytes
+
+
 def head_bytes(entries: int, head_dim: int, element_bytes: int, spec: QuantSpec | None) -> int:
-    """Bytes one (layer, KV head) holding `entries` K/V entries takes: the packed integers (rounded up to
-    whole bytes per tensor), a minimum and a scale per group, and the full-precision residual; without a
-    quantizer, `entries` full-precision keys and values."""
+    """Bytes one (layer, KV head) holding `entries` K/V entries takes: keys and values each at their bits
+    (`tensor_bytes`), and the full-precision residual; without a quantizer, `entries` full-precision keys and
+    values."""
     if spec is None:
         return 2 * entries * head_dim * element_bytes
     residual = min(entries, spec.residual)
     quantized = entries - residual
-    packed = 2 * math.ceil(quantized * head_dim * spec.bits / 8)
     if spec.key_axis == "channel":
         key_groups = head_dim * math.ceil(quantized / spec.group)
     else:
         key_groups = quantized * math.ceil(head_dim / spec.group)
     value_groups = quantized * math.ceil(head_dim / spec.group)
-    metadata = METADATA_PER_GROUP * (key_groups + value_groups) * element_bytes
-    return packed + metadata + 2 * residual * head_dim * element_bytes
+    numbers = quantized * head_dim
+    return (tensor_bytes(numbers, key_groups, spec.key_bits, element_bytes)
+            + tensor_bytes(numbers, value_groups, spec.value_bits, element_bytes)
+            + 2 * residual * head_dim * element_bytes)

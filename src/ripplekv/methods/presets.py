@@ -25,7 +25,7 @@ from ripplekv.errors import UserError
 from ripplekv.methods.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
 from ripplekv.methods.gracekv import GraceKV
 from ripplekv.methods.lukv import CurveMethod
-from ripplekv.methods.quantized import Quantized, split_quant_options
+from ripplekv.methods.quant_options import quantized_method, reads_profile
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,10 @@ preset("answer-allocation", "answer", "snapkv", "ANSWER-AWARE, not a method and 
        "from the full cache's answer (the oracle's scores competing over all layers and heads), SnapKV scores (eval only)")
 preset("allocation-ceiling", "answer", "snapkv", "answer-allocation's earlier name (answer-aware, not a bound)",
        alias_of="answer-allocation")
-preset("kivi", None, None, "KIVI alone: every entry at 2 bits (bits=2/4/8), keys per channel, values per token, "
-       "groups of 32, the last 128 entries at full precision; infeasible where that exceeds the budget's bytes. "
-       "Compose it with eviction as METHOD:quant=kivi:bits=4 (quant=token: FlexGen's per-token keys)")
+preset("kivi", None, None, "KIVI alone: every entry at 2 bits (bits=2/4/8; kbits=/vbits= apart; bits=profile: per layer), "
+       "keys per channel, values per token, groups of 32, the last 128 entries at full precision; infeasible where "
+       "that exceeds the budget's bytes. Compose it with eviction as METHOD:quant=kivi:bits=4 (quant=token: "
+       "FlexGen's per-token keys)")
 preset("oracle", "uniform", "oracle", "CEILING, not a method: per head, the entries the full cache's answer "
        "attends to most (eval only; left out of ranks)")
 
@@ -225,20 +226,11 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     return chosen.kind(label, name, built["allocator"], built["scorer"])
 
 
-def _with_quantizer(name: str, given: dict, spec: str, shared, options) -> Quantized | None:
+def _with_quantizer(name: str, given: dict, spec: str, shared, options):
     """A spec with a quantizer (`kivi`, `METHOD:quant=kivi:bits=4`): the method without it, wrapped
-    (`methods.quantized`); None for every other spec."""
-    quant_given = {key: given[key] for key in ("quant", "bits", "group", "residual") if key in given}
-    quantizer = split_quant_options(name, given, spec)
-    if quantizer is None:
-        return None
-    if name == "kivi" and given:
-        raise UserError(f"method spec {spec!r}: kivi takes only bits, group and residual (got {', '.join(given)})")
-    inner_name = "full" if name == "kivi" else name
-    inner = make_method(":".join([inner_name, *(f"{k}={v}" for k, v in given.items())]), shared, **options)
-    label = name + inner.label[len(inner_name):] + (f":quant={quant_given['quant']}" if "quant" in quant_given else "")
-    label += "".join(f":{key}={getattr(quantizer, key)}" for key in sorted(quant_given) if key != "quant")
-    return Quantized(label, name, inner, quantizer)
+    (`methods.quant_options`); None for every other spec."""
+    return quantized_method(name, given, spec, shared, lambda inner: make_method(inner, shared, **options),
+                            lambda inner: "allocation" in options_taken([inner]))
 
 
 def unused_options(built: dict) -> dict[str, str]:
@@ -290,6 +282,8 @@ def options_taken(specs) -> set[str]:
         chosen = PRESETS.get(name)
         if chosen is None:
             continue
+        if reads_profile(given):  # bits=profile reads the allocation's sensitivity (`methods.bit_allocation`)
+            taken.add("allocation")
         try:
             classes = components(chosen, dict(given), spec)
         except UserError:

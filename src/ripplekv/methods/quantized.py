@@ -12,12 +12,18 @@ B' of its budget: less than two full-precision entries per (layer, KV head) unde
 costs at most one quantized key and value plus one new key group's minimums and scales). Eviction alone is
 exact: `L x H_kv x B` entries at full precision.
 
+Per-layer bits (`bits=profile`, `methods.bit_allocation`): the greedy picks each layer's bits first (from B's
+bytes when every entry is kept, from `avgbits` when the method also evicts), then the same bisection finds B'
+under those bits; bytes are counted layer by layer at each layer's bits (`kept_bytes`), within the same rounding.
+
 The entries attention reads are dequantized (`engine.quantize`): memory is accounted, not saved, here.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,10 +31,7 @@ from ripplekv.engine import entries as kv_entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.engine.quantize import QuantSpec, head_bytes, quantize_head
 from ripplekv.errors import UserError
-
-QUANT_OPTIONS = ("bits", "group", "residual")  # the quantizer's own options in a spec (`quant=` names the scheme)
-# quant= -> how keys are grouped: KIVI's per channel, or FlexGen's per token (values are per token in both)
-SCHEMES = {"kivi": "channel", "token": "token"}
+from ripplekv.methods.bit_allocation import BitProfile
 
 
 def element_bytes(state: PrefillState) -> int:
@@ -46,10 +49,19 @@ def budget_bytes(state: PrefillState, budget: int) -> int:
     return state.num_kv_heads * head_bytes(entries, head_dim(state), element_bytes(state), None)
 
 
-def kept_bytes(state: PrefillState, counts: np.ndarray, spec: QuantSpec | None = None) -> int:
-    """Bytes of a variant keeping `counts` [L, H_kv] entries, stored by `spec` (None: full precision)."""
+def kept_bytes(state: PrefillState, counts: np.ndarray, spec: QuantSpec | Sequence[QuantSpec] | None = None) -> int:
+    """Bytes of a variant keeping `counts` [L, H_kv] entries, stored by `spec` (None: full precision; a sequence:
+    one spec per layer)."""
     d, size = head_dim(state), element_bytes(state)
-    return int(sum(head_bytes(int(c), d, size, spec) for c in np.asarray(counts).ravel()))
+    rows = np.asarray(counts)
+    specs = spec if isinstance(spec, Sequence) else [spec] * len(rows)
+    return int(sum(head_bytes(int(c), d, size, specs[layer]) for layer, row in enumerate(rows) for c in row))
+
+
+def stored_as(method, state: PrefillState, budget: int | None) -> Sequence[QuantSpec] | None:
+    """How a method stores its entries at `budget` on this prompt: one spec per layer, or None (full precision)."""
+    layer_specs = getattr(method, "layer_specs", None)
+    return None if layer_specs is None or budget is None else layer_specs(state, budget)
 
 
 @dataclass(frozen=True)
@@ -59,8 +71,9 @@ class Quantized:
     label: str
     preset: str
     inner: object  # a Method
-    quantizer: QuantSpec
-    _entry_budgets: dict = field(default_factory=dict, compare=False, repr=False)  # (prefill id, B) -> B' or None
+    quantizer: QuantSpec  # under `profile`, the scheme (axis, group, residual); the bits are per layer
+    profile: BitProfile | None = None
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)  # (B, what) -> specs or B', one prefill
 
     @property
     def name(self) -> str:
@@ -85,7 +98,10 @@ class Quantized:
 
     def describe(self) -> dict:
         inner = {key: value for key, value in self.inner.describe().items() if key != "preset"}
-        return {"preset": self.preset, **inner, "quantizer": asdict(self.quantizer)}
+        quantizer = self.quantizer.describe()
+        if self.profile is not None:
+            quantizer = {**{k: v for k, v in quantizer.items() if k != "bits"}, **self.profile.describe()}
+        return {"preset": self.preset, **inner, "quantizer": quantizer}
 
     def requirements(self) -> Requirements:
         return self.inner.requirements()
@@ -104,27 +120,56 @@ class Quantized:
         raise UserError(f"{self.label} keeps as many entries as budget {budget}'s bytes allow on each prompt; "
                         "its per-layer counts are recorded per sample by `ripplekv eval`")
 
-    def _fits(self, state: PrefillState, counts: np.ndarray, budget: int) -> bool:
-        return kept_bytes(state, counts, self.quantizer) <= budget_bytes(state, budget)
+    def _fits(self, state: PrefillState, counts: np.ndarray, budget: int, specs) -> bool:
+        return kept_bytes(state, counts, specs) <= budget_bytes(state, budget)
+
+    def _cached(self, state: PrefillState, budget: int, what: str, compute):
+        """`compute()` once per prefill and budget (`budgets`, `compress` and the line's bytes ask for the same);
+        the prefill is held by a weak reference, so a later prefill at the same address is never mistaken for it."""
+        owner = self._plans.get("state")
+        if owner is None or owner() is not state:
+            self._plans.clear()  # one prefill at a time
+            self._plans["state"] = weakref.ref(state)
+        key = (budget, what)
+        if key not in self._plans:
+            self._plans[key] = compute()
+        return self._plans[key]
+
+    def _layer_specs(self, state: PrefillState, budget: int) -> tuple[QuantSpec, ...] | None:
+        """Each layer's storage: the one spec, or the profile's bits (None: not even 2 bits everywhere fits)."""
+        if self.profile is None:
+            return (self.quantizer,) * state.num_layers
+        if self.evicts:
+            return tuple(self.quantizer.at(bits) for bits in self.profile.bits_for_average(state.num_layers))
+        self.profile.check_layers(state.num_layers)
+        counts = self.inner.budgets(state, 1)  # every entry
+        d, size = head_dim(state), element_bytes(state)
+
+        def layer_bytes(layer: int, bits: int) -> int:
+            return sum(head_bytes(int(c), d, size, self.quantizer.at(bits)) for c in counts[layer])
+
+        chosen = self.profile.bits_for_bytes(layer_bytes, budget_bytes(state, budget))
+        return None if chosen is None else tuple(self.quantizer.at(bits) for bits in chosen)
+
+    def layer_specs(self, state: PrefillState, budget: int) -> tuple[QuantSpec, ...] | None:
+        """How each layer stores its entries on this prompt at budget B (None: infeasible)."""
+        return self._cached(state, budget, "specs", lambda: self._layer_specs(state, budget))
 
     def entry_budget(self, state: PrefillState, budget: int) -> int | None:
         """The largest B' whose counts fit in budget B's bytes (None: none does, or, without eviction, all
-        entries do not). Cached per prefill: `budgets` and `compress` ask for the same one."""
-        key = (id(state), budget)
-        if key not in self._entry_budgets:
-            self._entry_budgets.clear()  # one prefill at a time
-            self._entry_budgets[key] = self._search(state, budget)
-        return self._entry_budgets[key]
+        entries do not)."""
+        specs = self.layer_specs(state, budget)
+        return None if specs is None else self._cached(state, budget, "entries", lambda: self._search(state, budget, specs))
 
-    def _search(self, state: PrefillState, budget: int) -> int | None:
+    def _search(self, state: PrefillState, budget: int, specs) -> int | None:
         if not self.evicts:
-            return max(state.capacities) if self._fits(state, self.inner.budgets(state, 1), budget) else None
+            return max(state.capacities) if self._fits(state, self.inner.budgets(state, 1), budget, specs) else None
         low, high = 0, max(state.capacities)  # low fits (0: nothing yet), high + 1 is the first that does not
-        if self._fits(state, self.inner.budgets(state, high), budget):
+        if self._fits(state, self.inner.budgets(state, high), budget, specs):
             return high
         while high - low > 1:
             middle = (low + high) // 2
-            if self._fits(state, self.inner.budgets(state, middle), budget):
+            if self._fits(state, self.inner.budgets(state, middle), budget, specs):
                 low = middle
             else:
                 high = middle
@@ -134,10 +179,14 @@ class Quantized:
         """Why this variant cannot run within budget B's bytes on this prompt (None: it can)."""
         if self.entry_budget(state, budget) is not None:
             return None
-        needed = kept_bytes(state, self.inner.budgets(state, 1), self.quantizer)
+        specs = self.layer_specs(state, budget)
+        if specs is None:  # the profile's fewest bits
+            specs, how = (self.quantizer.at(2),) * state.num_layers, "2 bits in every layer (bits=profile's fewest)"
+        else:
+            how = self.quantizer.bits_text() if self.profile is None else "the profile's bits"
+        needed = kept_bytes(state, self.inner.budgets(state, 1), specs)
         what = "every entry" if not self.evicts else "the fewest entries it keeps"
-        return (f"{what} at {self.quantizer.bits} bits takes {needed} bytes, over budget {budget}'s "
-                f"{budget_bytes(state, budget)}")
+        return f"{what} at {how} takes {needed} bytes, over budget {budget}'s {budget_bytes(state, budget)}"
 
     def budgets(self, state: PrefillState, budget: int) -> np.ndarray:
         """The `[L, H_kv]` entry counts: the wrapped method's at B' (all of them without eviction). An infeasible
@@ -151,7 +200,7 @@ class Quantized:
         """The wrapped method's entries at B', every head's quantize-dequantized (its last `residual` untouched)."""
         self.budgets(state, budget)
         built = self.inner.compress(state, self.entry_budget(state, budget))
-        return [quantize_layer(layer, self.quantizer) for layer in built]
+        return [quantize_layer(layer, spec) for layer, spec in zip(built, self.layer_specs(state, budget))]
 
 
 def quantize_layer(layer: kv_entries.LayerEntries, spec: QuantSpec) -> kv_entries.LayerEntries:
@@ -169,28 +218,3 @@ def quantize_layer(layer: kv_entries.LayerEntries, spec: QuantSpec) -> kv_entrie
         keys[head, order] = k
         values[head, order] = v
     return kv_entries.LayerEntries(keys, values, layer.positions, layer.counts, layer.log_weights, layer.spans)
-
-
-def split_quant_options(name: str, given: dict[str, str], spec: str) -> QuantSpec | None:
-    """Pops the quantizer's options from a parsed spec: `quant=` (kivi or token) and its `bits`, `group`,
-    `residual`. The `kivi` preset is the full cache with `quant=kivi`. None: the spec has no quantizer."""
-    scheme = given.pop("quant", None)
-    if name == "kivi":
-        if scheme is not None:
-            raise UserError(f"method spec {spec!r}: kivi is the quantizer alone; write snapkv:quant=kivi:bits=4 "
-                            "to compose it with an eviction method")
-        scheme = "kivi"
-    own = {key: given.pop(key) for key in QUANT_OPTIONS if key in given}
-    if scheme is not None and scheme not in SCHEMES:
-        raise UserError(f"method spec {spec!r}: quant must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if scheme is None:
-        if own:
-            raise UserError(f"method spec {spec!r}: option {', '.join(own)} needs a quantizer: add quant=kivi "
-                            "(or quant=token)")
-        return None
-    try:
-        return QuantSpec(key_axis=SCHEMES[scheme], **{key: int(value) for key, value in own.items()})
-    except ValueError:
-        raise UserError(f"method spec {spec!r}: options {', '.join(own)} must be integers") from None
-    except UserError as err:
-        raise UserError(f"method spec {spec!r}: {err}") from None

@@ -26,6 +26,7 @@ from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY, Decoding, SampleMemory, Variant, decode_variants
 from ripplekv.errors import UserError
+from ripplekv.methods.quantized import stored_as
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.sample_lines import SampleLines
@@ -114,7 +115,7 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
                            settings.decode_budget)
     return ([lines.full(reference.tokens)] if with_full else []) + [
         lines.line(one.variant.label, one.variant.budget, one.tokens, one.counts, one.fidelity.kl,
-                   one.fidelity.agreement, one.capacity, getattr(one.variant.method, "quantizer", None))
+                   one.fidelity.agreement, one.capacity, stored_as(one.variant.method, state, one.variant.budget))
         for one in decoded] + [lines.infeasible(label, budget, why) for (label, budget), why in refused.items()]
 
 

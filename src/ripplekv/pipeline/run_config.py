@@ -58,13 +58,13 @@ def _differing(old: dict, new: dict, keys) -> list[str]:
 
 
 def allocation_readers(config: dict) -> set[str]:
-    """The methods of a run that read its --allocation: their allocator takes an allocation that their own
-    spec does not name (as the method specs in config.json record them)."""
+    """The methods of a run that read its --allocation: their allocator (or a quantizer's bits=profile) takes an
+    allocation that their own spec does not name (as the method specs in config.json record them)."""
     from ripplekv.methods import parse_spec
 
     specs = config.get("method_specs", {})
-    return {label for label in config.get("methods", ())
-            if "allocation" in specs.get(label, {}).get("allocator", {}) and "allocation" not in parse_spec(label)[1]}
+    return {label for label in config.get("methods", ()) if "allocation" not in parse_spec(label)[1]
+            and any("allocation" in specs.get(label, {}).get(part, {}) for part in ("allocator", "quantizer"))}
 
 
 def merge_config(old: dict | None, new: dict) -> dict:

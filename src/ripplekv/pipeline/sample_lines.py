@@ -60,7 +60,7 @@ class SampleLines:
              capacity: np.ndarray | None = None, quantizer=None) -> dict:
         """A variant's line: `counts` [L, H_kv] the entries it kept, `tokens` its answer, `capacity` what each
         (layer, KV head) was held at under a total decode budget, `quantizer` how its entries are stored (None:
-        full precision)."""
+        full precision; else a spec per layer, whose bits the line records when layers differ)."""
         from ripplekv.metrics.scoring import score_sample
 
         prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -86,6 +86,8 @@ class SampleLines:
             fields["kv_budget_bytes"] = budget_bytes(self.state, budget)
         if bool((counts != counts[:, :1]).any()):
             fields["head_budgets"] = counts.tolist()
+        if quantizer is not None and len(set(quantizer)) > 1:  # per-layer bits (`methods.bit_allocation`)
+            fields["layer_bits"] = [[spec.key_bits, spec.value_bits] for spec in quantizer]
         if self.decode_budget:  # absent under prompt budgets: those lines stay as they were before the option
             fields["decode_budget"] = self.decode_budget
             fields["peak_entries"] = peak_entries(counts, len(tokens) - 1, capacity)
