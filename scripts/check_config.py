@@ -165,11 +165,11 @@ def stand_ins(folder: Path, layers: int) -> dict[str, str]:
     """Files in place of what the stages will write: an allocation, a DepthKV allocation, a route, a profile."""
     files = {"allocation": folder / "allocation.csv", "depthkv": folder / "depthkv.csv",
              "route": folder / "ROUTE.csv", "compresskv": folder / "compresskv.csv"}
-    rows = "".join(f"{layer},1.0\n" for layer in range(layers))
-    files["allocation"].write_text("layer,multiplier\n" + rows)
-    files["depthkv"].write_text("layer,multiplier\n" + rows)
+    rows = "".join(f"{layer},1.0,1.0\n" for layer in range(layers))  # as `ripplekv allocate` writes them
+    files["allocation"].write_text("layer,sensitivity,multiplier\n" + rows)
+    files["depthkv"].write_text("layer,sensitivity,multiplier\n" + rows)
     files["route"].write_text("layer,method\n" + "".join(f"{layer},snapkv\n" for layer in range(layers)))
-    files["compresskv"].write_text("layer,error\n" + rows)
+    files["compresskv"].write_text("layer,error\n" + "".join(f"{layer},1.0\n" for layer in range(layers)))
     return {key: str(path) for key, path in files.items()}
 
 
