@@ -1,1 +1,1 @@
-.venv/bin/ripplekv eval --suite offline --tasks hotpotqa\,squad\,passage_retrieval\,niah\,code_completion --budget 64 --budget 128 --budget 256 --budget 512 --methods full\,gracekv\,gracekv:slots=fixed --limit 2 --target-tokens 1200 --out results/eval-compare 
+.venv/bin/ripplekv eval --suite offline --tasks hotpotqa\,niah --budget 512 --methods full\,snapkv\,gracekv\,gracekv:slots=fixed --limit 5 --target-tokens 1200 --out results/eval-compare 

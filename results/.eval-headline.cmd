@@ -1,1 +1,1 @@
-.venv/bin/ripplekv eval --suite offline --tasks hotpotqa\,squad\,passage_retrieval\,niah\,code_completion --budget 480 --methods full\,h2o\,snapkv\,depthkv:allocation=results/depthkv.csv --limit 2 --target-tokens 1200 --allocation results/allocation.csv --out results/eval-headline 
+.venv/bin/ripplekv eval --suite offline --tasks hotpotqa\,niah --budget 480 --methods full\,h2o\,snapkv\,depthkv:allocation=results/depthkv.csv --limit 5 --target-tokens 1200 --allocation results/allocation.csv --out results/eval-headline 

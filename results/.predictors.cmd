@@ -1,1 +1,1 @@
-.venv/bin/python scripts/signal_vs_drop.py results/profile-evict results/profile results/profile-evict-kl results/profile-infonce --out results/predictors.csv 
+.venv/bin/python scripts/signal_vs_drop.py results/profile-evict\,results/draws/d1/profile-evict\,results/draws/d2/profile-evict results/profile\,results/draws/d1/profile\,results/draws/d2/profile results/profile-evict-kl\,results/draws/d1/profile-evict-kl\,results/draws/d2/profile-evict-kl results/profile-infonce\,results/draws/d1/profile-infonce\,results/draws/d2/profile-infonce --out results/predictors.csv 

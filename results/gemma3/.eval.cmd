@@ -1,0 +1,1 @@
+.venv/bin/ripplekv eval --model gemma3-270m --suite offline --tasks niah\,hotpotqa --budget 128 --methods full\,streamingllm\,snapkv\,pyramidkv\,ripplekv --limit 6 --target-tokens 1000 --allocation results/gemma3/allocation.csv --out results/gemma3/eval 
