@@ -48,7 +48,8 @@ reproduce-full: install
 	bash scripts/reproduce.sh configs/full.env
 
 check-references: install
-	# Baselines against kvpress 0.5.5 and the papers' formulas, in a second venv (REFVENV, made when missing);
+	# Baselines against kvpress 0.5.5 and the papers' formulas, the KIVI quantizer against optimum-quanto 0.2.7,
+	# in a second venv (REFVENV, made when missing);
 	# REFARGS sizes the run, e.g. REFARGS="--prompts 2 --target-tokens 1000" on a busy machine.
 	bash scripts/check_references.sh --venv $(REFVENV) $(REFARGS)
 

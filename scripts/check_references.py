@@ -19,7 +19,9 @@ spec that reproduces the reference (PAIRS); docs/methods.md says why each differ
 per-layer budgets are also compared with their formulas re-implemented here (PyramidKV paper's linear
 schedule; cakekv's `pref / sum(pref) * L * (B - w)` with its truncation and `adjust_budgets`), DynamicKV's and
 LAVa's with their code's rules (`check_references_allocators`), and AdaKV with FFY0's allocation (exact
-totals) on kvpress's SnapKV scores. Last line: `reference parity: N/M methods >= 0.99`.
+totals) on kvpress's SnapKV scores. The KIVI quantizer's quantize-dequantize of the same prompts' K/V is held
+against optimum-quanto's affine group quantizer at 2 and 4 bits (`check_references_quant`).
+Last line: `reference parity: N/M methods >= 0.99`.
 
 Run: `make check-references` or `bash scripts/check_references.sh [--prompts 4] [--budgets 128,512]`.
 """
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
+from check_references_quant import compare_quantizers, save_kv
 from check_references_worker import KERNEL, WINDOW
 from reference_venv import check_venv_path, default_venv, ensure_venv, one_line
 
@@ -189,6 +192,7 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
         np.save(out / f"prompt_{index}.npy", np.asarray(ids, dtype=np.int64))
         state = prefill_for(model, ids, needs, context=SampleContext(tokenizer=tokenizer))
         lengths.append(state.length)
+        save_kv(state, out, index)  # for optimum-quanto's quantize-dequantize (check_references_quant)
         arrays = {}
         with torch.no_grad():
             for name, method in methods.items():
@@ -354,7 +358,11 @@ def check_and_compare(args) -> None:
                         "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
     lines = compare(out, layers, lengths, budgets)
     versions = json.loads((out / "reference_versions.json").read_text())
-    print(f"reference code: kvpress {versions['kvpress']}, transformers {versions['transformers']}, torch {versions['torch']}; "
+    lines += compare_quantizers(out, versions["optimum-quanto"])
+    for big in [*out.glob("kv_prompt_*.npy"), *out.glob("quanto_prompt_*.npz")]:
+        big.unlink()  # the full K/V and its dequantized copies (hundreds of MB a prompt)
+    print(f"reference code: kvpress {versions['kvpress']}, optimum-quanto {versions['optimum-quanto']}, "
+          f"transformers {versions['transformers']}, torch {versions['torch']}; "
           f"{len(lengths)} prompts ({min(lengths)}-{max(lengths)} tokens), B = {args.budgets}")
     for line in missing_lines(has_curve, surrogates):
         print(line)

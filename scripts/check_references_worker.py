@@ -14,6 +14,7 @@ Three passes over each prompt with the bundled model's dequantized weights, each
 - KVzip: `KVzipPress` as kvpress runs it (prefill under the press, then its own chunked reconstruction pass
   through the cache), its final selection (`compress_post`) made once per budget from the one scoring.
 Kept sets are written as `[H, most kept]` position arrays padded with -1, one per (press, budget, layer).
+Last, optimum-quanto quantize-dequantizes the K/V our side saved (`check_references_quant`).
 """
 
 from __future__ import annotations
@@ -111,10 +112,13 @@ def ratio(name: str, budget: int, n: int, entries: int) -> float:
 
 
 def worker(args) -> None:
+    from importlib import metadata
+
     import kvpress
     import torch
     import transformers
     from check_references_allocators import signals as allocator_signals
+    from check_references_quant import reference_dequantized
     from kvpress import KVzipPress
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -134,9 +138,10 @@ def worker(args) -> None:
         np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
         print(f"reference: {ids_path.stem} ({ids.shape[1]} tokens) done", file=sys.stderr)
     model.set_attn_implementation("eager")
+    reference_dequantized(out)  # optimum-quanto's quantize-dequantize of our prefill's K/V (check_references_quant)
     (out / "reference_versions.json").write_text(json.dumps(
         {"kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": transformers.__version__,
-         "torch": torch.__version__}))
+         "torch": torch.__version__, "optimum-quanto": metadata.version("optimum-quanto")}))
 
 
 def kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache) -> dict[str, np.ndarray]:

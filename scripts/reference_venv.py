@@ -1,4 +1,4 @@
-"""The second venv the reference checks run kvpress in (`make check-references`, `make bench-peer`).
+"""The second venv the reference checks run kvpress and optimum-quanto in (`make check-references`, `make bench-peer`).
 
 It lives in the project by default (`.refvenv/`, ignored by git), wherever the command runs from; `--venv`,
 `RIPPLEKV_REFVENV` (or `REFVENV` with make) put it elsewhere. Its path is checked before anything is made
@@ -14,10 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-PINS = ("kvpress==0.5.5", "transformers==5.2.0", "gguf", "accelerate")
+PINS = ("kvpress==0.5.5", "transformers==5.2.0", "optimum-quanto==0.2.7", "gguf", "accelerate")
 TORCH = "torch==2.13.0"
 DEFAULT_VENV = Path(__file__).resolve().parent.parent / ".refvenv"
-PROBE = "import kvpress, transformers, torch; assert transformers.__version__ == '5.2.0'; assert '+cpu' in torch.__version__"
+PROBE = "import kvpress, transformers, torch, optimum.quanto; assert transformers.__version__ == '5.2.0'; assert '+cpu' in torch.__version__"
 
 
 def default_venv() -> str:
