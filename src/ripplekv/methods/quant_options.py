@@ -78,7 +78,7 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
                             "(or quant=token)")
         return None
     inner_name = "full" if name == "kivi" else name
-    profile = own.get("bits") == PROFILE
+    profile = reads_profile(own)
     if profile and {"kbits", "vbits"} & set(own):
         raise UserError(f"method spec {spec!r}: bits=profile sets keys and values alike; drop kbits/vbits")
 

@@ -143,10 +143,9 @@ class Quantized:
             return tuple(self.quantizer.at(bits) for bits in self.profile.bits_for_average(state.num_layers))
         self.profile.check_layers(state.num_layers)
         counts = self.inner.budgets(state, 1)  # every entry
-        d, size = head_dim(state), element_bytes(state)
 
         def layer_bytes(layer: int, bits: int) -> int:
-            return sum(head_bytes(int(c), d, size, self.quantizer.at(bits)) for c in counts[layer])
+            return kept_bytes(state, counts[layer:layer + 1], self.quantizer.at(bits))
 
         chosen = self.profile.bits_for_bytes(layer_bytes, budget_bytes(state, budget))
         return None if chosen is None else tuple(self.quantizer.at(bits) for bits in chosen)
