@@ -18,6 +18,9 @@ Method sets (each at every budget, 2 by default):
   (ExpectedAttentionPress), keydiff (KeyDiffPress), criticalkv (CriticalKVPress over SnapKV), adakv
   (AdaKVPress over SnapKV), kvzip (KVzipPress), h2o:norm=mean:recent=0 (ObservedAttentionPress).
 - "8 cheap variants": streamingllm, snapkv, pyramidkv, tova (the issue's 4 x 2).
+- the curve (`--curve`, default 1, 2, 4, 8, 16, 22): ours timed again on the first N variants (methods in
+  the order above, each at every budget; 8 is the cheap set and 22 the whole one, whose runs are reused), each
+  against kvpress's runs of the same variants, for the speedup against the number of variants (*_curve.csv).
 Both sides also run the full cache once per prompt. kvpress's time for a set is the sum of its runs (each
 variant is a separate run in its loop); ours is one eval of the set. Printed per set: `peer/ours` (total
 over repeats), and per method the share of (prompt, budget) whose greedy answers are the same text.
@@ -58,6 +61,7 @@ METHODS = {
     "h2o:norm=mean:recent=0": ("ObservedAttentionPress", {}),
 }
 CHEAP = ("streamingllm", "snapkv", "pyramidkv", "tova")
+CURVE = (1, 2, 4, 8, 16, 22)  # --curve's default points: variants timed (the first of the sets' methods x budgets)
 EAGER = ("ObservedAttentionPress",)  # presses that read the attention weights sdpa does not return
 # Methods whose answers are not expected to match, and why (left out of the overall agreement line). Every spec in
 # METHODS is the one that reproduces its press (make check-references holds their kept sets), so none today.
@@ -86,6 +90,18 @@ def pick(names: str) -> tuple[str, ...]:
 def variants(specs, budgets) -> list[tuple[str, int]]:
     """The (method, budget) pairs of a set: every method at every budget."""
     return [(spec, budget) for spec in specs for budget in budgets]
+
+
+def curve_grid(count: int, specs, budgets) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The methods and budgets of the first `count` variants of `specs` x `budgets` (method by method), as one
+    eval runs them: a whole number of methods, or fewer variants than one method has budgets."""
+    whole, part = divmod(count, len(budgets))
+    if count < 1 or count > len(specs) * len(budgets) or (part and whole):
+        from ripplekv.errors import UserError
+
+        raise UserError(f"--curve: {count} variants is not 1..{len(budgets)} or a multiple of {len(budgets)} up to "
+                        f"{len(specs) * len(budgets)} (the first methods at every budget)")
+    return (specs[:1], tuple(budgets[:part])) if part else (tuple(specs[:whole]), tuple(budgets))
 
 
 def keep_ratio(budget: int, length: int, press: str = "", entries: int = 0) -> float:
@@ -261,6 +277,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sets", default=",".join(SETS), help="method sets to time, comma-separated")
     parser.add_argument("--methods", help="time only these methods (names, e.g. snapkv,tova) as one set")
+    parser.add_argument("--curve", default=None,
+                        help="also time ours on the first N variants, comma-separated (speedup against the number of "
+                             "variants, written beside --out as *_curve.csv); default 1,2,4,8,16,22 up to the sets' "
+                             "variants, '' for none")
     parser.add_argument("--venv", default=None,
                         help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/bench-peer/bench_peer.csv")
@@ -281,6 +301,7 @@ def main() -> None:
 
 def run(args) -> None:
     import tempfile
+    from dataclasses import replace
 
     import numpy as np
     import pandas as pd
@@ -318,6 +339,13 @@ def run(args) -> None:
     tasks = tuple(task.name for task in get_tasks("offline")[: args.prompts])
     settings = {name: EvalSettings(budgets=budgets, methods=specs, tasks=tasks, limit=1, target_tokens=args.target_tokens,
                                    device="cpu", dtype="float32") for name, specs in sets.items()}
+    union = list(dict.fromkeys(spec for specs in sets.values() for spec in specs))
+    counts = CURVE if args.curve is None else [int(x) for x in args.curve.split(",") if x.strip().isdigit()]
+    if args.curve is None:
+        counts = [c for c in counts if c <= len(union) * len(budgets)]
+    elif len(counts) != len([x for x in args.curve.split(",") if x.strip()]):
+        raise UserError(f"--curve takes numbers of variants, comma-separated, e.g. 1,2,4; got {args.curve!r}")
+    grids = {count: curve_grid(count, union, budgets) for count in sorted(set(counts))}
     any_settings = next(iter(settings.values()))
     loaded = load_model(None, device="cpu", dtype="float32")
     model, tokenizer, _ = loaded
@@ -334,12 +362,11 @@ def run(args) -> None:
         model(torch.arange(100, 164)[None])
     _, model_dir = _source_and_location(None)
     peer = Peer(python, model_dir, args.threads)
-    union = list(dict.fromkeys(spec for specs in sets.values() for spec in specs))
     console = Console(width=max(Console().width, 130))
     console.print(f"{len(prompts)} prompts ({', '.join(str(p['tokens']) for p in prompts)} tokens), budgets "
                   f"{list(budgets)}, {args.repeats} repeats, torch threads {torch.get_num_threads()}, load "
                   f"{os.getloadavg()[0]:.1f}")
-    records, times = [], []
+    records, times, curve = [], [], []
     for repeat in range(args.repeats):
         peer_first = repeat % 2 == 0
         for side in ("peer", "ours") if peer_first else ("ours", "peer"):
@@ -358,6 +385,12 @@ def run(args) -> None:
                     seconds, rows = ours(settings[name], loaded, scratch / f"eval-{repeat}-{len(ours_runs)}")
                     ours_runs[name] = (seconds, rows)
                     console.print(f"repeat {repeat}: ripplekv eval, {name}: {seconds:.1f} s (load {os.getloadavg()[0]:.1f})")
+                curve_s = {}
+                for count, (specs, chosen) in grids.items():  # a point that is a whole set reuses its run
+                    same = [name for name in sets if tuple(sets[name]) == specs and chosen == tuple(budgets)]
+                    curve_s[count] = ours_runs[same[0]][0] if same else ours(
+                        replace(any_settings, methods=specs, budgets=chosen), loaded, scratch / f"curve-{repeat}-{count}")[0]
+                    console.print(f"repeat {repeat}: ripplekv eval, first {count} variants: {curve_s[count]:.1f} s")
         for name, specs in sets.items():
             wanted = {("full", None), *variants(specs, budgets)}
             peer_s = sum(s for (sid, spec, b), (s, _) in answers.items() if (spec, b) in wanted)
@@ -369,6 +402,10 @@ def run(args) -> None:
                                 "method": spec, "budget": row["budget"], "kvpress_s": seconds,
                                 "same_answer": text.strip() == row["prediction"].strip(),
                                 "kvpress_answer": text, "ripplekv_answer": row["prediction"]})
+        for count, (specs, chosen) in grids.items():
+            wanted = {("full", None), *variants(specs, chosen)}
+            curve.append({"variants": count, "repeat": repeat, "ours_s": curve_s[count],
+                          "peer_s": sum(s for (sid, spec, b), (s, _) in answers.items() if (spec, b) in wanted)})
     peer.close()
     summary = ratios(times, sets)
     table = Table("set", "variants (+ full)", "prompts", "kvpress s", "ripplekv eval s", "peer/ours", "per repeat")
@@ -394,6 +431,16 @@ def run(args) -> None:
         console.print(line, soft_wrap=True, markup=False)
     frame.merge(pd.DataFrame(times), on=["set", "repeat"]).to_csv(out, index=False)
     console.print(f"wrote {out}")
+    if curve:
+        curve_out = out.with_name(f"{out.stem}_curve.csv")
+        points = pd.DataFrame(curve)
+        points.to_csv(curve_out, index=False)
+        table = Table("variants (+ full)", "kvpress s", "ripplekv eval s", "peer/ours", title="speedup against the number of variants")
+        for count, part in points.groupby("variants"):
+            table.add_row(str(count), f"{part['peer_s'].sum():.1f}", f"{part['ours_s'].sum():.1f}",
+                          f"{part['peer_s'].sum() / part['ours_s'].sum():.2f}")
+        console.print(table)
+        console.print(f"wrote {curve_out}")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,13 @@ def test_without_check_references_files_the_kept_sets_are_one_line_saying_where_
     monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # the script finds check_references beside itself
     lines = bench.kept_lines(tmp_path)
     assert len(lines) == 1 and "make check-references" in lines[0] and str(tmp_path) in lines[0]
+
+
+def test_the_curve_takes_the_first_methods_at_every_budget_and_refuses_what_no_eval_runs(bench):
+    specs, budgets = tuple(bench.METHODS), (128, 512)
+    assert bench.curve_grid(1, specs, budgets) == (specs[:1], (128,))
+    assert bench.curve_grid(8, specs, budgets) == (bench.SETS["8 cheap variants"], budgets)  # the cheap set's run
+    assert bench.curve_grid(22, specs, budgets) == (specs, budgets)
+    for count in (0, 3, 24):
+        with pytest.raises(UserError, match="--curve"):
+            bench.curve_grid(count, specs, budgets)
