@@ -332,13 +332,6 @@ def run(args) -> None:
         if [s for s in chosen if s not in SETS]:
             raise UserError(f"--sets: choose from {', '.join(SETS)}")
         sets = {name: SETS[name] for name in chosen}
-    venv = check_venv_path(args.venv or default_venv())  # before anything is made: the venv, then the output
-    out = check_output(args.out, kind="file")
-    python = ensure_venv(venv)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tasks = tuple(task.name for task in get_tasks("offline")[: args.prompts])
-    settings = {name: EvalSettings(budgets=budgets, methods=specs, tasks=tasks, limit=1, target_tokens=args.target_tokens,
-                                   device="cpu", dtype="float32") for name, specs in sets.items()}
     union = list(dict.fromkeys(spec for specs in sets.values() for spec in specs))
     counts = CURVE if args.curve is None else [int(x) for x in args.curve.split(",") if x.strip().isdigit()]
     if args.curve is None:
@@ -346,6 +339,13 @@ def run(args) -> None:
     elif len(counts) != len([x for x in args.curve.split(",") if x.strip()]):
         raise UserError(f"--curve takes numbers of variants, comma-separated, e.g. 1,2,4; got {args.curve!r}")
     grids = {count: curve_grid(count, union, budgets) for count in sorted(set(counts))}
+    venv = check_venv_path(args.venv or default_venv())  # before anything is made: the venv, then the output
+    out = check_output(args.out, kind="file")
+    python = ensure_venv(venv)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tasks = tuple(task.name for task in get_tasks("offline")[: args.prompts])
+    settings = {name: EvalSettings(budgets=budgets, methods=specs, tasks=tasks, limit=1, target_tokens=args.target_tokens,
+                                   device="cpu", dtype="float32") for name, specs in sets.items()}
     any_settings = next(iter(settings.values()))
     loaded = load_model(None, device="cpu", dtype="float32")
     model, tokenizer, _ = loaded
