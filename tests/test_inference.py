@@ -8,6 +8,8 @@ of 10), zero and nonzero, normal and score-like (mostly tied); the stratified t 
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from scipy import stats as distributions
@@ -52,7 +54,9 @@ def percentile_coverage(differences, labels, delta, resamples=400, seed=0) -> fl
 @pytest.mark.parametrize("n, tasks", [(10, 2), (50, 5)])
 @pytest.mark.parametrize("delta", [0.0, 0.4])
 def test_the_t_interval_covers_95_percent_at_small_n(kind, n, tasks, delta):
-    rng = np.random.default_rng(hash((kind, n, delta)) % 2**32)
+    # A seed fixed by the case (hash() of a str is salted per process: with it every run drew new data, and the
+    # score-like n=10 cases, whose coverage has SD 0.018 over seeds, failed about 1 run in 60)
+    rng = np.random.default_rng(zlib.crc32(f"{kind}-{n}-{delta}".encode()))
     differences, labels = synthetic(kind, n, tasks, delta, rng)
     assert abs(coverage(differences, labels, delta) - 0.95) <= TOLERANCE
     # The check can fail: an interval covering 20 points less (a 75% interval read as 95%) does not pass.
