@@ -274,6 +274,12 @@ def check_used(label: str, built: dict, keys: dict, given: set) -> None:
                         f"drop it; with these settings it takes: {', '.join(takes) or 'nothing'}")
 
 
+def reads_allocation(described: dict) -> bool:
+    """Does a method read an allocation file, by its `describe()` (as config.json records it): its allocator's
+    multipliers or a quantizer's per-layer bits (bits=profile)?"""
+    return any("allocation" in described.get(part, {}) for part in ("allocator", "quantizer"))
+
+
 def options_taken(specs) -> set[str]:
     """Every option some of these methods take (as their components declare them); unknown names add none."""
     taken: set[str] = set()

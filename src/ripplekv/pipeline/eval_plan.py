@@ -133,6 +133,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         runtime_info,
     )
     from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.presets import reads_allocation
     from ripplekv.tasks import get_tasks
 
     for budget in settings.budgets:
@@ -168,8 +169,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     tasks = get_tasks(settings.suite, list(settings.tasks) or None)
     source = resolve_model(settings.model)
     device, dtype = resolve_device_dtype(settings.device, settings.dtype)
-    allocation = settings.allocation if any("allocation" in m.describe().get(part, {}) for m in built
-                                            for part in ("allocator", "quantizer")) else None
+    allocation = settings.allocation if any(reads_allocation(m.describe()) for m in built) else None
     route = settings.route if any("route" in m.describe().get("scorer", {}) for m in built) else None
     check_model_files(settings.model)
     config = {

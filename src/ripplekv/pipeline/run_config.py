@@ -61,10 +61,11 @@ def allocation_readers(config: dict) -> set[str]:
     """The methods of a run that read its --allocation: their allocator (or a quantizer's bits=profile) takes an
     allocation that their own spec does not name (as the method specs in config.json record them)."""
     from ripplekv.methods import parse_spec
+    from ripplekv.methods.presets import reads_allocation
 
     specs = config.get("method_specs", {})
-    return {label for label in config.get("methods", ()) if "allocation" not in parse_spec(label)[1]
-            and any("allocation" in specs.get(label, {}).get(part, {}) for part in ("allocator", "quantizer"))}
+    return {label for label in config.get("methods", ())
+            if "allocation" not in parse_spec(label)[1] and reads_allocation(specs.get(label, {}))}
 
 
 def merge_config(old: dict | None, new: dict) -> dict:
