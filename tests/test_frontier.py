@@ -314,3 +314,26 @@ def test_inspect_runs_a_new_method_and_refuses_the_oracle_in_one_line(tiny_model
     assert (tmp_path / "a" / "kept.npz").is_file()
     code, _, err = run_cli("inspect", "--method", "oracle", "--out", str(tmp_path / "b"), *common)
     assert code == 2 and "full cache's answer" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("earlier", [0, 7, 90])  # new tokens alone, or after some of the cache
+@pytest.mark.parametrize("sliding", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_right_attention_is_sdpa_with_the_causal_mask(earlier, sliding, dtype):
+    """The probing pass's CPU attention (two flash calls merged) equals sdpa over the lower-right causal mask; a
+    sliding-window layer keeps sdpa with the model's own mask."""
+    generator = torch.Generator().manual_seed(earlier)
+    new, groups = 9, 3
+    query = torch.randn(1, 2 * groups, new, D, generator=generator).to(dtype)
+    key, value = (torch.randn(1, 2, earlier + new, D, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.ones(new, earlier + new, dtype=torch.bool)
+    mask[:, earlier:] = torch.ones(new, new, dtype=torch.bool).tril()
+    if sliding:  # a sliding layer's mask differs from lower-right causal: the fallback must use it
+        mask &= torch.arange(earlier + new)[None, :] > torch.arange(earlier, earlier + new)[:, None] - sliding
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.sliding_window, module.is_causal = groups, sliding, True
+    got = probe.lower_right_attention(module, query, key, value, mask[None, None], 0.25)
+    want = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+                                          attn_mask=mask[None, None], scale=0.25).transpose(1, 2)
+    assert got.shape == (1, new, 2 * groups, D) and got.dtype == dtype
+    assert torch.allclose(got.float(), want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)

@@ -374,17 +374,20 @@ def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, sc
 def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The registered attention: compressed attention when a CompressedCache is active, else sdpa.
 
+    `ripplekv_attend(module, query, key, value, mask, scaling)` replaces sdpa (a probing pass's attention).
     The recorders passed as `ripplekv_recorders` (`engine.recorders`: the prefill's window queries and the
     signals methods registered, a scoring pass's probe) each read this layer's post-RoPE queries, keys
     and values; none changes the output, which is always the model's own attention.
     """
-    cache = kwargs.pop("ripplekv_cache", None)
+    cache, attend = kwargs.pop("ripplekv_cache", None), kwargs.pop("ripplekv_attend", None)
     for recorder in kwargs.pop("ripplekv_recorders", ()):
         with timings.phase(timings.RECORDER + recorder.signal) if recorder.signal else nullcontext():
             recorder.layer(module.layer_idx, query, key, value, attention_mask, scaling or module.scaling)
     if cache is not None:
         layer = cache.layers[module.layer_idx]
         return compressed_attention(query, layer, key, value, scaling or module.scaling), None
+    if attend is not None:  # a pass's own attention (`methods.continuation`)
+        return attend(module, query, key, value, attention_mask, scaling or module.scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

@@ -6,7 +6,9 @@ through the uncompressed cache; the attention function hands each layer's new qu
 (post-RoPE) to a callback, which reduces them at once, so no map over all prompt positions is kept.
 The model itself attends with sdpa through a plain transformers cache holding the prompt's keys and
 values, as the prefill does: the full cache needs none of our compressed attention's biases, and the
-eager float32 attention that would mean cost KVzip's pass over a 3.5k prompt about 4.7 prefills.
+eager float32 attention that would mean cost KVzip's pass over a 3.5k prompt about 4.7 prefills. On a CPU
+the pass's lower-right causal attention is two unmasked flash attentions merged by their log-sum-exps
+(`lower_right_attention`): sdpa with the mask costs ~30% more.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from ripplekv.engine.cache import install
 from ripplekv.engine.prefill import PrefillState
@@ -33,6 +36,29 @@ class Handing(Recorder):
 
     def layer(self, index, query, key, value, attention_mask, scaling):
         self.callback(index, query, key)
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def lower_right_attention(module, query, key, value, mask, scaling):
+    """The model's attention for p new queries over n keys whose last p are theirs (causal among themselves,
+    everything before visible), as [1, p, H_q, d]. On a CPU: flash attention over the n - p earlier keys
+    (no mask) and over the p new ones (causal), merged by their log-sum-exps, equal to sdpa with the mask
+    within float tolerance; elsewhere, and on a sliding-window layer, sdpa with the model's mask."""
+    if query.device.type != "cpu" or getattr(module, "sliding_window", None) or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)[0]
+    length, count = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    own, own_lse = _FLASH_CPU(query, key[:, :, count - length:], value[:, :, count - length:], 0.0, True, scale=scaling)
+    if count > length:
+        earlier, earlier_lse = _FLASH_CPU(query, key[:, :, :count - length], value[:, :, :count - length], 0.0, False,
+                                          scale=scaling)
+        top = torch.maximum(own_lse, earlier_lse)
+        own_weight, earlier_weight = (own_lse - top).exp_()[..., None], (earlier_lse - top).exp_()[..., None]
+        own = ((own * own_weight + earlier * earlier_weight) / (own_weight + earlier_weight)).to(query.dtype)
+    return own.transpose(1, 2).contiguous()
 
 
 # Tokens fed per forward: bounds the attention of a piece over the prompt to PIECE x n scores per head.
@@ -57,15 +83,17 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe,
         chunk = ids[:, start:start + piece]
         positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
         model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_recorders=probe,
-              logits_to_keep=1)
+              ripplekv_attend=lower_right_attention, logits_to_keep=1)
 
 
 def causal_attention_rows(queries: torch.Tensor, prompt_keys: torch.Tensor, new_keys: torch.Tensor, scaling: float,
-                          rows: int = 256):
+                          rows: int = 128):
     """Yield (index, attention [H_kv, group, r, K]) in blocks of `rows` queries, float32: the queries are the last
     p of the T new tokens (`index` is the block's first among all T), attending over the prompt keys
     `prompt_keys` [H_kv, K, d] (all visible) and the new tokens' keys [H_kv, T, d] (causal); each block keeps
-    only the prompt part (its rows still sum to 1 with the new keys included)."""
+    only the prompt part (its rows still sum to 1 with the new keys included). Blocks of 128 rows keep the
+    logits in a CPU's cache between the product, the softmax and the caller's reduction: KVzip's pass took
+    ~20% less than with 256, with the same scores to the bit."""
     kv_heads, count = prompt_keys.shape[0], prompt_keys.shape[1]
     group = queries.shape[0] // kv_heads
     length = queries.shape[1]

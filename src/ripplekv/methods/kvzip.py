@@ -20,8 +20,8 @@ chunk's queries also see the sinks (`skip_template=1`); a layer's total need not
 press (make check-references).
 
 Cost: the reconstruction is a second forward over about as many tokens as the prompt (its own phase in
-`engine.timings`, `RECONSTRUCTION`, printed by scripts/bench_engine.py): about 3 prefills on a 3.5k prompt,
-since its queries attend (sdpa) over the whole prompt and the repeat so far, about three times the causal
+`engine.timings`, `RECONSTRUCTION`, printed by scripts/bench_engine.py): about 2.3 prefills on a 3.5k prompt
+on a CPU, since its queries attend over the whole prompt and the repeat so far, about three times the causal
 prefill's attention, and the scores' own attention over each chunk comes on top. That attention is taken
 in blocks of queries over one chunk at a time, never as a map over the whole prompt.
 """
