@@ -129,10 +129,17 @@ DEPTHKV_FLOOR=0.25
 GEMMA = CONFIG.replace("OUT=results\n", "OUT=results/gemma3\n")
 
 
+# The stand-in runs skip reproduce.sh's pre-flight (scripts/check_config.py imports torch and transformers: ~7 s a
+# run); the real one refuses bad configs in `project_with_preflight` and accepts every config used here in
+# test_the_preflight_accepts_every_config_the_stand_in_runs_use.
+PREFLIGHT_SKIPPED = "# the stand-in runs' pre-flight (tests/test_reproduce.py): every config passes\n"
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A copy of scripts/ with the stand-in ripplekv and the test's Python as .venv/bin/python."""
+    """A copy of scripts/ with the stand-in ripplekv, the test's Python as .venv/bin/python and no pre-flight."""
     shutil.copytree(REPO / "scripts", tmp_path / "scripts")
+    (tmp_path / "scripts" / "check_config.py").write_text(PREFLIGHT_SKIPPED)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "reproduce.env").write_text(CONFIG)
     venv = tmp_path / ".venv" / "bin"
@@ -144,6 +151,12 @@ def project(tmp_path: Path) -> Path:
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "committed.txt").write_text("the committed results\n")
     return tmp_path
+
+
+@pytest.fixture
+def project_with_preflight(project: Path) -> Path:
+    shutil.copy(REPO / "scripts" / "check_config.py", project / "scripts" / "check_config.py")
+    return project
 
 
 def reproduce(project: Path, fail_at: str | None = None) -> subprocess.CompletedProcess:
@@ -205,7 +218,7 @@ def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_repl
 @pytest.mark.slow
 def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project):
     config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + 'CONTEXT_METHODS=full,snapkv,ripplekv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n')
+    config.write_text(CONFIG + CONTEXT)
     done = reproduce(project)
     assert done.returncode == 0, done.stderr
     results = project / "results"
@@ -227,8 +240,7 @@ def test_the_memory_axis_runs_only_when_configured_and_the_page_names_the_best_w
     done = reproduce(project)
     assert done.returncode == 0, done.stderr
     assert not (project / "results" / "eval-memory").exists() and "Memory axis" not in (project / "results" / "README.md").read_text()
-    config.write_text(CONFIG + 'MEMORY_METHODS=full,snapkv,ripplekv,kivi:bits=4,snapkv:quant=kivi:bits=4\nMEMORY_BUDGETS="128"\n'
-                      "MEMORY_LIMIT=2\n")
+    config.write_text(CONFIG + MEMORY)
     done = reproduce(project)
     assert done.returncode == 0, done.stderr
     readme = (project / "results" / "README.md").read_text()
@@ -361,28 +373,47 @@ CHANGES = [
 ]
 
 
-@pytest.mark.parametrize("change, message", CHANGES)
-def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypatch, capsys):
-    """scripts/check_config.py, as reproduce.sh runs it with the config's settings in the environment."""
+def preflight(text: str, monkeypatch) -> int:
+    """scripts/check_config.py's exit status, as reproduce.sh runs it with the config's settings in the environment."""
     from tests.conftest import load_script
 
     check = load_script("check_config")
-    settings = dict(line.split("=", 1) for line in (CONFIG + change + "\n").splitlines() if "=" in line)
+    settings = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
     for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS",
-                 "CARRY", "MEMORY_METHODS"]:
+                 "CARRY", "MEMORY_METHODS", *(line.split("=", 1)[0] for line in ALL_SETTINGS.splitlines() if "=" in line)]:
         monkeypatch.delenv(name, raising=False)
     for name, value in settings.items():
         monkeypatch.setenv(name, value.strip('"'))
     monkeypatch.setattr(sys, "argv", ["check_config.py", "configs/reproduce.env"])
-    assert check.main() == 2
+    return check.main()
+
+
+@pytest.mark.parametrize("change, message", CHANGES)
+def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypatch, capsys):
+    assert preflight(CONFIG + change + "\n", monkeypatch) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: configs/reproduce.env: ") and message in lines[0], lines
 
 
+CONTEXT = 'CONTEXT_METHODS=full,snapkv,ripplekv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n'
+MEMORY = 'MEMORY_METHODS=full,snapkv,ripplekv,kivi:bits=4,snapkv:quant=kivi:bits=4\nMEMORY_BUDGETS="128"\nMEMORY_LIMIT=2\n'
+STAND_IN_CONFIGS = {"plain": CONFIG, "optional stages": CONFIG + OPTIONAL_STAGES, "context": CONFIG + CONTEXT,
+                    "memory": CONFIG + MEMORY, "long": CONFIG + LONG, "draws": CONFIG + OPTIONAL_STAGES + DRAWS,
+                    "gemma": GEMMA, "carry": CONFIG + "CARRY=gemma3\n"}
+ALL_SETTINGS = OPTIONAL_STAGES + CONTEXT + MEMORY + LONG + DRAWS
+
+
+@pytest.mark.parametrize("name", STAND_IN_CONFIGS)
+def test_the_preflight_accepts_every_config_the_stand_in_runs_use(name, monkeypatch, capsys):
+    """The stand-in runs skip the pre-flight: the real one passes each of their configs, so they run what it allows."""
+    assert preflight(STAND_IN_CONFIGS[name], monkeypatch) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [CHANGES[0], CHANGES[3]])
-def test_reproduce_refuses_a_bad_config_before_any_stage(project, change, message):
+def test_reproduce_refuses_a_bad_config_before_any_stage(project_with_preflight, change, message):
     """An unknown task, a method whose input comes from a stage the config leaves off: one line, exit 2, before
     the first stage runs or anything is built."""
+    project = project_with_preflight
     config = project / "configs" / "reproduce.env"
     config.write_text(CONFIG + change + "\n")
     done = reproduce(project)
