@@ -7,7 +7,7 @@ through the uncompressed cache; the attention function hands each layer's new qu
 The model itself attends with sdpa through a plain transformers cache holding the prompt's keys and
 values, as the prefill does: the full cache needs none of our compressed attention's biases, and the
 eager float32 attention that would mean cost KVzip's pass over a 3.5k prompt about 4.7 prefills. On a CPU
-the pass's lower-right causal attention is two unmasked flash attentions merged by their log-sum-exps
+KVzip's lower-right causal attention is two unmasked flash attentions merged by their log-sum-exps
 (`lower_right_attention`): sdpa with the mask costs ~30% more.
 """
 
@@ -66,9 +66,13 @@ PIECE = 512
 
 
 @torch.inference_mode()
-def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe, piece: int | None = None) -> None:
+def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe, piece: int | None = None,
+                 fast: bool = False) -> None:
     """Feed `tokens` right after the whole prompt (positions n, n+1, ...) through the full cache, `piece` at a time
-    (the same as one forward: the cache keeps the pieces already fed)."""
+    (the same as one forward: the cache keeps the pieces already fed). `fast`: attend by `lower_right_attention`,
+    for a pass as long as the prompt (KVzip's); the oracles' passes of a few dozen answer tokens keep sdpa with the
+    mask, bit for bit what results/ were computed with (the merge moves their scores by ~1e-7, enough to swap
+    near-tied entries)."""
     if not tokens:
         return
     install(model)
@@ -83,7 +87,7 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe,
         chunk = ids[:, start:start + piece]
         positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
         model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_recorders=probe,
-              ripplekv_attend=lower_right_attention, logits_to_keep=1)
+              ripplekv_attend=lower_right_attention if fast else None, logits_to_keep=1)
 
 
 def causal_attention_rows(queries: torch.Tensor, prompt_keys: torch.Tensor, new_keys: torch.Tensor, scaling: float,

@@ -131,7 +131,7 @@ def _reconstruct(state, n_sink: int, chunk: int, skip_template: int) -> torch.Te
             for _, block in causal_attention_rows(queries, seen, new_keys, state.scaling):
                 scores[layer, :, start:stop] = torch.maximum(scores[layer, :, start:stop], block[..., sink:].amax(dim=(1, 2)))
 
-        probe_tokens(state.model, state, tokens, reduce)
+        probe_tokens(state.model, state, tokens, reduce, fast=True)
     scores[..., :n_sink] = 1.0
     return scores
 
