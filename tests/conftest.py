@@ -45,6 +45,17 @@ def load_script(name: str):
     return module
 
 
+def script_refusal(name: str, *args, cwd: Path, monkeypatch, capsys) -> str:
+    """scripts/NAME.py's main() run in-process from `cwd` with `args`: it must exit 2; what it wrote to stderr."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))  # its sibling modules
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *map(str, args)])
+    with pytest.raises(SystemExit) as stop:
+        load_script(name).main()
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
 HIDDEN = TINY["hidden_size"]  # the attention inputs' width of the tiny models (and of states built without one)
 
 
@@ -122,8 +133,8 @@ def tokenizer():
 
 
 # The test files that take longest, heaviest first (seconds of one run on 2 cores, from --junitxml: 79, 58, 57,
-# 42, 35, 31, 30, 30, 26). Under `--dist loadfile` the workers take files in collection order, so these go first: a heavy
-# file taken last would leave one worker running it alone while the other is done.
+# 42, 35, 31, 30, 30, 26). Under `--dist loadfile` the workers take files in collection order, so these go first:
+# a heavy file taken last would leave one worker running it alone while the other is done.
 HEAVIEST = ("test_distributed.py", "test_ruler.py", "test_reproduce.py", "test_resume_equal.py", "test_interrupts.py",
             "test_evaluate.py", "test_api.py", "test_report.py", "test_lm_eval_backend.py")
 

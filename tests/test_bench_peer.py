@@ -6,7 +6,7 @@ import pytest
 
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from tests.conftest import load_script
+from tests.conftest import load_script, script_refusal
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +63,8 @@ def test_the_curve_takes_the_first_methods_at_every_budget_and_refuses_what_no_e
 
 @pytest.mark.parametrize("curve, message", [("1,x", "--curve takes numbers of variants"),
                                             ("3", "--curve: 3 variants is not 1..2")])
-def test_a_bad_curve_is_one_line_before_any_venv_or_output_is_made(bench, tmp_path, monkeypatch, capsys, curve, message):
-    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # the script finds reference_venv beside itself
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["bench_peer.py", "--curve", curve, "--venv", str(tmp_path / "venv"),
-                                     "--out", str(tmp_path / "runs" / "b.csv")])
-    with pytest.raises(SystemExit) as stop:
-        bench.main()
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
+def test_a_bad_curve_is_one_line_before_any_venv_or_output_is_made(tmp_path, monkeypatch, capsys, curve, message):
+    err = script_refusal("bench_peer", "--curve", curve, "--venv", tmp_path / "venv", "--out", tmp_path / "runs" / "b.csv",
+                         cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []

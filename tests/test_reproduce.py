@@ -379,8 +379,8 @@ def preflight(text: str, monkeypatch) -> int:
 
     check = load_script("check_config")
     settings = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "HEADLINE_METHODS", "COMPARE_METHODS", "CONTEXT_METHODS",
-                 "CARRY", "MEMORY_METHODS", *(line.split("=", 1)[0] for line in ALL_SETTINGS.splitlines() if "=" in line)]:
+    optional = (line.split("=", 1)[0] for line in ALL_SETTINGS.splitlines() if "=" in line)
+    for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "COMPARE_METHODS", "CARRY", *optional]:
         monkeypatch.delenv(name, raising=False)
     for name, value in settings.items():
         monkeypatch.setenv(name, value.strip('"'))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ripplekv.errors import UserError
-from tests.conftest import load_script
+from tests.conftest import load_script, script_refusal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,25 +36,14 @@ def test_the_compresskv_profile_script_checks_everything_before_the_model(tmp_pa
     assert (tmp_path / "missing" / "folder" / "p.csv").read_text() == "layer,error\n0,0.5\n1,0.25\n"
 
 
-def refusal(name: str, *args, cwd: Path, monkeypatch, capsys) -> str:
-    """A helper script's main() run in-process from `cwd`: it must exit 2; its stderr."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # the script finds reference_venv beside itself
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", [f"{name}.py", *map(str, args)])
-    with pytest.raises(SystemExit) as stop:
-        load_script(name).main()
-    assert stop.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_reference_scripts_refuse_bad_budgets_and_an_unusable_venv_before_making_anything(tmp_path, monkeypatch, capsys):
     (tmp_path / "a-file").write_text("x")
-    err = refusal("check_references", "--budgets", "128,abc", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    err = script_refusal("check_references", "--budgets", "128,abc", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert err.strip() == "error: budget must be a positive integer, got 'abc'", err
-    err = refusal("check_references", "--venv", tmp_path / "a-file" / "venv", cwd=tmp_path, monkeypatch=monkeypatch,
+    err = script_refusal("check_references", "--venv", tmp_path / "a-file" / "venv", cwd=tmp_path, monkeypatch=monkeypatch,
                   capsys=capsys)
     assert "a-file is a file, not a folder" in err and err.count("\n") == 1
-    err = refusal("bench_peer", "--venv", tmp_path / "a-file", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    err = script_refusal("bench_peer", "--venv", tmp_path / "a-file", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert "is a file, not a folder" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no venv, no runs/ folder
 
