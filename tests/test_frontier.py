@@ -317,23 +317,53 @@ def test_inspect_runs_a_new_method_and_refuses_the_oracle_in_one_line(tiny_model
 
 
 @pytest.mark.parametrize("earlier", [0, 7, 90])  # new tokens alone, or after some of the cache
-@pytest.mark.parametrize("sliding", [None, 4])
+@pytest.mark.parametrize("subset", [(), ((0, 3), (20, 60), (90, 10**9))])  # none apart, or sinks, a chunk, the new
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lower_right_attention_is_sdpa_with_the_causal_mask(earlier, sliding, dtype):
-    """The probing pass's CPU attention (two flash calls merged) equals sdpa over the lower-right causal mask; a
-    sliding-window layer keeps sdpa with the model's own mask."""
+def test_lower_right_attention_is_sdpa_with_the_causal_mask(earlier, subset, dtype):
+    """The probing pass's CPU attention (flash calls merged) equals sdpa over the lower-right causal mask, and its
+    log-sum-exp is the softmax normaliser over the keys in `subset` (clipped to the earlier keys) and the new ones."""
     generator = torch.Generator().manual_seed(earlier)
     new, groups = 9, 3
     query = torch.randn(1, 2 * groups, new, D, generator=generator).to(dtype)
     key, value = (torch.randn(1, 2, earlier + new, D, generator=generator).to(dtype) for _ in range(2))
     mask = torch.ones(new, earlier + new, dtype=torch.bool)
     mask[:, earlier:] = torch.ones(new, new, dtype=torch.bool).tril()
-    if sliding:  # a sliding layer's mask differs from lower-right causal: the fallback must use it
-        mask &= torch.arange(earlier + new)[None, :] > torch.arange(earlier, earlier + new)[:, None] - sliding
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.sliding_window, module.is_causal = groups, sliding, True
-    got = probe.lower_right_attention(module, query, key, value, mask[None, None], 0.25)
-    want = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
-                                          attn_mask=mask[None, None], scale=0.25).transpose(1, 2)
+    got, normaliser = probe.lower_right_attention(query, key, value, 0.25, subset=subset)
+    wide_key, wide_value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    want = F.scaled_dot_product_attention(query, wide_key, wide_value, attn_mask=mask[None, None], scale=0.25)
     assert got.shape == (1, new, 2 * groups, D) and got.dtype == dtype
-    assert torch.allclose(got.float(), want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.allclose(got.float(), want.transpose(1, 2).float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    apart = torch.zeros(earlier + new, dtype=torch.bool)
+    for lo, hi in subset:
+        apart[lo:min(hi, earlier)] = True
+    logits = (query.float() @ wide_key.float().transpose(-1, -2)) * 0.25
+    logits = logits.masked_fill(~(mask & (apart | (torch.arange(earlier + new) >= earlier))), float("-inf"))
+    assert normaliser.shape == (1, 2 * groups, new)
+    assert torch.allclose(normaliser, torch.logsumexp(logits, -1), atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_the_split_attention_runs_on_one_cpu_sequence_of_a_full_layer_only():
+    """A sliding-window layer (its mask is not lower-right causal) and batches keep sdpa with the model's mask."""
+    module = torch.nn.Module()
+    module.sliding_window = None
+    assert probe.can_split_attention(module, torch.zeros(1, 4, 3, D))
+    assert not probe.can_split_attention(module, torch.zeros(2, 4, 3, D))
+    module.sliding_window = 4
+    assert not probe.can_split_attention(module, torch.zeros(1, 4, 3, D))
+
+
+@pytest.mark.parametrize("skip_template", [0, 1])
+def test_kvzip_scores_from_the_flash_normaliser_equal_their_own_softmax(skip_template, monkeypatch, tokenizer):
+    """KVzip's CPU path (scores from the merged flash attentions' log-sum-exp) against its sdpa path (the scores'
+    own softmax), over chunks of 50 with sinks and pieces of 13, the template skipped or not."""
+    from ripplekv.methods import kvzip
+
+    model = tiny_llama(vocab_size=len(tokenizer), seed=2)
+    ids = torch.randint(200, 5000, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    state = satisfy(prefill(model, ids, requirements=Requirements.of_all([make_method("kvzip")])), tokenizer)
+    monkeypatch.setattr(probe, "PIECE", 13)
+    split = kvzip.reconstruct(state, 4, 50, skip_template)
+    monkeypatch.setattr(kvzip, "can_split_attention", lambda module, query: False)
+    softmax = kvzip.reconstruct(state, 4, 50, skip_template)
+    assert (split[..., 40:] > 0).all() and (split[..., 40:] < 1).all()  # every entry past the template scored
+    assert torch.allclose(split, softmax, rtol=1e-5, atol=1e-8)

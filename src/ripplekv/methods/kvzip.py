@@ -20,10 +20,10 @@ chunk's queries also see the sinks (`skip_template=1`); a layer's total need not
 press (make check-references).
 
 Cost: the reconstruction is a second forward over about as many tokens as the prompt (its own phase in
-`engine.timings`, `RECONSTRUCTION`, printed by scripts/bench_engine.py): about 2.3 prefills on a 3.5k prompt
-on a CPU, since its queries attend over the whole prompt and the repeat so far, about three times the causal
-prefill's attention, and the scores' own attention over each chunk comes on top. That attention is taken
-in blocks of queries over one chunk at a time, never as a map over the whole prompt.
+`engine.timings`, `RECONSTRUCTION`, printed by scripts/bench_engine.py): about 2.0 prefills on a 3.5k prompt
+on a CPU, since its queries attend over the whole prompt and the repeat so far, about 2.5 times the causal
+prefill's attention. The scores add one product of each query block with its chunk's keys: their softmax's
+normaliser comes from the pass's own attention (`ScoringAttention`), and no map over the whole prompt is kept.
 """
 
 from __future__ import annotations
@@ -31,13 +31,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import FromSample, register_recorder
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, check_positive, register_scorer
-from ripplekv.methods.continuation import causal_attention_rows, probe_tokens
+from ripplekv.methods.continuation import (
+    can_split_attention,
+    causal_attention_rows,
+    lower_right_attention,
+    probe_tokens,
+)
 from ripplekv.methods.snapkv import WindowScorer
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
@@ -115,7 +121,6 @@ def _reconstruct(state, n_sink: int, chunk: int, skip_template: int) -> torch.Te
     ids = state.input_ids.tolist()
     length = len(ids)
     scores = torch.zeros(state.num_layers, state.num_kv_heads, length, dtype=torch.float32, device=state.device)
-    scores[..., :n_sink] = 1.0
     first = min(template_opening(tokenizer), length - 1) if skip_template else 0
     for start in range(first, length, chunk):
         stop = min(length, start + chunk)
@@ -123,17 +128,53 @@ def _reconstruct(state, n_sink: int, chunk: int, skip_template: int) -> torch.Te
         if start > first:
             request = request + ids[max(first, start - OVERLAP):start]
         tokens = request + opening + ids[start:stop]
-        sink = min(n_sink, start)
-
-        def reduce(layer, queries, new_keys, start=start, stop=stop, sink=sink):
-            keys = state.keys[layer]
-            seen = torch.cat([keys[:, :sink], keys[:, start:stop]], dim=1)
-            for _, block in causal_attention_rows(queries, seen, new_keys, state.scaling):
-                scores[layer, :, start:stop] = torch.maximum(scores[layer, :, start:stop], block[..., sink:].amax(dim=(1, 2)))
-
-        probe_tokens(state.model, state, tokens, reduce, fast=True)
+        probe_tokens(state.model, state, tokens, attend=ScoringAttention(scores, length, min(n_sink, start), start, stop))
     scores[..., :n_sink] = 1.0
     return scores
+
+
+class ScoringAttention:
+    """The reconstruction pass's attention for the chunk [start, stop), which also raises each chunk entry's score
+    in `scores` [L, H_kv, n] to the largest attention any repeat query pays it, over the first `sink` entries,
+    the chunk and the repeat tokens so far (what those queries see in the reference).
+
+    On a CPU (`continuation.can_split_attention`) the model's own attention comes from flash attentions whose
+    log-sum-exps hold that softmax's normaliser (`lower_right_attention` with the sink and the chunk apart), so an
+    entry's score is exp(max over queries of logit - normaliser): one product per query block, no softmax.
+    Elsewhere sdpa attends and the scores take their own softmax (`causal_attention_rows`); the two agree within
+    float tolerance (tests)."""
+
+    def __init__(self, scores: torch.Tensor, length: int, sink: int, start: int, stop: int):
+        self.scores, self.length, self.sink, self.start, self.stop = scores, length, sink, start, stop
+
+    def __call__(self, module, query, key, value, mask, scaling):
+        layer, n = module.layer_idx, self.length
+        if not can_split_attention(module, query):
+            output = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)[0]
+            self.score_by_softmax(layer, query[0], key[0], scaling)
+            return output
+        output, normaliser = lower_right_attention(query, key, value, scaling,
+                                                   subset=((0, self.sink), (self.start, self.stop), (n, key.shape[2])))
+        self.score_by_normaliser(layer, query[0], key[0], normaliser[0], scaling)
+        return output
+
+    def score_by_normaliser(self, layer, query, key, normaliser, scaling, rows: int = 128):
+        kv_heads, length = key.shape[0], query.shape[1]
+        group = query.shape[0] // kv_heads
+        queries = query.float().view(kv_heads, group, length, -1) * scaling
+        chunk_keys = key[:, self.start:self.stop].float().transpose(-1, -2)[:, None]
+        normaliser = normaliser.view(kv_heads, group, length, 1)
+        best = self.scores[layer, :, self.start:self.stop]
+        for begin in range(0, length, rows):  # blocks of 128 rows keep the logits in cache
+            logits = torch.matmul(queries[:, :, begin:begin + rows], chunk_keys)
+            logits.sub_(normaliser[:, :, begin:begin + rows])
+            torch.maximum(best, logits.amax(dim=(1, 2)).exp_(), out=best)
+
+    def score_by_softmax(self, layer, query, key, scaling):
+        seen = torch.cat([key[:, :self.sink], key[:, self.start:self.stop]], dim=1)
+        best = self.scores[layer, :, self.start:self.stop]
+        for _, block in causal_attention_rows(query, seen, key[:, self.length:], scaling):
+            torch.maximum(best, block[..., self.sink:].amax(dim=(1, 2)), out=best)
 
 
 @register_scorer("kvzip")
