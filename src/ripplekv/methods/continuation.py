@@ -106,6 +106,8 @@ def merged(parts):
 
 # Tokens fed per forward: bounds the attention of a piece over the prompt to PIECE x n scores per head.
 PIECE = 512
+# Query rows per block of scores: keeps the logits in a CPU's cache between the product and the reductions.
+ROWS = 128
 
 
 @torch.inference_mode()
@@ -134,7 +136,7 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe 
 
 
 def causal_attention_rows(queries: torch.Tensor, prompt_keys: torch.Tensor, new_keys: torch.Tensor, scaling: float,
-                          rows: int = 128):
+                          rows: int = ROWS):
     """Yield (index, attention [H_kv, group, r, K]) in blocks of `rows` queries, float32: the queries are the last
     p of the T new tokens (`index` is the block's first among all T), attending over the prompt keys
     `prompt_keys` [H_kv, K, d] (all visible) and the new tokens' keys [H_kv, T, d] (causal); each block keeps

@@ -39,6 +39,7 @@ from ripplekv.engine.recorders import FromSample, register_recorder
 from ripplekv.errors import UserError
 from ripplekv.methods.base import check_integers, check_positive, register_scorer
 from ripplekv.methods.continuation import (
+    ROWS,
     can_split_attention,
     causal_attention_rows,
     lower_right_attention,
@@ -158,16 +159,16 @@ class ScoringAttention:
         self.score_by_normaliser(layer, query[0], key[0], normaliser[0], scaling)
         return output
 
-    def score_by_normaliser(self, layer, query, key, normaliser, scaling, rows: int = 128):
+    def score_by_normaliser(self, layer, query, key, normaliser, scaling):
         kv_heads, length = key.shape[0], query.shape[1]
         group = query.shape[0] // kv_heads
         queries = query.float().view(kv_heads, group, length, -1) * scaling
         chunk_keys = key[:, self.start:self.stop].float().transpose(-1, -2)[:, None]
         normaliser = normaliser.view(kv_heads, group, length, 1)
         best = self.scores[layer, :, self.start:self.stop]
-        for begin in range(0, length, rows):  # blocks of 128 rows keep the logits in cache
-            logits = torch.matmul(queries[:, :, begin:begin + rows], chunk_keys)
-            logits.sub_(normaliser[:, :, begin:begin + rows])
+        for begin in range(0, length, ROWS):
+            logits = torch.matmul(queries[:, :, begin:begin + ROWS], chunk_keys)
+            logits.sub_(normaliser[:, :, begin:begin + ROWS])
             torch.maximum(best, logits.amax(dim=(1, 2)).exp_(), out=best)
 
     def score_by_softmax(self, layer, query, key, scaling):
