@@ -96,3 +96,43 @@ def test_entry_bytes_is_what_one_more_kept_entry_adds_to_a_variant(tiny_model, t
     for layer in range(layers):
         one = [int(i == layer) for i in range(layers)]
         assert entry_bytes(cache)[layer] == variant_bytes(cache, 5, one) - variant_bytes(cache, 5, [0] * layers) > 0
+
+
+
+@pytest.mark.parametrize("decoding", ["divergence", "plain"])
+def test_a_finished_group_is_gone_before_the_next_group_is_built(tmp_path, monkeypatch, decoding):
+    """Nothing of a decoded group may outlive it: the memory bound plans each group beside the sample's own
+    tensors only (a loop variable that kept a group's last layer held 0.25 GiB past a 2 GiB bound)."""
+    import weakref
+
+    from ripplekv.engine import divergence
+    from ripplekv.engine.memory import LazyVariants
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    state = prefill(model, prompt(120, seed=3), capture_window=32, requirements=Requirements(signals={COLUMN_SUMS}))
+    methods = every_method(state.num_layers, tmp_path, kv_heads=state.num_kv_heads)
+    specs = [(name, budget) for name in ("snapkv", "streamingllm") for budget in (8, 16)]
+    reference = full_reference(model, state, 10)
+    held, alive_at_build = [], []  # weak references to every group's entries and cache layers
+    real_build_lazily = divergence.build_lazily
+
+    def build_lazily(*args):
+        cache = real_build_lazily(*args)
+        held.extend(weakref.ref(layer) for layer in cache.layers)
+        return cache
+
+    def build(index):  # a fresh build, as the engine's: nothing else keeps it
+        alive_at_build.append(sum(ref() is not None for ref in held))
+        name, budget = specs[index]
+        entries = methods[name].compress(state, budget)
+        held.extend(weakref.ref(layer) for layer in entries)
+        return entries
+
+    monkeypatch.setattr(divergence, "build_lazily", build_lazily)
+    lengths = [[layer.capacity for layer in build(i)] for i in range(len(specs))]
+    alive_at_build.clear()
+    tokens, _ = divergence.decode_variants(model, state, LazyVariants(lengths, build), reference, 10,
+                                           memory_bytes=1, decoding=decoding)
+    assert alive_at_build == [0] * len(specs)  # groups of one: nothing earlier alive at any build
+    assert tokens == greedy_decode(model, state, [methods[n].compress(state, b) for n, b in specs], 10)

@@ -119,14 +119,19 @@ def decode_by_divergence(
             with timings.phase(timings.DIVERGENCE_DECODE):
                 if len(keep) < len(picked):  # the group's cache is its own: rows move down, never copied
                     cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device), in_place=True)
-                mask = torch.stack(hidden)
-                for layer in cache.layers:
-                    layer.hidden = mask
+                _hide_after_divergence(cache, torch.stack(hidden))
                 result.decoded += len(rows)
                 result.batches += 1
                 _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop)
         del cache
     return result
+
+
+def _hide_after_divergence(cache, mask: torch.Tensor) -> None:
+    """Give every layer of `cache` the forced answer's positions each row must not see (a helper, so that no loop
+    variable keeps a finished group's last layer alive into the next group's build)."""
+    for layer in cache.layers:
+        layer.hidden = mask
 
 
 def _groups(model, state, lengths, reference, batch_size, prefix, memory_bytes, max_new_tokens, room_after):
@@ -219,4 +224,5 @@ def decode_variants(model, state: PrefillState, variants, reference: Reference, 
                                         memory_bytes=memory_bytes)
         for i, one, fid in zip(picked, decoded, measured):
             tokens[i], quality[i] = one, fid
+        del built  # before the next group builds: the bound counts one group's entries at a time
     return tokens, quality
