@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine.decode import greedy_decode, stop_tokens
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=7500)
     parser.add_argument("--budgets", default="64,128,256,512")
     parser.add_argument("--allocation", default=None, help="allocation CSV; without it `random` replaces ripplekv")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=EVAL_BATCH_SIZE)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None,

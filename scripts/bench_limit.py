@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine.decode import greedy_decode, stop_tokens
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import prefill
@@ -52,7 +53,7 @@ def main() -> None:
     parser.add_argument("--methods", default=REPRODUCE)
     parser.add_argument("--allocation", default="results/allocation.csv")
     parser.add_argument("--route", default="results/route/ROUTE.csv")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=EVAL_BATCH_SIZE)
     parser.add_argument("--compare-plain", action="store_true", help="also decode every variant whole and compare")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--stages", default="eval", help=f"comma-separated, of {', '.join(STAGES)}")

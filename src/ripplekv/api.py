@@ -17,6 +17,7 @@ from numbers import Integral
 import numpy as np
 import torch
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine.cache import CompressedCache
 from ripplekv.errors import UserError
 from ripplekv.methods.base import Method
@@ -265,7 +266,7 @@ def _text_task(question: str | None, max_new_tokens: int, score_as: str, chat: b
 def generate(model, tokenizer, context: str, question: str | None = None,
              methods: str | Sequence[str] = ("snapkv", "ripplekv"), budgets: int | Sequence[int] = (128,), *,
              max_new_tokens: int = 64, protocol: str = "with-question", answers: Sequence[str] | None = None,
-             score_as: str = "squad", chat: bool = True, allocation: str | None = None, batch_size: int = 16,
+             score_as: str = "squad", chat: bool = True, allocation: str | None = None, batch_size: int = EVAL_BATCH_SIZE,
              memory_budget: str | int | None = None, **options) -> list[Answer]:
     """Answers of `full` and every (method, budget) from ONE prefill, decoded together, as eval does.
 

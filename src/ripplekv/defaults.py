@@ -52,3 +52,7 @@ PROFILE_SEEDS = 1  # noise draws per calibration sample (`make reproduce` uses 2
 PROFILE_ETA = 0.3  # noise scale relative to each value vector's RMS
 PROBE_TOKENS = 16  # final prompt tokens used as probes (profile and route)
 PRUNE_RATIO = 0.6  # `profile --measure task-drop`: the share of a layer's prompt entries pruned (DepthKV's headline)
+# Variants decoded together (`eval --batch-size`, the API, the engine): a decoding step of 32 variants costs
+# about what 16 cost, so the 22-variant bench eval decodes in half the time (docs/performance.md); groups still
+# stay within --memory-budget.
+EVAL_BATCH_SIZE = 32

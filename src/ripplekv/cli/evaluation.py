@@ -46,7 +46,7 @@ from ripplekv.cli.options import (
     snap_options,
     worker_settings,
 )
-from ripplekv.defaults import DEFAULT_EVAL_METHODS, GENERATED_SUITES
+from ripplekv.defaults import DEFAULT_EVAL_METHODS, EVAL_BATCH_SIZE, GENERATED_SUITES
 
 EvalOut = out_option("Run directory; a rerun resumes it and adds what is new", DEFAULT_EVAL)
 ScoreOut = out_option("Per-dataset CSV: dataset,n,score,metric (+ rows <dataset>@0-4k/@4-8k/@8k+ for *_e)", DEFAULT_SCORE,
@@ -75,7 +75,7 @@ def eval_command(
     data_dir: DataDir = None,
     target_tokens: TargetTokens = TARGET_TOKENS,
     max_length: MaxLength = MAX_LENGTH,
-    batch_size: int = typer.Option(16, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); variants of similar kept length go together, within --memory-budget; after its divergence a variant decodes on in its group."),
+    batch_size: int = typer.Option(EVAL_BATCH_SIZE, "--batch-size", help="Variants per teacher-forced pass (KL, agreement); variants of similar kept length go together, within --memory-budget; after its divergence a variant decodes on in its group."),
     window: Window = None,
     kernel: Kernel = None,
     pooling: Pooling = None,

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine import timings
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import Fidelity, Reference, forward_tokens, kl_per_variant
@@ -24,7 +25,7 @@ from ripplekv.engine.prefill import PrefillState
 
 def decode_in_budget(model, state: PrefillState, variants, policy: DecodePolicy | list[DecodePolicy],
                      caps: list[np.ndarray], reference: Reference, max_new_tokens: int, stop_ids: Iterable[int] = (),
-                     batch_size: int = 16, memory_bytes: int | None = None) -> tuple[list[list[int]], list[Fidelity]]:
+                     batch_size: int = EVAL_BATCH_SIZE, memory_bytes: int | None = None) -> tuple[list[list[int]], list[Fidelity]]:
     """Greedy tokens and fidelity of variants held at their capacities `caps[v]` [L, H].
 
     `variants`: built entries per variant, or `LazyVariants` (built when their batch runs). `policy`: one for

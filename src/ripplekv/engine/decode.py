@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine.cache import CompressedCache, build_cache
 from ripplekv.engine.entries import LayerEntries
 from ripplekv.engine.memory import DEFAULT_GROUP_BYTES, StepCosts, plan_groups
@@ -175,7 +176,7 @@ def fidelity_groups(model, state: PrefillState, lengths: list[list[int]], refere
 
 
 @torch.inference_mode()
-def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = 16,
+def measure_fidelity(model, state: PrefillState, variants: list, reference: Reference, batch_size: int = EVAL_BATCH_SIZE,
                      prefix: list[int] | None = None, memory_bytes: int | None = None) -> list[Fidelity]:
     """Fidelity of every variant to the reference, in `fidelity_groups`, in the order of `variants`."""
     result: list[Fidelity | None] = [None] * len(variants)

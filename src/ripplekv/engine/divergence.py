@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine import timings
 from ripplekv.engine.cache import CompressedCache, build_lazily
 from ripplekv.engine.decode import Fidelity, Reference, fidelity, fidelity_groups, forward_tokens
@@ -196,7 +197,7 @@ DECODINGS = ("divergence", "plain")
 
 
 def decode_variants(model, state: PrefillState, variants, reference: Reference, max_new_tokens: int,
-                    stop_ids: Iterable[int] = (), prefix: list[int] | None = None, batch_size: int = 16,
+                    stop_ids: Iterable[int] = (), prefix: list[int] | None = None, batch_size: int = EVAL_BATCH_SIZE,
                     decoding: str = "divergence", memory_bytes: int | None = None,
                     room_after=None) -> tuple[list[list[int]], list[Fidelity]]:
     """Greedy tokens and fidelity of every variant (built entries or `LazyVariants`): by divergence from the

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine import adapter, timings
 from ripplekv.engine.decode import Fidelity, Reference
 from ripplekv.engine.evict import capacities
@@ -59,7 +60,7 @@ class Decoding:
     a method re-scores; `batch_size` variants at most per teacher-forced pass."""
 
     max_new_tokens: int
-    batch_size: int = 16
+    batch_size: int = EVAL_BATCH_SIZE
     decoding: str = "divergence"
     decode_budget: str = "prompt"
     compress_every: int = DEFAULT_COMPRESS_EVERY

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, LAST_ALLOCATION, PROTOCOLS
+from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, EVAL_BATCH_SIZE, LAST_ALLOCATION, PROTOCOLS
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY
 from ripplekv.errors import UserError
@@ -40,7 +40,7 @@ class EvalSettings:
     data_dir: str | None = None
     target_tokens: int = 3500
     max_length: int = 7500
-    batch_size: int = 16
+    batch_size: int = EVAL_BATCH_SIZE
     seed: int = 0
     method_options: dict = field(default_factory=dict)
     route: str | None = None

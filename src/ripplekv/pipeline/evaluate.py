@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine import decode as engine_decode
 from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
@@ -59,7 +60,7 @@ class SampleSettings:
     """
 
     max_length: int = 7500
-    batch_size: int = 16
+    batch_size: int = EVAL_BATCH_SIZE
     protocol: str = "with-question"
     decoding: str = "divergence"
     decode_budget: str = "prompt"
