@@ -13,6 +13,7 @@ import torch
 
 from ripplekv.analysis import report
 from ripplekv.cli import app as cli
+from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.errors import UserError
 from ripplekv.pipeline import eval_plan, evaluate, progress, run_config
@@ -232,7 +233,7 @@ def test_a_different_config_never_mixes_into_a_run(base_run, eval_args, tmp_path
     assert len(err.strip().splitlines()) == 1
     assert "target_tokens" in err and "new --out" in err
     code, _, err = run_cli(*eval_args(out, "--seed", "1"))  # other offline samples
-    assert code == 2 and "differs in: seed)" in err
+    assert code == 2 and "differs in: seed (0 there, 1 now))" in err
     other_model = tmp_path / "other-model"
     from tests.conftest import tiny_llama
 
@@ -371,6 +372,14 @@ def test_a_run_dir_with_nothing_computed_takes_the_new_config(tmp_path):
     (tmp_path / "predictions.jsonl").write_text('{"id": "a"}\n')
     with pytest.raises(UserError, match="differs in: max_length"):
         run_config.check_run_dir(tmp_path, {"max_length": 32})
+
+
+def test_a_default_changed_since_a_run_was_made_names_the_runs_own_value(tmp_path):
+    # a run made when --batch-size defaulted to 16: resuming it says which value to pass, not only the key
+    (tmp_path / "config.json").write_text(json.dumps({"batch_size": 16, "methods": ["full"]}))
+    (tmp_path / "predictions.jsonl").write_text('{"id": "a"}\n')
+    with pytest.raises(UserError, match=rf"differs in: batch_size \(16 there, {EVAL_BATCH_SIZE} now\)\)"):
+        run_config.check_run_dir(tmp_path, {"batch_size": EVAL_BATCH_SIZE, "methods": ["full"]})
 
 
 @pytest.mark.slow

@@ -122,7 +122,17 @@ def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
     differing = _differing(old, config, keys if keys is not None else config.keys())
     if differing:
         raise UserError(
-            f"{out} holds a run with a different configuration (differs in: {', '.join(differing)}); "
-            "use a new --out directory (a run may only grow in budgets, methods, tasks and --limit)"
+            f"{out} holds a run with a different configuration (differs in: "
+            f"{', '.join(_with_values(key, old, config) for key in differing)}); use a new --out directory, or "
+            "the run's own settings to grow it (a run may only grow in budgets, methods, tasks and --limit)"
         )
     return old
+
+
+def _with_values(key: str, old: dict, new: dict) -> str:
+    """A differing key with the run's and the new command's values when they are plain settings (e.g. a default
+    that changed since the run was made: `batch_size (16 there, 32 now)`), so the user can pass the run's own."""
+    plain = (int, float, str, bool, type(None))
+    if key in old and key in new and isinstance(old[key], plain) and isinstance(new[key], plain):
+        return f"{key} ({old[key]!r} there, {new[key]!r} now)"
+    return key
