@@ -101,7 +101,7 @@ def test_profile_interrupted_after_one_sample_resumes_byte_identical(tiny_model_
     assert code == 0, err
     assert files(out) == files(tmp_path / "reference")
     code, _, err = run_cli(*args, "--eta", "0.5", "--out", str(out))
-    assert code == 2 and "differs in: eta" in err
+    assert code == 2 and "differs in: eta (0.3 there, 0.5 now)" in err
 
 
 @pytest.mark.slow

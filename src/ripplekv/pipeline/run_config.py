@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ripplekv.errors import UserError
 from ripplekv.runs.files import ANSWER_AWARE, CONFIG, EVAL_FILES, PREDICTIONS, is_ceiling, run_ceilings
-from ripplekv.runs.safeio import check_output, other_files
+from ripplekv.runs.safeio import check_output, other_files, setting_difference
 
 # config.json keys a run may grow in: a rerun adds the missing lines and the union is recorded.
 GROWABLE = ("budgets", "methods", "method_specs", ANSWER_AWARE, "tasks", "limit", "samples")
@@ -123,16 +123,8 @@ def check_run_dir(out: Path, config: dict, keys=None) -> dict | None:
     if differing:
         raise UserError(
             f"{out} holds a run with a different configuration (differs in: "
-            f"{', '.join(_with_values(key, old, config) for key in differing)}); use a new --out directory, or "
+            f"{', '.join(setting_difference(key, old, config) for key in differing)}); use a new --out directory, or "
             "the run's own settings to grow it (a run may only grow in budgets, methods, tasks and --limit)"
         )
     return old
 
-
-def _with_values(key: str, old: dict, new: dict) -> str:
-    """A differing key with the run's and the new command's values when they are plain settings (e.g. a default
-    that changed since the run was made: `batch_size (16 there, 32 now)`), so the user can pass the run's own."""
-    plain = (int, float, str, bool, type(None))
-    if key in old and key in new and isinstance(old[key], plain) and isinstance(new[key], plain):
-        return f"{key} ({old[key]!r} there, {new[key]!r} now)"
-    return key

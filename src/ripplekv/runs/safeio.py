@@ -213,6 +213,16 @@ def exclusive(folder: Path, what: str, elsewhere: str | None = "use another --ou
         handle.close()
 
 
+def setting_difference(key: str, old: dict, new: dict) -> str:
+    """A setting that differs between a saved run and a new command, with both values when they are plain
+    (e.g. a default that changed since the run was made: `batch_size (16 there, 32 now)`), so the user can
+    pass the run's own."""
+    plain = (int, float, str, bool, type(None))
+    if key in old and key in new and isinstance(old[key], plain) and isinstance(new[key], plain):
+        return f"{key} ({old[key]!r} there, {new[key]!r} now)"
+    return key
+
+
 class UnitLog:
     """Append-only JSON lines: `{"settings": ...}` first, then `{"key": ..., "value": ...}` per finished unit.
 
@@ -229,7 +239,8 @@ class UnitLog:
                 old = lines[0].get("settings") or {}
                 differing = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
                 raise UserError(f"{self.path.parent} holds results of other settings (differs in: "
-                                f"{', '.join(differing) or 'format'}); {remedy}, or rerun with the same options to resume")
+                                f"{', '.join(setting_difference(k, old, self.settings) for k in differing) or 'format'}); "
+                                f"{remedy}, or rerun with the same options to resume")
             lines, partial = [], True
         for line in lines[1:]:
             self.done[line["key"]] = line["value"]
