@@ -4,7 +4,7 @@ and the same predictions, KL and agreement however tight the bound."""
 import pytest
 import torch
 
-from ripplekv.engine import memory
+from ripplekv.engine import malloc, memory
 from ripplekv.engine.cache import build_cache, build_lazily
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
@@ -169,7 +169,7 @@ def test_freed_blocks_leave_the_resident_set_once_malloc_is_told():
     """What the CPU bound rests on: a group's tensors, freed, no longer count in the resident set."""
     import gc
 
-    if not memory.return_freed_memory():
+    if not malloc.return_freed_memory():
         pytest.skip("not glibc: malloc cannot be told to return freed blocks")
     gc.collect()
     meter = memory.PeakMemory("cpu")
@@ -177,6 +177,59 @@ def test_freed_blocks_leave_the_resident_set_once_malloc_is_told():
         blocks = [torch.ones(20 * 2**20 // 4) for _ in range(4)]  # 80 MiB in 20 MiB blocks
         del blocks
     assert meter.grown() < 30 * 2**20
+
+
+def _faults_while(churn) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    churn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_long_forward_reuses_freed_blocks_and_the_resident_set_returns_after(monkeypatch):
+    """Within `keeping_freed_memory` a block freed and asked for again is not mapped afresh (the page faults that
+    cost a 3.5k prefill ~1 s); when it ends the resident set is back and the thresholds are restored. Under a
+    budget the user set (`allow_keeping(False)`) the block changes nothing."""
+    import gc
+
+    if not malloc.return_freed_memory():
+        pytest.skip("not glibc: malloc cannot be told to return freed blocks")
+    monkeypatch.setattr(malloc, "_KEEPING_ALLOWED", True)
+
+    def churn():  # a forward's activations: the same 20 MiB blocks freed and asked for, layer after layer
+        for _ in range(6):
+            blocks = [torch.ones(20 * 2**20 // 4) for _ in range(3)]
+            del blocks
+
+    gc.collect()
+    returned = _faults_while(churn)
+    meter = memory.PeakMemory("cpu")
+    with malloc.keeping_freed_memory():
+        kept = _faults_while(churn)
+    assert kept < returned / 3  # mapped once, not six times
+    assert meter.grown() < 30 * 2**20  # handed back when the block ends
+    calls = []
+    monkeypatch.setattr(malloc, "_set_thresholds", lambda *sizes: calls.append(sizes) or True)
+    with malloc.keeping_freed_memory():
+        pass
+    assert calls == [(malloc.KEEP_FREED_UP_TO, malloc.KEEP_FREE_TOP), (malloc.RETURN_FREED_ABOVE,)]  # restored after
+    malloc.allow_keeping(False)
+    with malloc.keeping_freed_memory():
+        pass
+    assert len(calls) == 2  # not allowed: the block changes nothing
+
+
+def test_a_budget_the_user_set_keeps_no_freed_block(monkeypatch):
+    from ripplekv.engine.schedule import SampleMemory
+    from tests.conftest import tiny_llama
+
+    monkeypatch.setattr(malloc, "_KEEPING_ALLOWED", True)
+    model = tiny_llama()
+    SampleMemory(model, 2**30)
+    assert not malloc._KEEPING_ALLOWED
+    SampleMemory(model)
+    assert malloc._KEEPING_ALLOWED
 
 
 def test_groups_are_planned_again_within_what_is_left_after_each():

@@ -346,31 +346,3 @@ def note_prefill_over(tokens: int, peak: int, budget: int) -> None:
                              f"{{memory_budget}} {format_bytes(budget)} (the bound holds from the variants on): "
                              "raise {memory_budget} or lower {max_length}", "memory_budget", "max_length"),
                       stacklevel=2)
-
-
-# Above this size glibc's malloc maps each block apart and unmaps it when freed (`return_freed_memory`).
-RETURN_FREED_ABOVE = 16 * 2**20
-
-
-def return_freed_memory() -> bool:
-    """On glibc, have malloc hand blocks over `RETURN_FREED_ABOVE` back to the system as soon as they are
-    freed (mallopt: a fixed mmap threshold, trimming at once), once per process. By default the threshold
-    grows with the blocks freed, so a decoding group's tensors, freed, stay resident for the next: the
-    resident set the CPU bound is measured by then grows past the tensors held. True when it took."""
-    global _RETURNING
-    if _RETURNING is None:
-        _RETURNING = False
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None)
-            mallopt = libc.mallopt
-        except (OSError, AttributeError):  # not glibc: nothing to set
-            return False
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        _RETURNING = bool(mallopt(m_mmap_threshold, RETURN_FREED_ABOVE)) and bool(
-            mallopt(m_trim_threshold, RETURN_FREED_ABOVE))
-    return _RETURNING
-
-
-_RETURNING: bool | None = None

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
+from ripplekv.engine.malloc import keeping_freed_memory
 from ripplekv.engine.recorders import WINDOW_QUERIES, FromSample, SampleContext, keep, recorders_for
 from ripplekv.errors import UserError
 
@@ -181,8 +182,9 @@ def prefill(
     watching = [recorder for recorder in recorders if not isinstance(recorder, FromSample)]
     hooks = [hook for recorder in watching for hook in recorder.attach(model)]
     try:
-        out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
-                    ripplekv_recorders=watching)
+        with keeping_freed_memory():
+            out = model(input_ids=ids[None], cache=DynamicCache(), use_cache=True, logits_to_keep=1,
+                        ripplekv_recorders=watching)
     finally:
         for hook in hooks:
             hook.remove()

@@ -25,13 +25,13 @@ from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine import adapter, timings
 from ripplekv.engine.decode import Fidelity, Reference
 from ripplekv.engine.evict import capacities
+from ripplekv.engine.malloc import allow_keeping, return_freed_memory
 from ripplekv.engine.memory import (
     LazyVariants,
     PeakMemory,
     default_budget,
     held_bytes,
     note_prefill_over,
-    return_freed_memory,
     room_left,
     variant_room,
 )
@@ -97,6 +97,7 @@ class SampleMemory:
         device = adapter.device(model)
         if device.type == "cpu":
             return_freed_memory()
+            allow_keeping(budget is None)  # a budget the user set: its long forwards keep no freed block either
         self.meter = PeakMemory(device)
         self.weights = held_bytes(device, model)
         self.budget = budget or default_budget(device, self.weights)

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from ripplekv.engine.cache import install
+from ripplekv.engine.malloc import keeping_freed_memory
 from ripplekv.engine.prefill import PrefillState
 from ripplekv.engine.recorders import Recorder
 
@@ -128,11 +129,12 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe 
     piece = piece or PIECE
     # the cache hands attention the prompt's keys followed by the new ones
     probe = [Handing(lambda layer, query, key: callback(layer, query[0], key[0, :, state.length:]))] if callback else []
-    for start in range(0, ids.shape[1], piece):
-        chunk = ids[:, start:start + piece]
-        positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
-        model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_recorders=probe,
-              ripplekv_attend=attend, logits_to_keep=1)
+    with keeping_freed_memory():
+        for start in range(0, ids.shape[1], piece):
+            chunk = ids[:, start:start + piece]
+            positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
+            model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_recorders=probe,
+                  ripplekv_attend=attend, logits_to_keep=1)
 
 
 def causal_attention_rows(queries: torch.Tensor, prompt_keys: torch.Tensor, new_keys: torch.Tensor, scaling: float,
