@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine import cache as kvcache
+from ripplekv.engine.linear import few_row_linears
 from ripplekv.engine.malloc import keeping_freed_memory
 from ripplekv.engine.recorders import WINDOW_QUERIES, FromSample, SampleContext, keep, recorders_for
 from ripplekv.errors import UserError
@@ -174,6 +175,7 @@ def prefill(
     """
     needs = (requirements or Requirements()).union(Requirements(capture_window=capture_window))
     kvcache.install(model)
+    few_row_linears(model)  # the decoding that follows runs most steps on a few variants
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(adapter.device(model))
     adapter.check_length(model.config, len(ids), reserve)
     recorders = recorders_for(needs, model, len(ids), needs.capture_window, context)
