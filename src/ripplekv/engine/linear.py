@@ -24,10 +24,15 @@ class FewRowLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if not 2 <= rows <= FEW_ROWS or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], self.weight.shape[0])
+        return by_columns(x, self.weight, self.bias)
+
+
+def by_columns(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed as `weight @ x^T` (the rows of `x` as columns), contiguous."""
+    out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def few_row_linears(model) -> None:
