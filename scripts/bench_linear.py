@@ -60,7 +60,7 @@ def main() -> None:
             for few in ((False, True) if round_ % 2 == 0 else (True, False)):
                 times[few].append(step(rows, few, inputs))
         plain, few = (statistics.median(times[k]) * 1000 for k in (False, True))
-        uses = "W@xT" if 2 <= rows <= FEW_ROWS else "F.linear"
+        uses = "W@xT" if rows <= FEW_ROWS else "F.linear"
         print(f"{rows:4d}  {plain:11.1f}  {few:7.1f}  {few / plain:5.2f}  {uses}")
 
 
