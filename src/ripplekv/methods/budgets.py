@@ -62,6 +62,8 @@ def fit_counts(targets: Sequence[float], total: int, lows: Sequence[int], highs:
             break
     for _ in range(200):
         mid = (low + high) / 2.0
+        if not low < mid < high:  # adjacent floats: every further step would leave low and high as they are
+            break
         if _clamped_sum(weights, mid, lows, highs) < total:
             low = mid
         else:
