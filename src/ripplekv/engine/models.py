@@ -302,13 +302,25 @@ def load_config(spec: str | None = None):
     return config
 
 
-def load_tokenizer(spec: str | None = None):
-    """The tokenizer alone (fast: no weights)."""
+_TOKENIZERS: dict[str, object] = {}  # by location: read once per process
+
+
+def _tokenizer_at(location: str, source: ModelSource):
+    """The tokenizer at `location`, read once per process: eval reads it to check its input before the model
+    loads, and loading the model would read it again (0.12 s for the bundled one). Nothing of ours changes a
+    tokenizer after loading, so one object serves every caller."""
     from transformers import AutoTokenizer
 
+    if location not in _TOKENIZERS:
+        _TOKENIZERS[location] = _from_hub_or_local(AutoTokenizer, location, source)
+    return _TOKENIZERS[location]
+
+
+def load_tokenizer(spec: str | None = None):
+    """The tokenizer alone (fast: no weights)."""
     check_model_files(spec, weights=False)
     source, location = _source_and_location(spec)
-    return _from_hub_or_local(AutoTokenizer, location, source)
+    return _tokenizer_at(location, source)
 
 
 DEVICES_HELP = "auto (CUDA when a GPU is there, else CPU), cpu, cuda or cuda:N"
@@ -355,7 +367,7 @@ def runtime_info(device: str) -> dict:
 def load_model(spec: str | None = None, device: str | None = "auto", dtype: str | None = "auto"):
     """Return `(model, tokenizer, source)` in eval mode on `device` in `dtype` (see `resolve_device_dtype`)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from ripplekv.engine import adapter
 
@@ -367,7 +379,7 @@ def load_model(spec: str | None = None, device: str | None = "auto", dtype: str 
     _check_supported(config)  # before any weights are read
     adapter.check_supported(config)
     model = _from_hub_or_local(AutoModelForCausalLM, location, source, dtype=getattr(torch, dtype))
-    tokenizer = _from_hub_or_local(AutoTokenizer, location, source)
+    tokenizer = _tokenizer_at(location, source)
     model.to(device)
     model.eval()
     return model, tokenizer, source
