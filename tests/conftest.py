@@ -17,6 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 # look at: those ask for `eval_plots`; every other eval (subprocesses included) writes the same tables and
 # summary.md without them (`analysis.report.plots_wanted`). `ripplekv report` always draws.
 os.environ.setdefault("RIPPLEKV_PLOTS", "0")
+# Decoding attention takes our path in every test (subprocesses too) unless a test sets another: a device's
+# measured choice (`engine.decode_attention`) would make exact comparisons depend on the machine.
+os.environ.setdefault("RIPPLEKV_DECODE_ATTENTION", "ours")
 
 # `make test` runs the files over one pytest-xdist worker per core: each worker (and what it starts) computes on
 # one torch thread, since two workers of two threads each on two cores spend their time waiting for each other.

@@ -3,8 +3,9 @@
 It is built from entries (`ripplekv.engine.entries`): each layer holds the prompt entries of every variant padded
 to the layer's longest, with an additive key bias (the entries' log-weights: 0 for a token, log m for a
 prototype, -inf on padding), followed by the tokens decoded so far (the same count for every variant).
-Attention over it is our own function, registered in transformers' AttentionInterface under the name
-`ripplekv`, so it works with any backend and any per-head lengths (kvpress needs flash attention for this).
+Attention over it is our own function (`engine.decode_attention`: op by op, or one fused SDPA call on a device
+where that measures faster), registered in transformers' AttentionInterface under the name `ripplekv`, so it
+works with any backend and any per-head lengths (kvpress needs flash attention for this).
 
 When every variant keeps the same prompt entries (the full cache, or profiling, where variants differ only
 by a value perturbation in one layer), the prompt part is stored once and shared: variants are folded
@@ -26,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ripplekv.engine import entries, timings
+from ripplekv.engine.decode_attention import compressed_attention
 from ripplekv.engine.entries import LayerEntries
 
 ATTENTION_NAME = "ripplekv"
@@ -293,82 +295,6 @@ def _padded_positions(layers: list[LayerEntries]) -> torch.Tensor:
     """The entries' positions of one layer's variants stacked [V, H_kv, K], -1 on padding (as `pad_variants`)."""
     longest = max(entry.capacity for entry in layers)
     return torch.stack([torch.nn.functional.pad(e.positions, (0, longest - e.capacity), value=-1) for e in layers])
-
-
-def _outside_window(layer: CompressedLayer, new_len: int, group: int) -> torch.Tensor:
-    """Bool [1 or V, H_kv or 1, group * P, K]: the prompt entries each new query cannot see on a sliding layer
-    (source position at most p - window, for the query at position p), rows ordered as in `compressed_attention`."""
-    device = layer.prompt_keys.device
-    queries = layer.original_length + layer.decoded_length() - new_len + torch.arange(new_len, device=device)
-    positions = layer.prompt_positions
-    if positions is None:
-        positions = torch.arange(layer.prompt_keys.shape[2], device=device)[None, None]
-    gone = positions[:, :, None, :] <= (queries - layer.window)[None, None, :, None]
-    return gone.repeat(1, 1, group, 1)
-
-
-def _scores_against(query_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """query_rows [V, H, R, d] against keys [1 or V, H, K, d] -> [V, H, R, K], sharing keys without copies."""
-    num_variants, heads, rows, dim = query_rows.shape
-    if keys.shape[0] == 1 and num_variants > 1:
-        folded = query_rows.permute(1, 0, 2, 3).reshape(heads, num_variants * rows, dim)
-        scores = torch.matmul(folded, keys[0].transpose(-1, -2))
-        return scores.view(heads, num_variants, rows, -1).permute(1, 0, 2, 3)
-    return torch.matmul(query_rows, keys.transpose(-1, -2))
-
-
-def _weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """weights [V, H, R, K] times values [1 or V, H, K, d] -> [V, H, R, d], sharing values without copies."""
-    num_variants, heads, rows, length = weights.shape
-    if values.shape[0] == 1 and num_variants > 1:
-        folded = weights.permute(1, 0, 2, 3).reshape(heads, num_variants * rows, length)
-        out = torch.matmul(folded, values[0])
-        return out.view(heads, num_variants, rows, -1).permute(1, 0, 2, 3)
-    return torch.matmul(weights, values)
-
-
-def compressed_attention(query, layer: CompressedLayer, new_keys, new_values, scaling: float) -> torch.Tensor:
-    """Attention of new queries over kept prompt entries plus decoded tokens. Returns [V, P, H_q, d]."""
-    num_variants, query_heads, new_len, dim = query.shape
-    kv_heads = new_keys.shape[1]
-    group = query_heads // kv_heads
-    # Query head h serves KV head h // group (transformers' repeat_kv): group rows per KV head.
-    rows = query.reshape(num_variants, kv_heads, group * new_len, dim)
-    # Scores, bias and softmax in float32 whatever the model dtype (log-weights need the precision).
-    prompt_scores = _scores_against(rows, layer.prompt_keys).float() * scaling
-    if layer.prompt_bias is not None:
-        prompt_scores = prompt_scores + layer.prompt_bias[:, :, None, :]
-    if layer.window is not None:  # the model's own sliding eviction: what is past the window is not seen
-        prompt_scores = prompt_scores.masked_fill(_outside_window(layer, new_len, group), float("-inf"))
-    override = layer.override
-    if override is not None and override.key_bias is not None:
-        prompt_scores[override.variant] += override.key_bias[:, None, :]
-    decoded = new_keys.shape[-2]
-    new_scores = torch.matmul(rows, new_keys.transpose(-1, -2)).float() * scaling  # [V, H, g*P, T]
-    # Query p of the P new tokens sits at decoded index decoded - P + p and sees decoded keys up to it.
-    steps = torch.arange(decoded, device=query.device)
-    at = (decoded - new_len + torch.arange(new_len, device=query.device))[:, None]
-    visible = steps[None, :] <= at
-    if layer.window is not None:
-        visible &= steps[None, :] > at - layer.window
-    new_scores = new_scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
-    if layer.hidden is not None:
-        new_scores[..., : layer.hidden.shape[-1]] += layer.hidden[:, None, None, :]
-    if layer.decoded_bias is not None:
-        new_scores[..., : layer.decoded_bias.shape[-1]] += layer.decoded_bias[:, :, None, :]
-    weights = torch.softmax(torch.cat([prompt_scores, new_scores], dim=-1), dim=-1)
-    if layer.evictor is not None:
-        if new_len != 1:
-            raise ValueError("a cache under a total decode budget reads one token per step")
-        layer.evictor.after_step(weights.view(num_variants, kv_heads, group, -1), query)
-    weights = weights.to(new_values.dtype)
-    prompt_len = prompt_scores.shape[-1]
-    out = _weighted_sum(weights[..., :prompt_len], layer.prompt_values)
-    out = out + torch.matmul(weights[..., prompt_len:], new_values)
-    if override is not None and override.value_delta is not None:
-        v = override.variant
-        out[v] = out[v] + torch.matmul(weights[v, :, :, :prompt_len], override.value_delta.to(out.dtype))
-    return out.reshape(num_variants, query_heads, new_len, dim).transpose(1, 2).contiguous()
 
 
 def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
