@@ -36,11 +36,12 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {args.dtype}, {torch.get_num_threads()} CPU threads")
-    print(f"{'shape':<14} {'variants':>8} {'kept':>6} {'ours_ms':>9} {'fused_ms':>9} {'fused/ours':>10} {'max_diff':>9}  path")
+    print(f"{'shape':<14} {'variants':>8} {'kept':>6} {'ours_ms':>9} {'fused_ms':>9} {'fused/ours':>10} "
+          f"{'max_diff':>9}  path")
     for label, (kv_heads, group, dim) in SHAPES.items():
         for variants, kept in GRID:
-            timed = decode_attention.calibrate(device, dtype, kv_heads, group, dim, CompressedLayer, variants=variants, kept=kept,
-                                               rounds=args.rounds, calls=args.calls)
+            timed = decode_attention.calibrate(device, dtype, kv_heads, group, dim, CompressedLayer, variants=variants,
+                                               kept=kept, rounds=args.rounds, calls=args.calls)
             diff = agreement(decode_attention, device, dtype, kv_heads, group, dim, variants, kept)
             print(f"{label:<14} {variants:>8} {kept:>6} {timed['ours_ms']:>9.3f} {timed['fused_ms']:>9.3f} "
                   f"{timed['fused_ms'] / timed['ours_ms']:>10.2f} {diff:>9.2e}  {timed['path']}", flush=True)
@@ -59,7 +60,8 @@ def agreement(module, device, dtype, kv_heads, group, dim, variants, kept) -> fl
 
     bias = torch.zeros(variants, kv_heads, kept)
     bias[1:, :, kept // 2 :] = float("-inf")
-    layer = CompressedLayer(draw(variants, kv_heads, kept, dim), draw(variants, kv_heads, kept, dim), bias.to(device), kept)
+    layer = CompressedLayer(draw(variants, kv_heads, kept, dim), draw(variants, kv_heads, kept, dim), bias.to(device),
+                            kept)
     layer.update(draw(variants, kv_heads, 8, dim), draw(variants, kv_heads, 8, dim))
     query = draw(variants, kv_heads * group, 1, dim)
     ours = module.our_attention(query, layer, layer.keys, layer.values, dim**-0.5)

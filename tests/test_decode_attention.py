@@ -87,7 +87,8 @@ def test_a_device_measures_once_and_keeps_its_path(monkeypatch, tmp_path):
     monkeypatch.setattr(decode_attention, "calibrate", calibrate)
     cpu = torch.device("cpu")
     assert decode_attention.device_path(cpu, torch.float32, 2, 3, 8, CompressedLayer) == "fused"
-    assert decode_attention.device_path(cpu, torch.float32, 2, 3, 8, CompressedLayer) == "fused"  # read back, not measured
+    # read back, not measured again
+    assert decode_attention.device_path(cpu, torch.float32, 2, 3, 8, CompressedLayer) == "fused"
     assert len(measured) == 1
     kept = json.loads((tmp_path / decode_attention.FILE).read_text())
     assert [entry["path"] for entry in kept.values()] == ["fused"] and "2x3x8" in next(iter(kept))

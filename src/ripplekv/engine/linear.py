@@ -5,8 +5,8 @@ as its columns) in every shape of the bundled model, and 1.1-1.3x on 5 to 7 rows
 same (torch 2.13, MKL; scripts/bench_linear.py). One row is a matrix-vector product, which MKL runs at about
 half the memory bandwidth of its matrix product on this CPU, so one row goes in as two equal columns: a greedy
 step of one sequence took 52 ms instead of 75. Divergence decoding runs most of its steps on 1 to 7 variants,
-so each step costs about one weight read. The sums are the
-same products added in another order: the last bits differ from `F.linear`'s. GPUs keep `F.linear`.
+so each step costs about one weight read. The sums are the same products added in another order: the last bits
+differ from `F.linear`'s. GPUs keep `F.linear`.
 """
 
 from __future__ import annotations

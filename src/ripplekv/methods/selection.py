@@ -1,6 +1,6 @@
 """How a head's kept entries are picked from its scores: the top scores as a stable sort ranks them, ties to the
-lower index (so a selection is a function of the scores, never of the device), the most recent window, and a rule applied head by head only
-when heads keep different counts. Every scorer selects through these."""
+lower index (so a selection is a function of the scores, never of the device), the most recent window, and a
+rule applied head by head only when heads keep different counts. Every scorer selects through these."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def recent_mask(num_heads: int, length: int, count: int, device=None) -> torch.T
 
 def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the `count` highest scores along the last dimension, highest first; among equal scores the
-    lowest index wins. Every selection ranks as this does (`top_mask` keeps the same set): a stable sort makes the choice a function of the
-    scores alone, where `torch.topk` leaves ties to its kernel (CPU and CUDA keep different tied entries,
+    lowest index wins. Every selection ranks as this does (`top_mask` keeps the same set): a stable sort makes the
+    choice a function of the scores alone, where `torch.topk` leaves ties to its kernel (CPU and CUDA keep different tied entries,
     and max-pooled scores tie often)."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
 
