@@ -40,16 +40,26 @@ def compressed_attention(query, layer, new_keys, new_values, scaling: float) -> 
     return our_attention(query, layer, new_keys, new_values, scaling)
 
 
-def _outside_window(layer, new_len: int, group: int) -> torch.Tensor:
-    """Bool [1 or V, H_kv or 1, group * P, K]: the prompt entries each new query cannot see on a sliding layer
-    (source position at most p - window, for the query at position p), rows ordered as in `our_attention`."""
+def _outside_window(layer, new_len: int) -> torch.Tensor:
+    """Bool [1 or V, H_kv or 1, P, K]: the prompt entries each new query cannot see on a sliding layer (source
+    position at most p - window, for the query at position p)."""
     device = layer.prompt_keys.device
     queries = layer.original_length + layer.decoded_length() - new_len + torch.arange(new_len, device=device)
     positions = layer.prompt_positions
     if positions is None:
         positions = torch.arange(layer.prompt_keys.shape[2], device=device)[None, None]
-    gone = positions[:, :, None, :] <= (queries - layer.window)[None, None, :, None]
-    return gone.repeat(1, 1, group, 1)
+    return positions[:, :, None, :] <= (queries - layer.window)[None, None, :, None]
+
+
+def _visible_decoded(layer, new_len: int, decoded: int, device) -> torch.Tensor:
+    """Bool [P, T]: the decoded tokens each new query sees. Query p of the P new tokens sits at decoded index
+    decoded - P + p and sees decoded keys up to it (on a sliding layer, within its window)."""
+    steps = torch.arange(decoded, device=device)
+    at = (decoded - new_len + torch.arange(new_len, device=device))[:, None]
+    visible = steps[None, :] <= at
+    if layer.window is not None:
+        visible &= steps[None, :] > at - layer.window
+    return visible
 
 
 def _scores_against(query_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -84,18 +94,13 @@ def our_attention(query, layer, new_keys, new_values, scaling: float) -> torch.T
     if layer.prompt_bias is not None:
         prompt_scores = prompt_scores + layer.prompt_bias[:, :, None, :]
     if layer.window is not None:  # the model's own sliding eviction: what is past the window is not seen
-        prompt_scores = prompt_scores.masked_fill(_outside_window(layer, new_len, group), float("-inf"))
+        prompt_scores = prompt_scores.masked_fill(_outside_window(layer, new_len).repeat(1, 1, group, 1), float("-inf"))
     override = layer.override
     if override is not None and override.key_bias is not None:
         prompt_scores[override.variant] += override.key_bias[:, None, :]
     decoded = new_keys.shape[-2]
     new_scores = torch.matmul(rows, new_keys.transpose(-1, -2)).float() * scaling  # [V, H, g*P, T]
-    # Query p of the P new tokens sits at decoded index decoded - P + p and sees decoded keys up to it.
-    steps = torch.arange(decoded, device=query.device)
-    at = (decoded - new_len + torch.arange(new_len, device=query.device))[:, None]
-    visible = steps[None, :] <= at
-    if layer.window is not None:
-        visible &= steps[None, :] > at - layer.window
+    visible = _visible_decoded(layer, new_len, decoded, query.device)
     new_scores = new_scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     if layer.hidden is not None:
         new_scores[..., : layer.hidden.shape[-1]] += layer.hidden[:, None, None, :]
@@ -136,17 +141,8 @@ def attention_bias(layer, num_variants: int, new_len: int, decoded: int) -> torc
     if layer.prompt_bias is not None:
         prompt = prompt + layer.prompt_bias[:, :, None, :]
     if layer.window is not None:
-        queries = layer.original_length + layer.decoded_length() - new_len + torch.arange(new_len, device=device)
-        positions = layer.prompt_positions
-        if positions is None:
-            positions = torch.arange(kept, device=device)[None, None]
-        gone = positions[:, :, None, :] <= (queries - layer.window)[None, None, :, None]
-        prompt = prompt.masked_fill(gone, float("-inf"))
-    steps = torch.arange(decoded, device=device)
-    at = (decoded - new_len + torch.arange(new_len, device=device))[:, None]
-    visible = steps[None, :] <= at
-    if layer.window is not None:
-        visible &= steps[None, :] > at - layer.window
+        prompt = prompt.masked_fill(_outside_window(layer, new_len), float("-inf"))
+    visible = _visible_decoded(layer, new_len, decoded, device)
     new = torch.zeros(new_len, decoded, device=device).masked_fill(~visible, float("-inf"))[None, None]
     if layer.hidden is not None:
         hidden = torch.zeros(num_variants, 1, 1, decoded, device=device)
@@ -190,8 +186,9 @@ def device_path(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
         known = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         known = {}
-    if not isinstance(known, dict) or not isinstance(known.get(entry), dict) or known[entry].get("path") not in PATHS:
-        known = known if isinstance(known, dict) else {}
+    known = known if isinstance(known, dict) else {}
+    measured = known.get(entry)
+    if not (isinstance(measured, dict) and measured.get("path") in PATHS):
         known[entry] = calibrate(device, dtype, kv_heads, group, dim, layer_type)
         try:  # a read-only cache folder only costs measuring again next time
             path.parent.mkdir(parents=True, exist_ok=True)
