@@ -18,6 +18,7 @@ from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine import timings
 from ripplekv.engine.cache import build_cache
 from ripplekv.engine.decode import Fidelity, Reference, forward_tokens, kl_per_variant
+from ripplekv.engine.decode_costs import costs_for
 from ripplekv.engine.evict import DecodePolicy, attach, per_variant
 from ripplekv.engine.memory import DEFAULT_GROUP_BYTES, LazyVariants, StepCosts, plan_groups
 from ripplekv.engine.prefill import PrefillState
@@ -41,7 +42,7 @@ def decode_in_budget(model, state: PrefillState, variants, policy: DecodePolicy 
     held = max_new_tokens + len(reference.tokens)
     groups = plan_groups(source.lengths, [max_new_tokens] * len(source),
                          lambda size, padded: costs.group(2 * size, padded, 1, held) + size * sum(padded) * costs.entry,
-                         memory_bytes or DEFAULT_GROUP_BYTES, most=batch_size)
+                         memory_bytes or DEFAULT_GROUP_BYTES, most=batch_size, costs=costs_for(model, state))
     for picked in groups:
         built = [source.build(i) for i in picked]
         with timings.phase(timings.BUDGETED_DECODE):

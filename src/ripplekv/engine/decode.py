@@ -14,6 +14,7 @@ import torch
 
 from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine.cache import CompressedCache, build_cache
+from ripplekv.engine.decode_costs import costs_for
 from ripplekv.engine.entries import LayerEntries
 from ripplekv.engine.memory import DEFAULT_GROUP_BYTES, StepCosts, plan_groups
 from ripplekv.engine.prefill import PrefillState
@@ -172,7 +173,7 @@ def fidelity_groups(model, state: PrefillState, lengths: list[list[int]], refere
     held = fed + (max_new_tokens or len(reference.tokens))
     costs = StepCosts.of(model, state)
     return plan_groups(lengths, [fed] * len(lengths), lambda size, padded: costs.group(size, padded, fed, held),
-                       memory_bytes or DEFAULT_GROUP_BYTES, most=batch_size)
+                       memory_bytes or DEFAULT_GROUP_BYTES, most=batch_size, costs=costs_for(model, state))
 
 
 @torch.inference_mode()

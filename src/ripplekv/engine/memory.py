@@ -252,19 +252,28 @@ class LazyVariants:
         return cls([[layer.capacity for layer in variant] for variant in variants], variants.__getitem__)
 
 
-# Cost of one decoding step on a 2-core CPU (scripts/bench_batch.py, bundled model, milliseconds): a fixed
-# part per forward (reading every weight), a part per variant (its linear layers), and a part per variant and
-# prompt entry it attends to, summed over layers, padding included (memory-bound attention).
-STEP_MS, VARIANT_MS, ENTRY_MS = 100.0, 5.0, 3.1e-4
+@dataclasses.dataclass(frozen=True)
+class DecodeCosts:
+    """Milliseconds of one decoding step: a fixed part per forward (reading every weight), a part per variant
+    (its linear layers), and a part per variant and prompt entry it attends to, summed over layers, padding
+    included (memory-bound attention). A device's own come from `engine.decode_costs`."""
+
+    step_ms: float
+    variant_ms: float
+    entry_ms: float
+
+
+# Measured on a 2-core CPU with the bundled model (scripts/bench_batch.py): what every CPU plans with by default.
+REFERENCE_COSTS = DecodeCosts(step_ms=100.0, variant_ms=5.0, entry_ms=3.1e-4)
 
 
 def plan_groups(lengths: list[list[int]], steps: list[int], group_bytes: Callable[[int, list[int]], int],
-                memory_bytes: int, most: int | None = None) -> list[list[int]]:
+                memory_bytes: int, most: int | None = None, costs: DecodeCosts = REFERENCE_COSTS) -> list[list[int]]:
     """Split variants into groups decoded together, at the least modelled cost, each within `memory_bytes`.
 
     One group pays one forward per step but pads every variant to the longest kept layer of any; more
     groups pad less and pay more forwards. Variants are ordered by their total kept length and cut into
-    contiguous groups by dynamic programming over the cost model above (a group runs as many steps as its
+    contiguous groups by dynamic programming over the cost model `costs` (a group runs as many steps as its
     longest `steps`). A group of k variants padded to P_l entries in layer l takes `group_bytes(k, P)`,
     which must stay under `memory_bytes` (one variant always makes a group), and has at most `most`.
     """
@@ -283,7 +292,7 @@ def plan_groups(lengths: list[list[int]], steps: list[int], group_bytes: Callabl
             size = last - first + 1
             if size > 1 and ((most is not None and size > most) or group_bytes(size, padded) > memory_bytes):
                 break
-            cost = best[first] + longest * STEP_MS + variant_steps * (VARIANT_MS + ENTRY_MS * sum(padded))
+            cost = best[first] + longest * costs.step_ms + variant_steps * (costs.variant_ms + costs.entry_ms * sum(padded))
             if cost < best[last + 1]:
                 best[last + 1], cut[last + 1] = cost, first
     groups, end = [], count
