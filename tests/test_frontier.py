@@ -340,6 +340,8 @@ def test_lower_right_attention_is_sdpa_with_the_causal_mask(earlier, subset, dty
     logits = logits.masked_fill(~(mask & (apart | (torch.arange(earlier + new) >= earlier))), float("-inf"))
     assert normaliser.shape == (1, 2 * groups, new)
     assert torch.allclose(normaliser, torch.logsumexp(logits, -1), atol=1e-5 if dtype == torch.float32 else 1e-2)
+    alone = probe.lower_right_attention(query, key, value, 0.25, subset=subset, output=False)
+    assert alone[0] is None and torch.equal(alone[1], normaliser)  # the normaliser without the output, bit for bit
 
 
 def test_the_split_attention_runs_on_one_cpu_sequence_of_a_full_layer_only():
@@ -367,3 +369,25 @@ def test_kvzip_scores_from_the_flash_normaliser_equal_their_own_softmax(skip_tem
     softmax = kvzip.reconstruct(state, 4, 50, skip_template)
     assert (split[..., 40:] > 0).all() and (split[..., 40:] < 1).all()  # every entry past the template scored
     assert torch.allclose(split, softmax, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_kvzip_pass_stops_at_the_last_layers_attention(split, monkeypatch, tokenizer):
+    """Nothing after the last layer's attention feeds the scores: that layer's MLP never runs, every earlier one
+    runs on each piece, and the last layer is still scored (its scores against the attention maps: the test of
+    the repeat pass above)."""
+    from ripplekv.methods import kvzip
+
+    model = tiny_llama(vocab_size=len(tokenizer), seed=2)
+    ids = torch.randint(200, 5000, (120,), generator=torch.Generator().manual_seed(4)).tolist()
+    state = satisfy(prefill(model, ids, requirements=Requirements.of_all([make_method("kvzip")])), tokenizer)
+    monkeypatch.setattr(probe, "PIECE", 13)
+    if not split:
+        monkeypatch.setattr(kvzip, "can_split_attention", lambda module, query: False)
+    ran = [0] * len(model.model.layers)
+    for index, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_hook(lambda module, args, out, index=index: ran.__setitem__(index, ran[index] + 1))
+    scores = kvzip.reconstruct(state, 4, 50, 0)
+    assert ran[-1] == 0 and min(ran[:-1]) > 1 and len(set(ran[:-1])) == 1
+    assert (scores[-1, :, 4:] > 0).all() and (scores[-1] <= 1).all()
+

@@ -48,14 +48,15 @@ def can_split_attention(module, query) -> bool:
     return query.device.type == "cpu" and not getattr(module, "sliding_window", None) and query.shape[0] == 1
 
 
-def lower_right_attention(query, key, value, scaling, subset=()):
+def lower_right_attention(query, key, value, scaling, subset=(), output: bool = True):
     """The model's attention for p new queries over n keys whose last p are theirs (causal among themselves,
     everything before visible), as ([1, p, H_q, d], lse [1, H_q, p] float32), on a CPU (`can_split_attention`).
 
     Flash attention over the p new keys (causal) and over the earlier ones (no mask), merged by their
     log-sum-exps: sdpa with the mask within float tolerance, ~30% faster. `subset`: ranges [lo, hi) of earlier
     keys attended apart from the rest, so that the returned lse is the softmax normaliser over them and the
-    new keys alone (KVzip's scores' own softmax); without it, over the new keys alone."""
+    new keys alone (KVzip's scores' own softmax); without it, over the new keys alone. `output=False` returns
+    (None, lse) without attending to the rest: the same lse, for a pass that needs no output from this layer."""
     length, count = query.shape[2], key.shape[2]
     kv_heads, groups = key.shape[1], query.shape[1] // key.shape[1]
     own = _FLASH_CPU(query, repeat_kv(key[:, :, count - length:], groups), repeat_kv(value[:, :, count - length:], groups),
@@ -68,10 +69,13 @@ def lower_right_attention(query, key, value, scaling, subset=()):
     outside.append((at, count - length))
     # With no mask, a KV head's grouped query heads can attend as one longer sequence: no copies of the keys per head.
     stacked = query.reshape(1, kv_heads, groups * length, -1)
-    apart, rest = (_unstacked(_flash_over(stacked, key, value, scaling, ranges), query.shape) for ranges in (inside, outside))
+    apart = _unstacked(_flash_over(stacked, key, value, scaling, inside), query.shape)
     normaliser = merged([own, apart])[1]
-    output = merged([own, apart, rest])[0].to(query.dtype)
-    return output.transpose(1, 2).contiguous(), normaliser
+    if not output:
+        return None, normaliser
+    rest = _unstacked(_flash_over(stacked, key, value, scaling, outside), query.shape)
+    attended = merged([own, apart, rest])[0].to(query.dtype)
+    return attended.transpose(1, 2).contiguous(), normaliser
 
 
 def _unstacked(part, shape):
@@ -105,6 +109,12 @@ def merged(parts):
     return output / total[..., None], top + total.log()
 
 
+class PassDone(Exception):
+    """Raised by a pass's attention once its last layer has been read: a pass keeps only what its layers' queries
+    and keys give, so nothing after the last layer's attention (its output, its MLP, the logits) is computed.
+    `probe_tokens` catches it; the cache already holds every layer's keys and values of the piece."""
+
+
 # Tokens fed per forward: bounds the attention of a piece over the prompt to PIECE x n scores per head.
 PIECE = 512
 # Query rows per block of scores: keeps the logits in a CPU's cache between the product and the reductions.
@@ -133,8 +143,11 @@ def probe_tokens(model, state: PrefillState, tokens: list[int], callback: Probe 
         for start in range(0, ids.shape[1], piece):
             chunk = ids[:, start:start + piece]
             positions = torch.arange(state.length + start, state.length + start + chunk.shape[1], device=ids.device)[None]
-            model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_recorders=probe,
-                  ripplekv_attend=attend, logits_to_keep=1)
+            try:
+                model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, ripplekv_recorders=probe,
+                      ripplekv_attend=attend, logits_to_keep=1)
+            except PassDone:
+                pass
 
 
 def causal_attention_rows(queries: torch.Tensor, prompt_keys: torch.Tensor, new_keys: torch.Tensor, scaling: float,
