@@ -25,6 +25,7 @@ import torch
 
 from ripplekv.engine import adapter
 from ripplekv.engine.decode import full_reference
+from ripplekv.engine.decode_costs import costs_for
 from ripplekv.engine.divergence import decode_by_divergence
 from ripplekv.engine.memory import parse_bytes
 from ripplekv.engine.prefill import Requirements, prefill_for
@@ -104,6 +105,9 @@ def big_check(results: list, args) -> None:
     check(results, "every variant decoded with a finite KL", finite and all(result.tokens), len(result.tokens),
           len(variants))
     check(results, "big run time", True, f"{time.perf_counter() - started:.0f} s", "(recorded)")
+    costs = costs_for(model, state)  # what its decoding planned with: measured on this device (engine.decode_costs)
+    check(results, "decoding cost constants", True,
+          f"{costs.step_ms:.3g} ms a step, {costs.variant_ms:.3g} a variant, {costs.entry_ms:.3g} an entry", "(recorded)")
     del model, state, result
     torch.cuda.empty_cache()
 

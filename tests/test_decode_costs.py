@@ -93,12 +93,17 @@ def test_the_fit_recovers_a_linear_cost(state_of_tiny, monkeypatch):
 
 
 def test_measuring_times_real_decoding_steps(state_of_tiny):
-    """On a real model: finite constants, and the state's own cache is left as it was."""
+    """On a real model: finite constants; the state's own cache and the process's random state are left as
+    they were."""
     model, state = state_of_tiny
     keys = [k.clone() for k in state.keys]
+    torch.manual_seed(7)
+    drawn_before = torch.rand(3)
+    torch.manual_seed(7)
     got = measure(model, state, lengths=(8, 64), batches=(1, 3), calls=2)
     assert all(math.isfinite(x) and x >= 0 for x in (got.step_ms, got.variant_ms, got.entry_ms)) and got.step_ms > 0
     assert all(torch.equal(a, b) for a, b in zip(keys, state.keys))
+    assert torch.equal(torch.rand(3), drawn_before)  # the process's random state untouched
 
 
 def test_groups_follow_the_constants():

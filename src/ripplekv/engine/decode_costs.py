@@ -90,11 +90,14 @@ def _kept_or_measured(entry: str, model, state) -> DecodeCosts:
 
 
 @torch.inference_mode()
-def measure(model, state, lengths=(64, 1024), batches=(1, 8), calls: int = 5) -> DecodeCosts:
+def measure(model, state, lengths=(64, 1024), batches=(1, 4), calls: int = 5) -> DecodeCosts:
     """The cost model fitted (least squares) to one decoding step of `model` timed for each of `batches`
     variants over each of `lengths` prompt entries per layer (synthetic keys and values of `state`'s shapes):
     step ms = step_ms + V x (variant_ms + entry_ms x L x K). Each point is the median of `calls` steps after
-    a warm-up; no constant comes out negative."""
+    a warm-up; no constant comes out negative. Up to 4 variants, as divergence decoding runs most of its steps
+    (on this CPU 8 and more rows take `F.linear`'s slower path, `engine.linear`); the synthetic caches stay small
+    beside a sample's own (4 variants of 1024 entries: 189 MB for the bundled model in float32, 537 MB for an 8B
+    Llama in bfloat16)."""
     install(model)
     rows, times = [], []
     for length in lengths:
@@ -113,12 +116,13 @@ def fitted_costs(fitted) -> DecodeCosts:
 
 def _step_ms(model, state, count: int, length: int, calls: int) -> float:
     """Median ms of one decoding step: `count` variants, one new token each, over `length` entries per layer."""
-    generator = torch.Generator().manual_seed(count * 100003 + length)
+    # drawn on the device by a generator of its own: the process's random state is left as it was
+    generator = torch.Generator(device=state.device).manual_seed(count * 100003 + length)
     tensors = []
     for layer in range(state.num_layers):  # every layer its own tensors: their reads cost what a real cache's do
         heads, dim = state.keys[layer].shape[0], state.keys[layer].shape[-1]
-        tensors.append([torch.randn(count, heads, length, dim, generator=generator)
-                        .to(device=state.device, dtype=state.keys[layer].dtype) for _ in range(2)])
+        tensors.append([torch.randn(count, heads, length, dim, generator=generator, device=state.device,
+                                    dtype=state.keys[layer].dtype) for _ in range(2)])
     token = int(state.input_ids[-1]) if state.input_ids is not None and len(state.input_ids) else 0
     ids = torch.full((count, 1), token, dtype=torch.long, device=state.device)
     positions = torch.full((count, 1), length, dtype=torch.long, device=state.device)
