@@ -21,8 +21,22 @@ CLOSE = {"kl", "agreement"}
 
 
 def lines(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines() if line.strip()]
-    return {(r["task"], r["id"], r["method"], r["budget"]): r for r in rows}
+    """The run's result lines by (task, id, method, budget); anything else is one line saying what is wrong."""
+    path = run / "predictions.jsonl"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        raise SystemExit(f"compare_predictions: no {path}: give the --out folders of two evals") from None
+    found = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            found[(row["task"], row["id"], row["method"], row["budget"])] = row
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"compare_predictions: line {number} of {path} is not an eval's result line") from None
+    return found
 
 
 def one_sided_fields(a: dict, b: dict) -> set[str]:

@@ -41,3 +41,12 @@ def test_a_line_only_one_run_has_is_a_difference(compare, tmp_path):
     old = compare.lines(write_run(tmp_path / "old", [row("snapkv"), row("tova")]))
     new = compare.lines(write_run(tmp_path / "new", [row("snapkv")]))
     assert compare.differences(old, new, 1e-5) == ["only in the first run: ('niah', 's0', 'tova', 64)"]
+
+
+def test_a_folder_without_result_lines_is_one_clear_line(compare, tmp_path):
+    with pytest.raises(SystemExit, match="no .*predictions.jsonl: give the --out folders of two evals"):
+        compare.lines(tmp_path)
+    (tmp_path / "predictions.jsonl").write_text(json.dumps(row("snapkv")) + "\n" + '{"task": "niah"}\n')
+    with pytest.raises(SystemExit, match="line 2 of .* is not an eval's result line"):
+        compare.lines(tmp_path)
+
