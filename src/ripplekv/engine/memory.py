@@ -263,7 +263,8 @@ class DecodeCosts:
     entry_ms: float
 
 
-# Measured on a 2-core CPU with the bundled model (scripts/bench_batch.py): what every CPU plans with by default.
+# Measured on a 2-core CPU with the bundled model at engine v2 (scripts/bench_batch.py): what every CPU plans with
+# by default. Today's engine fits other constants there, and planning with them decodes no faster (docs/performance.md).
 REFERENCE_COSTS = DecodeCosts(step_ms=100.0, variant_ms=5.0, entry_ms=3.1e-4)
 
 
