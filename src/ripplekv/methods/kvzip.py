@@ -21,7 +21,7 @@ press (make check-references).
 
 Cost: the reconstruction is a second forward over about as many tokens as the prompt (its own phase in
 `engine.timings`, `RECONSTRUCTION`, printed by scripts/bench_engine.py): about 2.0 prefills on a 3.5k prompt
-on a CPU, since its queries attend over the whole prompt and the repeat so far, about 2.5 times the causal
+on a CPU, since its queries attend over the whole prompt and the repeat so far, about 3 times the causal
 prefill's attention. The scores add one product of each query block with its chunk's keys: their softmax's
 normaliser comes from the pass's own attention (`ScoringAttention`), and no map over the whole prompt is kept.
 The pass stops at the last layer's attention (`continuation.PassDone`): that layer's output, its MLP and the
