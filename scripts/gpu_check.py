@@ -4,7 +4,8 @@ Big: an 8B-shaped random-weight Llama made on the GPU (32 layers, 32 query / 8 K
 scaling, a 128k vocabulary, bfloat16) prefills a 16-32k-token random prompt, decodes the full reference, then
 ~40 variants (AdaKV, DefensiveKV and global splits at B=128 and 2048, one keeping layer 0 whole) through
 divergence decoding, built as their groups run within `--memory-budget`; each phase's peak (CUDA allocator)
-must stay under it. Small equalities (also on CPU, `--small-only`): one variant alone equals it in a batch of
+must stay under it. It records the decoding cost constants its groups were planned with, measured on the GPU at
+the first plan (`engine.decode_costs`). Small equalities (also on CPU, `--small-only`): one variant alone equals it in a batch of
 16; H2O's accumulated sums equal a materialized attention map at 2k tokens; kept sets are the same on CPU
 and GPU (GPU only); a tiny Qwen3's captured keys equal the model's own cache.
 
