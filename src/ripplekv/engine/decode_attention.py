@@ -18,13 +18,14 @@ sets the path without measuring.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+
+from ripplekv.engine.kept_measurements import device_name, kept_or_measured
 
 PATHS = ("ours", "fused")
 MARGIN = 0.9  # the fused path is taken when it takes at most this share of our path's time
@@ -177,25 +178,11 @@ def device_path(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
 
             raise UserError(f"RIPPLEKV_DECODE_ATTENTION must be one of {', '.join(PATHS)}, got {forced!r}")
         return forced
-    from ripplekv.engine.models import cache_root
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({os.cpu_count()} cores)"
-    entry = f"{name} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | {kv_heads}x{group}x{dim}"
-    path = cache_root() / FILE
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    measured = known.get(entry)
-    if not (isinstance(measured, dict) and measured.get("path") in PATHS):
-        known[entry] = calibrate(device, dtype, kv_heads, group, dim, layer_type)
-        try:  # a read-only cache folder only costs measuring again next time
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(known, indent=2) + "\n", encoding="utf-8")
-        except OSError:
-            pass
-    return known[entry]["path"]
+    entry = (f"{device_name(device)} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | "
+             f"{kv_heads}x{group}x{dim}")
+    kept = kept_or_measured(FILE, entry, lambda kept: isinstance(kept, dict) and kept.get("path") in PATHS,
+                            lambda: calibrate(device, dtype, kv_heads, group, dim, layer_type))
+    return kept["path"]
 
 
 def calibrate(device, dtype, kv_heads: int, group: int, dim: int, layer_type, variants: int = 16, kept: int = 512,

@@ -17,7 +17,6 @@ exactly on another only if both plan the same groups (measured constants move wi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -27,8 +26,8 @@ import numpy as np
 import torch
 
 from ripplekv.engine.cache import CompressedCache, CompressedLayer, install
+from ripplekv.engine.kept_measurements import device_name, kept_or_measured
 from ripplekv.engine.memory import REFERENCE_COSTS, DecodeCosts, StepCosts
-from ripplekv.engine.models import cache_root
 from ripplekv.errors import UserError
 
 SETTING = "RIPPLEKV_DECODE_COSTS"
@@ -57,36 +56,27 @@ def costs_for(model, state) -> DecodeCosts:
 
 
 def _entry_name(model, state) -> str:
-    device = state.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({os.cpu_count()} cores)"
     shape = StepCosts.of(model, state)
     model_shape = (f"{shape.layers} layers, {shape.query_heads}/{shape.kv_heads} heads of {shape.head_dim}, hidden "
                    f"{shape.hidden}, intermediate {shape.intermediate}, vocab {shape.vocab}")
-    return f"{name} | torch {torch.__version__} | {str(state.keys[0].dtype).removeprefix('torch.')} | {model_shape}"
+    return (f"{device_name(state.device)} | torch {torch.__version__} | "
+            f"{str(state.keys[0].dtype).removeprefix('torch.')} | {model_shape}")
 
 
 def _kept_or_measured(entry: str, model, state) -> DecodeCosts:
     """The constants kept for `entry` in the cache folder's file, else measured now and kept there."""
-    path = cache_root() / FILE
+    kept = kept_or_measured(FILE, entry, lambda kept: _costs_in(kept) is not None,
+                            lambda: dataclasses.asdict(measure(model, state)))
+    return _costs_in(kept)
+
+
+def _costs_in(kept) -> DecodeCosts | None:
+    """The constants a kept entry holds, or None when it holds none usable (missing, not numbers, negative)."""
     try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    try:
-        kept = [float(known[entry][field.name]) for field in dataclasses.fields(DecodeCosts)]
+        values = [float(kept[field.name]) for field in dataclasses.fields(DecodeCosts)]
     except (KeyError, TypeError, ValueError):
-        kept = []
-    if kept and all(math.isfinite(value) and value >= 0 for value in kept):
-        return DecodeCosts(*kept)
-    costs = measure(model, state)
-    known[entry] = dataclasses.asdict(costs)
-    try:  # a read-only cache folder only costs measuring again next time
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=2) + "\n", encoding="utf-8")
-    except OSError:
-        pass
-    return costs
+        return None
+    return DecodeCosts(*values) if all(math.isfinite(value) and value >= 0 for value in values) else None
 
 
 @torch.inference_mode()
