@@ -471,3 +471,15 @@ def test_report_on_a_run_an_eval_is_writing_names_the_eval_and_offers_no_out(tmp
     assert err.rstrip().endswith("; wait for it to finish")
     code, _, err = run_cli("report", run)  # the lock is free again: the empty run is what is said now
     assert code == 2 and "another" not in err
+
+
+def test_a_run_of_the_full_cache_alone_reports_without_figures(tmp_path, run_cli):
+    """A task screen evaluates the full cache only: the report must still write its tables (the informative
+    verdict is what the screen reads) and leave out the figures of compressed variants, not crash on them."""
+    records = [r for r in predictions() if r["method"] == "full"]
+    run = write(tmp_path / "run", records)
+    code, out, err = run_cli("report", str(run))
+    assert code == 0, err
+    informative = pd.read_csv(run / "informative.csv")
+    assert set(informative["task"]) == set(TASKS)
+    assert not any((run / name).exists() for name in report.FIGURES)

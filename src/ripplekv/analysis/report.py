@@ -195,7 +195,9 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             write_text(run_dir / "memory_axis.md", memory_markdown(memory))
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
         styles = series_styles(m for m in dict.fromkeys(frame["method"]) if m != REFERENCE)  # the run's order
-        if plots:
+        # A run of the full cache alone (a task screen) has no compressed variant to draw
+        compressed = bool((frame["method"] != REFERENCE).any())
+        if plots and compressed:
             plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings, styles)
             plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings, styles)
             plot_layer_budgets(frame, run_dir / "layer_budgets.png")
