@@ -68,6 +68,10 @@ def eval_command(
         None, "--limit",
         help=f"At most N samples per task; default: {OFFLINE_FIRST_LOOK} on the generated suites, offline and ruler "
              "(a first look in minutes; a rerun with a higher --limit adds samples), all on LongBench."),
+    split: str = typer.Option(
+        "eval", "--split",
+        help="eval, or calibration: the generated suites' calibration prompts (disjoint from eval's), for a task "
+             "screen that must not look at evaluation samples."),
     allocation: str | None = typer.Option(
         None, "--allocation", metavar="CSV",
         help=f"Allocation CSV for ripplekv (and depthkv, routed-ripplekv); default: {DEFAULT_ALLOCATION}, else the one shipped for the bundled model."),
@@ -111,6 +115,7 @@ def eval_command(
         suite=suite,
         tasks=eval_plan.parse_names(tasks, "--tasks"),
         limit=OFFLINE_FIRST_LOOK if limit is None and suite in GENERATED_SUITES else limit,
+        split=split,
         allocation=allocation,
         model=model,
         data_dir=data_dir,

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripplekv.defaults import DECODE_BUDGETS, DEFAULT_EVAL_METHODS, EVAL_BATCH_SIZE, LAST_ALLOCATION, PROTOCOLS
+from ripplekv.defaults import (
+    DECODE_BUDGETS,
+    DEFAULT_EVAL_METHODS,
+    EVAL_BATCH_SIZE,
+    GENERATED_SUITES,
+    LAST_ALLOCATION,
+    PROTOCOLS,
+)
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY
 from ripplekv.errors import UserError
@@ -23,6 +30,7 @@ from ripplekv.runs.files import ANSWER_AWARE, REFERENCE
 from ripplekv.runs.resume import variant_keys
 
 DEFAULT_METHODS = DEFAULT_EVAL_METHODS
+SPLITS = ("eval", "calibration")
 SHIPPED_ALLOCATIONS = Path(__file__).resolve().parents[1] / "data" / "allocations"
 
 
@@ -35,6 +43,8 @@ class EvalSettings:
     suite: str = "offline"
     tasks: tuple[str, ...] = ()
     limit: int | None = None
+    # "calibration": the generated suites' calibration split (a task screen reads it; evaluation never should)
+    split: str = "eval"
     allocation: str | None = None
     model: str | None = None
     data_dir: str | None = None
@@ -149,6 +159,11 @@ def plan_eval(settings: EvalSettings) -> Plan:
         raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {settings.protocol!r}")
     if not settings.methods:
         raise UserError("--methods is empty; name at least one method, e.g. --methods snapkv")
+    if settings.split not in SPLITS:
+        raise UserError(f"--split must be one of {', '.join(SPLITS)}, got {settings.split!r}")
+    if settings.split != "eval" and settings.suite not in GENERATED_SUITES:
+        raise UserError(f"--split {settings.split} needs a generated suite (offline or ruler): "
+                        f"{settings.suite} has only its test set")
     if settings.limit is not None and settings.limit < 1:
         raise UserError(f"--limit must be at least 1, got {settings.limit}")
     if settings.target_tokens < 1:
@@ -181,6 +196,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "suite": settings.suite,
         "tasks": [task.name for task in tasks],
         "limit": settings.limit,
+        **({"split": settings.split} if settings.split != "eval" else {}),  # older runs (eval) have no key
         "model": settings.model,
         "model_label": source.label,
         "model_location": source.location,

@@ -163,7 +163,7 @@ def load_all_samples(plan: Plan, tokenizer) -> list[tuple[object, str, dict]]:
     s = plan.settings
     work = []
     for task in plan.tasks:
-        records = load_samples(task, tokenizer, limit=s.limit, data_dir=s.data_dir,
+        records = load_samples(task, tokenizer, split=s.split, limit=s.limit, data_dir=s.data_dir,
                                target_tokens=s.target_tokens, seed=s.seed)
         seen = set()
         for index, record in enumerate(records):
