@@ -183,3 +183,24 @@ def test_eval_keeps_as_many_entries_for_lukv_as_for_snapkv_and_records_its_head_
     lukv = rows[f"lukv:curve={curve.name}"]
     assert lukv["kept_entries"] == rows["snapkv"]["kept_entries"] == 4 * 2 * 40
     assert len({b for layer in lukv["head_budgets"] for b in layer}) > 1
+
+
+def test_lukv_with_a_head_split_keeps_its_layer_totals_and_splits_heads_that_way(tmp_path):
+    """`lukv:split=even|adakv`: LU-KV's layer totals (its curve summed over a layer's heads), split over heads by
+    the named rule; exactly L x H x B in all, so the factorial core can vary LU-KV's head split alone."""
+    model = tiny_llama(num_hidden_layers=4)
+    ids = torch.randint(0, 101, (300,), generator=torch.Generator().manual_seed(1))
+    ea = tiny_curve(tmp_path, "lukv")
+    own, even, ada = (make_method(f"lukv:curve={ea}{extra}") for extra in ("", ":split=even", ":split=adakv"))
+    state = prefill_for(model, ids, own.requirements().union(ada.requirements()))
+    for budget in (40, 128):
+        per_head, evenly, adaptive = (m.budgets(state, budget) for m in (own, even, ada))
+        assert int(evenly.sum()) == int(adaptive.sum()) == int(per_head.sum()) == 4 * 2 * budget
+        assert (evenly == evenly[:, :1]).all()  # even: a layer's heads keep the same
+        assert evenly.sum(1).tolist() == adaptive.sum(1).tolist()  # one set of layer totals under both splits
+        assert len(set(evenly.sum(1).tolist())) > 1  # the curve's layers differ (deeper ones prune more)
+        assert abs(evenly.sum(1) - per_head.sum(1)).max() <= 2  # the curve's own layer totals, up to rounding
+        assert not (adaptive == adaptive[:, :1]).all()  # adakv: heads differ by their scores
+        assert int(ada.select(state, budget).sum()) == 4 * 2 * budget
+    with pytest.raises(UserError, match="takes no split="):
+        make_method(f"lukv:curve={ea}:split=even:rounding=kvpress")

@@ -10,6 +10,10 @@ protected entries. The scorer picks the entries: `lukv` is Expected Attention as
 (the allocation-only table's scorer). A curve fits only the scorer it was profiled with: its provenance
 (the `.json` beside the CSV) names it, and another scorer is refused.
 
+With `split=even` or `split=adakv` LU-KV keeps only its *layer* totals (the curve's keep shares summed over a
+layer's heads, rounded to L x B exactly) and hands them to that head split, as any layer allocator would: the
+study's factorial core separates LU-KV's allocation across layers from its split across heads this way.
+
 kvpress rounds differently (`rounding=kvpress`, for make check-references): it reads the curve's row
 round(100 rho) - 1, gives each head floor((1 - r) n) and, per layer, the leftover of round(sum) to the heads
 with the largest fractions, at least 1 each, so its totals drift from L x H_kv x B by the distance from
@@ -153,8 +157,25 @@ class LUKV(Allocator):
         if self.curve is not None:
             read_curve(self.curve)  # a bad file is one line before any model work
 
+    def splits_itself(self) -> bool:
+        """Its curve sets per-head counts, unless `split=` asks for its layer totals under that head split."""
+        return self.split is None
+
+    def check_heads(self) -> None:
+        super().check_heads()
+        if self.split is not None and self.rounding == "kvpress":
+            raise UserError("lukv's rounding=kvpress reproduces kvpress's per-head counts; it takes no split=")
+
     def layer_budgets(self, num_layers, budget, length, floor):
         raise UserError(f"lukv's budgets differ by head; {self.prompt_note}")
+
+    def prompt_budgets(self, state, budget, scorer) -> list[int]:
+        """Per-layer totals (with `split=`): the curve's keep shares at this prompt summed over each layer's heads."""
+        if state.length <= budget:
+            return [state.length] * state.num_layers
+        shares = keep_shares(self.curve_for(state, scorer), 1 - budget / state.length).sum(axis=1)
+        floor = min(max(sum(protected(scorer)), scorer.floor(), 1), budget)
+        return integer_budgets(shares.tolist(), budget, state.length, floor)
 
     def curve_for(self, state, scorer) -> np.ndarray:
         """The curve (given, or shipped for the bundled model and this scorer), checked against both."""
@@ -175,6 +196,8 @@ class LUKV(Allocator):
 
     def allocate(self, state, budget, scorer):
         check_budget(budget)
+        if self.split is not None:
+            return super().allocate(state, budget, scorer)
         curve = self.curve_for(state, scorer)
         if self.rounding == "kvpress":
             return kvpress_counts(curve, budget, state.length)
