@@ -1,0 +1,104 @@
+"""The study's factorial core: cells read from resolved specs, contrasts that recover known effects."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ripplekv.analysis import factorial
+from ripplekv.methods.catalog import build_methods
+
+SHIPPED = Path(__file__).resolve().parent.parent / "src" / "ripplekv" / "data" / "allocations" / "smollm2-135m.csv"
+ALLOCATIONS = {"uniform": 0.0, "ripplekv": -0.10, "lukv": -0.25}
+SCORERS = {"snapkv": 0.0, "expected-attention": 0.05}
+SPLITS = {"even": 0.0, "adakv": -0.08}
+BOTH = -0.04  # expected-attention with adakv: an interaction
+
+
+def test_cells_come_from_the_resolved_specs_not_the_labels():
+    specs = ["snapkv", "expected-attention:split=adakv", "pyramidkv:scorer=expected-attention", "ripplekv:split=adakv",
+             "lukv:scorer=snapkv", "lukv:scorer=snapkv:split=even", "kivi:bits=4"]
+    methods = build_methods(specs, {"allocation": str(SHIPPED)}, [])
+    config = {"method_specs": {label: m.describe() for label, m in methods.items()}}
+    cells = factorial.design(config).set_index("method")
+    assert cells.loc["snapkv"].tolist() == ["uniform", "snapkv", "even"]
+    assert cells.loc["expected-attention:split=adakv"].tolist() == ["uniform", "expected-attention", "adakv"]
+    assert cells.loc["pyramidkv:scorer=expected-attention"].tolist() == ["pyramidkv", "expected-attention", "even"]
+    assert cells.loc["ripplekv:split=adakv"].tolist() == ["ripplekv", "snapkv", "adakv"]
+    assert cells.loc["lukv:scorer=snapkv"].tolist() == ["lukv", "snapkv", "curve"]
+    assert cells.loc["lukv:scorer=snapkv:split=even"].tolist() == ["lukv", "snapkv", "even"]
+    assert "kivi:bits=4" not in cells.index and "full" not in cells.index
+
+
+def synthetic_run(samples: int = 12, noise: float = 0.01):
+    """KL = a sample's base + allocation + scorer + split (+ BOTH for expected-attention with adakv) + noise, at
+    two budgets, on two tasks; LU-KV's own split (curve) as an extra variant outside the grid."""
+    rng = np.random.default_rng(3)
+    cells = list(itertools.product(ALLOCATIONS, SCORERS, SPLITS)) + [("lukv", "snapkv", "curve")]
+    specs = {}
+    for allocation, scorer, split in cells:  # a file allocation is named by its label's first part
+        name = {"uniform": "uniform", "ripplekv": "file", "lukv": "lukv"}[allocation]
+        specs[f"{allocation}:{scorer}:{split}"] = {
+            "allocator": {"name": name, **({} if split == "curve" else {"split": split})}, "scorer": {"name": scorer}}
+    lines = []
+    for budget in (64, 128):
+        for task in ("a", "b"):
+            for i in range(samples):
+                base = rng.uniform(0.5, 1.0)
+                for allocation, scorer, split in cells:
+                    effect = ALLOCATIONS[allocation] + SCORERS[scorer] + SPLITS.get(split, 0.0)
+                    effect += BOTH if (scorer, split) == ("expected-attention", "adakv") else 0.0
+                    lines.append({"task": task, "id": f"{task}{i}", "budget": budget,
+                                  "method": f"{allocation}:{scorer}:{split}",
+                                  "kl": base + effect + rng.normal(0, noise)})
+    return pd.DataFrame(lines), {"method_specs": specs}
+
+
+def test_effects_recover_the_main_effects_the_interaction_and_the_pair():
+    frame, config = synthetic_run()
+    table = factorial.effects(frame, config, pair=("ripplekv", "lukv")).set_index(["budget", "effect"])
+    row = table.loc[64]
+    # main effects average over the other factors' cells, the interaction included: half of BOTH on each
+    assert row.loc["scorer: expected-attention - snapkv", "delta"] == pytest.approx(0.05 + BOTH / 2, abs=0.01)
+    assert row.loc["split: adakv - even", "delta"] == pytest.approx(-0.08 + BOTH / 2, abs=0.01)
+    assert row.loc["allocation: lukv - uniform", "delta"] == pytest.approx(-0.25, abs=0.01)
+    assert row.loc["allocation: ripplekv - uniform", "delta"] == pytest.approx(-0.10, abs=0.01)
+    interaction = row.loc["scorer x split: (expected-attention - snapkv) at adakv minus at even"]
+    assert interaction["delta"] == pytest.approx(BOTH, abs=0.01) and interaction["kind"] == "interaction"
+    assert row.loc["lukv - ripplekv", "delta"] == pytest.approx(-0.15, abs=0.01)
+    assert row.loc["lukv - ripplekv at snapkv, even", "cells"] == 2
+    assert row.loc["(lukv - ripplekv) at split adakv minus at even", "delta"] == pytest.approx(0.0, abs=0.01)
+    # LU-KV's own per-head split is not part of the grid
+    assert not any("curve" in name for name in row.index)
+    assert (row["samples"] == 24).all()
+    # every clear effect is called, the null pair interaction is not
+    assert row.loc["allocation: lukv - uniform", "verdict"] == "closer"
+    assert row.loc["(lukv - ripplekv) at split adakv minus at even", "verdict"] in ("tied", "underpowered")
+    # one Holm family per budget: the adjusted p-values are Holm's of that budget's raw ones
+    from ripplekv.analysis.inference import holm
+
+    assert np.allclose(row["p_holm"].to_numpy(), holm(row["p"].to_numpy()))
+
+
+def test_a_contrast_is_the_mean_over_samples_of_its_per_sample_cell_differences():
+    """Independent of the weights: the scorer effect by plain pandas means over the grid's cells."""
+    frame, config = synthetic_run(samples=6, noise=0.05)
+    at = frame[frame["budget"] == 128]
+    wide = at.pivot_table(index=["task", "id"], columns="method", values="kl")
+    ea = wide[[c for c in wide if ":expected-attention:" in c and not c.endswith("curve")]].mean(axis=1)
+    snap = wide[[c for c in wide if ":snapkv:" in c and not c.endswith("curve")]].mean(axis=1)
+    by_task = (ea - snap).groupby(level="task").mean().mean()
+    table = factorial.effects(frame, config).set_index(["budget", "effect"])
+    assert table.loc[(128, "scorer: expected-attention - snapkv"), "delta"] == pytest.approx(by_task, abs=1e-12)
+
+
+def test_a_tied_effect_whose_detectable_size_is_above_the_meaningful_one_reads_underpowered():
+    frame, config = synthetic_run(samples=3, noise=0.3)
+    table = factorial.effects(frame, config, meaningful=0.01)
+    assert "underpowered" in set(table["verdict"]) and "tied" not in set(table["verdict"])
+    markdown = factorial.effects_markdown(table)
+    assert "### B=64" in markdown and "| scorer: expected-attention - snapkv | main |" in markdown
