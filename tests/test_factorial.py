@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from ripplekv.analysis import factorial
+from ripplekv.methods import factors
 from ripplekv.methods.catalog import build_methods
 
 SHIPPED = Path(__file__).resolve().parent.parent / "src" / "ripplekv" / "data" / "allocations" / "smollm2-135m.csv"
@@ -23,8 +24,7 @@ def test_cells_come_from_the_resolved_specs_not_the_labels():
     specs = ["snapkv", "expected-attention:split=adakv", "pyramidkv:scorer=expected-attention", "ripplekv:split=adakv",
              "lukv:scorer=snapkv", "lukv:scorer=snapkv:split=even", "kivi:bits=4"]
     methods = build_methods(specs, {"allocation": str(SHIPPED)}, [])
-    config = {"method_specs": {label: m.describe() for label, m in methods.items()}}
-    cells = factorial.design(config).set_index("method")
+    cells = cells_of({label: m.describe() for label, m in methods.items()}).set_index("method")
     assert cells.loc["snapkv"].tolist() == ["uniform", "snapkv", "even"]
     assert cells.loc["expected-attention:split=adakv"].tolist() == ["uniform", "expected-attention", "adakv"]
     assert cells.loc["pyramidkv:scorer=expected-attention"].tolist() == ["pyramidkv", "expected-attention", "even"]
@@ -32,6 +32,10 @@ def test_cells_come_from_the_resolved_specs_not_the_labels():
     assert cells.loc["lukv:scorer=snapkv"].tolist() == ["lukv", "snapkv", "curve"]
     assert cells.loc["lukv:scorer=snapkv:split=even"].tolist() == ["lukv", "snapkv", "even"]
     assert "kivi:bits=4" not in cells.index and "full" not in cells.index
+
+
+def cells_of(method_specs: dict) -> pd.DataFrame:
+    return pd.DataFrame(factors.design(method_specs), columns=["method", *factorial.FACTORS])
 
 
 def synthetic_run(samples: int = 12, noise: float = 0.01):
@@ -55,12 +59,12 @@ def synthetic_run(samples: int = 12, noise: float = 0.01):
                     lines.append({"task": task, "id": f"{task}{i}", "budget": budget,
                                   "method": f"{allocation}:{scorer}:{split}",
                                   "kl": base + effect + rng.normal(0, noise)})
-    return pd.DataFrame(lines), {"method_specs": specs}
+    return pd.DataFrame(lines), cells_of(specs)
 
 
 def test_effects_recover_the_main_effects_the_interaction_and_the_pair():
-    frame, config = synthetic_run()
-    table = factorial.effects(frame, config, pair=("ripplekv", "lukv")).set_index(["budget", "effect"])
+    frame, cells = synthetic_run()
+    table = factorial.effects(frame, cells, pair=("ripplekv", "lukv"), reference=factors.REFERENCE_ALLOCATION).set_index(["budget", "effect"])
     row = table.loc[64]
     # main effects average over the other factors' cells, the interaction included: half of BOTH on each
     assert row.loc["scorer: expected-attention - snapkv", "delta"] == pytest.approx(0.05 + BOTH / 2, abs=0.01)
@@ -86,19 +90,19 @@ def test_effects_recover_the_main_effects_the_interaction_and_the_pair():
 
 def test_a_contrast_is_the_mean_over_samples_of_its_per_sample_cell_differences():
     """Independent of the weights: the scorer effect by plain pandas means over the grid's cells."""
-    frame, config = synthetic_run(samples=6, noise=0.05)
+    frame, cells = synthetic_run(samples=6, noise=0.05)
     at = frame[frame["budget"] == 128]
     wide = at.pivot_table(index=["task", "id"], columns="method", values="kl")
     ea = wide[[c for c in wide if ":expected-attention:" in c and not c.endswith("curve")]].mean(axis=1)
     snap = wide[[c for c in wide if ":snapkv:" in c and not c.endswith("curve")]].mean(axis=1)
     by_task = (ea - snap).groupby(level="task").mean().mean()
-    table = factorial.effects(frame, config).set_index(["budget", "effect"])
+    table = factorial.effects(frame, cells).set_index(["budget", "effect"])
     assert table.loc[(128, "scorer: expected-attention - snapkv"), "delta"] == pytest.approx(by_task, abs=1e-12)
 
 
 def test_a_tied_effect_whose_detectable_size_is_above_the_meaningful_one_reads_underpowered():
-    frame, config = synthetic_run(samples=3, noise=0.3)
-    table = factorial.effects(frame, config, meaningful=0.01)
+    frame, cells = synthetic_run(samples=3, noise=0.3)
+    table = factorial.effects(frame, cells, meaningful=0.01)
     assert "underpowered" in set(table["verdict"]) and "tied" not in set(table["verdict"])
     markdown = factorial.effects_markdown(table)
     assert "### B=64" in markdown and "| scorer: expected-attention - snapkv | main |" in markdown

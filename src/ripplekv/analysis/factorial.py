@@ -5,11 +5,11 @@ which entries a head keeps (the scorer) and how a layer's budget is shared by it
 study that runs every combination can say how much each one is worth. Each variant's cell is read from the
 method it resolved to (`config.json`'s `method_specs`), never from its label:
 
-- allocation: the allocator (`uniform`, `pyramidkv`, `cake`, `lukv`, ...; a file allocation by its method's
-  name: `ripplekv`, `depthkv`);
+- allocation: the allocator (a file allocation is named by its method);
 - scorer: the scorer's name;
 - split: the head split (`even` unless one is named; `curve` for LU-KV's own per-head counts).
 
+The cells come from `methods.factors.design` (the pipeline reads them from a run's config and passes them in).
 Every effect is a contrast of per-sample KL values (the same samples in every cell: paired), so it gets the
 stratified t interval, the sign-flip p and the minimum detectable difference of `analysis.inference`, and
 each budget's rows form one Holm family:
@@ -28,30 +28,10 @@ import numpy as np
 import pandas as pd
 
 from ripplekv.analysis import inference
-from ripplekv.runs.files import REFERENCE
 
 FACTORS = ("allocation", "scorer", "split")
-ALLOCATOR_NAMES = {"uniform": "uniform", "pyramid": "pyramidkv"}  # the rest keep their allocator's name
 COLUMNS = ["budget", "effect", "kind", "cells", "samples", "delta", "ci_low", "ci_high", "detectable", "p",
            "p_holm", "verdict"]
-
-
-def cell_of(label: str, spec: dict) -> tuple[str, str, str] | None:
-    """(allocation, scorer, split) of one resolved method; None for one without both parts (full, kivi...)."""
-    allocator, scorer = spec.get("allocator"), spec.get("scorer")
-    if not isinstance(allocator, dict) or not isinstance(scorer, dict) or label == REFERENCE:
-        return None
-    name = allocator.get("name", "")
-    allocation = label.split(":", 1)[0] if name == "file" else ALLOCATOR_NAMES.get(name, name)
-    split = allocator.get("split") or ("curve" if name == "lukv" else "even")
-    return allocation, scorer.get("name", ""), split
-
-
-def design(config: dict) -> pd.DataFrame:
-    """One row per variant label with its cell (FACTORS), from a run's config.json."""
-    rows = [(label, *cell) for label, spec in config.get("method_specs", {}).items()
-            if (cell := cell_of(label, spec)) is not None]
-    return pd.DataFrame(rows, columns=["method", *FACTORS])
 
 
 def complete_grid(cells: pd.DataFrame) -> pd.DataFrame:
@@ -65,9 +45,11 @@ def complete_grid(cells: pd.DataFrame) -> pd.DataFrame:
     return cells[cells["allocation"].isin(allocations)]
 
 
-def contrasts(grid: pd.DataFrame, pair: tuple[str, str] | None = None) -> list[tuple[str, str, dict]]:
-    """(effect name, kind, {method label: weight}) for the main effects, two-way interactions of scorer and
-    split, and the named allocation pair, over a complete grid."""
+def contrasts(grid: pd.DataFrame, pair: tuple[str, str] | None = None,
+              reference: str | None = None) -> list[tuple[str, str, dict]]:
+    """(effect name, kind, {method label: weight}) for the main effects (allocations against `reference`, by
+    default the first), two-way interactions of scorer and split, and the named allocation pair, over a
+    complete grid."""
     label = {tuple(row[f] for f in FACTORS): row["method"] for _, row in grid.iterrows()}
     levels = {f: list(dict.fromkeys(grid[f])) for f in FACTORS}
     out = []
@@ -89,7 +71,8 @@ def contrasts(grid: pd.DataFrame, pair: tuple[str, str] | None = None) -> list[t
     for factor in ("scorer", "split"):
         for first, second in itertools.combinations(levels[factor], 2):
             out.append((f"{factor}: {second} - {first}", "main", average(factor, first, second)))
-    reference = "uniform" if "uniform" in levels["allocation"] else levels["allocation"][0]
+    allocations = levels["allocation"]
+    reference = reference if reference in allocations else allocations[0]
     for allocation in levels["allocation"]:
         if allocation != reference:
             out.append((f"allocation: {allocation} - {reference}", "main",
@@ -113,11 +96,12 @@ def contrasts(grid: pd.DataFrame, pair: tuple[str, str] | None = None) -> list[t
     return out
 
 
-def effects(frame: pd.DataFrame, config: dict, pair: tuple[str, str] | None = None, measure: str = "kl",
-            meaningful: float | None = None, seed: int = inference.SEED) -> pd.DataFrame:
-    """Per budget, every contrast of `contrasts` on `measure` (columns COLUMNS). `meaningful`: the smallest
-    effect the page calls meaningful; a tied row whose detectable difference exceeds it reads `underpowered`."""
-    grid = complete_grid(design(config))
+def effects(frame: pd.DataFrame, cells: pd.DataFrame, pair: tuple[str, str] | None = None, measure: str = "kl",
+            meaningful: float | None = None, reference: str | None = None, seed: int = inference.SEED) -> pd.DataFrame:
+    """Per budget, every contrast of `contrasts` on `measure` (columns COLUMNS) over `cells` (method, FACTORS:
+    `methods.factors.design`). `meaningful`: the smallest effect the page calls meaningful; a tied row whose
+    detectable difference exceeds it reads `underpowered`."""
+    grid = complete_grid(cells)
     rows = []
     for budget in sorted(int(b) for b in frame["budget"].dropna().unique()):
         lines = frame[(frame["budget"] == budget) & frame["method"].isin(grid["method"])]
@@ -129,7 +113,7 @@ def effects(frame: pd.DataFrame, config: dict, pair: tuple[str, str] | None = No
         samples = inference.sample_matrix(lines.assign(key=lines["method"]), measure, keys)
         complete = np.isfinite(samples.values).all(axis=0)
         values, tasks = samples.values[:, complete], samples.tasks[complete]
-        found = contrasts(grid_here, pair)
+        found = contrasts(grid_here, pair, reference)
         weights = np.array([[w.get(k, 0.0) for k in keys] for _, _, w in found])
         per_sample = weights @ values  # [contrasts, samples]
         estimate = inference.t_interval(per_sample, tasks)

@@ -24,7 +24,7 @@ import pandas as pd
 
 from ripplekv.errors import UserError
 from ripplekv.pipeline.eval_plan import RULER_CHAT_ROOM, EvalSettings
-from ripplekv.runs.files import CONFIG
+from ripplekv.runs.files import CONFIG, REFERENCE
 from ripplekv.runs.safeio import write_csv, write_json
 
 SCREEN_CSV = "screen.csv"
@@ -60,7 +60,7 @@ def cell_dir(out: Path, model: str | None, suite: str, length: int) -> Path:
 def cell_settings(settings: ScreenSettings, model: str | None, suite: str, tasks: tuple[str, ...],
                   length: int) -> EvalSettings:
     """The eval behind one cell: the full cache on the calibration split, room for the chat template."""
-    return EvalSettings(budgets=(BUDGET,), methods=("full",), suite=suite, tasks=tasks, limit=settings.limit,
+    return EvalSettings(budgets=(BUDGET,), methods=(REFERENCE,), suite=suite, tasks=tasks, limit=settings.limit,
                         split="calibration", model=model, target_tokens=length,
                         max_length=length + 2 * RULER_CHAT_ROOM, device=settings.device, dtype=settings.dtype)
 
