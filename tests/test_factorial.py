@@ -106,3 +106,26 @@ def test_a_tied_effect_whose_detectable_size_is_above_the_meaningful_one_reads_u
     assert "underpowered" in set(table["verdict"]) and "tied" not in set(table["verdict"])
     markdown = factorial.effects_markdown(table)
     assert "### B=64" in markdown and "| scorer: expected-attention - snapkv | main |" in markdown
+
+
+def test_the_verdict_paragraph_names_the_row_each_sentence_rests_on():
+    from ripplekv.analysis import study_page
+
+    frame, cells = synthetic_run()
+    effects = study_page.with_ids(factorial.effects(frame, cells, pair=("ripplekv", "lukv"), reference="uniform"))
+    assert effects.groupby("budget")["id"].first().tolist() == ["F-64-1", "F-128-1"]
+    rows = study_page.primary(effects, "lukv - ripplekv", meaningful={64: 0.05, 128: 0.05})
+    assert rows["id"].tolist() == ["P-64", "P-128"] and (rows["verdict"] == "closer").all()
+    from ripplekv.analysis.inference import holm
+
+    assert np.allclose(rows["p_holm"], holm(rows["p"].to_numpy()))
+    text = study_page.verdict_paragraph(rows, effects)
+    first = rows.iloc[0]
+    assert (f"At B=64, lukv is closer to the full cache than ripplekv: KL difference {first['delta']:+.3f} "
+            f"[{first['ci_low']:+.3f}, {first['ci_high']:+.3f}]") in text and "(P-64)" in text
+    # the largest main effect called at each budget: LU-KV's allocation against uniform, with its row id
+    lukv_row = effects[(effects["budget"] == 64) & (effects["effect"] == "allocation: lukv - uniform")].iloc[0]
+    assert f"largest allocation effect called is lukv against uniform: {lukv_row['delta']:+.3f}" in text
+    assert f"({lukv_row['id']})" in text
+    assert "| P-64 | 64 | lukv - ripplekv |" in study_page.primary_markdown(rows)
+    assert "| F-64-1 | scorer: expected-attention - snapkv | main |" in study_page.factorial_markdown(effects)
