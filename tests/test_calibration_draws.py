@@ -54,3 +54,18 @@ def test_one_draw_is_the_whole_split_as_before(tokenizer):
 def test_a_draw_outside_the_draws_is_one_line(tokenizer, draw, message):
     with pytest.raises(UserError, match=message):
         calibration_prompts(tokenizer, 2, 4, TARGET, draw=draw)
+
+
+def test_a_study_calibrates_on_its_own_tasks_of_any_generated_suite(tokenizer):
+    """`SUITE:TASK` names: RULER's calibration split beside the offline suite's, dealt into draws the same way,
+    never an evaluation sample; a suite without a calibration split is one line."""
+    tasks = ["ruler:vt", "offline:niah", "hotpotqa"]
+    drawn = [calibration_prompts(tokenizer, 6, 4, 1024, tasks=tasks, draw=Draw(d, 2)) for d in range(2)]
+    assert [p.task for p in drawn[0]] == ["vt", "niah", "hotpotqa"] * 2
+    ids = [{p.sample_id for p in prompts} for prompts in drawn]
+    assert not ids[0] & ids[1] and all("calibration" in sid for sid in ids[0] | ids[1])
+    evaluated = {r["_id"] for task in get_tasks("ruler", ["vt"]) for r in load_samples(task, tokenizer, limit=4,
+                                                                                      target_tokens=1024)}
+    assert not evaluated & (ids[0] | ids[1])
+    with pytest.raises(UserError, match="only the generated suites"):
+        calibration_prompts(tokenizer, 2, 4, 600, tasks=["longbench:hotpotqa"])

@@ -92,18 +92,18 @@ def calibration_prompts(
     seed: int = 0,
     draw: Draw = Draw(),
 ) -> list[CalibrationPrompt]:
-    """`count` prompts from the offline suite's calibration split (from `draw`'s share of it), round-robin over
-    its tasks.
+    """`count` prompts from the calibration split of `tasks` (default: every offline task; `calibration_tasks`),
+    from `draw`'s share of it, round-robin over the tasks.
 
     The calibration split is disjoint from the evaluation samples, so profiling never sees them; two draws of
     one split share no sample.
     """
-    from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+    from ripplekv.tasks import build_prompt_ids, load_samples
 
     if count < 1:
         raise UserError(f"--calib-samples must be at least 1, got {count}")
     draw.check()
-    chosen = get_tasks("offline", tasks)
+    chosen = calibration_tasks(tasks)
     per_task = -(-count // len(chosen))
     built = draw.sample_index(per_task - 1) + 1  # samples build in order: a task's first `built` hold the draw's
     pools = [
@@ -126,3 +126,22 @@ def calibration_prompts(
                 prompt.all_classes = list(record["all_classes"]) if record.get("all_classes") else None
                 prompts.append(prompt)
     return prompts
+
+
+def calibration_tasks(names: list[str] | None) -> list:
+    """The tasks calibration reads: offline tasks by name, `SUITE:TASK` for another generated suite (RULER's
+    tasks have a calibration split too: a study calibrates on the tasks it evaluates, never their eval samples)."""
+    from ripplekv.defaults import GENERATED_SUITES
+    from ripplekv.tasks import get_tasks
+
+    if not names:
+        return get_tasks("offline", None)
+    chosen = []
+    for name in names:
+        suite, _, task = name.rpartition(":")
+        suite = suite or "offline"
+        if suite not in GENERATED_SUITES:
+            raise UserError(f"calibration task {name!r}: only the generated suites ({', '.join(GENERATED_SUITES)}) "
+                            "have a calibration split")
+        chosen += [t for t in get_tasks(suite, [task]) if t not in chosen]
+    return chosen
