@@ -170,7 +170,8 @@ def worst_samples(lines: pd.DataFrame, method: str, config: dict, ceilings, exce
     out = []
     for row in own.head(WORST).to_dict("records"):
         reference = full.loc[row["id"]] if row["id"] in full.index else None
-        excerpt = row.get("question") if isinstance(row.get("question"), str) else excerpts.get(row["id"])
+        asked = None if reference is None else reference.get("question")  # eval records it on the full line
+        excerpt = asked if isinstance(asked, str) else excerpts.get(row["id"])
         budget = clean(row.get("budget"))
         out.append({"id": row["id"], "task": row["task"], "budget": budget, "kl": clean(row["kl"]),
                     "agreement": clean(row.get("agreement")), "score": clean(row.get("score")),
