@@ -114,6 +114,10 @@ def test_eval_writes_a_page_that_quotes_each_samples_question(base_run):
     assert "<svg" not in (base_run / "index.html").read_text() and (base_run / "index.html").stat().st_size > 10_000
     worst = next(p["worst"] for m, p in run_page_data(base_run)["methods"].items() if m != "full")
     assert worst and all(s["excerpt"] in [r["question"] for r in full] for s in worst)
+    # `report --site --questions` rebuilds them for runs that predate recording them: the same text
+    from ripplekv.pipeline.pages import rebuilt_questions
+
+    assert rebuilt_questions(base_run) == {r["id"]: r["question"] for r in full}
 
 
 @pytest.mark.slow

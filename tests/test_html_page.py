@@ -122,8 +122,13 @@ def test_site_index_links_every_run_and_compare_refuses_to_overwrite_a_run(tmp_p
     data = json.loads(index.read_text().split('id="data">')[1].split("</script>")[0])
     assert [p["link"] for p in data["pages"]] == ["eval/index.html", "gemma3/eval/index.html"]
     assert (root / "gemma3" / "eval" / "index.html").is_file()
-    compared = write_compare_page(root / "eval", root / "gemma3" / "eval", tmp_path / "cmp")
-    assert "rank_a" in compared.read_text()
+    compared = write_compare_page(root / "eval", root / "gemma3" / "eval", root / "models")
+    assert "rank_a" in compared.read_text() and "<title>ripplekv: eval vs gemma3/eval</title>" in compared.read_text()
+    assert str(tmp_path) not in compared.read_text()  # paths relative to the page: the folder can move
+    compared.unlink()
+    data = json.loads(write_site(root).read_text().split('id="data">')[1].split("</script>")[0])
+    assert data["pages"][-1]["kind"] == "compare" and compared.is_file()  # the site redraws it from compare.json
+    assert data["pages"][-1]["summary"] == "rankings paired: eval vs gemma3/eval"
     code, _, err = run_cli("report", "--compare", str(root / "eval"), str(root / "gemma3" / "eval"), "--out",
                            str(root / "eval"))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "holds a run" in err

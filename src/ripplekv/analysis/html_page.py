@@ -9,14 +9,17 @@ the browser as SVG by the page's own small plotting layer (hover names method, b
 from __future__ import annotations
 
 import json
+import os
 from importlib import resources
 from pathlib import Path
 
 from ripplekv.analysis.page_data import run_page_data
 from ripplekv.analysis.page_sets import (
+    COMPARED,
     NEEDLE_GRID,
     PAGE,
     compare_page_data,
+    compared_runs,
     needle_page_data,
     page_folders,
     site_entry,
@@ -80,13 +83,17 @@ def write_compare_page(run_a: str | Path, run_b: str | Path, out_dir: str | Path
     if (out_dir / PREDICTIONS).exists() or (out_dir / NEEDLE_GRID).exists():
         raise UserError(f"--out {out_dir} holds a run (its own page would be replaced); choose another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
-    return write_page(out_dir, compare_page_data(run_a, run_b, out_dir))
+    page = write_page(out_dir, compare_page_data(run_a, run_b, out_dir))
+    runs = [os.path.relpath(Path(run).resolve(), out_dir.resolve()) for run in (run_a, run_b)]
+    write_text(out_dir / COMPARED, json.dumps({"runs": runs}, indent=2) + "\n")
+    return page
 
 
-def write_site(root: str | Path, pages: bool = True, notes: dict | None = None) -> Path:
+def write_site(root: str | Path, pages: bool = True, notes: dict | None = None, questions=None) -> Path:
     """`root`/index.html linking a page for every eval run and needle folder under `root`; with `pages`, each of
-    those pages is (re)written first from its folder's files. A folder whose files cannot make a page is listed
-    with the reason, never dropped silently."""
+    those pages is (re)written first from its folder's files (`notes`: what each method is; `questions`: a
+    function of a run folder giving sample id -> question, for runs whose lines carry none). A folder whose
+    files cannot make a page is listed with the reason, never dropped silently."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} is not a directory; pass a results folder (e.g. results/)")
@@ -96,7 +103,12 @@ def write_site(root: str | Path, pages: bool = True, notes: dict | None = None) 
             continue  # the index is root's page
         try:
             if pages:
-                write_run_page(folder, notes=notes) if kind == "run" else write_needle_page(folder)
+                if kind == "run":
+                    write_run_page(folder, questions(folder) if questions else None, notes)
+                elif kind == "compare":
+                    write_compare_page(*compared_runs(folder), folder)
+                else:
+                    write_needle_page(folder)
             entries.append(site_entry(root, kind, folder))
         except UserError as err:
             entries.append({"path": folder.relative_to(root).as_posix(), "kind": kind, "link": None,

@@ -19,6 +19,7 @@ from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE
 
 PAGE = "index.html"
 NEEDLE_GRID = "needle.csv"
+COMPARED = "compare.json"  # beside a compare page: the two runs it pairs (relative paths), so --site redraws it
 
 
 def ranked(board: pd.DataFrame) -> pd.DataFrame:
@@ -66,11 +67,15 @@ def compare_page_data(run_a: str | Path, run_b: str | Path, out_dir: str | Path)
         data.pop("methods")  # the per-method panels stay on each run's own page
         page = Path(run) / PAGE
         data["link"] = os.path.relpath(page, Path(out_dir)) if page.is_file() else None
-        data["about"]["path"] = str(run)
+        data["about"]["path"] = os.path.relpath(Path(run), Path(out_dir))
         sides.append(data)
     boards = [pd.DataFrame(side["board"]) for side in sides]
     pairs = paired_ranks(*boards)
-    return {"kind": "compare", "title": f"ripplekv: {Path(run_a).name} vs {Path(run_b).name}", "runs": sides,
+    names = [Path(run).resolve().name for run in (run_a, run_b)]
+    if len(set(names)) < 2:  # one folder name for both: their paths from the folder holding both tell them apart
+        both = [Path(run).resolve() for run in (run_a, run_b)]
+        names = [Path(os.path.relpath(run, os.path.commonpath(both))).as_posix() for run in both]
+    return {"kind": "compare", "title": f"ripplekv: {names[0]} vs {names[1]}", "runs": sides, "names": names,
             "pairs": records(pairs), "agreement": rank_agreement(pairs), "reference": REFERENCE}
 
 
@@ -89,8 +94,8 @@ def needle_page_data(folder: str | Path) -> dict:
 
 
 def page_folders(root: Path) -> list[tuple[str, Path]]:
-    """(kind, folder) for every folder under `root` a page is written for: eval runs and needle folders, in path
-    order; hidden folders are skipped."""
+    """(kind, folder) for every folder under `root` a page is written for: eval runs, needle folders and compare
+    pages, in path order; hidden folders are skipped."""
     found = []
     for path in sorted([root, *root.rglob("*")]):
         if not path.is_dir() or any(part.startswith(".") for part in path.relative_to(root).parts):
@@ -99,6 +104,8 @@ def page_folders(root: Path) -> list[tuple[str, Path]]:
             found.append(("run", path))
         elif (path / NEEDLE_GRID).is_file():
             found.append(("needle", path))
+        elif (path / COMPARED).is_file():
+            found.append(("compare", path))
     return found
 
 
@@ -108,6 +115,11 @@ def site_entry(root: Path, kind: str, folder: Path) -> dict:
              "link": (folder / PAGE).relative_to(root).as_posix()}
     if kind == "needle":
         return {**entry, "model": None, "samples": None, "summary": "needle depth x length heatmap"}
+    if kind == "compare":
+        runs = compared_runs(folder)
+        return {**entry, "model": None, "samples": None,
+                "summary": "rankings paired: " + " vs ".join(p.relative_to(root.resolve()).as_posix()
+                                                            if p.is_relative_to(root.resolve()) else str(p) for p in runs)}
     config = read_json(folder / CONFIG)
     headline = read_csv(folder / "headline.csv")
     closest = []
@@ -118,6 +130,14 @@ def site_entry(root: Path, kind: str, folder: Path) -> dict:
     count = sum(len(v) for v in samples.values() if isinstance(v, list)) if isinstance(samples, dict) else None
     return {**entry, "model": config.get("model_label") or config.get("model"), "suite": config.get("suite"),
             "samples": count, "summary": "closest to the full cache: " + "; ".join(closest) if closest else ""}
+
+
+def compared_runs(folder: Path) -> list[Path]:
+    """The two run folders a compare page pairs, from its compare.json."""
+    recorded = read_json(folder / COMPARED).get("runs")
+    if not isinstance(recorded, list) or len(recorded) != 2:
+        raise UserError(f"{folder / COMPARED} does not name two runs; write it again with `ripplekv report --compare`")
+    return [(folder / str(path)).resolve() for path in recorded]
 
 
 def site_page_data(root: str | Path, entries: list[dict]) -> dict:

@@ -150,6 +150,8 @@ def report_command(
     site: str | None = typer.Option(None, "--site", metavar="DIR",
                                     help="Write DIR/index.html linking a page for every eval run and needle folder under DIR (their pages rewritten)."),
     out: str | None = typer.Option(None, "--out", metavar="DIR", help="The folder of --compare's page."),
+    questions: bool = typer.Option(False, "--questions", help="With --site: rebuild each sample's question from its "
+                                   "suite for runs whose lines predate eval recording it (loads each model's tokenizer)."),
 ) -> None:
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots, summary.md and index.html from predictions.jsonl alone."""
     from ripplekv.analysis import report
@@ -164,8 +166,10 @@ def report_command(
                         + (f" (got {', '.join(chosen)})" if chosen else ""))
     if out is not None and compare is None:
         raise UserError("--out names the folder of --compare's page; a run's page goes into its own folder")
+    if questions and site is None:
+        raise UserError("--questions applies to --site (a run's own report shows the questions its lines carry)")
     if compare is not None or site is not None:
-        _write_pages(compare, out, site)
+        _write_pages(compare, out, site, questions)
         return
     check_rouge(rouge)
     with exclusive(report.check_run_folder(run_dir), "report", elsewhere=None):  # an eval still writing this run would change it under us
@@ -177,7 +181,7 @@ def report_command(
         Console(stderr=True).print(f"wrote {Path(run_dir) / 'index.html'}", soft_wrap=True)
 
 
-def _write_pages(compare: tuple[str, str] | None, out: str | None, site: str | None) -> None:
+def _write_pages(compare: tuple[str, str] | None, out: str | None, site: str | None, questions: bool) -> None:
     """`report --compare` and `report --site`: pages only, from files the reports already wrote."""
     from rich.console import Console
 
@@ -190,7 +194,13 @@ def _write_pages(compare: tuple[str, str] | None, out: str | None, site: str | N
             raise UserError("--compare needs --out DIR, the folder its index.html goes into")
         written = write_compare_page(compare[0], compare[1], out)
     else:
-        written = write_site(site, notes=method_notes())
+        rebuilt = None
+        if questions:
+            from ripplekv.pipeline.pages import rebuilt_questions
+
+            tokenizers: dict = {}
+            rebuilt = lambda folder: rebuilt_questions(folder, tokenizers)  # noqa: E731
+        written = write_site(site, notes=method_notes(), questions=rebuilt)
     Console(stderr=True).print(f"wrote {written}", soft_wrap=True)
 
 

@@ -24,7 +24,7 @@ function budgetsOf(rows) {
   return [...new Set(rows.map((r) => r.budget).filter((b) => b !== null && b !== undefined))].sort((a, b) => a - b);
 }
 
-function controls(parent, budgets, state, onChange, withAware) {
+function controls(parent, budgets, state, onChange, withAware, everyBudget = true) {
   const bar = el("div", null, "controls");
   const search = document.createElement("input");
   search.type = "search";
@@ -33,7 +33,9 @@ function controls(parent, budgets, state, onChange, withAware) {
   search.addEventListener("input", () => { state.text = search.value; onChange(); });
   const select = document.createElement("select");
   select.id = "budget";
-  for (const b of ["all", ...budgets]) select.appendChild(new Option(b === "all" ? "every budget" : "B = " + b, b));
+  for (const b of everyBudget ? ["all", ...budgets] : budgets) {
+    select.appendChild(new Option(b === "all" ? "every budget" : "B = " + b, b));
+  }
   select.addEventListener("change", () => { state.budget = select.value; onChange(); });
   bar.append(el("label", "Methods "), search, el("label", "Budget "), select);
   if (withAware) {
@@ -236,7 +238,7 @@ function footprintTable(parent, d, budgets) {
   const shown = (v) => (v === null || v === undefined ? "> " + top : fmt(v));
   dataTable(parent, [{ key: "method", label: "method", text: true }, { key: "footprint", label: "footprint B", format: shown },
     { key: "footprint_low", label: "interval: from", format: shown }, { key: "footprint_high", label: "to", format: shown }],
-  rows, { sortKey: "footprint", sortDir: 1 });
+  rows, { sortKey: "footprint", sortDir: 1, rowClass: (r) => ((d.ceilings || []).includes(r.method) ? "aware" : "") });
 }
 
 function drawMethod(panel, d, method, budgets) {
@@ -294,7 +296,7 @@ function renderNeedle(d) {
   const budgets = budgetsOf(d.needle);
   const state = { text: "", budget: String(budgets[0]), aware: true };
   const holder = section(APP, "Needle retrieval by depth and length", "needle");
-  controls(holder, budgets, state, draw, false);
+  controls(holder, budgets, state, draw, false, false);
   const plots = el("div", null, "plots");
   holder.appendChild(plots);
   function draw() {
@@ -314,7 +316,7 @@ function renderCompare(d) {
   const budgets = budgetsOf(d.pairs);
   d.runs.forEach((run, i) => {
     const side = el("div");
-    const title = el("h2", (i ? "B: " : "A: ") + run.about.folder);
+    const title = el("h2", (i ? "B: " : "A: ") + (d.names ? d.names[i] : run.about.folder));
     if (run.link) { const a = el("a", " (its page)"); a.href = run.link; title.appendChild(a); }
     side.appendChild(title);
     describeRun(side, run.about, run.settings);
