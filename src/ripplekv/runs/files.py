@@ -42,7 +42,7 @@ REPORT_FILES = ("scores.csv", "informative.csv", "leaderboard.csv", "headline.cs
                 "score_forest.png", "memory_axis.png", "summary.md", "report.json", "index.html")
 # written only when the run holds what they show (samples with a prompt length; several allocators with one scorer)
 OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.md", "memory_axis.csv", "memory_axis.md",
-                         "memory_axis.png", "index.html")  # index.html: left out by `report --no-html`
+                         "memory_axis.png")
 TIMINGS = "timings.csv"  # seconds per sample and phase, appended as samples finish (`runs.timings`)
 EVAL_FILES = (PREDICTIONS, CONFIG, TIMINGS, *REPORT_FILES)
 SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
