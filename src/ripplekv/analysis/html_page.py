@@ -64,9 +64,9 @@ def write_page(folder: str | Path, data: dict) -> Path:
     return path
 
 
-def write_run_page(run_dir: str | Path, excerpts: dict | None = None, notes: dict | None = None) -> Path:
-    """`run_dir`/index.html from the report's files there (`notes`: what each method is, `page_data.run_page_data`)."""
-    return write_page(run_dir, run_page_data(run_dir, excerpts, notes))
+def write_run_page(run_dir: str | Path, excerpts: dict | None = None, notes: dict | None = None, lines=None) -> Path:
+    """`run_dir`/index.html from the report's files there (`notes`, `lines`: `page_data.run_page_data`)."""
+    return write_page(run_dir, run_page_data(run_dir, excerpts, notes, lines))
 
 
 def write_needle_page(folder: str | Path) -> Path:

@@ -216,12 +216,14 @@ def describe(run_dir: Path, config: dict, lines: pd.DataFrame) -> dict:
             "dtype": config.get("dtype"), "version": config.get("ripplekv_version")}
 
 
-def run_page_data(run_dir: str | Path, excerpts: dict | None = None, notes: dict | None = None) -> dict:
+def run_page_data(run_dir: str | Path, excerpts: dict | None = None, notes: dict | None = None,
+                  lines: pd.DataFrame | None = None) -> dict:
     """Everything the run page shows, from the report's files in `run_dir` (`ripplekv report` writes them first).
     `excerpts`: sample id -> prompt text, for runs whose lines carry none; `notes`: preset name -> {about,
-    defaults, alias_of} (`methods.catalog.method_notes`; without it the panels show the resolved spec alone)."""
+    defaults, alias_of} (`methods.catalog.method_notes`; without it the panels show the resolved spec alone);
+    `lines`: the prediction lines when the caller has them loaded (the report), else they are read."""
     run_dir = Path(run_dir)
-    lines = result_lines(run_dir)
+    lines = result_lines(run_dir) if lines is None else lines
     board = read_csv(run_dir / "leaderboard.csv")
     if board is None:
         raise UserError(f"{run_dir} has no leaderboard.csv; run `ripplekv report {run_dir}` first")

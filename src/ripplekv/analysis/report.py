@@ -219,7 +219,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             text += "\n" + time_markdown(spent, samples_timed(run_dir))
         write_text(run_dir / "summary.md", text)
         if html:
-            write_run_page(run_dir, notes=notes)
+            write_run_page(run_dir, notes=notes, lines=loaded)
         else:
             (run_dir / PAGE).unlink(missing_ok=True)
     except OSError as err:
