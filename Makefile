@@ -6,9 +6,18 @@ STAMP   := .venv/.installed
 # `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
 REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
-.PHONY: install test reproduce reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
+.PHONY: install browser test reproduce reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# Debian's chromium for the page test (tests/test_html_page.py renders index.html in it): installed quietly when it
+# is missing and apt-get runs as root (a fresh CI machine); elsewhere the test is skipped and says why.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium with apt-get (the page test's browser)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+			|| echo "chromium could not be installed: the page test will be skipped"; \
+	fi
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv

@@ -105,6 +105,21 @@ def test_eval_writes_every_output_with_its_columns(base_run):
     assert "| method |" in (base_run / "summary.md").read_text()
 
 
+def test_eval_writes_a_page_that_quotes_each_samples_question(base_run):
+    from ripplekv.analysis.page_data import run_page_data
+
+    full = [r for r in rows(base_run) if r["method"] == "full"]
+    assert full and all(0 < len(r["question"]) <= 300 for r in full)
+    assert all("question" not in r for r in rows(base_run) if r["method"] != "full")  # once per sample
+    assert "<svg" not in (base_run / "index.html").read_text() and (base_run / "index.html").stat().st_size > 10_000
+    worst = next(p["worst"] for m, p in run_page_data(base_run)["methods"].items() if m != "full")
+    assert worst and all(s["excerpt"] in [r["question"] for r in full] for s in worst)
+    # `report --site --questions` rebuilds them for runs that predate recording them: the same text
+    from ripplekv.pipeline.pages import rebuilt_questions
+
+    assert rebuilt_questions(base_run) == {r["id"]: r["question"] for r in full}
+
+
 @pytest.mark.slow
 def test_full_cache_is_the_models_own_greedy_answer(base_run, tiny_model_dir):
     """The reference row must be what the stock model generates on the same prompt (not just labelled so)."""

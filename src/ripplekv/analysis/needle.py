@@ -118,7 +118,7 @@ def load_runs(run_dirs) -> list[tuple[int, pd.DataFrame]]:
 
 
 def render(run_dirs, out_dir: Path, budgets, depth_step: int = DEPTH_STEP) -> list[Path]:
-    """needle.csv (the grid) and needle_b<B>.png per budget into `out_dir`; returns the paths written."""
+    """needle.csv (the grid), needle_b<B>.png per budget and index.html into `out_dir`; returns the paths written."""
     from ripplekv.runs.safeio import write_csv
 
     grid = needle_grid(load_runs(run_dirs), depth_step)
@@ -128,4 +128,7 @@ def render(run_dirs, out_dir: Path, budgets, depth_step: int = DEPTH_STEP) -> li
     for budget in budgets:
         written.append(out_dir / f"needle_b{budget}.png")
         plot_needle(grid, budget, written[-1])
+    from ripplekv.analysis.html_page import write_needle_page
+
+    written.append(write_needle_page(out_dir))  # the heatmap as a web page, linking each length's run page
     return written

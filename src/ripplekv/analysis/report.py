@@ -19,8 +19,10 @@ import pandas as pd
 from ripplekv.analysis import inference, stats
 from ripplekv.analysis.allocation import allocation_headline, allocation_markdown, allocation_parts, method_specs
 from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plot_score_vs_budget
+from ripplekv.analysis.footprint import add_footprint
 from ripplekv.analysis.forest import plot_forest
 from ripplekv.analysis.headline import closest_pairs
+from ripplekv.analysis.html_page import PAGE, write_run_page
 from ripplekv.analysis.informative import counted_tasks, informative_tasks
 from ripplekv.analysis.memory_axis import memory_markdown, memory_table, plot_memory_axis
 from ripplekv.analysis.plots import series_styles
@@ -143,13 +145,14 @@ def primary_comparisons(board: pd.DataFrame) -> list[str]:
 
 
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,
-           seed: int = stats.SEED, plots: bool = True) -> dict[str, pd.DataFrame]:
+           seed: int = stats.SEED, plots: bool = True, html: bool = True, notes: dict | None = None) -> dict[str, pd.DataFrame]:
     """Write scores.csv, informative.csv, leaderboard.csv, headline.csv, leaderboard_wide.csv, ranks.csv,
     lengths.csv (when samples have a prompt length), allocation_only.csv and .md (when several methods share
     the uniform baseline's scorer), the plots, summary.md and report.json (the settings) into `run_dir`; with
     the run's timings.csv, where the time went (`analysis.time_spent`) closes summary.md and is returned as
     "time". Without `plots`, FIGURES are not drawn and any left from an earlier render are removed (they would
-    no longer match the tables)."""
+    no longer match the tables). With `html`, index.html (`analysis.html_page`; `notes`: what each method is) is
+    written last, from those files."""
     run_dir = Path(run_dir)
     check_rouge(rouge)
     if resamples < 1:
@@ -172,6 +175,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         headline = pd.concat([headline, allocation_headline(parts, seed)], ignore_index=True)
     memory = memory_table(frame, board, method_specs(run_dir), loaded.attrs.get("infeasible"))
     spent = time_table(run_dir)
+    board = add_footprint(board)  # the critical KV footprint (`analysis.footprint`), on every row of a method
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": inference.CONFIDENCE,
                 "interval": "stratified t (Welch-Satterthwaite)", "test": "stratified paired sign-flip",
                 "permutations": inference.PERMUTATIONS, "exact_up_to": inference.EXACT_LIMIT,
@@ -216,6 +220,10 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         if spent is not None:
             text += "\n" + time_markdown(spent, samples_timed(run_dir))
         write_text(run_dir / "summary.md", text)
+        if html:
+            write_run_page(run_dir, notes=notes, lines=loaded)
+        else:
+            (run_dir / PAGE).unlink(missing_ok=True)
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths,

@@ -145,20 +145,68 @@ def model_is_bundled(model: str | None) -> bool:
 
 
 def report_command(
-    run_dir: str = typer.Argument(..., help="A directory written by `ripplekv eval`."),
+    run_dir: str | None = typer.Argument(None, help="A directory written by `ripplekv eval`."),
     rouge: Rouge = "official",
     resamples: int = typer.Option(2000, "--resamples", help="Paired bootstrap resamples for rank probabilities (intervals are t intervals, p-values sign-flip tests)."),
     seed: ReportSeed = 0,
+    html: bool = typer.Option(True, "--html/--no-html", help="Write index.html: the leaderboard and plots as one self-contained web page."),
+    compare: tuple[str, str] | None = typer.Option(None, "--compare", metavar="RUN_A RUN_B",
+                                                   help="Write one page putting two runs side by side (with --out), rankings paired."),
+    site: str | None = typer.Option(None, "--site", metavar="DIR",
+                                    help="Write DIR/index.html linking a page for every eval run and needle folder under DIR (their pages rewritten)."),
+    out: str | None = typer.Option(None, "--out", metavar="DIR", help="The folder of --compare's page."),
+    questions: bool = typer.Option(False, "--questions", help="With --site: rebuild each sample's question from its "
+                                   "suite for runs whose lines predate eval recording it (loads each model's tokenizer)."),
 ) -> None:
-    """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots and summary.md from predictions.jsonl alone."""
+    """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots, summary.md and index.html from predictions.jsonl alone."""
     from ripplekv.analysis import report
+    from ripplekv.errors import UserError
+    from ripplekv.methods.catalog import method_notes
     from ripplekv.metrics.rouge import check_rouge
     from ripplekv.runs.safeio import exclusive
 
+    chosen = [name for name, given in (("RUN_DIR", run_dir), ("--compare", compare), ("--site", site)) if given]
+    if len(chosen) != 1:
+        raise UserError("give one of: a run folder (ripplekv report RUN), --compare RUN_A RUN_B --out DIR, or --site DIR"
+                        + (f" (got {', '.join(chosen)})" if chosen else ""))
+    if out is not None and compare is None:
+        raise UserError("--out names the folder of --compare's page; a run's page goes into its own folder")
+    if questions and site is None:
+        raise UserError("--questions applies to --site (a run's own report shows the questions its lines carry)")
+    if compare is not None or site is not None:
+        _write_pages(compare, out, site, questions)
+        return
     check_rouge(rouge)
     with exclusive(report.check_run_folder(run_dir), "report", elsewhere=None):  # an eval still writing this run would change it under us
-        tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed)
+        tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed, html=html, notes=method_notes())
     print_tables(tables, run_dir)
+    if html:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"wrote {Path(run_dir) / 'index.html'}", soft_wrap=True)
+
+
+def _write_pages(compare: tuple[str, str] | None, out: str | None, site: str | None, questions: bool) -> None:
+    """`report --compare` and `report --site`: pages only, from files the reports already wrote."""
+    from rich.console import Console
+
+    from ripplekv.analysis.html_page import write_compare_page, write_site
+    from ripplekv.errors import UserError
+    from ripplekv.methods.catalog import method_notes
+
+    if compare is not None:
+        if out is None:
+            raise UserError("--compare needs --out DIR, the folder its index.html goes into")
+        written = write_compare_page(compare[0], compare[1], out)
+    else:
+        rebuilt = None
+        if questions:
+            from ripplekv.pipeline.pages import rebuilt_questions
+
+            tokenizers: dict = {}
+            rebuilt = lambda folder: rebuilt_questions(folder, tokenizers)  # noqa: E731
+        written = write_site(site, notes=method_notes(), questions=rebuilt)
+    Console(stderr=True).print(f"wrote {written}", soft_wrap=True)
 
 
 def print_tables(tables: dict, run_dir) -> None:

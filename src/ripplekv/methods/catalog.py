@@ -47,6 +47,12 @@ def catalog() -> list[MethodInfo]:
     return rows
 
 
+def method_notes() -> dict[str, dict]:
+    """preset name -> {about, defaults, alias_of}: what a results page says of each method (analysis may not
+    import methods, so the commands hand it this)."""
+    return {info.name: {"about": info.about, "defaults": info.options, "alias_of": info.alias_of} for info in catalog()}
+
+
 def build_methods(specs: Sequence[str], shared: dict, notes: list[str] | None = None) -> dict[str, Method]:
     """label -> Method for `full` and every spec, checked as eval checks them.
 

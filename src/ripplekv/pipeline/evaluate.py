@@ -332,7 +332,9 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     else:
         console.print(f"all {len(work)} samples already done in {out}; re-rendering the report", soft_wrap=True)
     start = perf_counter()
-    tables = report.render(out, plots=report.plots_wanted())
+    from ripplekv.methods.catalog import method_notes
+
+    tables = report.render(out, plots=report.plots_wanted(), notes=method_notes())
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])
     written += [out / TIMINGS, out / CONFIG, *(out / name for name in REPORT_FILES if (out / name).exists())]
     console.print("wrote: " + ", ".join(str(path) for path in written), soft_wrap=True)

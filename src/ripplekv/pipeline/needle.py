@@ -16,7 +16,7 @@ from ripplekv.errors import UserError
 from ripplekv.pipeline.eval_plan import RULER_CHAT_ROOM, EvalSettings
 
 RUN_PREFIX = "tokens-"
-WRITES = ("needle.csv",)
+WRITES = ("needle.csv", "index.html")
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:

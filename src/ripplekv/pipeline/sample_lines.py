@@ -11,6 +11,8 @@ from ripplekv.engine.evict import peak_entries
 from ripplekv.methods.quantized import budget_bytes, kept_bytes
 from ripplekv.runs.files import REFERENCE
 
+QUESTION_CHARS = 300  # of the sample's question, kept on its full-cache line
+
 
 @dataclass
 class SampleLines:
@@ -46,9 +48,13 @@ class SampleLines:
 
     def full(self, tokens: list[int]) -> dict:
         """The full cache's line: every entry a layer holds (a sliding layer: its window), KL 0 and agreement 1
-        by definition."""
+        by definition, and the first QUESTION_CHARS characters of the question."""
         counts = np.repeat(np.asarray(self.state.capacities, dtype=np.int64)[:, None], self.heads, axis=1)
-        return self.line(REFERENCE, None, tokens, counts, 0.0, 1.0)
+        line = self.line(REFERENCE, None, tokens, counts, 0.0, 1.0)
+        question = str(self.record.get("input") or "").strip()
+        if question:  # the start of the question, once per sample: what a results page shows beside the answers
+            line["question"] = question[:QUESTION_CHARS]
+        return line
 
     def infeasible(self, method: str, budget: int, why: str) -> dict:
         """A variant whose bytes cannot fit its budget on this prompt: no numbers (reports list it as infeasible,

@@ -39,7 +39,7 @@ def run_ceilings(config) -> frozenset[str] | None:
 REPORT_FILES = ("scores.csv", "informative.csv", "leaderboard.csv", "headline.csv", "leaderboard_wide.csv", "ranks.csv",
                 "lengths.csv", "allocation_only.csv",
                 "allocation_only.md", "memory_axis.csv", "memory_axis.md", "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png",
-                "score_forest.png", "memory_axis.png", "summary.md", "report.json")
+                "score_forest.png", "memory_axis.png", "summary.md", "report.json", "index.html")
 # written only when the run holds what they show (samples with a prompt length; several allocators with one scorer)
 OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.md", "memory_axis.csv", "memory_axis.md",
                          "memory_axis.png")
