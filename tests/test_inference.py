@@ -176,3 +176,9 @@ def test_a_comparison_that_could_not_see_the_meaningful_effect_is_underpowered_n
     assert inference.verdict(-0.1, 0.5, 0.2, detectable=0.01, meaningful=0.05) == "tied"
     assert inference.verdict(0.1, 0.5, 0.01, detectable=0.4, meaningful=0.05) == "better"  # significant stays so
     assert inference.verdict(-0.1, 0.5, 0.2) == "tied"  # no meaningful effect stated
+    assert inference.verdict(-0.1, 0.5, 1.0, detectable=np.nan, meaningful=0.05) == "underpowered"  # one sample
+
+
+def test_a_single_sample_has_no_interval_rather_than_a_zero_width_one():
+    estimate = inference.t_interval(np.array([[0.7, np.nan, np.nan]]), np.zeros(3, dtype=int))
+    assert estimate.point[0] == 0.7 and np.isnan(estimate.low[0]) and np.isnan(estimate.high[0])

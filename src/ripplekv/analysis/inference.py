@@ -161,7 +161,7 @@ def t_interval(values: np.ndarray, tasks: np.ndarray, confidence: float = CONFID
         denominator = np.where(present & (part > 0), part**2 / np.maximum(dof, 1), 0.0).sum(axis=1)
         df = np.where(denominator > 0, se**4 / np.where(denominator > 0, denominator, 1.0), np.inf)
         quantile = distributions.t.ppf(0.5 + confidence / 2, df)
-        half = np.where(se > 0, quantile * se, 0.0)
+        half = np.where(se > 0, quantile * se, np.where(np.isnan(se), np.nan, 0.0))  # no spread to estimate: none
     return Estimate(point, point - half, point + half, se, df)
 
 
@@ -270,7 +270,8 @@ def verdict(low, high, p_adjusted, lower_is_better: bool = False, detectable=Non
     if p_adjusted is None or pd.isna(p_adjusted) or pd.isna(low):
         return ""
     if p_adjusted >= ALPHA or low <= 0 <= high:
-        weak = meaningful is not None and detectable is not None and pd.notna(detectable) and detectable > meaningful
+        # NaN: no spread to estimate (a single sample), so nothing could have been detected
+        weak = meaningful is not None and detectable is not None and not detectable <= meaningful
         return "underpowered" if weak else "tied"
     above = low > 0
     if lower_is_better:
