@@ -489,3 +489,14 @@ def test_a_row_with_fewer_samples_has_its_n_is_listed_apart_and_is_never_ranked(
     summary = (run / "summary.md").read_text()
     leaderboard, apart = summary.split("Rows with fewer samples than the table's n (9), not ranked:")
     assert "| pyramidkv | 128 |" in apart.split("##")[0] and "| pyramidkv | 128 |" not in leaderboard.split("## Leaderboard")[1]
+
+
+def test_forest_rows_leave_out_rows_with_fewer_samples():
+    from ripplekv.analysis.forest import forest_rows
+
+    board = pd.DataFrame({"method": ["snapkv", "ripplekv", "kivi:bits=2"], "budget": [256, 256, 256],
+                          "versus": ["snapkv"] * 3, "fewer_samples": [False, False, True],
+                          "kl_ratio_vs_uniform": [1.0, 0.8, 0.3], "kl_ratio_ci_low": [1.0, 0.7, np.nan],
+                          "kl_ratio_ci_high": [1.0, 0.9, np.nan], "p_kl_vs_uniform_holm": [np.nan, 0.01, 1.0]})
+    rows, _ = forest_rows(board, 256, "kl")
+    assert list(rows["method"]) == ["ripplekv", "snapkv"]  # the 1-sample row's lower ratio is not drawn first

@@ -82,8 +82,8 @@ def _memory_line(row) -> str:
     """One variant's markdown row: infeasible, or its numbers."""
     if isinstance(row.infeasible, str):
         return f"| {row.budget} | {row.method} | | {row.bits} | | infeasible ({row.infeasible}) | | | |"
-    ratio = "" if pd.isna(row.kl_ratio_vs_uniform) else (
-        f"{row.kl_ratio_vs_uniform:.3g} [{row.kl_ratio_ci_low:.3g}, {row.kl_ratio_ci_high:.3g}]")
+    ratio = "" if pd.isna(row.kl_ratio_vs_uniform) else f"{row.kl_ratio_vs_uniform:.3g}" + (
+        "" if pd.isna(row.kl_ratio_ci_low) else f" [{row.kl_ratio_ci_low:.3g}, {row.kl_ratio_ci_high:.3g}]")
     interval = "" if pd.isna(row.kl_ci_low) else f" [{row.kl_ci_low:.3g}, {row.kl_ci_high:.3g}]"
     verdict = "" if pd.isna(row.kl_verdict) else row.kl_verdict
     return (f"| {row.budget} | {row.method} | {row.n} | {row.bits} | {row.entries:.0f} | {row.kv_bytes:.0f} "
@@ -94,14 +94,15 @@ def plot_memory_axis(table: pd.DataFrame, path, styles=None) -> None:
     """memory_axis.png: each variant's KL as a multiple of the uniform baseline's at the same budget (log axis,
     95% CI of the ratio) against the bytes it keeps (linear MiB), one line per method across the budgets, so
     the ways of spending the same memory sit at the same x and the lowest line is the front. A ratio, not the
-    KL itself: at a few samples the KL's own t interval crosses 0, which a log axis cannot show honestly."""
+    KL itself: at a few samples the KL's own t interval reaches 0, which a log axis cannot show honestly. Rows
+    with fewer samples than the table's n are left out (the table lists them apart)."""
     from matplotlib.ticker import FuncFormatter
 
     from ripplekv.analysis.plots import pyplot, series_styles
     from ripplekv.runs.safeio import save_figure
 
     plt = pyplot()
-    drawn = table[table["infeasible"].isna() & table["kl_ratio_vs_uniform"].notna()]
+    drawn = table[table["infeasible"].isna() & table["kl_ratio_vs_uniform"].notna() & ~table["fewer_samples"].astype(bool)]
     styles = styles or series_styles(drawn["method"])
     fig, ax = plt.subplots(figsize=(8.4, 4.6))
     for method, group in drawn.groupby("method", sort=False):
