@@ -104,8 +104,8 @@ def test_identical_methods_give_p_1_and_missing_pairs_are_left_out():
 
 
 def test_monte_carlo_p_has_the_plus_one_correction_and_holds_its_level():
-    labels = np.repeat(np.arange(3), 10)
-    p = inference.sign_flip_p(np.ones((1, 30)), labels, permutations=999)
+    labels = np.repeat(np.arange(4), 10)  # 40 nonzero differences: past EXACT_LIMIT, sampled
+    p = inference.sign_flip_p(np.ones((1, 40)), labels, permutations=999)
     assert p[0] == 1 / 1000  # no random pattern reaches the all-positive sum: (1 + 0) / (1 + 999)
     rng = np.random.default_rng(3)
     null = rng.normal(0, 1, size=(300, 12))  # exact enumeration, 12 nonzero differences per row
@@ -144,3 +144,41 @@ def test_verdicts_need_the_adjusted_p_and_the_interval():
     assert inference.verdict(-0.5, -0.1, 0.01, lower_is_better=True) == "closer"
     assert inference.verdict(0.1, 0.5, 0.06) == "tied" and inference.verdict(-0.1, 0.5, 0.001) == "tied"
     assert inference.verdict(np.nan, np.nan, np.nan) == ""
+
+
+def test_exact_p_by_halves_matches_every_pattern_summed_directly():
+    rng = np.random.default_rng(5)
+    differences = rng.normal(0.2, 1.0, size=(3, 18))
+    differences[2, :4] = 0.0  # zeros pad every pattern equally
+    tasks = np.repeat(np.arange(3), 6)
+    weights = 1.0 / (3 * 6)
+    bits = (np.arange(2**18)[:, None] >> np.arange(18)) & 1
+    sums = np.abs((1.0 - 2.0 * bits) @ (weights * differences).T)  # [2^18, rows], every pattern written out
+    observed = np.abs((weights * differences).sum(axis=1))
+    direct = (sums >= observed - 1e-12).mean(axis=0)
+    assert inference.sign_flip_p(differences, tasks) == pytest.approx(direct, abs=1e-15)
+
+
+def test_a_monte_carlo_p_near_a_threshold_is_refined_and_one_far_from_it_is_not():
+    rng = np.random.default_rng(6)
+    tasks = np.repeat(np.arange(4), 10)  # 40 nonzero differences: sampled
+    noise = rng.normal(0, 1, size=(2, 40))
+    near = noise[0] - noise[0].mean() + 0.33 * noise[0].std()  # p around 0.05
+    far = noise[1] - noise[1].mean()  # p near 1
+    p = inference.sign_flip_p(np.vstack([near, far]), tasks, permutations=1000, refined=50_000)
+    assert 0.0125 < p[0] < 0.1  # within a factor 2 of alpha (a family of 2: alpha/4 .. 2 alpha)
+    assert (p[0] * 50_001) == pytest.approx(round(p[0] * 50_001))  # a count out of 50 000 resamples
+    assert (p[1] * 1001) == pytest.approx(round(p[1] * 1001)) and p[1] > 0.5  # out of the first 1 000
+
+
+def test_a_comparison_that_could_not_see_the_meaningful_effect_is_underpowered_not_tied():
+    assert inference.verdict(-0.1, 0.5, 0.2, detectable=0.4, meaningful=0.05) == "underpowered"
+    assert inference.verdict(-0.1, 0.5, 0.2, detectable=0.01, meaningful=0.05) == "tied"
+    assert inference.verdict(0.1, 0.5, 0.01, detectable=0.4, meaningful=0.05) == "better"  # significant stays so
+    assert inference.verdict(-0.1, 0.5, 0.2) == "tied"  # no meaningful effect stated
+    assert inference.verdict(-0.1, 0.5, 1.0, detectable=np.nan, meaningful=0.05) == "underpowered"  # one sample
+
+
+def test_a_single_sample_has_no_interval_rather_than_a_zero_width_one():
+    estimate = inference.t_interval(np.array([[0.7, np.nan, np.nan]]), np.zeros(3, dtype=int))
+    assert estimate.point[0] == 0.7 and np.isnan(estimate.low[0]) and np.isnan(estimate.high[0])

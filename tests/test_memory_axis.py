@@ -255,3 +255,24 @@ def test_the_python_api_reports_the_bytes_a_quantized_cache_keeps():
     assert out.shape[1] == cache.input_ids.shape[1] + 4  # it decodes through the dequantized entries
     with pytest.raises(UserError, match="infeasible|over budget"):
         ripplekv.compress(model, None, ids, method="kivi:bits=4", budget=40)
+
+
+def test_a_variant_with_fewer_samples_has_its_n_and_sits_apart_unranked():
+    import numpy as np
+    import pandas as pd
+
+    from ripplekv.analysis.memory_axis import memory_markdown, memory_table
+
+    lines = [{"task": "niah", "id": f"s{i}", "method": method, "budget": 256, "kept_entries": 10, "kv_bytes": 100,
+              "kv_budget_bytes": 100, "kl": kl} for method, kl, count in (("snapkv", 0.5, 6), ("kivi:bits=2", 0.1, 1))
+             for i in range(count)]
+    board = pd.DataFrame({"method": ["snapkv", "kivi:bits=2"], "budget": [256, 256], "kl": [0.5, 0.1],
+                          "kl_ci_low": [0.4, np.nan], "kl_ci_high": [0.6, np.nan], "kl_ratio_vs_uniform": [1.0, 0.2],
+                          "kl_ratio_ci_low": [1.0, np.nan], "kl_ratio_ci_high": [1.0, np.nan]})
+    specs = {"snapkv": {}, "kivi:bits=2": {"quantizer": {"bits": 2}}}
+    table = memory_table(pd.DataFrame(lines), board, specs)
+    assert list(table["method"]) == ["snapkv", "kivi:bits=2"]  # the lower KL of one sample is not ranked first
+    assert list(table["n"]) == [6, 1] and list(table["fewer_samples"]) == [False, True]
+    ranked, apart = memory_markdown(table).split("Rows with fewer samples than the table's n (6), not ranked:")
+    assert "| 256 | snapkv | 6 |" in ranked and "kivi" not in ranked and "| 256 | kivi:bits=2 | 1 | 2 |" in apart
+    assert "nan" not in apart  # a one-sample row has no interval to show

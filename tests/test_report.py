@@ -76,7 +76,8 @@ def test_leaderboard_averages_over_tasks_and_ranks_by_kl_within_each_budget(tmp_
     assert list(at128["method"]) == ["snapkv", "streamingllm", "pyramidkv"]  # closest to the full cache first
     assert list(at128["rank"]) == [1, 2, 3]
     assert board["budget"].dropna().is_monotonic_increasing
-    assert list(board.columns[:7]) == ["method", "budget", "rank", "kl", "kl_ci_low", "kl_ci_high", "agreement"]
+    assert list(board.columns[:9]) == ["method", "budget", "rank", "n", "fewer_samples", "kl", "kl_ci_low", "kl_ci_high",
+                                      "agreement"]
 
 
 def test_wide_table_has_one_column_per_task_grouped_by_category(tmp_path):
@@ -94,7 +95,7 @@ def test_report_writes_plots_and_summary_and_ignores_a_partial_last_line(tmp_pat
     for name in ("score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png"):
         assert (run / name).read_bytes()[:4] == b"\x89PNG"
     summary = (run / "summary.md").read_text()
-    assert "| method | budget | rank | kl | kl 95% CI | agreement |" in summary and "6 samples over 3 tasks" in summary
+    assert "| method | budget | rank | n | kl | kl 95% CI | agreement |" in summary and "6 samples over 3 tasks" in summary
     assert "B=64" in out and "streamingllm" in out
 
 
@@ -229,8 +230,9 @@ def test_ranks_csv_and_determinism(tmp_path):
 
     for name in ("leaderboard.csv", "ranks.csv"):
         pd.testing.assert_frame_equal(table(first, name), table(shuffled, name))
-    report.render(again, seed=1)
-    assert (first / "leaderboard.csv").read_bytes() != (again / "leaderboard.csv").read_bytes()
+    report.render(again, seed=1)  # the bootstrap's seed moves the rank probabilities; every p here is exact
+    assert (first / "ranks.csv").read_bytes() != (again / "ranks.csv").read_bytes()
+    assert (first / "leaderboard.csv").read_bytes() == (again / "leaderboard.csv").read_bytes()
 
 
 def test_summary_and_table_mark_only_significant_differences(tmp_path, run_cli):
@@ -483,3 +485,30 @@ def test_a_run_of_the_full_cache_alone_reports_without_figures(tmp_path, run_cli
     informative = pd.read_csv(run / "informative.csv")
     assert set(informative["task"]) == set(TASKS)
     assert not any((run / name).exists() for name in report.FIGURES)
+
+
+def test_a_row_with_fewer_samples_has_its_n_is_listed_apart_and_is_never_ranked(tmp_path):
+    records = [r for r in predictions(3) if not (r["method"] == "pyramidkv" and r["budget"] == 128 and r["id"].endswith("-2"))]
+    run = write(tmp_path / "run", records)
+    tables = report.render(run, plots=False)
+    board = tables["leaderboard"].set_index(["method", "budget"])
+    short = board.loc[("pyramidkv", 128)]
+    assert short["n"] == 6 and short["fewer_samples"] and pd.isna(short["rank"])
+    assert board.loc[("snapkv", 128), "n"] == 9 and not board.loc[("snapkv", 128), "fewer_samples"]
+    assert list(board.xs(128, level="budget")["rank"].dropna()) == [1, 2]  # the two 9-sample rows only
+    ranks = tables["ranks"]
+    assert "pyramidkv" not in set(ranks.loc[ranks["budget"] == 128, "method"])
+    summary = (run / "summary.md").read_text()
+    leaderboard, apart = summary.split("Rows with fewer samples than the table's n (9), not ranked:")
+    assert "| pyramidkv | 128 |" in apart.split("##")[0] and "| pyramidkv | 128 |" not in leaderboard.split("## Leaderboard")[1]
+
+
+def test_forest_rows_leave_out_rows_with_fewer_samples():
+    from ripplekv.analysis.forest import forest_rows
+
+    board = pd.DataFrame({"method": ["snapkv", "ripplekv", "kivi:bits=2"], "budget": [256, 256, 256],
+                          "versus": ["snapkv"] * 3, "fewer_samples": [False, False, True],
+                          "kl_ratio_vs_uniform": [1.0, 0.8, 0.3], "kl_ratio_ci_low": [1.0, 0.7, np.nan],
+                          "kl_ratio_ci_high": [1.0, 0.9, np.nan], "p_kl_vs_uniform_holm": [np.nan, 0.01, 1.0]})
+    rows, _ = forest_rows(board, 256, "kl")
+    assert list(rows["method"]) == ["ripplekv", "snapkv"]  # the 1-sample row's lower ratio is not drawn first

@@ -38,7 +38,9 @@ def test_an_order_holds_reverses_or_stays_undecided(tmp_path):
     assert table.loc["pyramidkv vs streamingllm", "order"] == "reversed"
     assert table.loc["snapkv vs streamingllm", "order"] == "undecided (tied on two)"  # equal on the second model
     assert "closer" in table.loc["snapkv vs streamingllm", "one: KL difference [95% CI]"]
-    assert list(table.columns) == ["budget", "one: KL difference [95% CI]", "two: KL difference [95% CI]", "order"]
+    assert list(table.columns) == ["budget", "one: n", "one: KL difference [95% CI]", "two: n",
+                                   "two: KL difference [95% CI]", "order"]
+    assert (table["one: n"] == SAMPLES).all() and (table["two: n"] == SAMPLES).all()
     same = ranking_across(first, first, ("one", "again")).set_index("pair")
     assert (same["order"] == "holds").all() and (table["budget"] == 128).all()
 
@@ -60,3 +62,13 @@ def test_the_section_shows_the_leaderboard_and_the_ranking(tmp_path):
         "ripplekv", "128", "0.100 [0.050, 0.150]", "0.950", "-0.300 [-0.320, -0.280], 0.001 closer"]
     assert "| baseline " in text  # the uniform baseline is named, not left blank
     assert "1 holds." in text and "smollm2-135m: KL difference [95% CI]" in text
+
+
+def test_the_second_models_leaderboard_shows_n_and_lists_short_rows_apart():
+    from ripplekv.analysis.second_model import leaderboard_markdown
+
+    board = pd.DataFrame({"method": ["full", "snapkv", "ripplekv"], "budget": [None, 128, 128], "n": [12, 12, 3],
+                          "fewer_samples": [False, False, True], "kl": [0.0, 0.4, 0.1]})
+    ranked, apart = leaderboard_markdown(board).split("Rows with fewer samples than the table's n (not ranked):")
+    assert "| snapkv   | 128 | 12  |" in ranked and "ripplekv" not in ranked
+    assert "| ripplekv | 128 | 3   |" in apart

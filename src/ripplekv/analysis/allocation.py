@@ -33,13 +33,14 @@ import pandas as pd
 
 from ripplekv.analysis import inference
 from ripplekv.analysis.headline import closest_pairs
-from ripplekv.analysis.tables import BASELINES, KL_TEST, SCORE_TEST, _ceil2, _floor2, compare
+from ripplekv.analysis.proportions import accuracy_tasks
+from ripplekv.analysis.tables import BASELINES, KL_TEST, SCORE_TEST, _ceil2, _floor2, compare, fewer_samples
 from ripplekv.runs.files import CONFIG, REFERENCE, is_ceiling
 
 HINDSIGHT = "best-of-allocations"
 CROSS_FIT = "cross-fit choice"
 KINDS = {"method": "allocator", "aware": "answer-aware", "bound": "hindsight bound", "cross": "cross-fit"}
-COLUMNS = ["budget", "method", "kind", "kl", "kl_ci_low", "kl_ci_high", *KL_TEST, "kl_best_of_others", "kl_gap_share",
+COLUMNS = ["budget", "method", "kind", "n", "fewer_samples", "kl", "kl_ci_low", "kl_ci_high", *KL_TEST, "kl_best_of_others", "kl_gap_share",
            "avg_informative", *SCORE_TEST, "picks"]
 
 
@@ -77,7 +78,8 @@ def allocation_headline(parts, seed: int = inference.SEED) -> pd.DataFrame:
     """Per budget, the allocator closest to the full cache and the runner-up (`analysis.headline`), from
     `allocation_parts`."""
     table, kl, score = parts
-    return closest_pairs(table.assign(score=table["avg_informative"]), table["kind"] == KINDS["method"], kl, score,
+    candidates = (table["kind"] == KINDS["method"]) & ~table["fewer_samples"].astype(bool)
+    return closest_pairs(table.assign(score=table["avg_informative"]), candidates, kl, score,
                          "allocation only", seed)
 
 
@@ -93,8 +95,9 @@ def allocation_parts(frame: pd.DataFrame, specs: dict, ceilings=None, counted: l
     number = {key: i for i, key in enumerate(keys)}
     rows = rows.assign(score=100 * rows["score"], key=[number[(m, int(b))] for m, b in zip(rows["method"], rows["budget"])])
     counted = list(dict.fromkeys(rows["task"])) if counted is None else counted
-    kl_all = inference.sample_matrix(rows, "kl", list(range(len(keys))))
-    score_all = inference.sample_matrix(rows, "score", list(range(len(keys))))
+    kl_all = inference.sample_matrix(rows, "kl", list(range(len(keys))), bounds=(0.0, np.inf))
+    score_all = inference.sample_matrix(rows, "score", list(range(len(keys))), accuracy=accuracy_tasks(frame),
+                                        bounds=(0.0, 100.0))
     score_all.values[:, ~np.isin([task for task, _ in score_all.ids], counted)] = np.nan
     meta, kl, score = [], [], []
     for budget in sorted({b for _, b in keys}):
@@ -123,10 +126,13 @@ def allocation_parts(frame: pd.DataFrame, specs: dict, ceilings=None, counted: l
     if not meta:
         return None
     table = pd.DataFrame(meta)
-    kl = inference.Samples(np.vstack(kl), kl_all.tasks, kl_all.ids)
-    score = inference.Samples(np.vstack(score), kl_all.tasks, kl_all.ids)
+    kl = inference.Samples(np.vstack(kl), kl_all.tasks, kl_all.ids, None, kl_all.bounds)
+    score = inference.Samples(np.vstack(score), kl_all.tasks, kl_all.ids, score_all.accuracy, score_all.bounds)
     estimate = inference.t_interval(kl.values, kl.tasks)
-    table = table.assign(kl=estimate.point, kl_ci_low=estimate.low, kl_ci_high=estimate.high,
+    low, high = inference.mean_interval(kl)
+    n = np.isfinite(kl.values).sum(axis=1)
+    table = table.assign(n=n, fewer_samples=fewer_samples(pd.Series(n)).to_numpy() & (table["kind"] == KINDS["method"]),
+                         kl=estimate.point, kl_ci_low=low, kl_ci_high=high,
                          avg_informative=np.round(inference.stratified_mean(score.values, score.tasks), 2))
     base_kl = table["kl"].to_numpy()[table["_b"].to_numpy()]
     gap = base_kl - table["kl_best_of_others"].to_numpy()
@@ -177,8 +183,10 @@ def _tests(table: pd.DataFrame, names, values: inference.Samples, pairs, lower_i
         table.loc[rows, low] = _floor2(np.minimum(tests["low"].to_numpy(), point))
         table.loc[rows, high] = _ceil2(np.maximum(tests["high"].to_numpy(), point))
     table[verdict] = [
-        "baseline" if base else (KINDS["aware"] if kind == KINDS["aware"] else inference.verdict(lo, hi, q, lower_is_better))
-        for base, kind, lo, hi, q in zip(table["is_base"], table["kind"], table[low], table[high], table[p_holm])]
+        "baseline" if base else (KINDS["aware"] if kind == KINDS["aware"] else inference.verdict(
+            lo, hi, q, lower_is_better, d, inference.MEANINGFUL["kl" if lower_is_better else "score"]))
+        for base, kind, lo, hi, q, d in zip(table["is_base"], table["kind"], table[low], table[high], table[p_holm],
+                                            table[mdd])]
 
 
 def allocation_markdown(table: pd.DataFrame) -> str:
@@ -198,7 +206,10 @@ def allocation_markdown(table: pd.DataFrame) -> str:
         kl_diff, kl_p = paired(r, KL_TEST, 3)
         score_diff, score_p = paired(r, SCORE_TEST, 2)
         label = r["method"] if r["kind"] in (KINDS["method"], KINDS["cross"]) else f"{r['method']} ({r['kind']})"
+        if r["fewer_samples"]:
+            label += " (fewer samples: not ranked)"
         lines.append({"budget": int(r["budget"]), "method": label + (f": {r['picks']}" if r["picks"] else ""),
+                      "n": int(r["n"]),
                       "KL": f"{r['kl']:.3f}", "KL vs uniform [95% CI]": kl_diff, "p (Holm), verdict": kl_p,
                       "KL gap share (leave-one-out)": share(r["kl_gap_share"]),
                       "score": "" if pd.isna(r["avg_informative"]) else f"{r['avg_informative']:.2f}",
@@ -208,5 +219,5 @@ def allocation_markdown(table: pd.DataFrame) -> str:
 
 def best_by_budget(table: pd.DataFrame) -> dict[int, str]:
     """Per budget, the allocator (not answer-aware, bound or cross-fit) closest to the full cache (lowest KL)."""
-    real = table[table["kind"] == KINDS["method"]]
+    real = table[(table["kind"] == KINDS["method"]) & ~table["fewer_samples"].astype(bool)]
     return {int(b): str(group.loc[group["kl"].idxmin(), "method"]) for b, group in real.groupby("budget")}

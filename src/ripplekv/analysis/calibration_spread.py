@@ -56,7 +56,7 @@ def spread(frame: pd.DataFrame, draws: pd.DataFrame, seed: int = inference.SEED)
             if lines.empty:
                 continue
             lines = lines.assign(key=lines["method"])
-            kl = inference.sample_matrix(lines, "kl", keys)
+            kl = inference.sample_matrix(lines, "kl", keys, bounds=(0.0, np.inf))
             score = inference.sample_matrix(lines.assign(score=100 * lines["score"]), "score", keys)
             means = inference.stratified_mean(kl.values[: len(present)], kl.tasks)
             scores = inference.stratified_mean(score.values[: len(present)], score.tasks)
@@ -70,13 +70,14 @@ def spread(frame: pd.DataFrame, draws: pd.DataFrame, seed: int = inference.SEED)
                              "samples": len(shared), "kl": float(means[i]), "score": float(scores[i]),
                              "baseline": base, "kl_delta": c["delta"], "kl_delta_ci_low": c["low"],
                              "kl_delta_ci_high": c["high"], "p_kl": c["p"], "p_kl_holm": c["p_holm"],
-                             "verdict": inference.verdict(c["low"], c["high"], c["p_holm"], lower_is_better=True)})
+                             "verdict": inference.verdict(c["low"], c["high"], c["p_holm"], True, c.get("mdd"),
+                                                          inference.MEANINGFUL["kl"])})
             per_draw += rows
             sd = float(np.std(means, ddof=1))
             half = float(first.high[0] - first.low[0]) / 2
             summary.append({
                 "method": method, "budget": int(budget), "draws": len(present), "samples": len(shared),
-                "kl_draw0": float(means[0]), "kl_ci_low": float(first.low[0]), "kl_ci_high": float(first.high[0]),
+                "kl_draw0": float(means[0]), "kl_ci_low": max(float(first.low[0]), 0.0), "kl_ci_high": float(first.high[0]),
                 "kl_by_draw": _joined(means, 3), "kl_draw_sd": sd, "kl_draw_min": float(means.min()),
                 "kl_draw_max": float(means.max()), "sd_over_half_width": sd / half if half > 0 else np.nan,
                 "baseline": base, "kl_delta_by_draw": _joined([r["kl_delta"] for r in rows], 3),

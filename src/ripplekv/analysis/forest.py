@@ -6,7 +6,8 @@ KL is drawn as its ratio to the baseline's mean KL (`kl_ratio_vs_uniform`, a pai
 the log ratio) on a log axis with labelled ticks (x0.5, x1, x2, ...), so a method 16% closer and one twice as
 far sit at distances that mean what they say. Scores are differences on a linear axis. Every row keeps its
 method's colour and marker (`plots.series_styles`); `*` marks a difference significant after Holm's
-adjustment. Answer-aware variants are not drawn: they are no methods and no bounds (the tables show them).
+adjustment. Answer-aware variants are not drawn: they are no methods and no bounds (the tables show them); nor
+are rows with fewer samples than the leaderboard's n (`tables.fewer_samples`), which are never ranked.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def forest_rows(board: pd.DataFrame, budget, measure: str, ceilings=None) -> tup
     if point not in rows or rows[point].isna().all() or "versus" not in rows:
         return empty, None
     rows = rows[rows[point].notna() & ~rows["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)]
+    if "fewer_samples" in rows:  # sorted best first is a ranking: rows on fewer samples are not drawn
+        rows = rows[~rows["fewer_samples"].astype(bool)]
     out = pd.DataFrame({"method": rows["method"], "delta": rows[point], "low": rows[low], "high": rows[high],
                         "p_holm": rows[p_holm]})
     out = out.sort_values("delta", ascending=(measure == "kl"), kind="stable")  # best at the top

@@ -4,7 +4,9 @@
 not an answer-aware variant). Naming only a winner invites reading a tie as a win, so the runner-up (the
 second-lowest mean KL) stands beside it with their paired difference (`analysis.inference`: stratified t
 interval, sign-flip p, Holm over the table's budgets) and a verdict: `closer` only when the Holm-adjusted
-p is below 0.05 and the interval excludes 0, else `tied`. Their scores on the informative tasks get the
+p is below 0.05 and the interval excludes 0, else `tied` (`underpowered` where the comparison could not have
+detected the meaningful effect, `inference.MEANINGFUL`). Rows with fewer samples than the leaderboard's n
+are no candidates (`tables.fewer_samples`). Their scores on the informative tasks get the
 same paired comparison; no score winner is picked. The pair is chosen by looking at the data, so a `closer`
 here is weaker evidence than its p says; a `tied` stands.
 """
@@ -46,13 +48,15 @@ def closest_pairs(table: pd.DataFrame, candidate: pd.Series, kl: inference.Sampl
         test = kl_tests.iloc[n]
         row.update(kl_delta=test["delta"], kl_ci_low=test["low"], kl_ci_high=test["high"], p_kl=test["p"],
                    p_kl_holm=test["p_holm"], kl_mdd=test["mdd"],
-                   kl_verdict=inference.verdict(test["low"], test["high"], test["p_holm"], lower_is_better=True))
+                   kl_verdict=inference.verdict(test["low"], test["high"], test["p_holm"], True, test["mdd"],
+                                                inference.MEANINGFUL["kl"]))
         if score_tests is not None:
             test = score_tests.iloc[n]
             row.update(closest_score=float(table.at[i, "score"]), runner_up_score=float(table.at[j, "score"]),
                        score_delta=test["delta"], score_ci_low=test["low"], score_ci_high=test["high"], p_score=test["p"],
                        p_score_holm=test["p_holm"], score_mdd=test["mdd"],
-                       score_verdict=inference.verdict(test["low"], test["high"], test["p_holm"]))
+                       score_verdict=inference.verdict(test["low"], test["high"], test["p_holm"], False, test["mdd"],
+                                                       inference.MEANINGFUL["score"]))
         rows.append(row)
     return pd.DataFrame(rows).reindex(columns=COLUMNS)
 

@@ -3,19 +3,23 @@
 Eviction keeps fewer entries at full precision, a quantizer keeps every entry at fewer bits, and a method
 with a quantizer does both (`methods.quantized`). The table puts each variant's bytes (mean over samples,
 and as a share of the budget's), entries and bits beside its KL to the full cache with the leaderboard's
-interval and paired comparison; a variant that did not fit its budget on some prompt is listed as
-infeasible there, with no numbers. Written only when the run has a quantized variant.
+interval and paired comparison, and its `n` (samples); a variant that did not fit its budget on some prompt is
+listed as infeasible there, with no numbers, and one with fewer samples than the table's n is listed apart. Written only when the run has a quantized variant.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from ripplekv.analysis.tables import fewer_samples
 from ripplekv.runs.files import REFERENCE
 
 FULL_PRECISION_BITS = 16
-COLUMNS = ["budget", "method", "bits", "entries", "kv_bytes", "bytes_share", "kl", "kl_ci_low", "kl_ci_high",
-           "kl_ratio_vs_uniform", "kl_ratio_ci_low", "kl_ratio_ci_high", "kl_verdict", "samples", "infeasible"]
+COLUMNS = ["budget", "method", "n", "fewer_samples", "bits", "entries", "kv_bytes", "bytes_share", "kl", "kl_ci_low",
+           "kl_ci_high", "kl_ratio_vs_uniform", "kl_ratio_ci_low", "kl_ratio_ci_high", "kl_verdict", "infeasible"]
+COPIED = COLUMNS[8:15]  # from the leaderboard
+HEADER = ["| budget | method | n | bits | entries | bytes (share) | KL [95% CI] | KL / baseline [95% CI] | verdict |",
+          "|---|---|---|---|---|---|---|---|---|"]
 
 
 def bits_of(spec: dict) -> int | str:
@@ -42,10 +46,10 @@ def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,
         row = {"budget": budget, "method": method, "bits": bits_of(specs.get(method, {})),
                "entries": group["kept_entries"].mean(), "kv_bytes": group["kv_bytes"].mean(),
                "bytes_share": (group["kv_bytes"] / group["kv_budget_bytes"]).mean()
-               if "kv_budget_bytes" in group else float("nan"), "samples": len(group)}
+               if "kv_budget_bytes" in group else float("nan"), "n": group[["task", "id"]].drop_duplicates().shape[0]}
         found = board[(board["method"] == method) & (board["budget"] == budget)]
         if len(found):
-            row.update({name: found.iloc[0][name] for name in COLUMNS[6:13] if name in found.columns})
+            row.update({name: found.iloc[0][name] for name in COPIED if name in found.columns})
         rows.append(row)
     if refused is not None and len(refused):
         for (method, budget), group in refused.groupby(["method", "budget"], sort=False):
@@ -53,7 +57,10 @@ def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,
                          "infeasible": f"{len(group)} samples: {group['infeasible'].iloc[0]}"})
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
     table["budget"] = table["budget"].astype("Int64")
-    return table.sort_values(["budget", "kl"], kind="stable", na_position="last").reset_index(drop=True)
+    table["n"] = table["n"].astype("Int64")
+    table["fewer_samples"] = fewer_samples(table["n"]) & table["infeasible"].isna()
+    # Within a budget: the rows on the table's n by KL, then those with fewer samples (never ranked among them).
+    return table.sort_values(["budget", "fewer_samples", "kl"], kind="stable", na_position="last").reset_index(drop=True)
 
 
 def memory_markdown(table: pd.DataFrame) -> str:
@@ -62,33 +69,40 @@ def memory_markdown(table: pd.DataFrame) -> str:
              "Budget B is the bytes of B full-precision K/V entries per layer and KV head; each variant spends at "
              "most that (bytes: mean over samples; share: of the budget's). Quantized entries are dequantized "
              "before attention: memory is accounted, not saved, on this engine.", "",
-             "| budget | method | bits | entries | bytes (share) | KL [95% CI] | KL / baseline [95% CI] | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in table.itertuples(index=False):
-        if isinstance(row.infeasible, str):
-            lines.append(f"| {row.budget} | {row.method} | {row.bits} | | infeasible ({row.infeasible}) | | | |")
-            continue
-        ratio = "" if pd.isna(row.kl_ratio_vs_uniform) else (
-            f"{row.kl_ratio_vs_uniform:.3g} [{row.kl_ratio_ci_low:.3g}, {row.kl_ratio_ci_high:.3g}]")
-        interval = "" if pd.isna(row.kl_ci_low) else f" [{row.kl_ci_low:.3g}, {row.kl_ci_high:.3g}]"
-        verdict = "" if pd.isna(row.kl_verdict) else row.kl_verdict
-        lines.append(f"| {row.budget} | {row.method} | {row.bits} | {row.entries:.0f} | {row.kv_bytes:.0f} "
-                     f"({row.bytes_share:.3f}) | {row.kl:.4g}{interval} | {ratio} | {verdict} |")
+             *HEADER]
+    apart = table["fewer_samples"].astype(bool)
+    lines += [_memory_line(row) for row in table[~apart].itertuples(index=False)]
+    if apart.any():
+        lines += ["", f"Rows with fewer samples than the table's n ({int(table['n'].max())}), not ranked:", "",
+                  *HEADER, *(_memory_line(row) for row in table[apart].itertuples(index=False))]
     return "\n".join(lines) + "\n"
+
+
+def _memory_line(row) -> str:
+    """One variant's markdown row: infeasible, or its numbers."""
+    if isinstance(row.infeasible, str):
+        return f"| {row.budget} | {row.method} | | {row.bits} | | infeasible ({row.infeasible}) | | | |"
+    ratio = "" if pd.isna(row.kl_ratio_vs_uniform) else f"{row.kl_ratio_vs_uniform:.3g}" + (
+        "" if pd.isna(row.kl_ratio_ci_low) else f" [{row.kl_ratio_ci_low:.3g}, {row.kl_ratio_ci_high:.3g}]")
+    interval = "" if pd.isna(row.kl_ci_low) else f" [{row.kl_ci_low:.3g}, {row.kl_ci_high:.3g}]"
+    verdict = "" if pd.isna(row.kl_verdict) else row.kl_verdict
+    return (f"| {row.budget} | {row.method} | {row.n} | {row.bits} | {row.entries:.0f} | {row.kv_bytes:.0f} "
+            f"({row.bytes_share:.3f}) | {row.kl:.4g}{interval} | {ratio} | {verdict} |")
 
 
 def plot_memory_axis(table: pd.DataFrame, path, styles=None) -> None:
     """memory_axis.png: each variant's KL as a multiple of the uniform baseline's at the same budget (log axis,
     95% CI of the ratio) against the bytes it keeps (linear MiB), one line per method across the budgets, so
     the ways of spending the same memory sit at the same x and the lowest line is the front. A ratio, not the
-    KL itself: at a few samples the KL's own t interval crosses 0, which a log axis cannot show honestly."""
+    KL itself: at a few samples the KL's own t interval reaches 0, which a log axis cannot show honestly. Rows
+    with fewer samples than the table's n are left out (the table lists them apart)."""
     from matplotlib.ticker import FuncFormatter
 
     from ripplekv.analysis.plots import pyplot, series_styles
     from ripplekv.runs.safeio import save_figure
 
     plt = pyplot()
-    drawn = table[table["infeasible"].isna() & table["kl_ratio_vs_uniform"].notna()]
+    drawn = table[table["infeasible"].isna() & table["kl_ratio_vs_uniform"].notna() & ~table["fewer_samples"].astype(bool)]
     styles = styles or series_styles(drawn["method"])
     fig, ax = plt.subplots(figsize=(8.4, 4.6))
     for method, group in drawn.groupby("method", sort=False):

@@ -26,6 +26,7 @@ from ripplekv.analysis.html_page import PAGE, write_run_page
 from ripplekv.analysis.informative import counted_tasks, informative_tasks
 from ripplekv.analysis.memory_axis import memory_markdown, memory_table, plot_memory_axis
 from ripplekv.analysis.plots import series_styles
+from ripplekv.analysis.proportions import accuracy_tasks
 from ripplekv.analysis.summary import summary_markdown
 from ripplekv.analysis.tables import (
     BASELINES,
@@ -34,6 +35,7 @@ from ripplekv.analysis.tables import (
     leaderboard,
     leaderboard_wide,
     length_table,
+    measure_samples,
     task_scores,
 )
 from ripplekv.analysis.time_spent import samples_timed, time_markdown, time_table
@@ -177,8 +179,12 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     spent = time_table(run_dir)
     board = add_footprint(board)  # the critical KV footprint (`analysis.footprint`), on every row of a method
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": inference.CONFIDENCE,
-                "interval": "stratified t (Welch-Satterthwaite)", "test": "stratified paired sign-flip",
-                "permutations": inference.PERMUTATIONS, "exact_up_to": inference.EXACT_LIMIT,
+                "interval": "stratified t (Welch-Satterthwaite); accuracies: Wilson, paired differences Tango's "
+                "score interval, MOVER over tasks; every interval cut to its scale",
+                "accuracy_tasks": sorted(accuracy_tasks(frame)), "test": "stratified paired sign-flip",
+                "permutations": inference.PERMUTATIONS, "refined_permutations": inference.REFINED_PERMUTATIONS,
+                "exact_up_to": inference.EXACT_LIMIT, "meaningful_effect": inference.MEANINGFUL,
+                "power": inference.POWER, "samples_per_row": int(board["n"].max()),
                 "adjustment": "Holm, per table and measure", "informative_tasks": counted,
                 "baseline": declared or "first of " + ", ".join(BASELINES) + " present at each budget",
                 "primary_comparisons": primary_comparisons(board)}
@@ -232,10 +238,9 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
 
 def run_headline(frame: pd.DataFrame, board: pd.DataFrame, ceilings, counted: list[str], seed: int) -> pd.DataFrame:
     """headline.csv: per budget, the real method closest to the full cache and the runner-up (`analysis.headline`)."""
-    keyed = frame.assign(key=_board_rows(board, frame), score=100 * frame["score"])
-    order = list(range(len(board)))
-    kl = inference.sample_matrix(keyed, "kl", order)
-    chosen = keyed[keyed["task"].isin(counted)]
-    score = inference.sample_matrix(chosen, "score", order) if len(chosen) else None
+    keyed = frame.assign(key=_board_rows(board, frame))
+    kl, _, _, score = measure_samples(keyed, list(range(len(board))), counted)
     real = (board["method"] != REFERENCE) & ~board["method"].map(lambda m: is_ceiling(m, ceilings)).astype(bool)
+    if "fewer_samples" in board:
+        real &= ~board["fewer_samples"].astype(bool)
     return closest_pairs(board.assign(score=board["avg_informative"]), real, kl, score, "all methods", seed)

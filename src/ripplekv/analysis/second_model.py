@@ -2,9 +2,9 @@
 
 A ranking "holds" only where the data can tell: for each pair of methods both models ran at a budget, the paired
 KL difference on each model (`analysis.pairs.head_to_head`: stratified t interval, sign-flip p, Holm over the
-pair's budgets) is `closer`, `further` or `tied`. The pair's order holds when both models order it the same way
+pair's budgets) is `closer`, `further`, `tied` or `underpowered`. The pair's order holds when both models order it the same way
 with a decisive verdict, is reversed when both are decisive in opposite directions, and is undecided when either
-model calls it tied: a tie is never read as agreement or as a reversal.
+model calls it tied or underpowered: a tie is never read as agreement or as a reversal.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from ripplekv.analysis import inference
-from ripplekv.analysis.pairs import head_to_head
+from ripplekv.analysis.pairs import head_to_head, pair_verdict
 from ripplekv.analysis.report import load_predictions
 
-BOARD_COLUMNS = ("method", "budget", "kl", "kl_ci_low", "kl_ci_high", "agreement", "kl_delta_vs_uniform",
+BOARD_COLUMNS = ("method", "budget", "n", "fewer_samples", "kl", "kl_ci_low", "kl_ci_high", "agreement", "kl_delta_vs_uniform",
                  "kl_delta_ci_low", "kl_delta_ci_high", "p_kl_vs_uniform_holm", "kl_verdict", "avg_informative", "avg")
 
 
@@ -33,7 +32,7 @@ def _interval(point, low, high, digits: int = 3, signed: bool = False) -> str:
 
 
 def _kl_verdict(row) -> str:
-    word = inference.verdict(row.kl_ci_low, row.kl_ci_high, row.p_kl_holm, lower_is_better=True)
+    word = pair_verdict(row, "kl")
     return f"{_interval(row.kl_delta, row.kl_ci_low, row.kl_ci_high, signed=True)} {word}"
 
 
@@ -41,8 +40,11 @@ def leaderboard_markdown(board: pd.DataFrame) -> str:
     """The leaderboard with KL and its difference to the uniform baseline as intervals."""
     rows = []
     for r in board.itertuples():
-        line = {"method": r.method, "B": "–" if pd.isna(r.budget) else int(r.budget),
-                "KL [95% CI]": _interval(r.kl, getattr(r, "kl_ci_low", None), getattr(r, "kl_ci_high", None))}
+        line = {"method": r.method, "B": "–" if pd.isna(r.budget) else int(r.budget)}
+        if "n" in board:
+            line["n"] = "–" if pd.isna(r.n) else int(r.n)
+        line.update({
+                "KL [95% CI]": _interval(r.kl, getattr(r, "kl_ci_low", None), getattr(r, "kl_ci_high", None))})
         if "agreement" in board:
             line["agreement"] = f"{r.agreement:.3f}"
         if "kl_delta_vs_uniform" in board:
@@ -57,7 +59,12 @@ def leaderboard_markdown(board: pd.DataFrame) -> str:
                 line["score (informative)" if name == "avg_informative" else "score (all)"] = (
                     "–" if pd.isna(getattr(r, name)) else f"{getattr(r, name):.2f}")
         rows.append(line)
-    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
+    table = pd.DataFrame(rows)
+    if "fewer_samples" not in board or not board["fewer_samples"].astype(bool).any():
+        return table.to_markdown(index=False, disable_numparse=True)
+    apart = board["fewer_samples"].astype(bool).to_numpy()
+    return (table[~apart].to_markdown(index=False, disable_numparse=True) + "\n\nRows with fewer samples than the "
+            "table's n (not ranked):\n\n" + table[apart].to_markdown(index=False, disable_numparse=True))
 
 
 def ranking_across(first: Path, second: Path, names: tuple[str, str]) -> pd.DataFrame:
@@ -77,12 +84,14 @@ def ranking_across(first: Path, second: Path, names: tuple[str, str]) -> pd.Data
                 row = next(table[table["budget"] == budget].itertuples(), None)
                 if row is None:
                     break
-                words.append(inference.verdict(row.kl_ci_low, row.kl_ci_high, row.p_kl_holm, lower_is_better=True))
+                words.append(pair_verdict(row, "kl"))
+                line[f"{name}: n"] = int(row.samples)
                 line[f"{name}: KL difference [95% CI]"] = _kl_verdict(row)
             if len(words) < 2:
                 continue
             decisive = [w for w in words if w in ("closer", "further")]
-            line["order"] = ("undecided (tied on " + " and ".join(n for n, w in zip(names, words) if w == "tied") + ")"
+            weak = [f"{w} on {n}" for n, w in zip(names, words) if w not in ("closer", "further")]
+            line["order"] = ("undecided (" + " and ".join(weak) + ")"
                              if len(decisive) < 2 else "holds" if words[0] == words[1] else "reversed")
             rows.append(line)
     return pd.DataFrame(rows)
@@ -115,7 +124,7 @@ def second_model_lines(out: Path, folder: str = "gemma3", first_name: str = "bun
             lines += ["", "Does the ranking hold across the two models? Each pair of methods both ran, paired KL "
                       "difference on each model (`a vs b`: a minus b; negative: a is closer to the full cache). `holds`: "
                       "both models order the pair the same way, each decisively; `reversed`: decisively opposite; "
-                      "`undecided`: tied on at least one model, which supports neither reading. "
+                      "`undecided`: tied or underpowered on at least one model, which supports neither reading. "
                       + ", ".join(f"{int(n)} {word}" for word, n in counts.items()) + ".", "",
                       table.to_markdown(index=False, disable_numparse=True)]
     return lines

@@ -41,7 +41,7 @@ def _interval(low, high, digits: str = ".2f") -> str:
 def leaderboard_view(board: pd.DataFrame) -> pd.DataFrame:
     """The leaderboard for reading, fidelity first: intervals as `[low, high]` next to their value, no test
     columns (those are in the differences view)."""
-    tests = [*KL_TEST, *KL_RATIO, *SCORE_TEST, "versus", "informative_tasks"]
+    tests = [*KL_TEST, *KL_RATIO, *SCORE_TEST, "versus", "informative_tasks", "fewer_samples"]
     view = board.drop(columns=[c for c in tests if c in board])
     view["kl"] = view["kl"].map(lambda v: f"{v:.3g}")
     view["agreement"] = view["agreement"].map(lambda v: f"{v:.3f}")
@@ -51,6 +51,16 @@ def leaderboard_view(board: pd.DataFrame) -> pd.DataFrame:
         view = view.drop(columns=[f"{name}_ci_low", f"{name}_ci_high"])
     return view.rename(columns={"avg_informative": "score (informative)", "avg_informative 95% CI": "score 95% CI",
                                 "avg": "avg (all tasks)", "avg 95% CI": "avg 95% CI"})
+
+
+def leaderboard_sections(board: pd.DataFrame) -> list[str]:
+    """The leaderboard's markdown lines: the rows on the table's n, then those with fewer samples apart (unranked)."""
+    apart = board["fewer_samples"].astype(bool).to_numpy() if "fewer_samples" in board else None
+    if apart is None or not apart.any():
+        return [markdown_table(leaderboard_view(board)), ""]
+    return [markdown_table(leaderboard_view(board[~apart])), "",
+            f"Rows with fewer samples than the table's n ({int(board['n'].max())}), not ranked:", "",
+            markdown_table(leaderboard_view(board[apart])), ""]
 
 
 def differences_view(board: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
@@ -64,6 +74,7 @@ def differences_view(board: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
         "budget": rows["budget"],
         "method": rows["method"],
+        "n": rows["n"] if "n" in rows else "–",
         "vs": rows["versus"].fillna("–"),
         "KL difference": rows["kl_delta_vs_uniform"].map(lambda v: "–" if pd.isna(v) else f"{v:+.3f}"),
         "KL 95% CI": [_interval(a, b, ".3f") for a, b in zip(rows["kl_delta_ci_low"], rows["kl_delta_ci_high"])],
@@ -88,8 +99,12 @@ def detectable_line(board: pd.DataFrame) -> str:
     if kl is None:
         return ""
     said = f"KL {kl:.3f}" + (f", score {score:.2f} points" if score is not None else "")
+    meaningful = inference.MEANINGFUL
     return (f"Minimum detectable difference at this n (median over the comparisons; `(t_0.975,df + t_0.8,df) x SE` "
-            f"of each paired difference, 80% power at alpha 0.05, per row in `kl_mdd` / `score_mdd`): {said}.")
+            f"of each paired difference, 80% power at alpha 0.05, per row in `kl_mdd` / `score_mdd`): {said}. "
+            f"The smallest effect this page calls meaningful: KL {meaningful['kl']:g}, score {meaningful['score']:g} "
+            "points; a difference that is not significant reads `underpowered` where its detectable difference "
+            "exceeds that, `tied` only where this n could have seen it.")
 
 
 def informative_view(informative: pd.DataFrame) -> pd.DataFrame:
@@ -134,12 +149,19 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
         "",
         "How to read the numbers: fidelity (`kl`, KL(full || variant) per answer token along the full cache's answer; "
         "`agreement`, the share of those tokens the variant also predicts) is the primary outcome; scores follow. "
-        "Means are over tasks of per-task means; 95% intervals are stratified t intervals; each difference is paired "
+        "Means are over tasks of per-task means; 95% intervals are stratified t intervals, except on accuracies "
+        "(tasks scored 0 or 1 per sample: " + (", ".join(f"`{t}`" for t in settings.get("accuracy_tasks", [])) or "none here")
+        + "), where a mean gets Wilson's interval and a paired difference Tango's score interval (MOVER over tasks), so no "
+        "interval leaves [0, 100]; every interval is cut to its scale. Each difference is paired "
         "(the same samples on both sides) and tested by a sign-flip permutation test stratified by task "
-        f"({settings.get('permutations', inference.PERMUTATIONS)} random sign patterns, exact below "
-        f"{inference.EXACT_LIMIT + 1} nonzero differences); p-values are shown raw and Holm-adjusted over every "
-        "comparison of the table (per measure). `better` / `worse` (`closer` / `further` for KL) only where the "
-        "adjusted p is below 0.05 and the interval excludes 0, `tied` otherwise.",
+        f"(every sign pattern counted up to {inference.EXACT_LIMIT} nonzero differences: exact p; beyond, "
+        f"{settings.get('permutations', inference.PERMUTATIONS)} random patterns, "
+        f"{settings.get('refined_permutations', inference.REFINED_PERMUTATIONS)} where p is within a factor 2 of "
+        "a Holm threshold); p-values are shown raw and Holm-adjusted over every comparison of the table (per "
+        "measure). `better` / `worse` (`closer` / `further` for KL) only where the adjusted p is below 0.05 and "
+        "the interval excludes 0; otherwise `underpowered` where the comparison's minimum detectable difference "
+        "exceeds the meaningful effect, `tied` where it does not. `n`: the samples a row stands on; a row with "
+        "fewer than its table's n is listed apart and never ranked.",
         "",
     ]
     if headline is not None and len(headline):
@@ -160,8 +182,7 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
         f"reference and unranked. `rank` P(rank 1) and expected rank come from {settings.get('resamples', stats.RESAMPLES)} "
         f"paired bootstrap resamples of the samples within each task (seed {settings.get('seed', stats.SEED)}).",
         "",
-        markdown_table(leaderboard_view(board)),
-        "",
+        *leaderboard_sections(board),
     ]
     marked = [m for m in dict.fromkeys(board["method"]) if m in set(ceilings or ())]
     if marked:

@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ripplekv.analysis import inference, stats
+from ripplekv.analysis import inference, proportions, stats
 from ripplekv.defaults import UNIFORM_BASELINES
 from ripplekv.metrics.scoring import LENGTH_BUCKETS, aggregate, is_longbench_e, length_bucket
 from ripplekv.runs.files import REFERENCE, is_ceiling
@@ -85,7 +85,7 @@ def leaderboard(scores: pd.DataFrame, ceilings=None, counted: list[str] | None =
     rows = []
     for (method, budget), group in scores.groupby(["method", "budget"], dropna=False, sort=False):
         chosen = group.loc[group["task"].isin(counted), "score"]
-        row = {"method": method, "budget": budget, "rank": pd.NA, "kl": group["kl"].mean(),
+        row = {"method": method, "budget": budget, "rank": pd.NA, "n": int(group["n"].sum()), "kl": group["kl"].mean(),
                "agreement": group["agreement"].mean(),
                "avg_informative": round(chosen.mean(), 2) if len(chosen) else math.nan,
                "avg": round(group["score"].mean(), 2)}
@@ -101,13 +101,21 @@ def leaderboard(scores: pd.DataFrame, ceilings=None, counted: list[str] | None =
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].astype("Int64")
-    ranked = (table["method"] != REFERENCE) & ~_aware(table, ceilings)
+    table.insert(table.columns.get_loc("n") + 1, "fewer_samples", fewer_samples(table["n"]))
+    ranked = (table["method"] != REFERENCE) & ~_aware(table, ceilings) & ~table["fewer_samples"]
     table.loc[ranked, "rank"] = table[ranked].groupby("budget")["kl"].rank(method="min", ascending=True)
     table["rank"] = table["rank"].astype("Int64")
     table = _sort(table, methods)
     # Within a budget: best rank first (ties keep method order), answer-aware rows last; full (no budget) on top.
     table["_r"] = table["rank"].astype("Float64").fillna(math.inf)
     return table.sort_values(["budget", "_r"], kind="stable", na_position="first").drop(columns="_r").reset_index(drop=True)
+
+
+def fewer_samples(n: pd.Series) -> pd.Series:
+    """Rows with fewer samples than their table's n (the most any row has): shown apart, never ranked, since a
+    mean over fewer questions is not the same statistic (a 1-sample row ranked among 6-sample rows)."""
+    n = pd.to_numeric(n, errors="coerce")
+    return (n < n.max()).fillna(False).astype(bool) if n.notna().any() else pd.Series(False, index=n.index)
 
 
 def _aware(table: pd.DataFrame, ceilings) -> pd.Series:
@@ -141,17 +149,46 @@ def baseline_of(methods, declared: str | None = None) -> str | None:
 
 def compare(values: inference.Samples, pairs: list[tuple[int, int]], scale: float = 1.0,
             permutations: int = inference.PERMUTATIONS, seed: int = inference.SEED) -> pd.DataFrame:
-    """Paired comparisons of rows `i` minus `j` of `values` for each (i, j): difference (stratified mean over
-    the samples both have), t interval, sign-flip p, Holm's p over these pairs, minimum detectable difference."""
+    """Paired comparisons of rows `i` minus `j` of `values` for each (i, j), one Holm family: difference
+    (stratified mean over the samples both have), interval, sign-flip p, Holm's p over these pairs, minimum
+    detectable difference. The interval is Tango's paired one (MOVER over tasks) where every task of the pair
+    is an accuracy (`analysis.proportions`), the stratified t interval otherwise, cut to what a difference of
+    two values within `values.bounds` can be."""
     columns = ["delta", "low", "high", "p", "p_holm", "mdd"]
     if not pairs:
         return pd.DataFrame(columns=columns)
     first, second = (np.array(side) for side in zip(*pairs))
     differences = scale * (values.values[first] - values.values[second])
     estimate = inference.t_interval(differences, values.tasks)
+    low, high = estimate.low, estimate.high
+    binary = values.all_accuracy(differences)
+    if binary.any():
+        top = values.bounds[1]
+        _, low[binary], high[binary] = proportions.paired_accuracy_interval(
+            values.values[first[binary]], values.values[second[binary]], values.tasks, top)
+        low[binary], high[binary] = scale * low[binary], scale * high[binary]
+    reach = scale * (values.bounds[1] - values.bounds[0])
     p = inference.sign_flip_p(differences, values.tasks, permutations, seed)
-    return pd.DataFrame({"delta": estimate.point, "low": estimate.low, "high": estimate.high, "p": p,
-                         "p_holm": inference.holm(p), "mdd": estimate.detectable()})
+    mdd = estimate.detectable()
+    # An accuracy difference's SD is 0 when no pair is discordant, which would make any n look powerful: its
+    # detectable difference is taken from the standard error its score interval implies instead.
+    mdd[binary] = inference.minimum_detectable((high[binary] - low[binary]) / (2 * inference.Z95), np.inf)
+    return pd.DataFrame({"delta": estimate.point, "low": np.clip(low, -reach, reach),
+                         "high": np.clip(high, -reach, reach), "p": p, "p_holm": inference.holm(p), "mdd": mdd})
+
+
+def measure_samples(frame: pd.DataFrame, order: list, counted: list[str]):
+    """(kl, agreement, score x100 on every task, score x100 on the `counted` tasks or None) per leaderboard row
+    (`frame`'s `key`) and sample, each knowing its scale and which tasks are accuracies."""
+    accuracy = proportions.accuracy_tasks(frame)
+    kl = inference.sample_matrix(frame, "kl", order, bounds=(0.0, np.inf))
+    agreement = inference.sample_matrix(frame, "agreement", order, bounds=(0.0, 1.0))
+    scored = frame.assign(score=100 * frame["score"])
+    score = inference.sample_matrix(scored, "score", order, accuracy=accuracy, bounds=(0.0, 100.0))
+    chosen = scored[scored["task"].isin(counted)]
+    informative = (inference.sample_matrix(chosen, "score", order, accuracy=accuracy, bounds=(0.0, 100.0))
+                   if len(chosen) else None)
+    return kl, agreement, score, informative
 
 
 def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = stats.RESAMPLES,
@@ -165,23 +202,19 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
     frame = frame.assign(key=_board_rows(board, frame))
     order = list(range(len(board)))
     counted = list(dict.fromkeys(frame["task"])) if counted is None else counted
-    kl = inference.sample_matrix(frame, "kl", order)
-    agreement = inference.sample_matrix(frame, "agreement", order)
-    score = inference.sample_matrix(frame.assign(score=100 * frame["score"]), "score", order)
-    chosen = frame[frame["task"].isin(counted)]
-    informative = inference.sample_matrix(chosen.assign(score=100 * chosen["score"]), "score", order) if len(chosen) else None
+    kl, agreement, score, informative = measure_samples(frame, order, counted)
 
     board = board.copy()
     for name, values in (("kl", kl), ("agreement", agreement)):
-        estimate = inference.t_interval(values.values, values.tasks)
+        low, high = inference.mean_interval(values)
         point = board[name].to_numpy(float)
-        board.insert(board.columns.get_loc(name) + 1, f"{name}_ci_low", np.minimum(estimate.low, point))
-        board.insert(board.columns.get_loc(name) + 2, f"{name}_ci_high", np.maximum(estimate.high, point))
+        board.insert(board.columns.get_loc(name) + 1, f"{name}_ci_low", np.minimum(low, point))
+        board.insert(board.columns.get_loc(name) + 2, f"{name}_ci_high", np.maximum(high, point))
     for name, values in (("avg", score), ("avg_informative", informative)):
         point = board[name].to_numpy(float)
-        estimate = inference.t_interval(values.values, values.tasks) if values is not None else None
-        low = _floor2(np.minimum(estimate.low, point)) if estimate else np.full(len(board), np.nan)
-        high = _ceil2(np.maximum(estimate.high, point)) if estimate else np.full(len(board), np.nan)
+        interval = inference.mean_interval(values) if values is not None else None
+        low = _floor2(np.minimum(interval[0], point)) if interval else np.full(len(board), np.nan)
+        high = _ceil2(np.maximum(interval[1], point)) if interval else np.full(len(board), np.nan)
         board.insert(board.columns.get_loc(name) + 1, f"{name}_ci_low", low)
         board.insert(board.columns.get_loc(name) + 2, f"{name}_ci_high", high)
 
@@ -199,7 +232,8 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
                 pairs.append((int(row), b))
     where = board.columns.get_loc("agreement_ci_high") + 1
     board.insert(where, "versus", versus)
-    _insert_tests(board, kl, pairs, KL_TEST, where + 1, lower_is_better=True, resamples_seed=seed)
+    _insert_tests(board, kl, pairs, KL_TEST, where + 1, lower_is_better=True, resamples_seed=seed,
+                  meaningful=inference.MEANINGFUL["kl"])
     ratio = np.full((3, len(board)), np.nan)  # the KL as a multiple of the baseline's, for the forest plots
     if pairs:
         first, second = (np.array(side) for side in zip(*pairs))
@@ -210,7 +244,8 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
         board.insert(at + offset, name, ratio[offset])
     if informative is not None:
         _insert_tests(board, informative, pairs, SCORE_TEST, board.columns.get_loc("avg_informative_ci_high") + 1,
-                      lower_is_better=False, resamples_seed=seed, rounded=board["avg_informative"].to_numpy(float))
+                      lower_is_better=False, resamples_seed=seed, rounded=board["avg_informative"].to_numpy(float),
+                      meaningful=inference.MEANINGFUL["score"])
     else:
         at = board.columns.get_loc("avg_informative_ci_high") + 1
         for offset, name in enumerate(SCORE_TEST):
@@ -220,7 +255,7 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
         board.loc[(aware & board[name].ne("baseline")).to_numpy() & board["versus"].notna().to_numpy(), name] = "answer-aware"
 
     ranks = []
-    ranked = board[(board["method"] != REFERENCE) & ~aware]
+    ranked = board[(board["method"] != REFERENCE) & ~aware & ~board["fewer_samples"]]
     boot = stats.Bootstrap.draw(frame, resamples, seed)
     _, kl_draws = boot.replicates(frame, "kl", order)
     for budget, group in ranked.groupby("budget", sort=True):
@@ -231,7 +266,7 @@ def add_uncertainty(frame: pd.DataFrame, board: pd.DataFrame, resamples: int = s
 
 
 def _insert_tests(board: pd.DataFrame, values: inference.Samples, pairs, names, at: int, lower_is_better: bool,
-                  resamples_seed: int, rounded: np.ndarray | None = None) -> None:
+                  resamples_seed: int, rounded: np.ndarray | None = None, meaningful: float | None = None) -> None:
     """The comparison columns `names` (KL_TEST / SCORE_TEST) at column position `at`, one family for Holm."""
     tests = compare(values, pairs, seed=resamples_seed)
     columns = {name: np.full(len(board), np.nan) for name in names if name not in ("kl_verdict", "verdict")}
@@ -247,8 +282,8 @@ def _insert_tests(board: pd.DataFrame, values: inference.Samples, pairs, names, 
     based = [j for _, j in pairs]
     for j in set(based):  # the baseline's own row: a zero difference, no test
         columns[delta][j] = 0.0
-    columns[verdict_name] = [inference.verdict(lo, hi, q, lower_is_better)
-                             for lo, hi, q in zip(columns[low], columns[high], columns[p_holm])]
+    columns[verdict_name] = [inference.verdict(lo, hi, q, lower_is_better, d, meaningful)
+                             for lo, hi, q, d in zip(columns[low], columns[high], columns[p_holm], columns[mdd])]
     for offset, name in enumerate(names):
         board.insert(at + offset, name, columns[name])
 
