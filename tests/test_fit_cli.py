@@ -15,7 +15,7 @@ from tests.conftest import invoke as run
 
 def test_the_fitting_commands_are_listed_in_help():
     top = run("--help")
-    assert top.returncode == 0 and "fit " in top.stdout, top.stdout
+    assert top.returncode == 0 and "fit       Fit lukv, kvzap or compresskv on calibration" in top.stdout, top.stdout
     fit = run("fit", "--help")
     assert fit.returncode == 0
     for name in ("lukv", "kvzap", "compresskv"):
@@ -85,6 +85,7 @@ def test_fit_kvzap_writes_both_surrogates_and_resumes(tmp_path, tiny_model_dir):
             "--epochs", 1, "--target-tokens", 300, "--device", "cpu", "--out", tmp_path / "kvzap"]
     first = run(*args)
     assert first.returncode == 0, first.stderr
+    assert first.stderr.startswith(f"fit kvzap: writing to {tmp_path / 'kvzap'}\n"), first.stderr
     for kind in ("mlp", "linear"):
         provenance = json.loads((tmp_path / "kvzap" / f"kvzap-{kind}.json").read_text())
         provenance = {key: provenance[key] for key in list(provenance)[list(provenance).index("model"):]}
@@ -104,6 +105,7 @@ def test_fit_lukv_writes_a_curve_per_scorer_with_its_draw(tmp_path, tiny_model_d
                  "--calib-draw", 1, "--calib-draws", 2, "--answer-tokens", 4, "--target-tokens", 300,
                  "--device", "cpu", "--out", out)
     assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(f"fit lukv: writing to {out}\n") and f"{out / 'curve-snapkv.csv'}" in result.stderr
     provenance = json.loads((out / "curve-snapkv.json").read_text())
     assert list(provenance)[:7] == ["model", "calib_samples", "target_tokens", "answer_tokens", "layerwise",
                                     "calib_draw", "calib_draws"]

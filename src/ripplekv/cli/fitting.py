@@ -79,7 +79,8 @@ def fit_lukv(
     start = time.perf_counter()
     written = profile_curves(Path(out), ModelChoice(model, device, dtype),
                              [s.strip() for s in methods.split(",") if s.strip()],
-                             CurveSettings(answer_tokens, not per_layer), chosen, bar=_bar)
+                             CurveSettings(answer_tokens, not per_layer), chosen, bar=_bar,
+                             announce=lambda: _say_out(console, "fit lukv", out, True))
     for name, path in written.items():
         console.print(f"curve of {name}: {path}", soft_wrap=True)
     console.print(f"fit lukv: done in {time.perf_counter() - start:.1f} s")
@@ -118,7 +119,7 @@ def fit_kvzap(
     start = time.perf_counter()
     kinds = [k.strip() for k in models.split(",") if k.strip()]
     written = fit_surrogates(Path(out), ModelChoice(model, device, dtype), FitSettings(tokens, holdout, epochs),
-                             chosen, kinds, bar=_bar)
+                             chosen, kinds, bar=_bar, announce=lambda: _say_out(console, "fit kvzap", out, True))
     for kind, (path, fit) in written.items():
         console.print(f"{path} ({kind}): held-out rank correlation with KVzip {fit['spearman_mean']:.3f} (per layer "
                       f"{min(fit['spearman_per_layer']):.3f}-{max(fit['spearman_per_layer']):.3f}), "

@@ -83,9 +83,10 @@ def curve_files(names) -> list[str]:
 
 
 def profile_curves(out: Path, model: ModelChoice, specs: list[str], settings: CurveSettings,
-                   calibration: Calibration, bar=None) -> dict[str, Path]:
+                   calibration: Calibration, bar=None, announce=None) -> dict[str, Path]:
     """Profile (or resume) the curves of `specs`' scorers on `calibration`'s prompts into `out`; returns scorer
-    name -> curve file. `bar(total, done)` gives (context manager, advance) for a progress bar."""
+    name -> curve file. `bar(total, done)` gives (context manager, advance) for a progress bar; `announce()` is
+    called once every input has been checked (so bad input stays one line)."""
     from ripplekv.engine.models import load_tokenizer, resolve_model
 
     calibration.check()
@@ -100,6 +101,8 @@ def profile_curves(out: Path, model: ModelChoice, specs: list[str], settings: Cu
     header = {"model": source.label, **settings.record(calibration),
               "scorers": {n: scorer_identity(s) for n, s in scorers.items()},
               "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
+    if announce is not None:
+        announce()
     with exclusive(Path(out), "head-curve profile"):
         log = UnitLog(Path(out) / LOG, header, remedy="use a new --out directory")
         todo = [p for p in prompts if p.sample_id not in log.done]

@@ -94,9 +94,10 @@ def held_out_fit(layers, inputs, targets) -> dict:
 
 
 def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibration: Calibration,
-                   kinds=kvzap_surrogate.KINDS, bar=None) -> dict[str, tuple[Path, dict]]:
+                   kinds=kvzap_surrogate.KINDS, bar=None, announce=None) -> dict[str, tuple[Path, dict]]:
     """Collect (or resume) the pairs of `calibration`'s prompts into `out`, fit each surrogate of `kinds`; kind ->
-    (weights file, held-out fit). `bar(total, done)` gives (context manager, advance) for a progress bar."""
+    (weights file, held-out fit). `bar(total, done)` gives (context manager, advance) for a progress bar;
+    `announce()` is called once every input has been checked (so bad input stays one line)."""
     from ripplekv.engine.models import load_tokenizer, resolve_model
 
     calibration.check()
@@ -114,6 +115,8 @@ def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibra
     header = {"model": source.label, **settings.record(calibration), "calibration_ids": [p.sample_id for p in prompts],
               "calibration_hash": calibration_hash(prompts), "targets": f"log max(KVzip score, {FLOOR}), our kvzip scorer "
               f"(n_sink {N_SINK}, chunk {CHUNK})", "inputs": "each layer's attention input (after its input norm)"}
+    if announce is not None:
+        announce()
     with exclusive(out, "kvzap fit"):
         log = UnitLog(out / LOG, header, remedy="use a new --out directory")
         todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
