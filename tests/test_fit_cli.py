@@ -64,6 +64,7 @@ def test_fit_lukv_and_kvzap_refuse_in_one_line(tmp_path, tiny_model_dir, command
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_fit_compresskv_averages_the_layer_errors_as_one_calibrate_call(tmp_path, tiny_model_dir):
     from ripplekv.engine.models import load_model
     from ripplekv.methods.compresskv import calibrate
@@ -80,6 +81,7 @@ def test_fit_compresskv_averages_the_layer_errors_as_one_calibrate_call(tmp_path
     assert f"wrote: {out}" in result.stderr
 
 
+@pytest.mark.slow
 def test_fit_kvzap_writes_both_surrogates_and_resumes(tmp_path, tiny_model_dir):
     args = ["fit", "kvzap", "--model", tiny_model_dir, "--calib-samples", 2, "--holdout", 2, "--tokens", 16,
             "--epochs", 1, "--target-tokens", 300, "--device", "cpu", "--out", tmp_path / "kvzap"]
@@ -99,6 +101,7 @@ def test_fit_kvzap_writes_both_surrogates_and_resumes(tmp_path, tiny_model_dir):
     assert other.returncode == 2 and "use a new --out directory" in other.stderr  # another draw, another folder
 
 
+@pytest.mark.slow
 def test_fit_lukv_writes_a_curve_per_scorer_with_its_draw(tmp_path, tiny_model_dir):
     out = tmp_path / "lukv"
     result = run("fit", "lukv", "--model", tiny_model_dir, "--methods", "lukv:scorer=snapkv", "--calib-samples", 1,
