@@ -40,8 +40,8 @@ def main() -> None:
           f"{'max_diff':>9}  path")
     for label, (kv_heads, group, dim) in SHAPES.items():
         for variants, kept in GRID:
-            timed = decode_attention.calibrate(device, dtype, kv_heads, group, dim, CompressedLayer, variants=variants,
-                                               kept=kept, rounds=args.rounds, calls=args.calls)
+            trial = decode_attention.Trial(variants=variants, kept=kept, rounds=args.rounds, calls=args.calls)
+            timed = decode_attention.calibrate(device, dtype, kv_heads, group, dim, CompressedLayer, trial)
             diff = agreement(decode_attention, device, dtype, kv_heads, group, dim, variants, kept)
             print(f"{label:<14} {variants:>8} {kept:>6} {timed['ours_ms']:>9.3f} {timed['fused_ms']:>9.3f} "
                   f"{timed['fused_ms'] / timed['ours_ms']:>10.2f} {diff:>9.2e}  {timed['path']}", flush=True)

@@ -52,7 +52,7 @@ def one_length(args) -> dict:
     from ripplekv.engine.memory import format_bytes, parse_bytes, resident_peak, tensor_bytes
     from ripplekv.engine.models import load_tokenizer
     from ripplekv.methods import make_method
-    from ripplekv.pipeline.evaluate import SampleSettings, evaluate_sample
+    from ripplekv.pipeline.evaluate import SampleSettings, Wanted, evaluate_sample
     from ripplekv.tasks import get_tasks, load_samples
 
     torch.set_num_threads(args.threads)
@@ -77,7 +77,8 @@ def one_length(args) -> dict:
     bound = parse_bytes(args.memory_budget)
     started = time.perf_counter()
     rows = evaluate_sample(model, tokenizer, task, record, methods, (BUDGET, whole),
-                           SampleSettings(max_length=4 * args.one, memory_budget=bound), sid="bench", variants=variants)
+                           SampleSettings(max_length=4 * args.one, memory_budget=bound), sid="bench",
+                           wanted=Wanted(variants))
     seconds = time.perf_counter() - started
     entry = config.num_key_value_heads * 2 * 128 * 4
     at_once = sum(entry * sum(max(h) for h in row.get("head_budgets", [[b] * 8 for b in row["layer_budgets"]]))

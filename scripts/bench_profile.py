@@ -9,19 +9,15 @@ agree (max |KL difference| is printed). The last line is `speedup X.XX`.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from naive_profile import profile_prompt_one_layer_at_a_time  # this folder's reference (scripts/naive_profile.py)
 
 from ripplekv.defaults import PROBE_TOKENS, PROFILE_SEEDS
 from ripplekv.engine.models import load_model
 from ripplekv.pipeline.profile import ProfileSettings, profile_prompt
 from ripplekv.tasks.calibration import calibration_prompts
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.naive_profile import profile_prompt_one_layer_at_a_time  # noqa: E402  (the reference lives with the tests)
 
 
 def main() -> None:

@@ -12,18 +12,14 @@ trial costs the naive way one prefill whatever its scorer.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from naive_route import preferences_one_trial_at_a_time  # this folder's reference (scripts/naive_route.py)
 
 from ripplekv.engine.models import load_model
 from ripplekv.pipeline.route import RouteSettings, candidate_methods, preference_prompt
 from ripplekv.tasks.calibration import calibration_prompts
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.naive_route import preferences_one_trial_at_a_time  # noqa: E402  (the reference lives with the tests)
 
 METHODS = "snapkv,streamingllm,h2o,tova,knorm"  # the routing defaults
 

@@ -14,7 +14,7 @@ from ripplekv.pipeline.allocate import (
     map_label,
     multipliers,
     proportional_multipliers,
-    read_sensitivity,
+    read_profile_sensitivity,
     write_allocation,
 )
 
@@ -76,7 +76,7 @@ def test_bad_sensitivity_files(tmp_path, text, layers, message):
     path = tmp_path / "s.csv"
     path.write_text(text)
     with pytest.raises(UserError, match=message):
-        read_sensitivity(path, layers)
+        read_profile_sensitivity(path, layers)
 
 
 def test_ratio_below_one_is_rejected():

@@ -105,8 +105,8 @@ def test_a_bad_setting_is_one_line(monkeypatch):
 
 
 def test_calibration_times_both_paths_and_keeps_ours_unless_fused_is_clearly_faster():
-    result = decode_attention.calibrate(torch.device("cpu"), torch.float32, 2, 3, 8, CompressedLayer, variants=4,
-                                        kept=32, rounds=2, calls=2)
+    result = decode_attention.calibrate(torch.device("cpu"), torch.float32, 2, 3, 8, CompressedLayer,
+                                        decode_attention.Trial(variants=4, kept=32, rounds=2, calls=2))
     assert result["ours_ms"] > 0 and result["fused_ms"] > 0
     faster = result["fused_ms"] <= decode_attention.MARGIN * result["ours_ms"]
     assert result["path"] == ("fused" if faster else "ours")

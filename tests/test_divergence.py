@@ -6,6 +6,7 @@ import torch
 from ripplekv.engine.decode import full_reference, greedy_decode, measure_fidelity
 from ripplekv.engine.divergence import decode_by_divergence
 from ripplekv.engine.prefill import Requirements, prefill
+from ripplekv.engine.schedule import Decoding
 from ripplekv.methods.column_sums import COLUMN_SUMS
 from tests.conftest import every_method
 
@@ -131,7 +132,7 @@ def test_a_finished_group_is_gone_before_the_next_group_is_built(tmp_path, monke
     monkeypatch.setattr(divergence, "build_lazily", build_lazily)
     lengths = [[layer.capacity for layer in build(i)] for i in range(len(specs))]
     alive_at_build.clear()
-    tokens, _ = divergence.decode_variants(model, state, LazyVariants(lengths, build), reference, 10,
-                                           memory_bytes=1, decoding=decoding)
+    tokens, _ = divergence.decode_variants(model, state, LazyVariants(lengths, build), reference,
+                                           Decoding(10, decoding=decoding), memory_bytes=1)
     assert alive_at_build == [0] * len(specs)  # groups of one: nothing earlier alive at any build
     assert tokens == greedy_decode(model, state, [methods[n].compress(state, b) for n, b in specs], 10)

@@ -455,7 +455,8 @@ def test_progress_counts_every_prefilled_and_decoded_token(tiny_model_dir, alloc
     methods = {name: make_method(name, shared={"allocation": str(allocation)}) for name in ("full", "snapkv", "ripplekv")}
     seen = []
     rows = evaluate.evaluate_sample(model, tokenizer, task, record, methods, (32, 64),
-                                    evaluate.SampleSettings(batch_size=2), sid="s", variants=[("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)], with_full=False,
+                                    evaluate.SampleSettings(batch_size=2), sid="s",
+                                    wanted=evaluate.Wanted([("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)], False),
                                     progress=lambda kind, units: seen.append((kind, units)))
     assert [(r["method"], r["budget"]) for r in rows] == [("snapkv", 64), ("ripplekv", 32), ("ripplekv", 64)]
     n = rows[0]["prompt_tokens"]

@@ -242,8 +242,10 @@ def test_the_profile_on_a_hybrid_model_equals_one_layer_at_a_time(signal):
     """RippleKV's profile (noise) and DepthKV's (evict) through the shared probe equal a fresh prefill per layer
     (noise: on the stock model's own cache, whose sliding layers hold only their window)."""
     from ripplekv.pipeline.profile import ProfileSettings, profile_prompt
-    from tests.naive_profile import profile_prompt_one_layer_at_a_time
+    from tests.conftest import load_script
     from tests.test_profile import calibration
+
+    profile_prompt_one_layer_at_a_time = load_script("naive_profile").profile_prompt_one_layer_at_a_time
 
     model, sample = tiny_gemma3(), calibration()
     settings = ProfileSettings(eta=1.0, seeds=1, signal=signal, probe_tokens=12, evict_budget=8, batch_size=4,
@@ -255,8 +257,10 @@ def test_the_profile_on_a_hybrid_model_equals_one_layer_at_a_time(signal):
 
 def test_route_preferences_on_a_hybrid_model_equal_a_prefill_per_trial():
     from ripplekv.pipeline.route import RouteSettings, candidate_methods, preference_prompt
-    from tests.naive_route import preferences_one_trial_at_a_time
+    from tests.conftest import load_script
     from tests.test_route import CANDIDATES, random_prompt
+
+    preferences_one_trial_at_a_time = load_script("naive_route").preferences_one_trial_at_a_time
 
     model, sample = tiny_gemma3(), random_prompt()
     settings = RouteSettings(methods=CANDIDATES, budget=8, probe_tokens=12, batch_size=5)

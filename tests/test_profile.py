@@ -15,8 +15,9 @@ from ripplekv.pipeline.profile import (
     split_prompt,
     write_profile,
 )
-from tests.conftest import tiny_llama, tiny_qwen2
-from tests.naive_profile import profile_prompt_one_layer_at_a_time
+from tests.conftest import load_script, tiny_llama, tiny_qwen2
+
+profile_prompt_one_layer_at_a_time = load_script("naive_profile").profile_prompt_one_layer_at_a_time
 
 
 def calibration(length=160, probe=12, seed=3):

@@ -32,8 +32,9 @@ from ripplekv.pipeline.route import (
     stop_tokens,
 )
 from tests.conftest import invoke as run
-from tests.conftest import tiny_llama, tiny_qwen2
-from tests.naive_route import preferences_one_trial_at_a_time
+from tests.conftest import load_script, tiny_llama, tiny_qwen2
+
+preferences_one_trial_at_a_time = load_script("naive_route").preferences_one_trial_at_a_time
 
 CANDIDATES = ("snapkv", "streamingllm", "random")
 MARKERS = list(range(1, 9))  # token ids a built layer attends to

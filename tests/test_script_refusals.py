@@ -1,39 +1,18 @@
-"""The helper scripts refuse as the commands do: a mistake (a zero budget or sample count, an output under a
-file, bad --budgets, a reference venv path that cannot be made) is one `error:` line, exit 2, checked before the
-model loads or anything (a venv, an output folder) is made; the reference venv lives in the project by default."""
+"""The helper scripts refuse as the commands do: a mistake (an output under a file, bad --budgets, a reference venv
+path that cannot be made) is one `error:` line, exit 2, checked before the model loads or anything (a venv, an
+output folder) is made; the reference venv lives in the project by default. (`ripplekv fit compresskv`, once a
+script, is checked in tests/test_fit_cli.py.)"""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from ripplekv.errors import UserError
 from tests.conftest import load_script, script_refusal
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def test_the_compresskv_profile_script_checks_everything_before_the_model(tmp_path, monkeypatch):
-    profile = load_script("compresskv_profile")
-    (tmp_path / "a-file").write_text("x")
-    base = dict(model=None, calib_samples=2, budget=128, window=32, target_tokens=2000, out=str(tmp_path / "p.csv"),
-                calib_draw=0, calib_draws=1)
-    for change, message in ((dict(budget=0), "budget must be a positive integer"),
-                            (dict(calib_samples=0), "--calib-samples must be at least 1"),
-                            (dict(target_tokens=10), "--target-tokens must be"),
-                            (dict(out=str(tmp_path / "a-file" / "p.csv")), "a-file is a file, not a directory")):
-        with pytest.raises(UserError, match=message):
-            profile.check(argparse.Namespace(**{**base, **change}))
-    profile.check(argparse.Namespace(**{**base, "out": str(tmp_path / "missing" / "folder" / "p.csv")}))
-    from ripplekv.methods.compresskv import write_profile
-
-    write_profile(tmp_path / "missing" / "folder" / "p.csv", [0.5, 0.25])  # a missing folder is made, as commands do
-    assert (tmp_path / "missing" / "folder" / "p.csv").read_text() == "layer,error\n0,0.5\n1,0.25\n"
 
 
 def test_reference_scripts_refuse_bad_budgets_and_an_unusable_venv_before_making_anything(tmp_path, monkeypatch, capsys):

@@ -2,7 +2,7 @@
 
 User mistakes raise `UserError`; `main` turns them into one line on stderr and exit code 2, and prints each
 `Notice` the libraries warn with as one `note:` line; both name a setting by its flag (`options.flag`).
-The commands live in their own modules (listing, stages, evaluation, needle, inspecting, lm_eval); this module
+The commands live in their own modules (listing, stages, fitting, evaluation, needle, inspecting, lm_eval); this module
 registers them, in the order `ripplekv --help` lists them, so none of them imports the app.
 """
 
@@ -14,6 +14,7 @@ import warnings
 import typer
 
 from ripplekv.cli.evaluation import eval_command, report_command, score
+from ripplekv.cli.fitting import fit_app
 from ripplekv.cli.inspecting import inspect_command
 from ripplekv.cli.listing import budgets, methods_command, tasks_command
 from ripplekv.cli.lm_eval import LM_EVAL_SETTINGS, lm_eval_command
@@ -54,6 +55,7 @@ app.command()(profile)
 app.command()(allocate)
 app.command("route")(route_command)
 app.command()(tune)
+app.add_typer(fit_app, name="fit", short_help="Fit lukv, kvzap or compresskv on calibration prompts.")
 app.command("eval")(eval_command)
 app.command("report")(report_command)
 app.command("score")(score)

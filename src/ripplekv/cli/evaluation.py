@@ -239,7 +239,7 @@ def score(
     from rich.table import Table
 
     from ripplekv.metrics.rouge import check_rouge
-    from ripplekv.metrics.scoring import load_predictions, score_predictions
+    from ripplekv.metrics.scoring import read_prediction_file, score_predictions
     from ripplekv.runs.safeio import check_output, write_csv
 
     rouge = check_rouge(rouge)
@@ -247,7 +247,7 @@ def score(
     check_output(out, inputs=[pred_file])
     if samples is not None:
         check_output(samples, inputs=[pred_file, out], option="--samples")
-    datasets, per_sample = score_predictions(load_predictions(Path(pred_file)), rouge)
+    datasets, per_sample = score_predictions(read_prediction_file(Path(pred_file)), rouge)
     if not given:  # said once the input is known to be good, so a mistake is still one line
         _say_out(Console(stderr=True), "score", out, False)
     write_csv(out, datasets)

@@ -61,6 +61,8 @@ def inspect_command(
     from ripplekv.engine.models import resolve_model
     from ripplekv.methods import make_method
     from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget
+    from ripplekv.pipeline.model_choice import ModelChoice
+    from ripplekv.pipeline.samples import PromptChoice, check_inspect_window
     from ripplekv.runs.files import INSPECT_FILES
     from ripplekv.runs.safeio import check_output, exclusive
 
@@ -76,11 +78,9 @@ def inspect_command(
         raise UserError("give either --task T (with --index I) or --prompt-file FILE")
     if index < 0:
         raise UserError(f"--index must be >= 0, got {index}")
+    prompt = PromptChoice(task, index, prompt_file, suite, data_dir, target_tokens, max_length)
     if task is not None:  # a sliding window shorter than the prompt: said before the folder is made
-        from ripplekv.pipeline.samples import check_inspect_window
-
-        check_inspect_window(model, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
-                             max_length=max_length, answer=decode_budget == "total")
+        check_inspect_window(model, prompt, answer=decode_budget == "total")
     source = resolve_model(model)
     folder = check_output(out or DEFAULT_INSPECT, kind="dir", writes=INSPECT_FILES, run="inspect",
                           inputs=[prompt_file, allocation, route, source.location if source.kind == "gguf" else None])
@@ -89,17 +89,13 @@ def inspect_command(
 
         _say_out(Console(stderr=True), "inspect", folder, False)
     with exclusive(folder, "inspect"):
-        _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
-                        model, device, dtype, decoding)
+        _inspect_locked(chosen, budget, folder, ModelChoice(model, device, dtype), prompt, decoding)
 
 
-def _inspect_locked(chosen, budget, folder, task, index, prompt_file, suite, data_dir, target_tokens, max_length,
-                    model, device, dtype, decoding: dict) -> None:
+def _inspect_locked(chosen, budget, folder, model, prompt, decoding: dict) -> None:
     from rich.console import Console
 
     from ripplekv.pipeline.inspect import inspect_into
 
-    title = inspect_into(folder, chosen, budget, model, task=task, index=index, prompt_file=prompt_file, suite=suite,
-                         data_dir=data_dir, target_tokens=target_tokens, max_length=max_length, device=device,
-                         dtype=dtype, **decoding)
+    title = inspect_into(folder, chosen, budget, model, prompt, **decoding)
     Console(stderr=True).print(f"{title}\nwrote {folder / 'kept.npz'} and {folder / 'kept.png'}")

@@ -147,6 +147,21 @@ def one_budget(text) -> int:
     return values[0]
 
 
+def calibration(samples: int, draw: int, draws: int, target_tokens: int, with_answer: bool = False):
+    """--calib-samples, --calib-draw/--calib-draws, --target-tokens (and --with-answer) as one checked
+    `Calibration`: the calibration prompts every fitted stage reads."""
+    from ripplekv.tasks.calibration import Calibration, Draw
+
+    return Calibration(samples, target_tokens, Draw(draw, draws), with_answer).check()
+
+
+def check_extensions(max_extensions: int) -> int:
+    """--max-extensions of the stages that search a grid (allocate's ratio, tune's knobs)."""
+    if max_extensions < 0:
+        raise UserError(f"--max-extensions must be 0 or more, got {max_extensions}")
+    return max_extensions
+
+
 def worker_settings(workers: int, ray_address: str | None):
     """--workers / --ray-address, checked (Ray itself is imported only when they ask for it)."""
     from ripplekv.pipeline.distributed import Workers, check_reachable, import_ray

@@ -34,6 +34,8 @@ from ripplekv.cli.options import (
     _say_out,
     _say_written,
     budget_option,
+    calibration,
+    check_extensions,
     model_shape,
     out_option,
     seed_option,
@@ -105,12 +107,11 @@ def profile(
     Rerunning the same command resumes an interrupted profile (finished samples are kept)."""
     from rich.console import Console
 
-    from ripplekv.engine.models import resolve_device_dtype
     from ripplekv.methods.budgets import check_budget
+    from ripplekv.pipeline.model_choice import ModelChoice
     from ripplekv.pipeline.profile import ProfileSettings, check_given, profile_into
-    from ripplekv.tasks.calibration import Draw
 
-    draw = Draw(calib_draw, calib_draws).check()
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, with_answer)
     check_given(signal, measure or "task-drop", {"--evict-method": evict_method, "--evict-budget": evict_budget,
                                                  "--measure": measure, "--prune-ratio": prune_ratio})
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(128 if evict_budget is None else evict_budget),
@@ -118,14 +119,10 @@ def profile(
     if signal == "evict" and settings.measure == "task-drop" and with_answer:
         raise UserError("--with-answer feeds the answer as probe tokens (a KL measure); the task-drop measure "
                         "scores the model's own answer: drop --with-answer or pass --measure kl")
-    if calib_samples < 1:
-        raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     scale = worker_settings(workers, ray_address)
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_PROFILE
-    device, dtype = resolve_device_dtype(device, dtype)
-    count, meta = profile_into(out_dir, model, settings, calib_samples=calib_samples, target_tokens=target_tokens,
-                               with_answer=with_answer, device=device, dtype=dtype, workers=scale, draw=draw,
+    count, meta = profile_into(out_dir, ModelChoice(model, device, dtype).resolved(), settings, chosen, workers=scale,
                                bar=lambda total, done: _progress_bar("profiling", total, done),
                                announce=lambda: _say_out(console, "profile", out_dir, out is not None))
     rho = meta["split_half_spearman"]
@@ -163,19 +160,16 @@ def allocate(
     """Turn a sensitivity profile into per-layer budget multipliers (and pick the ratio by calibration)."""
     from rich.console import Console
 
-    from ripplekv.pipeline.allocate import check_bounds, run_allocate
-    from ripplekv.tasks.calibration import Draw
+    from ripplekv.pipeline.allocate import AllocateSettings, check_bounds, run_allocate
+    from ripplekv.pipeline.model_choice import ModelChoice
 
-    draw = Draw(calib_draw, calib_draws).check()
-    if max_extensions < 0:
-        raise UserError(f"--max-extensions must be 0 or more, got {max_extensions}")
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    check_extensions(max_extensions)
     if mapping == "proportional" and ratio:
         raise UserError("--ratio applies to --map exponential only; --map proportional takes no ratio")
     check_bounds(floor, cap)
     if mapping != "proportional" and (floor is not None or cap is not None):
         raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
-    if calib_samples < 1:
-        raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
     out_path = Path(out) if out else DEFAULT_ALLOCATION
     if sensitivity is None:
@@ -187,10 +181,9 @@ def allocate(
         _say_out(console, "allocate", out_path, out is not None)
         console.print(f"allocate: read {sensitivity}", soft_wrap=True)
 
-    written = run_allocate(sensitivity, out_path, ratio or [4.0], model, budget, calib_samples, target_tokens, console,
-                           bar=lambda total, done: _progress_bar("choosing ratio", total, done), device=device, dtype=dtype,
-                           mapping=mapping, announce=announce, floor=floor, cap=cap, draw=draw,
-                           max_extensions=max_extensions)
+    settings = AllocateSettings(tuple(ratio or [4.0]), mapping, floor, cap, budget, max_extensions)
+    written = run_allocate(sensitivity, out_path, settings, ModelChoice(model, device, dtype), chosen, console,
+                           bar=lambda total, done: _progress_bar("choosing ratio", total, done), announce=announce)
     _say_written(console, written)
 
 
@@ -222,8 +215,8 @@ def route_command(
     """Route a method to each layer by per-(layer, method) KL, and rank the route among random placements."""
     from rich.console import Console
 
-    from ripplekv.engine.models import resolve_device_dtype
     from ripplekv.pipeline.eval_plan import parse_names
+    from ripplekv.pipeline.model_choice import ModelChoice
     from ripplekv.pipeline.route import (
         RouteSettings,
         candidate_methods,
@@ -233,9 +226,8 @@ def route_command(
         parse_caps,
     )
     from ripplekv.runs.safeio import exclusive
-    from ripplekv.tasks.calibration import Draw
 
-    draw = Draw(calib_draw, calib_draws).check()
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, with_answer)
     listed = [part.strip() for part in methods.split(",") if part.strip()]
     if len(set(listed)) < len(listed):
         raise UserError(f"--methods lists a candidate twice ({methods}); name each candidate once")
@@ -244,29 +236,26 @@ def route_command(
     settings.check()
     labels = [m.label for m in candidate_methods(settings.methods)]
     parse_caps(settings.max_share, labels, model_shape(model)[0])  # bad caps fail before the model loads
-    if calib_samples < 1 or placement_samples < 0:
+    if placement_samples < 0:
         raise UserError("--calib-samples must be at least 1 and --placement-samples at least 0")
     check_placement_study(len(labels), placements, placement_samples)
     out_dir = check_route_dir(Path(out) if out else DEFAULT_ROUTE, model)
     console = Console(stderr=True)
-    device, dtype = resolve_device_dtype(device, dtype)
+    where = ModelChoice(model, device, dtype).resolved()
     if out is None:  # said once the options are known to be good, so a mistake is still one line
         _say_out(console, "route", out_dir, False)
-    check_route_window(model, settings, calib_samples=calib_samples, placement_samples=placement_samples if placements else 0,
-                       target_tokens=target_tokens, with_answer=with_answer, draw=draw)
+    held_out = placement_samples if placements else 0
+    check_route_window(model, settings, chosen, held_out)
     with exclusive(out_dir, "route"):
-        _route_locked(out_dir, model, settings, calib_samples, placement_samples, placements, probe_tokens,
-                      target_tokens, with_answer, budget, device, dtype, console, draw)
+        _route_locked(out_dir, where, settings, chosen, held_out, console)
 
 
-def _route_locked(out, model, settings, calib_samples, placement_samples, placements, probe_tokens, target_tokens,
-                  with_answer, budget, device, dtype, console, draw) -> None:
+def _route_locked(out, model, settings, calibration, placement_samples, console) -> None:
     from ripplekv.pipeline.route import route_into
 
-    meta, layers, scored = route_into(out, model, settings, calib_samples=calib_samples,
-                                      placement_samples=placement_samples if placements else 0,
-                                      target_tokens=target_tokens, with_answer=with_answer, device=device, dtype=dtype,
-                                      progress_bar=lambda total: _progress_bar("routing", total), draw=draw)
+    meta, layers, scored = route_into(out, model, settings, calibration, placement_samples,
+                                      progress_bar=lambda total: _progress_bar("routing", total))
+    budget, placements = settings.budget, settings.placements
     counts = ", ".join(f"{label} x{count}" for label, count in meta["method_counts"].items())
     rank = meta["placement_rank"]
     console.print(f"route over {layers} layers: {counts}; wrote {out}/ROUTE.csv")
@@ -306,18 +295,15 @@ def tune(
     """Choose baselines' knobs on calibration prompts (teacher-forced KL to the full cache), as allocate chooses the ratio."""
     from rich.console import Console
 
-    from ripplekv.pipeline.tune import parse_grid, run_tune
-    from ripplekv.tasks.calibration import Draw
+    from ripplekv.pipeline.model_choice import ModelChoice
+    from ripplekv.pipeline.tune import GridSettings, parse_grid, run_tune
 
-    draw = Draw(calib_draw, calib_draws).check()
-    if calib_samples < 1:
-        raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
-    if max_extensions < 0:
-        raise UserError(f"--max-extensions must be 0 or more, got {max_extensions}")
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    check_extensions(max_extensions)
     parsed = [parse_grid(text) for text in grids]
     console = Console(stderr=True)
-    written = run_tune(parsed, Path(out), model, budget, calib_samples, target_tokens, console,
-                       bar=lambda total, done: _progress_bar("tuning", total, done), device=device, dtype=dtype,
-                       draw=draw, max_extensions=max_extensions,
+    written = run_tune(parsed, Path(out), ModelChoice(model, device, dtype), chosen,
+                       GridSettings(budget, max_extensions), console,
+                       bar=lambda total, done: _progress_bar("tuning", total, done),
                        announce=lambda: _say_out(console, "tune", Path(out), True))
     _say_written(console, written)

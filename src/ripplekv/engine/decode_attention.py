@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -185,11 +186,22 @@ def device_path(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
     return kept["path"]
 
 
-def calibrate(device, dtype, kv_heads: int, group: int, dim: int, layer_type, variants: int = 16, kept: int = 512,
-              decoded: int = 16, rounds: int = 7, calls: int = 10) -> dict:
-    """Time a decoding step's attention both ways on a synthetic layer of this shape (`variants` caches of up
-    to `kept` padded entries, `decoded` tokens so far, one new token each): `calls` calls a round, alternating,
-    the first round a warm-up; median ms a call."""
+@dataclass(frozen=True)
+class Trial:
+    """The synthetic layer `calibrate` times (`variants` caches of up to `kept` padded entries, `decoded` tokens so
+    far, one new token each) and how: `calls` calls a round, `rounds` rounds after a warm-up one."""
+
+    variants: int = 16
+    kept: int = 512
+    decoded: int = 16
+    rounds: int = 7
+    calls: int = 10
+
+
+def calibrate(device, dtype, kv_heads: int, group: int, dim: int, layer_type, trial: Trial = Trial()) -> dict:
+    """Time a decoding step's attention both ways on `trial`'s synthetic layer of this shape, alternating
+    within each round; median ms a call."""
+    variants, kept, decoded, rounds, calls = trial.variants, trial.kept, trial.decoded, trial.rounds, trial.calls
     generator = torch.Generator().manual_seed(0)
 
     def draw(*shape):

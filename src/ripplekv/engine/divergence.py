@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine import timings
 from ripplekv.engine.cache import CompressedCache, build_lazily
 from ripplekv.engine.decode import Fidelity, Reference, fidelity, fidelity_groups, forward_tokens
@@ -196,16 +195,18 @@ def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> No
 DECODINGS = ("divergence", "plain")
 
 
-def decode_variants(model, state: PrefillState, variants, reference: Reference, max_new_tokens: int,
-                    stop_ids: Iterable[int] = (), prefix: list[int] | None = None, batch_size: int = EVAL_BATCH_SIZE,
-                    decoding: str = "divergence", memory_bytes: int | None = None,
+def decode_variants(model, state: PrefillState, variants, reference: Reference, how,
+                    stop_ids: Iterable[int] = (), prefix: list[int] | None = None, memory_bytes: int | None = None,
                     room_after=None) -> tuple[list[list[int]], list[Fidelity]]:
-    """Greedy tokens and fidelity of every variant (built entries or `LazyVariants`): by divergence from the
-    full answer (the default), or "plain": each group decoded from its first token, then a separate forced
-    pass (the reference divergence decoding is checked against; it holds a group's entries beside its cache).
-    `room_after`: as `decode_by_divergence` takes it (divergence decoding only)."""
+    """Greedy tokens and fidelity of every variant (built entries or `LazyVariants`) as `how` (a `schedule.Decoding`,
+    not imported: schedule imports this module) says: `how.max_new_tokens` at most,
+    `how.batch_size` variants a pass: by divergence from the full answer (`how.decoding` "divergence"), or
+    "plain": each group decoded from its first token, then a separate forced pass (the reference divergence
+    decoding is checked against; it holds a group's entries beside its cache). `room_after`: as
+    `decode_by_divergence` takes it (divergence decoding only)."""
     from ripplekv.engine.decode import greedy_decode, measure_fidelity
 
+    max_new_tokens, batch_size, decoding = how.max_new_tokens, how.batch_size, how.decoding
     if decoding == "divergence":
         result = decode_by_divergence(model, state, variants, reference, max_new_tokens, stop_ids, prefix, batch_size,
                                       memory_bytes, room_after)

@@ -154,8 +154,7 @@ def decode_variants(model, state: PrefillState, reference: Reference, variants: 
     else:
         from ripplekv.engine.divergence import decode_variants as decode
 
-        tokens, quality = decode(model, state, lazy, reference, decoding.max_new_tokens, stops, prefix=question,
-                                 batch_size=decoding.batch_size, decoding=decoding.decoding, memory_bytes=room,
+        tokens, quality = decode(model, state, lazy, reference, decoding, stops, prefix=question, memory_bytes=room,
                                  room_after=room_now)
     return [Decoded(variant, count, out, fid, caps[index] if caps else None)
             for index, (variant, count, out, fid) in enumerate(zip(variants, counts, tokens, quality))]

@@ -8,7 +8,7 @@ a share of the rest proportional to its normalized error, capped at 3 x B (`erro
 
 Where ours differs:
 - The reference profiles LongBench's own test prompts; ours must come from calibration prompts disjoint
-  from the evaluation (`scripts/compresskv_profile.py` runs `calibrate` on the offline suite's calibration
+  from the evaluation (`ripplekv fit compresskv` runs `calibrate` on the offline suite's calibration
   split and writes the `layer,error` CSV; pass it as `compresskv:profile=FILE`; `COMPRESSKV_CALIB_SAMPLES`
   in a reproduce config does both).
   The error is measured at the calibration prompts' observation-window queries (the last `window` prompt
@@ -103,7 +103,7 @@ class CompressKV(Allocator):
         if self.errors is None:
             if self.profile is None:
                 raise UserError("compresskv needs a layer error profile from calibration prompts: run "
-                                "`python scripts/compresskv_profile.py --out FILE`, then pass compresskv:profile=FILE")
+                                "`ripplekv fit compresskv --out FILE`, then pass compresskv:profile=FILE")
             errors = read_numbers(self.profile, "error", "compresskv profile", "write it with compresskv.write_profile")
             object.__setattr__(self, "errors", tuple(errors))
         if any(e < 0 for e in self.errors) or not any(e > 0 for e in self.errors):

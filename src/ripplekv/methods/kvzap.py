@@ -8,7 +8,7 @@ budgets are exact (`kvzap` keeps what SnapKV keeps in number). The last `window`
 as our other window scorers keep them: the paper protects a sliding window of 128 in its threshold mode;
 kvpress's `KVzapPress` on its own keeps none (`kvzap:window=0` is that press, for make check-references).
 
-The surrogate is fitted here on calibration prompts (`scripts/kvzap_fit.py`, `pipeline.kvzap_fit`), never on
+The surrogate is fitted here on calibration prompts (`ripplekv fit kvzap`, `pipeline.kvzap_fit`), never on
 evaluated ones: the published ones are trained for 8B models on a hub we cannot reach. For the bundled model
 they ship in `data/kvzap/`; another model takes `kvzap:weights=FILE`. Its targets are our KVzip scorer's
 (max attention in the reconstruction pass), not the paper's KVzip+ (which also weighs by ||W_O v|| / ||h||).
@@ -28,7 +28,7 @@ from ripplekv.methods.base import check_integers, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "kvzap"
-FIT_HINT = ("fit one on calibration prompts: .venv/bin/python scripts/kvzap_fit.py --model M --out DIR, then pass "
+FIT_HINT = ("fit one on calibration prompts: ripplekv fit kvzap --model M --out DIR, then pass "
             "kvzap:weights=DIR/kvzap-MODEL.safetensors")
 _LOADED: dict = {}
 

@@ -124,7 +124,7 @@ def load(path: str | Path) -> tuple[nn.ModuleList, dict]:
     sidecar = path.with_suffix(".json")
     if not path.is_file() or not sidecar.is_file():
         raise UserError(f"KVzap weights {path} (and {sidecar.name} beside them) do not exist; fit them with "
-                        ".venv/bin/python scripts/kvzap_fit.py --out DIR, then pass kvzap:weights=DIR/kvzap-MODEL.safetensors")
+                        "ripplekv fit kvzap --out DIR, then pass kvzap:weights=DIR/kvzap-MODEL.safetensors")
     try:
         info = json.loads(sidecar.read_text())
         layers = build(info["surrogate"], int(info["input_dim"]), int(info["output_dim"]), int(info["n_modules"]))
@@ -132,7 +132,7 @@ def load(path: str | Path) -> tuple[nn.ModuleList, dict]:
         layers.load_state_dict(state)
     except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
         raise UserError(f"KVzap weights {path} do not load ({str(err).splitlines()[0][:200]}); fit them again with "
-                        "scripts/kvzap_fit.py") from None
+                        "ripplekv fit kvzap") from None
     return layers.eval(), info
 
 

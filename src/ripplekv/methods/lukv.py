@@ -1,7 +1,7 @@
 """LU-KV: per-layer and per-head budgets read from an offline curve (arXiv 2602.08585; kvpress `LUKVPress`).
 
 A curve holds, for every global prune ratio rho_i = i / 100 (i = 1..99), each (layer, KV head)'s prune ratio,
-profiled offline on calibration prompts (`pipeline.lukv_profile`, `scripts/lukv_profile.py`; the solver is
+profiled offline on calibration prompts (`pipeline.head_curves`, `ripplekv fit lukv`; the solver is
 `methods.lukv_greedy`). At a prompt of n tokens and budget B, rho = 1 - B / n; each head's keep share is
 the curve at rho (linear between rows; 0 pruned at rho = 0), and the shares become integer counts that sum
 exactly to L x H_kv x B (`budgets.integer_budgets` over all heads at once), each at least the scorer's
@@ -36,7 +36,7 @@ from ripplekv.methods.lukv_greedy import RATIOS
 COLUMNS = ["ratio", "layer", "head", "prune"]
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "lukv"
 ROUNDINGS = ("exact", "kvpress")
-PROFILE_HINT = ("profile one on calibration prompts: .venv/bin/python scripts/lukv_profile.py --methods SPEC "
+PROFILE_HINT = ("profile one on calibration prompts: ripplekv fit lukv --methods SPEC "
                 "--out DIR, then pass SPEC:curve=DIR/curve-SCORER.csv")
 
 

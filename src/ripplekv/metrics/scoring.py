@@ -5,7 +5,7 @@ in [0, 1]; a sample scores the best metric value over its gold answers, and a da
 `round(100 * mean, 2)`, as the official `eval.py` does. This module holds the metric table, the
 sample / dataset / length-bucket scoring and the predictions files.
 
-`load_predictions` / `score_predictions` score a predictions file of JSON lines
+`read_prediction_file` / `score_predictions` score a predictions file of JSON lines
 `{dataset, pred, answers, all_classes[, length]}`, so outputs of other tools can be rescored.
 """
 
@@ -164,7 +164,7 @@ def score_by_length(
 # --------------------------------------------------------------------------- prediction files
 
 
-def load_predictions(path: Path) -> list[dict]:
+def read_prediction_file(path: Path) -> list[dict]:
     """Read and check a predictions file of JSON lines `{dataset, pred, answers, all_classes[, length]}`.
 
     ripplekv's own `predictions.jsonl` is read too: its `task` names the dataset, `prediction` is the

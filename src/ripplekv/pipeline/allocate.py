@@ -17,6 +17,7 @@ The map is recorded in the allocation CSV's `map` column (`proportional:floor=0.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,12 @@ import pandas as pd
 
 from ripplekv.defaults import MAPS
 from ripplekv.errors import UserError
+from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.runs.safeio import UnitLog, check_output, save_figure, write_csv, write_json
+from ripplekv.tasks.calibration import Calibration
 
 
-def read_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
+def read_profile_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
     """Sensitivity by layer from sensitivity.csv, checked against the model's layer count: its `sensitivity`
     column when it has one (a task-drop or InfoNCE profile), else `kl_mean` (a KL profile)."""
     from ripplekv.methods.tables import read_numbers
@@ -162,18 +165,18 @@ def ratio_sweep(model, prompts, sensitivity, ratios, budget: int, progress=None,
     )
 
 
-def _choose_ratio(model_spec, values, ratios, budget, calib_samples, target_tokens, paths, console, bar, device, dtype,
-                  draw, max_extensions, location) -> float:
+def _choose_ratio(model: ModelChoice, values, ratios, settings: AllocateSettings, calibration: Calibration, paths,
+                  console, bar, location) -> float:
     """Sweep `ratios` on the draw's calibration prompts, extending the grid while the pick is at its edge; writes
     the sweep and the choice (with any extension or edge note) and returns the chosen ratio."""
     from contextlib import nullcontext
 
-    from ripplekv.engine.models import load_model
     from ripplekv.pipeline.grid import Axis, grid_search, grid_summary
-    from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+    from ripplekv.tasks.calibration import calibration_hash
 
-    model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
-    prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens, draw=draw)
+    loaded, tokenizer, _ = model.load()
+    prompts = calibration.prompts(tokenizer)
+    budget, draw = settings.budget, calibration.draw
     rounds: list[int] = []
 
     def score(points: list[dict]) -> pd.DataFrame:
@@ -181,14 +184,14 @@ def _choose_ratio(model_spec, values, ratios, budget, calib_samples, target_toke
         new = [point["ratio"] for point in points]
         log_path = paths["log"] if not rounds else paths["log"].with_name(f"{paths['log'].stem}.{len(rounds)}.jsonl")
         rounds.append(len(rounds))
-        settings = {"model": location, "sensitivity": [float(v) for v in values], "ratios": new, "budget": budget,
-                    "calibration_hash": calibration_hash(prompts), "rows": "per method"}
-        log = UnitLog(log_path, settings, restart=True)  # our scratch file: other settings start it over
+        header = {"model": location, "sensitivity": [float(v) for v in values], "ratios": new, "budget": budget,
+                  "calibration_hash": calibration_hash(prompts), "rows": "per method"}
+        log = UnitLog(log_path, header, restart=True)  # our scratch file: other settings start it over
         context, advance = bar(len(prompts), len(log.done)) if bar else (nullcontext(), None)
         with context:
-            return ratio_sweep(model, prompts, values, new, budget, progress=advance, log=log)
+            return ratio_sweep(loaded, prompts, values, new, budget, progress=advance, log=log)
 
-    result = grid_search([Axis("ratio", tuple(ratios), low=1.0)], score, max_extensions)
+    result = grid_search([Axis("ratio", tuple(ratios), low=1.0)], score, settings.max_extensions)
     chosen = result.pick["ratio"]
     sweep = result.table.assign(chosen=result.table["ratio"] == chosen)
     write_csv(paths["sweep"], sweep)
@@ -247,28 +250,39 @@ def output_paths(out: Path) -> dict[str, Path]:
     }
 
 
-def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, budget: int, calib_samples: int,
-                 target_tokens: int, console, bar=None, device: str = "auto", dtype: str = "auto",
-                 mapping: str = "exponential", announce=None, floor: float | None = None,
-                 cap: float | None = None, draw=None, max_extensions: int = 3) -> list[Path]:
-    """Check everything, sweep the ratios on calibration prompts of `draw` (resumable; a pick at the grid's edge
-    extends it, `pipeline.grid`), write the allocation; returns the files written. `mapping` "proportional"
-    (DepthKV) takes no ratio and no sweep, and optional `floor` / `cap` bounds on its multipliers."""
+@dataclass(frozen=True)
+class AllocateSettings:
+    """How `ripplekv allocate` maps a profile: `mapping` "exponential" with its `ratios` (several: calibration picks
+    one at `budget`, extending the grid at most `max_extensions` times per edge) or "proportional" (DepthKV) with
+    optional `floor` / `cap` bounds on its multipliers."""
 
+    ratios: tuple[float, ...] = (4.0,)
+    mapping: str = "exponential"
+    floor: float | None = None
+    cap: float | None = None
+    budget: int = 128
+    max_extensions: int = 3
+
+
+def run_allocate(sensitivity: str, out: Path, settings: AllocateSettings, model: ModelChoice, calibration: Calibration,
+                 console, bar=None, announce=None) -> list[Path]:
+    """Check everything, sweep the ratios on `calibration`'s prompts (resumable; a pick at the grid's edge extends
+    it, `pipeline.grid`), write the allocation; returns the files written. The proportional map takes no ratio
+    and no sweep."""
     from ripplekv.engine.models import load_config, resolve_model
-    from ripplekv.tasks.calibration import Draw
 
-    draw = (draw or Draw()).check()
-    ratios = sorted({check_ratio(r) for r in ratios})
-    source = resolve_model(model_spec)
+    calibration.check()
+    mapping, target_tokens = settings.mapping, calibration.target_tokens
+    ratios = sorted({check_ratio(r) for r in settings.ratios})
+    source = resolve_model(model.spec)
     inputs = [sensitivity] + ([source.location] if source.kind == "gguf" else [])
     paths = output_paths(Path(out))
     for path in paths.values():
         check_output(path, inputs=inputs)
-    num_layers = load_config(model_spec).num_hidden_layers
-    values = read_sensitivity(sensitivity, num_layers)
+    num_layers = load_config(model.spec).num_hidden_layers
+    values = read_profile_sensitivity(sensitivity, num_layers)
     check_map(mapping)
-    floor, cap = check_bounds(floor, cap)
+    floor, cap = check_bounds(settings.floor, settings.cap)
     if mapping != "proportional" and (floor is not None or cap is not None):
         raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
     if mapping == "proportional":
@@ -277,15 +291,15 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         from ripplekv.engine.models import load_tokenizer
         from ripplekv.pipeline import tune
         from ripplekv.pipeline.samples import check_calibration_window, model_window
-        from ripplekv.tasks.calibration import calibration_prompts
 
-        if model_window(model_spec) is not None:
-            tokenizer = load_tokenizer(model_spec)
+        if model_window(model.spec) is not None:
+            tokenizer = load_tokenizer(model.spec)
 
             def build(target: int):
-                return calibration_prompts(tokenizer, calib_samples, 1, target, draw=draw)
+                return calibration.prompts(tokenizer, target_tokens=target)
 
-            check_calibration_window(model_spec, build(target_tokens), build, target_tokens, reserve=tune.SWEEP_ANSWER_TOKENS)
+            check_calibration_window(model.spec, build(target_tokens), build, target_tokens,
+                                     reserve=tune.SWEEP_ANSWER_TOKENS)
     if announce is not None:  # every input checked: bad input stays one line
         announce()
     if mapping == "proportional":
@@ -296,8 +310,7 @@ def run_allocate(sensitivity: str, out: Path, ratios: list[float], model_spec, b
         return [paths["csv"], paths["png"]]
     chosen = ratios[0]
     if len(ratios) > 1:
-        chosen = _choose_ratio(model_spec, values, ratios, budget, calib_samples, target_tokens, paths, console, bar,
-                               device, dtype, draw, max_extensions, source.location)
+        chosen = _choose_ratio(model, values, ratios, settings, calibration, paths, console, bar, source.location)
     mult = multipliers(values, chosen)
     write_allocation(paths["csv"], values, mult, mapping)
     plot_allocation(paths["png"], values, mult, f"exponential, ratio {chosen:g}", num_layers, target_tokens)

@@ -9,7 +9,6 @@ model is loaded.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,12 +111,6 @@ def default_allocation(specs: Sequence[str], bundled: bool) -> tuple[str | None,
     return None, None
 
 
-def file_sha256(path: str | None) -> str | None:
-    if path is None:
-        return None
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 @dataclass
 class Plan:
     """Everything checked before any model work: settings, tasks, methods, the run's config."""
@@ -137,6 +130,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     from ripplekv import __version__
     from ripplekv.engine.models import (
         check_model_files,
+        file_sha256,
         model_fingerprint,
         resolve_device_dtype,
         resolve_model,
@@ -209,9 +203,9 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "capture_window": captured_window(Requirements.of_all(built)),
         "method_options": dict(sorted(settings.method_options.items())),
         "allocation": str(Path(allocation).resolve()) if allocation else None,
-        "allocation_sha256": file_sha256(allocation),
+        "allocation_sha256": None if allocation is None else file_sha256(allocation),
         "route": str(Path(route).resolve()) if route else None,
-        "route_sha256": file_sha256(route),
+        "route_sha256": None if route is None else file_sha256(route),
         "device": device,
         "dtype": dtype,
         "protocol": settings.protocol,
@@ -247,14 +241,13 @@ def check_decode_budget(settings: EvalSettings, methods) -> dict:
     return {"decode_budget": "total", "compress_every": every}
 
 
-def check_prompts_fit(plan: Plan, work, tokenizer) -> None:
-    """Every prompt plus its answer within the model's positions, before any weights load or line is written:
-    else one line naming the --max-length that makes every prompt fit (measured through the prompt template)."""
+def check_prompts_fit(plan: Plan, work, tokenizer, config) -> None:
+    """Every prompt plus its answer within the model's positions (`config`: the model's), before any weights load
+    or line is written: else one line naming the --max-length that makes every prompt fit (measured through the
+    prompt template)."""
     from ripplekv.engine.adapter import check_length
-    from ripplekv.engine.models import load_config
     from ripplekv.tasks import build_prompt_ids
 
-    config = load_config(plan.settings.model)
     limit = getattr(config, "max_position_embeddings", None) or 0
     fits, worst = None, None
     for task, _, record in work:

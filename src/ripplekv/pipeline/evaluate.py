@@ -77,17 +77,24 @@ class SampleSettings:
         return Decoding(task.max_new_tokens, self.batch_size, self.decoding, self.decode_budget, self.compress_every)
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """Which rows of a sample to compute: `variants`, the (method, budget) pairs (None: every one; a run that grows
+    computes only the missing ones), and the full row or not (`with_full=False`: already written; the full cache
+    is still decoded, as the reference)."""
+
+    variants: Sequence[tuple[str, int]] | None = None
+    with_full: bool = True
+
+
 def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets: Sequence[int],
-                    settings: SampleSettings = SampleSettings(), *, sid: str,
-                    variants: Sequence[tuple[str, int]] | None = None, with_full: bool = True,
-                    needs: Requirements | None = None, progress=None) -> list[dict]:
+                    settings: SampleSettings = SampleSettings(), *, sid: str, wanted: Wanted = Wanted(),
+                    progress=None) -> list[dict]:
     """Result rows of one sample: full first, then every other method at every budget, from ONE prefill.
 
-    The prompt is prefilled once (recording what the methods need: `needs`, by default the union of what
-    `methods` declare), the full cache answers (the fidelity reference), then the engine decodes every variant
-    (`schedule.decode_variants`: groups within the memory budget, each built when it decodes). `variants`
-    limits the (method, budget) pairs computed (a run that grows computes only the missing ones);
-    `with_full=False` leaves out the full row (already written; it is still decoded, as the reference).
+    The prompt is prefilled once (recording what `methods` declare they need), the full cache answers (the
+    fidelity reference), then the engine decodes every variant (`schedule.decode_variants`: groups within the
+    memory budget, each built when it decodes); `wanted` limits the rows computed.
     `progress(kind, units)` is called after the prefill ("prefill", prompt tokens) and after each decode
     ("decode", variants x max new tokens), for an ETA from work done.
     """
@@ -97,7 +104,7 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
     timings.declare(timings.PREFILL, timings.REFERENCE_DECODE, *decoding.phases)
     ids, question = prompt_parts(task, record, tokenizer, settings)
     with timings.phase(timings.PREFILL):  # its recorders count apart (`engine.timings`)
-        state = prefill(model, ids, Requirements.of_all(methods.values()) if needs is None else needs,
+        state = prefill(model, ids, Requirements.of_all(methods.values()),
                         reserve=len(question) + task.max_new_tokens, context=SampleContext(tokenizer, tuple(question)))
     report("prefill", state.length)
     stops = engine_decode.stop_tokens(model, tokenizer, task.stop_at_newline)
@@ -105,16 +112,16 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
         reference = engine_decode.full_reference(model, state, task.max_new_tokens, stops, prefix=question)
     record_reference(state, reference.tokens)  # kept only where a method declared it needs the answer
     report("decode", task.max_new_tokens)
-    wanted = None if variants is None else set(variants)
+    chosen_pairs = None if wanted.variants is None else set(wanted.variants)
     chosen = [Variant(label, budget, method) for label, method in methods.items() if label != REFERENCE
-              for budget in budgets if wanted is None or (label, budget) in wanted]
+              for budget in budgets if chosen_pairs is None or (label, budget) in chosen_pairs]
     refused = infeasible_variants(chosen, state)  # the memory axis: over its bytes on this prompt, never decoded
     chosen = [one for one in chosen if (one.label, one.budget) not in refused]
     decoded = decode_variants(model, state, reference, chosen, decoding, memory, stops, question)
     report("decode", len(chosen) * task.max_new_tokens)
     lines = SampleLines.of(task, record, tokenizer, sid, state, question, settings.protocol, memory.peak(),
                            settings.decode_budget)
-    return ([lines.full(reference.tokens)] if with_full else []) + [
+    return ([lines.full(reference.tokens)] if wanted.with_full else []) + [
         lines.line(one.variant.label, one.variant.budget, one.tokens, one.counts, one.fidelity.kl,
                    one.fidelity.agreement, one.capacity, stored_as(one.variant.method, state, one.variant.budget))
         for one in decoded] + [lines.infeasible(label, budget, why) for (label, budget), why in refused.items()]
@@ -177,12 +184,10 @@ def load_all_samples(plan: Plan, tokenizer) -> list[tuple[object, str, dict]]:
     return work
 
 
-def check_model_fits(plan: Plan) -> None:
+def check_model_fits(plan: Plan, config) -> None:
     """Per-layer budgets need the model's layer count (an allocation may not match), and a model with
-    sliding-window layers the methods and decode budget that handle them: fail before loading weights."""
-    from ripplekv.engine.models import load_config
-
-    config = load_config(plan.settings.model)
+    sliding-window layers the methods and decode budget that handle them (`config`: the model's): fail before
+    loading weights."""
     layers = config.num_hidden_layers
     check_sliding_layers(config, plan.methods, plan.settings.decode_budget)
     for method in plan.methods.values():
@@ -197,7 +202,7 @@ def sample_rows(settings: EvalSettings, methods: dict, budgets, loaded: tuple, j
     model, tokenizer = loaded
     with timings.collect(next(model.parameters()).device) as spent:
         rows = evaluate_sample(model, tokenizer, job.task, job.record, methods, budgets, SampleSettings.of(settings),
-                               sid=job.sid, variants=job.variants, with_full=job.with_full, progress=progress)
+                               sid=job.sid, wanted=Wanted(job.variants, job.with_full), progress=progress)
     return rows, spent.rows()
 
 
@@ -237,7 +242,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     Ray workers; this process still writes alone."""
     from rich.console import Console
 
-    from ripplekv.engine.models import load_tokenizer
+    from ripplekv.engine.models import load_config, load_tokenizer
 
     console = console or Console(stderr=True)
     out = Path(out)
@@ -246,11 +251,12 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     plan = plan_eval(settings)
     notes = [*notes, *plan.notes, *degenerate_notes(plan.methods.values(), settings.budgets)]
     check_run_dir(out, plan.config)
-    check_model_fits(plan)
+    model_config = load_config(settings.model)  # read once, for every check below
+    check_model_fits(plan, model_config)
     tokenizer = load_tokenizer(settings.model)
     work = load_all_samples(plan, tokenizer)
-    check_eval_window(settings.model, work, tokenizer, settings.max_length)  # a sliding window: refused before any model work
-    check_prompts_fit(plan, work, tokenizer)
+    check_eval_window(model_config, work, tokenizer, settings.max_length)  # a sliding window: refused before any model work
+    check_prompts_fit(plan, work, tokenizer, model_config)
     config = {**plan.config, "samples": {}}
     for task, sid, _ in work:
         config["samples"].setdefault(task.name, []).append(sid)

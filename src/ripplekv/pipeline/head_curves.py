@@ -24,24 +24,28 @@ from ripplekv.methods import make_method
 from ripplekv.methods.lukv import LUKV, protected, scorer_identity
 from ripplekv.methods.lukv_greedy import FLOOR_SHARE, RATIOS
 from ripplekv.methods.lukv_oracle import ANSWER_TOKENS, prompt_curves
+from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.runs.safeio import UnitLog, exclusive, other_files, write_csv, write_text
-from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+from ripplekv.tasks.calibration import Calibration, calibration_hash
 
 LOG = "samples.jsonl"
 
 
 @dataclass(frozen=True)
 class CurveSettings:
-    """Everything that determines the curves (the log's header and each curve's provenance)."""
+    """What determines the curves beside their calibration prompts (the log's header and each curve's provenance)."""
 
-    calib_samples: int = 8
-    target_tokens: int = 3500
     answer_tokens: int = ANSWER_TOKENS
     layerwise: bool = True
 
     def check(self) -> None:
-        if self.calib_samples < 1 or self.answer_tokens < 1 or self.target_tokens < 64:
-            raise UserError("--calib-samples and --answer-tokens must be positive and --target-tokens at least 64")
+        if self.answer_tokens < 1:
+            raise UserError(f"--answer-tokens must be positive, got {self.answer_tokens}")
+
+    def record(self, calibration: Calibration) -> dict:
+        """The settings as the log's header and the provenance name them (in the order they always had)."""
+        return {"calib_samples": calibration.samples, "target_tokens": calibration.target_tokens, **asdict(self),
+                **calibration.draw.record()}
 
 
 def write_curve(path: str | Path, curve: np.ndarray, provenance: dict) -> Path:
@@ -78,33 +82,37 @@ def curve_files(names) -> list[str]:
     return [LOG] + [f"curve-{name}.{suffix}" for name in names for suffix in ("csv", "json")]
 
 
-def profile_curves(out: Path, model_spec, specs: list[str], settings: CurveSettings, device: str = "auto",
-                   dtype: str = "auto", bar=None) -> dict[str, Path]:
-    """Profile (or resume) the curves of `specs`' scorers into `out`; returns scorer name -> curve file.
-    `bar(total, done)` gives (context manager, advance) for a progress bar."""
-    from ripplekv.engine.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model
+def profile_curves(out: Path, model: ModelChoice, specs: list[str], settings: CurveSettings,
+                   calibration: Calibration, bar=None, announce=None) -> dict[str, Path]:
+    """Profile (or resume) the curves of `specs`' scorers on `calibration`'s prompts into `out`; returns scorer
+    name -> curve file. `bar(total, done)` gives (context manager, advance) for a progress bar; `announce()` is
+    called once every input has been checked (so bad input stays one line)."""
+    from ripplekv.engine.models import load_tokenizer, resolve_model
 
+    calibration.check()
     settings.check()
     scorers = curve_scorers(specs)
     foreign = other_files(Path(out), curve_files(scorers))
     if foreign:
         raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
-    device, dtype = resolve_device_dtype(device, dtype)
-    source = resolve_model(model_spec)
-    tokenizer = load_tokenizer(model_spec)
-    prompts = calibration_prompts(tokenizer, settings.calib_samples, probe_tokens=1, target_tokens=settings.target_tokens)
-    header = {"model": source.label, **asdict(settings), "scorers": {n: scorer_identity(s) for n, s in scorers.items()},
+    model = model.resolved()
+    source = resolve_model(model.spec)
+    prompts = calibration.prompts(load_tokenizer(model.spec))
+    header = {"model": source.label, **settings.record(calibration),
+              "scorers": {n: scorer_identity(s) for n, s in scorers.items()},
               "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
+    if announce is not None:
+        announce()
     with exclusive(Path(out), "head-curve profile"):
         log = UnitLog(Path(out) / LOG, header, remedy="use a new --out directory")
         todo = [p for p in prompts if p.sample_id not in log.done]
         if todo:
-            model, loaded_tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
+            loaded, loaded_tokenizer, _ = model.load()
             context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
             with context:
                 for index, prompt in enumerate(todo):
                     begun = time.perf_counter()
-                    curves, answer = prompt_curves(model, loaded_tokenizer, prompt.context + prompt.probe, scorers,
+                    curves, answer = prompt_curves(loaded, loaded_tokenizer, prompt.context + prompt.probe, scorers,
                                                    settings.layerwise, settings.answer_tokens)
                     log.append(prompt.sample_id, {"answer_tokens": answer, "tokens": len(prompt.context + prompt.probe),
                                                   "seconds": round(time.perf_counter() - begun, 2),

@@ -10,31 +10,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ripplekv.pipeline.model_choice import ModelChoice
+from ripplekv.pipeline.samples import PromptChoice
 
-def inspect_into(folder: Path, chosen, budget: int, model, *, task=None, index: int = 0, prompt_file=None,
-                 suite: str = "offline", data_dir=None, target_tokens: int = 3500, max_length: int = 7500, device: str = "auto",
-                 dtype: str = "auto", decode_budget: str = "prompt", compress_every: int = 8) -> str:
-    """Write kept.npz and kept.png for `chosen` at `budget` on a task sample or a prompt file; returns the title."""
+
+def inspect_into(folder: Path, chosen, budget: int, model: ModelChoice, prompt: PromptChoice, *,
+                 decode_budget: str = "prompt", compress_every: int = 8) -> str:
+    """Write kept.npz and kept.png for `chosen` at `budget` on the chosen prompt; returns the title."""
     import io
     import json
 
     import numpy as np
 
     from ripplekv.analysis.kept import answer_positions, kept_arrays, plot_kept
-    from ripplekv.engine.models import load_model, load_tokenizer
+    from ripplekv.engine.models import load_tokenizer
     from ripplekv.engine.prefill import Requirements, prefill_for
     from ripplekv.engine.recorders import SampleContext
-    from ripplekv.pipeline.samples import file_prompt, sample_prompt
     from ripplekv.runs.safeio import atomic_write
 
-    tokenizer = load_tokenizer(model)
-    if prompt_file is not None:
-        prompt = file_prompt(tokenizer, prompt_file)
-    else:
-        prompt = sample_prompt(tokenizer, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
-                               max_length=max_length)
+    tokenizer = load_tokenizer(model.spec)
+    prompt = prompt.build(tokenizer)
     ids, question, answers, label = prompt.ids, prompt.question_start, prompt.answers, prompt.label
-    loaded, _, source = load_model(model, device=device, dtype=dtype)
+    loaded, _, source = model.load()
     state = prefill_for(loaded, ids, Requirements.of_all([chosen]), context=SampleContext(tokenizer))
     built = chosen.compress(state, budget)
     notes = chosen.build_notes(state, budget) if hasattr(chosen, "build_notes") else None  # e.g. GraceKV's split kinds

@@ -23,8 +23,9 @@ import torch
 
 from ripplekv.errors import UserError
 from ripplekv.methods import kvzap_surrogate
+from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.runs.safeio import UnitLog, atomic_write, exclusive, other_files
-from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
+from ripplekv.tasks.calibration import Calibration, calibration_hash
 
 LOG = "samples.jsonl"
 N_SINK, CHUNK = 4, 2048  # our KVzip scorer's defaults (its reconstruction pass)
@@ -33,22 +34,25 @@ FLOOR = 1e-10  # KVzip scores below this (no query attends) are taken as this be
 
 @dataclass(frozen=True)
 class FitSettings:
-    """Everything that determines the fitted surrogates (the log's header and each file's provenance)."""
+    """What determines the fitted surrogates beside their calibration prompts (the log's header and each file's
+    provenance)."""
 
-    calib_samples: int = 16
-    target_tokens: int = 1000
     tokens: int = 500  # sampled positions per prompt (the paper's 500)
     holdout: int = 4  # every holdout-th prompt is held out for the reported fit
     epochs: int = 15
     seed: int = 0
 
-    def check(self) -> None:
-        if min(self.calib_samples, self.tokens, self.epochs) < 1 or self.target_tokens < 64 or self.holdout < 2:
-            raise UserError("--calib-samples, --tokens and --epochs must be positive, --target-tokens at least 64 "
-                            "and --holdout at least 2")
-        if self.calib_samples < self.holdout:
-            raise UserError(f"--calib-samples ({self.calib_samples}) must be at least --holdout ({self.holdout}): "
+    def check(self, calibration: Calibration) -> None:
+        if min(self.tokens, self.epochs) < 1 or self.holdout < 2:
+            raise UserError("--tokens and --epochs must be positive and --holdout at least 2")
+        if calibration.samples < self.holdout:
+            raise UserError(f"--calib-samples ({calibration.samples}) must be at least --holdout ({self.holdout}): "
                             "one prompt in every --holdout is held out to measure the fit")
+
+    def record(self, calibration: Calibration) -> dict:
+        """The settings as the log's header and the provenance name them (in the order they always had)."""
+        return {"calib_samples": calibration.samples, "target_tokens": calibration.target_tokens, **asdict(self),
+                **calibration.draw.record()}
 
 
 def prompt_pairs(model, tokenizer, ids: list[int], tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,13 +93,15 @@ def held_out_fit(layers, inputs, targets) -> dict:
             "spearman_mean": round(float(np.mean(ranks)), 4), "r2_mean": round(float(np.mean(r2)), 4)}
 
 
-def fit_surrogates(out: Path, model_spec, settings: FitSettings, kinds=kvzap_surrogate.KINDS, device: str = "auto",
-                   dtype: str = "auto", bar=None) -> dict[str, tuple[Path, dict]]:
-    """Collect (or resume) the calibration pairs into `out`, fit each surrogate of `kinds`; kind -> (weights file,
-    held-out fit). `bar(total, done)` gives (context manager, advance) for a progress bar."""
-    from ripplekv.engine.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model
+def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibration: Calibration,
+                   kinds=kvzap_surrogate.KINDS, bar=None, announce=None) -> dict[str, tuple[Path, dict]]:
+    """Collect (or resume) the pairs of `calibration`'s prompts into `out`, fit each surrogate of `kinds`; kind ->
+    (weights file, held-out fit). `bar(total, done)` gives (context manager, advance) for a progress bar;
+    `announce()` is called once every input has been checked (so bad input stays one line)."""
+    from ripplekv.engine.models import load_tokenizer, resolve_model
 
-    settings.check()
+    calibration.check()
+    settings.check(calibration)
     for kind in kinds:
         kvzap_surrogate.build(kind, 1, 1, 0)  # an unknown kind is one line before any work
     out = Path(out)
@@ -103,24 +109,25 @@ def fit_surrogates(out: Path, model_spec, settings: FitSettings, kinds=kvzap_sur
     foreign = [name for name in other_files(out, owned) if name != "samples"]
     if foreign:
         raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
-    device, dtype = resolve_device_dtype(device, dtype)
-    source = resolve_model(model_spec)
-    prompts = calibration_prompts(load_tokenizer(model_spec), settings.calib_samples, probe_tokens=1,
-                                  target_tokens=settings.target_tokens)
-    header = {"model": source.label, **asdict(settings), "calibration_ids": [p.sample_id for p in prompts],
+    model = model.resolved()
+    source = resolve_model(model.spec)
+    prompts = calibration.prompts(load_tokenizer(model.spec))
+    header = {"model": source.label, **settings.record(calibration), "calibration_ids": [p.sample_id for p in prompts],
               "calibration_hash": calibration_hash(prompts), "targets": f"log max(KVzip score, {FLOOR}), our kvzip scorer "
               f"(n_sink {N_SINK}, chunk {CHUNK})", "inputs": "each layer's attention input (after its input norm)"}
+    if announce is not None:
+        announce()
     with exclusive(out, "kvzap fit"):
         log = UnitLog(out / LOG, header, remedy="use a new --out directory")
         todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
         if todo:
-            model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
+            loaded, tokenizer, _ = model.load()
             context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
             with context:
                 for index, prompt in todo:
                     begun = time.perf_counter()
                     ids = prompt.context + prompt.probe
-                    hidden, targets = prompt_pairs(model, tokenizer, ids, settings.tokens, settings.seed + index)
+                    hidden, targets = prompt_pairs(loaded, tokenizer, ids, settings.tokens, settings.seed + index)
                     name = f"samples/{prompt.sample_id}.npz"
                     data = npz_bytes(hidden=hidden, targets=targets)
                     atomic_write(out / name, lambda tmp, data=data: tmp.write_bytes(data))

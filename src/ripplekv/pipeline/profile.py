@@ -39,11 +39,13 @@ from ripplekv.pipeline.layer_kl import (  # noqa: F401  (re-exported: the profil
     profile_requirements,
     profile_state,
 )
+from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.pipeline.samples import check_calibration_window
 from ripplekv.pipeline.signals import FINISHERS, SAMPLE_MEASURES
 from ripplekv.runs.files import PROFILE_FILES, SAMPLES_LOG  # noqa: F401  (re-exported)
 from ripplekv.runs.safeio import UnitLog, check_output, exclusive, other_files, save_figure, write_csv, write_text
 from ripplekv.tasks.calibration import (  # noqa: F401
+    Calibration,
     CalibrationPrompt,
     Draw,
     calibration_hash,
@@ -296,34 +298,36 @@ def check_profile_dir(out: Path, inputs=()) -> Path:
     return out
 
 
-def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samples: int, target_tokens: int,
-                 with_answer: bool = False, bar=None, device: str = "auto", dtype: str = "auto",
-                 workers=None, announce=None, draw: Draw = Draw()) -> tuple[int, dict]:
-    """Run (or resume) a profile into `out` and write its outputs; returns (samples, profile.json's data).
+def profile_into(out: Path, model: ModelChoice, settings: ProfileSettings, calibration: Calibration, *, bar=None,
+                 workers=None, announce=None) -> tuple[int, dict]:
+    """Run (or resume) a profile on `calibration`'s prompts into `out` and write its outputs; returns (samples,
+    profile.json's data).
 
     Every finished sample's KL matrix is appended to `samples.jsonl` and fsynced, so a killed run loses
     at most the sample in flight; a rerun with the same settings and calibration data computes only the
     rest, and any other settings are refused. `bar(total, done)` gives (context manager, advance).
     `workers` (a `distributed.Workers` using Ray) spreads the samples over workers that load the model once;
     results arrive in any order and each sample's noise seeds follow its index, so the profile is the same.
-    `announce()` is called once every input has been checked (so bad input stays one line). `draw`: which
-    disjoint draw of the calibration split to profile on (recorded in profile.json when there are several).
+    `announce()` is called once every input has been checked (so bad input stays one line). The calibration
+    draw is recorded in profile.json when there are several.
     """
     from contextlib import closing, nullcontext
 
-    from ripplekv.engine.models import load_model, load_tokenizer, resolve_device_dtype, resolve_model, runtime_info
+    from ripplekv.engine.models import load_tokenizer, resolve_model, runtime_info
 
     settings.check()
-    if settings.kind == "infonce" and calib_samples < 2:
+    calibration.check()
+    draw = calibration.draw
+    if settings.kind == "infonce" and calibration.samples < 2:
         raise UserError("--signal infonce contrasts prompts with each other: pass --calib-samples 2 or more")
-    device, dtype = resolve_device_dtype(device, dtype)
-    source = resolve_model(model_spec)
+    model = model.resolved()
+    device, dtype = model.device, model.dtype
+    source = resolve_model(model.spec)
     check_profile_dir(out, inputs=[source.location] if source.kind == "gguf" else [])
-    tokenizer = load_tokenizer(model_spec)
-    prompts = calibration_prompts(tokenizer, calib_samples, settings.probe_tokens, target_tokens,
-                                  with_answer=with_answer, draw=draw)
-    check_calibration_window(model_spec, prompts, lambda target: calibration_prompts(
-        tokenizer, calib_samples, settings.probe_tokens, target, with_answer=with_answer, draw=draw), target_tokens)
+    tokenizer = load_tokenizer(model.spec)
+    prompts = calibration.prompts(tokenizer, settings.probe_tokens)
+    check_calibration_window(model.spec, prompts, lambda target: calibration.prompts(
+        tokenizer, settings.probe_tokens, target_tokens=target), calibration.target_tokens)
     if announce is not None:
         announce()
     header = {"model": source.label, "model_location": source.location, **settings.record(), **draw.record(),
@@ -333,10 +337,10 @@ def profile_into(out: Path, model_spec, settings: ProfileSettings, *, calib_samp
         todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
         if todo:
             if workers is not None and workers.uses_ray:
-                results = worker_runner(model_spec, device, dtype, settings, workers)(todo)
+                results = worker_runner(model.spec, device, dtype, settings, workers)(todo)
             else:
-                model, loaded_tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
-                results = ((unit, profile_unit(settings, (model, loaded_tokenizer), unit)) for unit in todo)
+                loaded, loaded_tokenizer, _ = model.load()
+                results = ((unit, profile_unit(settings, (loaded, loaded_tokenizer), unit)) for unit in todo)
             context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
             with context, closing(results):
                 for (index, prompt), kl in results:

@@ -42,10 +42,12 @@ from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods.base import held_mask
 from ripplekv.methods.budgets import check_budget, uniform_budgets
+from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.pipeline.route_choice import choose_route, parse_caps, random_placements  # noqa: F401 - as before
 from ripplekv.pipeline.route_plots import plot_placements, plot_preferences, plot_route
 from ripplekv.runs.files import ROUTE_FILES
 from ripplekv.runs.safeio import check_output, other_files, write_csv, write_text
+from ripplekv.tasks.calibration import Calibration
 
 DEFAULT_CANDIDATES = DEFAULT_ROUTE_CANDIDATES
 
@@ -254,50 +256,48 @@ def check_route_dir(out: Path, model: str | None = None) -> Path:
     return out
 
 
-def check_route_window(model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-                       target_tokens: int, with_answer: bool, draw=None) -> None:
+def check_route_window(model_spec, settings: RouteSettings, calibration: Calibration, placement_samples: int) -> None:
     """A sliding-window model: the calibration prompts (and the answers placements decode) must fit it,
     said before the model loads or the route folder is made, with a --target-tokens that fits."""
     from ripplekv.engine.models import load_tokenizer
     from ripplekv.pipeline.samples import check_calibration_window, model_window
-    from ripplekv.tasks.calibration import Draw, calibration_prompts
 
-    if model_window(model) is None:
+    if model_window(model_spec) is None:
         return
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model_spec)
 
     def build(target: int):
-        return calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target,
-                                   with_answer=with_answer, draw=draw or Draw())
+        return calibration.prompts(tokenizer, settings.probe_tokens, target_tokens=target,
+                                   count=calibration.samples + placement_samples)
 
-    check_calibration_window(model, build(target_tokens), build, target_tokens,
+    check_calibration_window(model_spec, build(calibration.target_tokens), build, calibration.target_tokens,
                              reserve=settings.max_new_tokens if placement_samples else 0)
 
 
-def route_into(out: Path, model, settings: RouteSettings, *, calib_samples: int, placement_samples: int,
-               target_tokens: int, with_answer: bool, device: str, dtype: str, progress_bar=None,
-               draw=None) -> tuple[dict, int, int]:
+def route_into(out: Path, model: ModelChoice, settings: RouteSettings, calibration: Calibration,
+               placement_samples: int, progress_bar=None) -> tuple[dict, int, int]:
     """The whole `ripplekv route` after its checks: load the model, take calibration prompts (the first
-    `calib_samples` of `draw`'s share for preferences, `placement_samples` more held out for the placement
-    study), route and write. Returns (route.json's content, layers routed, placement prompts). `progress_bar(total)` gives
-    (a context manager, an advance callback), as the CLI's bar does."""
+    `calibration.samples` of its draw's share for preferences, `placement_samples` more held out for the
+    placement study), route and write. Returns (route.json's content, layers routed, placement prompts).
+    `progress_bar(total)` gives (a context manager, an advance callback), as the CLI's bar does."""
     from contextlib import nullcontext
 
-    from ripplekv.engine.models import load_model, runtime_info
-    from ripplekv.tasks.calibration import Draw, calibration_hash, calibration_prompts
+    from ripplekv.engine.models import runtime_info
+    from ripplekv.tasks.calibration import calibration_hash
 
-    draw = draw or Draw()
-    loaded, tokenizer, source = load_model(model, device=device, dtype=dtype)
-    prompts = calibration_prompts(tokenizer, calib_samples + placement_samples, settings.probe_tokens, target_tokens,
-                                  with_answer=with_answer, draw=draw)
+    calibration.check()
+    calib_samples, draw = calibration.samples, calibration.draw
+    loaded, tokenizer, source = model.load()
+    prompts = calibration.prompts(tokenizer, settings.probe_tokens, count=calib_samples + placement_samples)
     chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
     if placement_samples and not scored:
         raise UserError(f"the calibration split has only {len(prompts)} prompts; lower --calib-samples to leave some for placements")
     bar, advance = progress_bar(len(chosen) + len(scored)) if progress_bar else (nullcontext(), None)
     with bar:
         result = run_route(loaded, chosen, scored, settings, progress=advance)
-    meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": with_answer,
-            "target_tokens": target_tokens, **draw.record(), "device": device, "dtype": dtype, **runtime_info(device)}
+    meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": calibration.with_answer,
+            "target_tokens": calibration.target_tokens, **draw.record(), "device": model.device, "dtype": model.dtype,
+            **runtime_info(model.device)}
     return write_route(result, settings, Path(out), meta), len(result.route), len(scored)
 
 

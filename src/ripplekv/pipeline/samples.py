@@ -53,13 +53,41 @@ def file_prompt(tokenizer, path: str | Path) -> Prompt:
     return Prompt(ids, len(ids), [], path.name)
 
 
+@dataclass(frozen=True)
+class PromptChoice:
+    """Which one prompt to look at (`ripplekv inspect`): sample `index` of `task` in `suite`, built as `eval` builds
+    it with `data_dir`, `target_tokens` and `max_length`; or, with `prompt_file`, that file's text."""
+
+    task: str | None = None
+    index: int = 0
+    prompt_file: str | None = None
+    suite: str = "offline"
+    data_dir: str | None = None
+    target_tokens: int = 3500
+    max_length: int = 7500
+
+    def build(self, tokenizer, max_length: int | None = None) -> Prompt:
+        """The prompt (a suite sample cut at `max_length` when given, a trial length; else at the choice's)."""
+        if self.prompt_file is not None:
+            return file_prompt(tokenizer, self.prompt_file)
+        return sample_prompt(tokenizer, self.task, self.index, suite=self.suite, data_dir=self.data_dir,
+                             target_tokens=self.target_tokens,
+                             max_length=self.max_length if max_length is None else max_length)
+
+
 def model_window(model_spec) -> int | None:
     """The attention window every layer of a model is limited to (None for a hybrid model: its global layers
     read the whole prompt), from its config alone."""
-    from ripplekv.engine.adapter import sliding_window
     from ripplekv.engine.models import load_config
 
-    return sliding_window(load_config(model_spec))
+    return config_window(load_config(model_spec))
+
+
+def config_window(config) -> int | None:
+    """`model_window` of a config already read."""
+    from ripplekv.engine.adapter import sliding_window
+
+    return sliding_window(config)
 
 
 def check_sliding_layers(config, methods: dict, decode_budget: str = "prompt") -> None:
@@ -102,12 +130,12 @@ def check_window(window: int | None, longest, option: str, value: int, lowest: i
                     f"sliding window, or with one of at least {shortest} tokens")
 
 
-def check_eval_window(model_spec, work, tokenizer, max_length: int) -> None:
-    """`eval`'s samples (task, id, record) against a sliding window, before the model loads or the run
-    folder is made; the advice is a --max-length that fits every sample with its task's answer."""
+def check_eval_window(config, work, tokenizer, max_length: int) -> None:
+    """`eval`'s samples (task, id, record) against a sliding window (`config`: the model's), before the model loads
+    or the run folder is made; the advice is a --max-length that fits every sample with its task's answer."""
     from ripplekv.tasks import build_prompt_ids
 
-    window = model_window(model_spec)
+    window = config_window(config)
     if window is None:
         return
 
@@ -140,19 +168,18 @@ def check_calibration_window(model_spec, prompts, build, target_tokens: int, res
     check_window(window, longest, "--target-tokens", target_tokens, MIN_TARGET_TOKENS)
 
 
-def check_inspect_window(model_spec, task: str, index: int, *, suite: str, data_dir, target_tokens: int,
-                         max_length: int, answer: bool) -> None:
+def check_inspect_window(model_spec, prompt: PromptChoice, answer: bool) -> None:
     """`inspect --task`'s prompt (and, with `answer`, the answer it decodes) against a sliding window,
     before the model loads or the folder is made; the advice is a --max-length that fits."""
     from ripplekv.engine.models import load_tokenizer
 
-    if model_window(model_spec) is None:
+    window = model_window(model_spec)
+    if window is None:
         return
     tokenizer = load_tokenizer(model_spec)
 
     def longest(length: int) -> int:
-        prompt = sample_prompt(tokenizer, task, index, suite=suite, data_dir=data_dir, target_tokens=target_tokens,
-                               max_length=length)
-        return len(prompt.ids) + (prompt.task.max_new_tokens if answer else 0)
+        built = prompt.build(tokenizer, max_length=length)
+        return len(built.ids) + (built.task.max_new_tokens if answer else 0)
 
-    check_window(model_window(model_spec), longest, "--max-length", max_length, 2)
+    check_window(window, longest, "--max-length", prompt.max_length, 2)

@@ -19,7 +19,9 @@ import torch
 
 from ripplekv.errors import UserError
 from ripplekv.pipeline.grid import Axis, GridSearch, grid_summary
+from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.runs.safeio import UnitLog, check_output, write_csv, write_json
+from ripplekv.tasks.calibration import Calibration
 
 SWEEP_ANSWER_TOKENS = 32  # the full answer each calibration prompt decodes: the KL reference
 
@@ -117,27 +119,35 @@ def output_paths(out: Path) -> dict[str, Path]:
     return {"json": out, "csv": out.with_suffix(".csv")}
 
 
-def run_tune(grids: list[TuneGrid], out: Path, model_spec, budget: int, calib_samples: int, target_tokens: int,
-             console, bar=None, device: str = "auto", dtype: str = "auto", draw=None, max_extensions: int = 3,
-             announce=None) -> list[Path]:
-    """Choose every grid's knobs on the draw's calibration prompts, rounds scored together; write OUT.json / .csv."""
+@dataclass(frozen=True)
+class GridSettings:
+    """How a calibration grid is scored: at `budget`, a pick at an edge extending it at most `max_extensions` times."""
+
+    budget: int = 128
+    max_extensions: int = 3
+
+
+def run_tune(grids: list[TuneGrid], out: Path, model: ModelChoice, calibration: Calibration, scoring: GridSettings,
+             console, bar=None, announce=None) -> list[Path]:
+    """Choose every grid's knobs on `calibration`'s prompts, rounds scored together; write OUT.json / .csv."""
     from contextlib import nullcontext
 
-    from ripplekv.engine.models import load_model, resolve_model
+    from ripplekv.engine.models import resolve_model
     from ripplekv.methods import make_method
-    from ripplekv.tasks.calibration import Draw, calibration_hash, calibration_prompts
+    from ripplekv.tasks.calibration import calibration_hash
 
-    draw = (draw or Draw()).check()
+    calibration.check()
+    budget, draw, max_extensions = scoring.budget, calibration.draw, scoring.max_extensions
     if len({grid.base for grid in grids}) < len(grids):
         raise UserError("two tune grids are for the same method; give each method one grid")
     paths = output_paths(Path(out))
-    source = resolve_model(model_spec)
+    source = resolve_model(model.spec)
     for path in paths.values():
         check_output(path, inputs=[source.location] if source.kind == "gguf" else [])
     if announce is not None:
         announce()
-    model, tokenizer, _ = load_model(model_spec, device=device, dtype=dtype)
-    prompts = calibration_prompts(tokenizer, calib_samples, 1, target_tokens, draw=draw)
+    loaded, tokenizer, _ = model.load()
+    prompts = calibration.prompts(tokenizer)
     searches = [GridSearch(list(grid.axes), max_extensions) for grid in grids]
     round_index = 0
     while any(search.pending for search in searches):
@@ -147,7 +157,7 @@ def run_tune(grids: list[TuneGrid], out: Path, model_spec, budget: int, calib_sa
                        "calibration_hash": calibration_hash(prompts)}, restart=True)
         context, advance = bar(len(prompts), len(log.done)) if bar else (nullcontext(), None)
         with context:
-            per_sample = calibration_fidelity(model, prompts, [make_method(spec) for _, _, spec in todo], budget,
+            per_sample = calibration_fidelity(loaded, prompts, [make_method(spec) for _, _, spec in todo], budget,
                                               progress=advance, log=log)
         means = per_sample.groupby("index").agg(kl=("kl", "mean"), agreement=("agreement", "mean"), n=("kl", "size"))
         for search in searches:

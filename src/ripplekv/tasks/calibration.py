@@ -1,6 +1,7 @@
 """Calibration prompts: samples of the offline suite's calibration split, cut into a context and probe tokens.
 
-`profile`, `allocate`, `route` and `tune` calibrate on them; the split is disjoint from the evaluation samples.
+`profile`, `allocate`, `route`, `tune` and `fit` calibrate on them (`Calibration` says which); the split is
+disjoint from the evaluation samples.
 A calibrated method is judged on more than one calibration draw (`Draw`): the split's samples are dealt into
 `count` disjoint draws by their index (sample i of every task goes to draw i mod count), so two draws never
 share a sample whatever each stage's prompt count, and the stages of one draw take prefixes of the same sequence
@@ -70,6 +71,36 @@ class Draw:
 
     def describe(self) -> str:
         return "the whole calibration split" if self.count == 1 else f"calibration draw {self.index} of {self.count}"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibration prompts a stage fits on: how many (`--calib-samples`), from which draw (`--calib-draw` of
+    `--calib-draws`), built to what length (`--target-tokens`), with the reference answer as probes or not
+    (`--with-answer`). Every stage fitted on calibration prompts takes this one object, checked once."""
+
+    samples: int = 8
+    target_tokens: int = 3500
+    draw: Draw = Draw()
+    with_answer: bool = False
+
+    def check(self) -> Calibration:
+        if not isinstance(self.samples, int) or self.samples < 1:
+            raise UserError(f"--calib-samples must be at least 1, got {self.samples}")
+        from ripplekv.tasks.offline import MAX_TARGET_TOKENS, MIN_TARGET_TOKENS
+
+        if not (isinstance(self.target_tokens, int) and MIN_TARGET_TOKENS <= self.target_tokens <= MAX_TARGET_TOKENS):
+            raise UserError(f"--target-tokens must be {MIN_TARGET_TOKENS} to {MAX_TARGET_TOKENS}, got {self.target_tokens}")
+        self.draw.check()
+        return self
+
+    def prompts(self, tokenizer, probe_tokens: int = 1, target_tokens: int | None = None,
+                count: int | None = None) -> list[CalibrationPrompt]:
+        """The prompts (`count` of them when given, e.g. with held-out ones after; else `samples`), built to
+        `target_tokens` when given (a trial length), else to the stage's."""
+        return calibration_prompts(tokenizer, self.samples if count is None else count, probe_tokens,
+                                   self.target_tokens if target_tokens is None else target_tokens,
+                                   with_answer=self.with_answer, draw=self.draw)
 
 
 def calibration_hash(prompts: list[CalibrationPrompt]) -> str:

@@ -1,7 +1,7 @@
 """The naive one-layer-at-a-time profiler peers use: a fresh prefill per perturbed layer, stock attention.
 
-It is the reference the batched profile (`ripplekv.pipeline.profile`) is tested and benchmarked against, so it
-lives with the tests, not in the package.
+It is the reference the batched profile (`ripplekv.pipeline.profile`) is tested and benchmarked against
+(tests/test_profile.py, scripts/bench_profile.py), so it lives with the benchmarks, not in the package.
 """
 
 from __future__ import annotations

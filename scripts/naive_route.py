@@ -1,7 +1,7 @@
 """Routing preferences the naive way: a fresh prefill per (layer, method) trial.
 
 The reference the batched preferences (`ripplekv.pipeline.route.preference_prompt`) are tested and benchmarked
-against, so it lives with the tests, not in the package.
+against (tests/test_route.py, scripts/bench_route.py), so it lives with the benchmarks, not in the package.
 """
 
 from __future__ import annotations

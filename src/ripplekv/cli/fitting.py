@@ -1,0 +1,163 @@
+"""`ripplekv fit`: a method's learned parts fitted on calibration prompts, one subcommand per method.
+
+`fit lukv` profiles LU-KV's head-budget curves, `fit kvzap` KVzap's surrogates and `fit compresskv`
+CompressKV's layer profile; each reads the offline suite's calibration split (never the evaluated samples)
+through one `Calibration` (--calib-samples, --calib-draw/--calib-draws, --target-tokens), shows a progress
+bar over the prompts and hands the work to ripplekv.pipeline. The long ones (lukv, kvzap) resume: the same
+command again computes only the prompts not yet in OUT/samples.jsonl.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ripplekv.cli.options import (
+    TARGET_TOKENS,
+    CalibDraw,
+    CalibDraws,
+    CalibSamples,
+    Device,
+    Dtype,
+    Model,
+    TargetTokens,
+    _progress_bar,
+    _say_out,
+    _say_written,
+    budget_option,
+    calibration,
+)
+
+fit_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="Fit a method's learned parts on calibration prompts: LU-KV's head-budget curves (lukv), KVzap's "
+         "surrogates (kvzap), CompressKV's layer profile (compresskv).",
+)
+
+FitDir = Annotated[str, typer.Option("--out", metavar="DIR", help="The folder for the fitted files and the resumable "
+                                                                  "log; rerun the same command to resume.")]
+
+LayerBudget = budget_option("CompressKV measures each layer's error at this selection.")
+
+
+def _bar(total: int, done: int):
+    return _progress_bar("calibration prompts", total, done)
+
+
+@fit_app.command("lukv")
+def fit_lukv(
+    out: FitDir,
+    methods: str = typer.Option("lukv,lukv:scorer=snapkv", "--methods", metavar="SPECS",
+                                help="LU-KV method specs, one curve per scorer."),
+    model: Model = None,
+    calib_samples: CalibSamples = 8,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    target_tokens: TargetTokens = TARGET_TOKENS,
+    answer_tokens: int = typer.Option(64, "--answer-tokens", metavar="N",
+                                      help="The full cache's answer read for the oracle."),
+    per_layer: bool = typer.Option(False, "--per-layer", help="One greedy per layer (default: all layers at once)."),
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+) -> None:
+    """LU-KV's head-budget curves: OUT/curve-SCORER.csv (+ .json), read as SPEC:curve=FILE.
+
+    Each calibration prompt is prefilled once; the full cache's greedy answer (at most --answer-tokens) is read
+    back through the full cache for every entry's oracle importance, each scorer ranks the entries, and LU-KV's
+    greedy gives the prompt's per-head prune ratios at 99 global ratios; the curve is their mean over prompts."""
+    from rich.console import Console
+
+    from ripplekv.pipeline.head_curves import CurveSettings, profile_curves
+    from ripplekv.pipeline.model_choice import ModelChoice
+
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    written = profile_curves(Path(out), ModelChoice(model, device, dtype),
+                             [s.strip() for s in methods.split(",") if s.strip()],
+                             CurveSettings(answer_tokens, not per_layer), chosen, bar=_bar,
+                             announce=lambda: _say_out(console, "fit lukv", out, True))
+    for name, path in written.items():
+        console.print(f"curve of {name}: {path}", soft_wrap=True)
+    console.print(f"fit lukv: done in {time.perf_counter() - start:.1f} s")
+    _say_written(console, [p for path in written.values() for p in (path, path.with_suffix(".json"))])
+
+
+@fit_app.command("kvzap")
+def fit_kvzap(
+    out: FitDir,
+    models: str = typer.Option("mlp,linear", "--models", metavar="KINDS", help="Surrogate kinds to fit (mlp, linear)."),
+    model: Model = None,
+    calib_samples: CalibSamples = 16,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    target_tokens: Annotated[int, typer.Option("--target-tokens", metavar="N", help=(
+        "Length in tokens of the calibration prompts (the paper keeps 750-1250)."))] = 1000,
+    tokens: int = typer.Option(500, "--tokens", metavar="N", help="Random positions per prompt (the paper's 500)."),
+    holdout: int = typer.Option(4, "--holdout", metavar="N", help="Every N-th prompt is held out to measure the fit."),
+    epochs: int = typer.Option(15, "--epochs", metavar="N", help="The MLP's training epochs."),
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+) -> None:
+    """KVzap's surrogates: OUT/kvzap-KIND.safetensors (+ .json), read as kvzap:weights=FILE.
+
+    Each calibration prompt is prefilled once, recording every layer's attention input; our KVzip scorer's
+    reconstruction pass scores its entries, and --tokens random positions become (hidden state -> log KVzip
+    score per KV head) pairs. One prompt in every --holdout is held out: its rank correlation with KVzip is
+    printed and stored in the provenance."""
+    from rich.console import Console
+
+    from ripplekv.pipeline.kvzap_fit import FitSettings, fit_surrogates
+    from ripplekv.pipeline.model_choice import ModelChoice
+
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    kinds = [k.strip() for k in models.split(",") if k.strip()]
+    written = fit_surrogates(Path(out), ModelChoice(model, device, dtype), FitSettings(tokens, holdout, epochs),
+                             chosen, kinds, bar=_bar, announce=lambda: _say_out(console, "fit kvzap", out, True))
+    for kind, (path, fit) in written.items():
+        console.print(f"{path} ({kind}): held-out rank correlation with KVzip {fit['spearman_mean']:.3f} (per layer "
+                      f"{min(fit['spearman_per_layer']):.3f}-{max(fit['spearman_per_layer']):.3f}), "
+                      f"R^2 {fit['r2_mean']:.3f}", soft_wrap=True)
+    console.print(f"fit kvzap: done in {time.perf_counter() - start:.1f} s")
+    _say_written(console, [p for path, _ in written.values() for p in (path, path.with_suffix(".json"))])
+
+
+@fit_app.command("compresskv")
+def fit_compresskv(
+    out: Annotated[str, typer.Option("--out", metavar="CSV", help="The layer,error CSV to write.")],
+    model: Model = None,
+    calib_samples: CalibSamples = 6,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    budget: LayerBudget = 128,
+    window: int = typer.Option(32, "--window", metavar="N", help="Window queries standing in for decoding steps."),
+    target_tokens: TargetTokens = TARGET_TOKENS,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+) -> None:
+    """CompressKV's layer profile: the layer,error CSV read as compresskv:profile=FILE.
+
+    A layer's error is the relative error of its window queries' attention output when its cache keeps only
+    SnapKV's selection at --budget, averaged over the calibration prompts (one prefill each)."""
+    from rich.console import Console
+
+    from ripplekv.pipeline import compresskv_fit
+    from ripplekv.pipeline.model_choice import ModelChoice
+
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    settings = compresskv_fit.LayerErrorSettings(budget, window)
+    where = ModelChoice(model, device, dtype)
+    console = Console(stderr=True)
+    compresskv_fit.check_compresskv_fit(out, where, settings, chosen)
+    _say_out(console, "fit compresskv", out, True)
+    start = time.perf_counter()
+    path, errors, count = compresskv_fit.fit_compresskv(out, where, settings, chosen, bar=_bar)
+    console.print(f"{len(errors)} layers from {count} calibration prompts in {time.perf_counter() - start:.1f} s; "
+                  f"errors {min(errors):.4f} to {max(errors):.4f}")
+    _say_written(console, [path])
