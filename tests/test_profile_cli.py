@@ -64,6 +64,8 @@ def test_allocate_with_a_ratio_sweep_picks_by_calibration(profiled, tiny_model_d
         (["profile", "--calib-samples", "0", "--out", "{tmp}/p"], "--calib-samples must be at least 1"),
         (["profile", "--signal", "infonce", "--calib-samples", "1", "--out", "{tmp}/p"], "--calib-samples 2 or more"),
         (["profile", "--signal", "evict", "--prune-ratio", "1", "--out", "{tmp}/p"], "--prune-ratio must be a share"),
+        (["profile", "--calib-tasks", "longbench:hotpotqa", "--out", "{tmp}/p"], "only the generated suites"),
+        (["fit", "lukv", "--calib-tasks", "nosuch", "--out", "{tmp}/p"], "nosuch"),
         (["budgets", "--methods", "ripplekv"], "run `ripplekv profile`"),
         (["budgets", "--pooling", "median"], "'median' is not one of 'max', 'avg', 'none'"),
         (["budgets", "--budget", "0"], "budget must be a positive integer"),
@@ -182,3 +184,15 @@ def test_infonce_profile_writes_its_bound(tiny_model_dir, tmp_path):
     table = pd.read_csv(out / "sensitivity.csv")
     assert (table["infonce_mean"] > 0).all()
     assert table["sensitivity"].to_numpy() == pytest.approx(pd.Series(meta["infonce_mi_bound"]).clip(lower=0).to_numpy())
+
+
+def test_a_profile_on_chosen_tasks_of_another_suite_records_them(tiny_model_dir, run_cli, tmp_path):
+    """`--calib-tasks`: a study calibrates on its own tasks (RULER's calibration split here); the ids are that split's
+    and the tasks are recorded, so a resume with other tasks cannot mix."""
+    out = tmp_path / "p"
+    code, _, err = run_cli("profile", "--model", str(tiny_model_dir), "--calib-samples", "2", "--seeds", "1",
+                           "--target-tokens", "1024", "--calib-tasks", "ruler:vt,niah", "--out", str(out))
+    assert code == 0, err
+    meta = json.loads((out / "profile.json").read_text())
+    assert meta["calib_tasks"] == ["ruler:vt", "niah"]
+    assert [i.split("-calibration-")[0] for i in meta["calibration_ids"]] == ["ruler-vt", "offline-niah"]

@@ -20,6 +20,7 @@ from ripplekv.cli.options import (
     CalibDraw,
     CalibDraws,
     CalibSamples,
+    CalibTasks,
     Device,
     Dtype,
     Model,
@@ -57,6 +58,7 @@ def fit_lukv(
     calib_samples: CalibSamples = 8,
     calib_draw: CalibDraw = 0,
     calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
     target_tokens: TargetTokens = TARGET_TOKENS,
     answer_tokens: int = typer.Option(64, "--answer-tokens", metavar="N",
                                       help="The full cache's answer read for the oracle."),
@@ -74,7 +76,7 @@ def fit_lukv(
     from ripplekv.pipeline.head_curves import CurveSettings, profile_curves
     from ripplekv.pipeline.model_choice import ModelChoice
 
-    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, tasks=calib_tasks)
     console = Console(stderr=True)
     start = time.perf_counter()
     written = profile_curves(Path(out), ModelChoice(model, device, dtype),
@@ -95,6 +97,7 @@ def fit_kvzap(
     calib_samples: CalibSamples = 16,
     calib_draw: CalibDraw = 0,
     calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
     target_tokens: Annotated[int, typer.Option("--target-tokens", metavar="N", help=(
         "Length in tokens of the calibration prompts (the paper keeps 750-1250)."))] = 1000,
     tokens: int = typer.Option(500, "--tokens", metavar="N", help="Random positions per prompt (the paper's 500)."),
@@ -114,7 +117,7 @@ def fit_kvzap(
     from ripplekv.pipeline.kvzap_fit import FitSettings, fit_surrogates
     from ripplekv.pipeline.model_choice import ModelChoice
 
-    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, tasks=calib_tasks)
     console = Console(stderr=True)
     start = time.perf_counter()
     kinds = [k.strip() for k in models.split(",") if k.strip()]
@@ -135,6 +138,7 @@ def fit_compresskv(
     calib_samples: CalibSamples = 6,
     calib_draw: CalibDraw = 0,
     calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
     budget: LayerBudget = 128,
     window: int = typer.Option(32, "--window", metavar="N", help="Window queries standing in for decoding steps."),
     target_tokens: TargetTokens = TARGET_TOKENS,
@@ -150,7 +154,7 @@ def fit_compresskv(
     from ripplekv.pipeline import compresskv_fit
     from ripplekv.pipeline.model_choice import ModelChoice
 
-    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, tasks=calib_tasks)
     settings = compresskv_fit.LayerErrorSettings(budget, window)
     where = ModelChoice(model, device, dtype)
     console = Console(stderr=True)

@@ -112,6 +112,9 @@ MaxLength = Annotated[int, typer.Option("--max-length", metavar="N", help=MAX_LE
 CalibSamples = Annotated[int, typer.Option("--calib-samples", metavar="N", help=CALIB_SAMPLES_HELP)]
 CalibDraw = Annotated[int, typer.Option("--calib-draw", metavar="I", help=CALIB_DRAW_HELP)]
 CalibDraws = Annotated[int, typer.Option("--calib-draws", metavar="N", help=CALIB_DRAWS_HELP)]
+CalibTasks = Annotated[str | None, typer.Option(
+    "--calib-tasks", metavar="TASKS", help="Calibrate on these tasks' calibration splits: offline task names or "
+    "SUITE:TASK for RULER (e.g. ruler:vt,hotpotqa); default: every offline task.")]
 ProbeTokens = Annotated[int, typer.Option("--probe-tokens", metavar="N", help=PROBE_TOKENS_HELP)]
 WithAnswer = Annotated[bool, typer.Option("--with-answer", help=WITH_ANSWER_HELP)]
 Device = Annotated[str, typer.Option("--device", metavar="DEVICE", help=DEVICE_HELP)]
@@ -147,12 +150,15 @@ def one_budget(text) -> int:
     return values[0]
 
 
-def calibration(samples: int, draw: int, draws: int, target_tokens: int, with_answer: bool = False):
-    """--calib-samples, --calib-draw/--calib-draws, --target-tokens (and --with-answer) as one checked
-    `Calibration`: the calibration prompts every fitted stage reads."""
+def calibration(samples: int, draw: int, draws: int, target_tokens: int, with_answer: bool = False,
+                tasks: str | None = None):
+    """--calib-samples, --calib-draw/--calib-draws, --target-tokens, --calib-tasks (and --with-answer) as one
+    checked `Calibration`: the calibration prompts every fitted stage reads."""
+    from ripplekv.pipeline.eval_plan import parse_names
     from ripplekv.tasks.calibration import Calibration, Draw
 
-    return Calibration(samples, target_tokens, Draw(draw, draws), with_answer).check()
+    chosen = parse_names(tasks, "--calib-tasks") if tasks is not None else ()
+    return Calibration(samples, target_tokens, Draw(draw, draws), with_answer, chosen).check()
 
 
 def check_extensions(max_extensions: int) -> int:

@@ -22,6 +22,7 @@ from ripplekv.cli.options import (
     CalibDraw,
     CalibDraws,
     CalibSamples,
+    CalibTasks,
     Device,
     Dtype,
     Model,
@@ -79,6 +80,7 @@ def profile(
     calib_samples: CalibSamples = 4,
     calib_draw: CalibDraw = 0,
     calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
     seeds: int = typer.Option(PROFILE_SEEDS, "--seeds", metavar="N", help="Noise draws per sample; make reproduce uses 2."),
     eta: float = typer.Option(PROFILE_ETA, "--eta", help="Noise scale relative to each value vector RMS (KL grows as eta^2 up to ~1)."),
     signal: Signal = "noise",
@@ -111,7 +113,7 @@ def profile(
     from ripplekv.pipeline.model_choice import ModelChoice
     from ripplekv.pipeline.profile import ProfileSettings, check_given, profile_into
 
-    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, with_answer)
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, with_answer, calib_tasks)
     check_given(signal, measure or "task-drop", {"--evict-method": evict_method, "--evict-budget": evict_budget,
                                                  "--measure": measure, "--prune-ratio": prune_ratio})
     settings = ProfileSettings(eta, seeds, signal, probe_tokens, check_budget(128 if evict_budget is None else evict_budget),
@@ -152,6 +154,7 @@ def allocate(
     calib_samples: CalibSamples = 7,
     calib_draw: CalibDraw = 0,
     calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
     max_extensions: MaxExtensions = 3,
     target_tokens: TargetTokens = TARGET_TOKENS,
     device: Device = "auto",
@@ -163,7 +166,7 @@ def allocate(
     from ripplekv.pipeline.allocate import AllocateSettings, check_bounds, run_allocate
     from ripplekv.pipeline.model_choice import ModelChoice
 
-    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, tasks=calib_tasks)
     check_extensions(max_extensions)
     if mapping == "proportional" and ratio:
         raise UserError("--ratio applies to --map exponential only; --map proportional takes no ratio")
@@ -196,6 +199,7 @@ def route_command(
     calib_samples: CalibSamples = 8,
     calib_draw: CalibDraw = 0,
     calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
     placements: int = typer.Option(100, "--placements", metavar="N",
                                    help="Random placements (same method counts) to rank the route among; 0 skips."),
     placement_samples: int = typer.Option(8, "--placement-samples", metavar="N",
@@ -227,7 +231,7 @@ def route_command(
     )
     from ripplekv.runs.safeio import exclusive
 
-    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, with_answer)
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, with_answer, calib_tasks)
     listed = [part.strip() for part in methods.split(",") if part.strip()]
     if len(set(listed)) < len(listed):
         raise UserError(f"--methods lists a candidate twice ({methods}); name each candidate once")
@@ -287,6 +291,7 @@ def tune(
     calib_samples: CalibSamples = 7,
     calib_draw: CalibDraw = 0,
     calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
     max_extensions: MaxExtensions = 3,
     target_tokens: TargetTokens = TARGET_TOKENS,
     device: Device = "auto",
@@ -298,7 +303,7 @@ def tune(
     from ripplekv.pipeline.model_choice import ModelChoice
     from ripplekv.pipeline.tune import GridSettings, parse_grid, run_tune
 
-    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens)
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, tasks=calib_tasks)
     check_extensions(max_extensions)
     parsed = [parse_grid(text) for text in grids]
     console = Console(stderr=True)

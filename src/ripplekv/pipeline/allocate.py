@@ -176,7 +176,7 @@ def _choose_ratio(model: ModelChoice, values, ratios, settings: AllocateSettings
 
     loaded, tokenizer, _ = model.load()
     prompts = calibration.prompts(tokenizer)
-    budget, draw = settings.budget, calibration.draw
+    budget = settings.budget
     rounds: list[int] = []
 
     def score(points: list[dict]) -> pd.DataFrame:
@@ -197,7 +197,7 @@ def _choose_ratio(model: ModelChoice, values, ratios, settings: AllocateSettings
     write_csv(paths["sweep"], sweep)
     write_json(paths["choice"], {"ratio": chosen, "candidates": result.axes["ratio"], "initial": ratios,
                                  "extensions": result.extensions["ratio"], "at_edge": result.at_edge,
-                                 "notes": result.notes, "budget": budget, **draw.record(),
+                                 "notes": result.notes, "budget": budget, **calibration.record(),
                                  "calibration_ids": [p.sample_id for p in prompts]})
     console.print(sweep.to_string(index=False))
     console.print(f"ratio: {grid_summary(result)} (lowest teacher-forced KL at B={budget}); sweep in {paths['sweep']}")

@@ -45,7 +45,7 @@ class CurveSettings:
     def record(self, calibration: Calibration) -> dict:
         """The settings as the log's header and the provenance name them (in the order they always had)."""
         return {"calib_samples": calibration.samples, "target_tokens": calibration.target_tokens, **asdict(self),
-                **calibration.draw.record()}
+                **calibration.record()}
 
 
 def write_curve(path: str | Path, curve: np.ndarray, provenance: dict) -> Path:

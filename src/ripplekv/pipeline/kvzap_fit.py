@@ -52,7 +52,7 @@ class FitSettings:
     def record(self, calibration: Calibration) -> dict:
         """The settings as the log's header and the provenance name them (in the order they always had)."""
         return {"calib_samples": calibration.samples, "target_tokens": calibration.target_tokens, **asdict(self),
-                **calibration.draw.record()}
+                **calibration.record()}
 
 
 def prompt_pairs(model, tokenizer, ids: list[int], tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -317,7 +317,6 @@ def profile_into(out: Path, model: ModelChoice, settings: ProfileSettings, calib
 
     settings.check()
     calibration.check()
-    draw = calibration.draw
     if settings.kind == "infonce" and calibration.samples < 2:
         raise UserError("--signal infonce contrasts prompts with each other: pass --calib-samples 2 or more")
     model = model.resolved()
@@ -330,7 +329,7 @@ def profile_into(out: Path, model: ModelChoice, settings: ProfileSettings, calib
         tokenizer, settings.probe_tokens, target_tokens=target), calibration.target_tokens)
     if announce is not None:
         announce()
-    header = {"model": source.label, "model_location": source.location, **settings.record(), **draw.record(),
+    header = {"model": source.label, "model_location": source.location, **settings.record(), **calibration.record(),
               "calibration_ids": [p.sample_id for p in prompts], "calibration_hash": calibration_hash(prompts)}
     with exclusive(out, "profile"):
         log = UnitLog(out / SAMPLES_LOG, header, remedy="use a new --out directory")
@@ -351,5 +350,5 @@ def profile_into(out: Path, model: ModelChoice, settings: ProfileSettings, calib
         finish = FINISHERS.get(settings.kind)
         stacked, extra = finish(stacked) if finish else (stacked, {})
         profile = Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, source.label,
-                          extra={**extra, **draw.record(), "device": device, "dtype": dtype, **runtime_info(device)})
+                          extra={**extra, **calibration.record(), "device": device, "dtype": dtype, **runtime_info(device)})
         return len(prompts), write_profile(profile, prompts, out)

@@ -286,7 +286,7 @@ def route_into(out: Path, model: ModelChoice, settings: RouteSettings, calibrati
     from ripplekv.tasks.calibration import calibration_hash
 
     calibration.check()
-    calib_samples, draw = calibration.samples, calibration.draw
+    calib_samples = calibration.samples
     loaded, tokenizer, source = model.load()
     prompts = calibration.prompts(tokenizer, settings.probe_tokens, count=calib_samples + placement_samples)
     chosen, scored = prompts[:calib_samples], prompts[calib_samples:]
@@ -296,7 +296,7 @@ def route_into(out: Path, model: ModelChoice, settings: RouteSettings, calibrati
     with bar:
         result = run_route(loaded, chosen, scored, settings, progress=advance)
     meta = {"model": source.label, "calibration_hash": calibration_hash(chosen), "with_answer": calibration.with_answer,
-            "target_tokens": calibration.target_tokens, **draw.record(), "device": model.device, "dtype": model.dtype,
+            "target_tokens": calibration.target_tokens, **calibration.record(), "device": model.device, "dtype": model.dtype,
             **runtime_info(model.device)}
     return write_route(result, settings, Path(out), meta), len(result.route), len(scored)
 

@@ -137,7 +137,7 @@ def run_tune(grids: list[TuneGrid], out: Path, model: ModelChoice, calibration: 
     from ripplekv.tasks.calibration import calibration_hash
 
     calibration.check()
-    budget, draw, max_extensions = scoring.budget, calibration.draw, scoring.max_extensions
+    budget, max_extensions = scoring.budget, scoring.max_extensions
     if len({grid.base for grid in grids}) < len(grids):
         raise UserError("two tune grids are for the same method; give each method one grid")
     paths = output_paths(Path(out))
@@ -165,10 +165,10 @@ def run_tune(grids: list[TuneGrid], out: Path, model: ModelChoice, calibration: 
             if rows:
                 search.add(pd.DataFrame(rows))
         round_index += 1
-    return _write(grids, searches, paths, budget, draw, prompts, console, round_index)
+    return _write(grids, searches, paths, budget, calibration, prompts, console, round_index)
 
 
-def _write(grids, searches, paths, budget, draw, prompts, console, rounds) -> list[Path]:
+def _write(grids, searches, paths, budget, calibration, prompts, console, rounds) -> list[Path]:
     tables, report = [], {}
     for grid, search in zip(grids, searches):
         result = search.result()
@@ -184,7 +184,7 @@ def _write(grids, searches, paths, budget, draw, prompts, console, rounds) -> li
     table = pd.concat(tables, ignore_index=True)
     write_csv(paths["csv"], table[front + [c for c in table.columns if c not in front]], float_format="%.8g")
     write_json(paths["json"], {"budget": budget, "objective": "teacher-forced KL to the full cache (mean over prompts)",
-                               **draw.record(), "calibration_ids": [p.sample_id for p in prompts],
+                               **calibration.record(), "calibration_ids": [p.sample_id for p in prompts],
                                "tuned": {base: entry["spec"] for base, entry in report.items()}, "methods": report})
     for index in range(rounds):
         paths["json"].with_name(f".{paths['json'].stem}.{index}.jsonl").unlink(missing_ok=True)

@@ -77,12 +77,14 @@ class Draw:
 class Calibration:
     """The calibration prompts a stage fits on: how many (`--calib-samples`), from which draw (`--calib-draw` of
     `--calib-draws`), built to what length (`--target-tokens`), with the reference answer as probes or not
-    (`--with-answer`). Every stage fitted on calibration prompts takes this one object, checked once."""
+    (`--with-answer`), from which tasks (`--calib-tasks`: every offline task by default; `calibration_tasks`).
+    Every stage fitted on calibration prompts takes this one object, checked once."""
 
     samples: int = 8
     target_tokens: int = 3500
     draw: Draw = Draw()
     with_answer: bool = False
+    tasks: tuple[str, ...] = ()
 
     def check(self) -> Calibration:
         if not isinstance(self.samples, int) or self.samples < 1:
@@ -92,7 +94,13 @@ class Calibration:
         if not (isinstance(self.target_tokens, int) and MIN_TARGET_TOKENS <= self.target_tokens <= MAX_TARGET_TOKENS):
             raise UserError(f"--target-tokens must be {MIN_TARGET_TOKENS} to {MAX_TARGET_TOKENS}, got {self.target_tokens}")
         self.draw.check()
+        calibration_tasks(list(self.tasks))  # an unknown task or a suite without a calibration split: one line now
         return self
+
+    def record(self) -> dict:
+        """What outputs record about the prompts' origin: the draw, and the tasks when not the default (so
+        earlier outputs still match)."""
+        return {**self.draw.record(), **({"calib_tasks": list(self.tasks)} if self.tasks else {})}
 
     def prompts(self, tokenizer, probe_tokens: int = 1, target_tokens: int | None = None,
                 count: int | None = None) -> list[CalibrationPrompt]:
@@ -100,7 +108,7 @@ class Calibration:
         `target_tokens` when given (a trial length), else to the stage's."""
         return calibration_prompts(tokenizer, self.samples if count is None else count, probe_tokens,
                                    self.target_tokens if target_tokens is None else target_tokens,
-                                   with_answer=self.with_answer, draw=self.draw)
+                                   with_answer=self.with_answer, tasks=list(self.tasks) or None, draw=self.draw)
 
 
 def calibration_hash(prompts: list[CalibrationPrompt]) -> str:
