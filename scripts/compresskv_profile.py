@@ -23,7 +23,7 @@ def check(args):
     """Every option, before any model work (the output's folder is made when missing, as the commands do);
     returns the calibration draw."""
     from ripplekv.engine.models import resolve_model
-    from ripplekv.methods.budgets import check_budget
+    from ripplekv.methods.core.budgets import check_budget
     from ripplekv.runs.safeio import check_output
     from ripplekv.tasks.calibration import Draw
     from ripplekv.tasks.offline import MAX_TARGET_TOKENS, MIN_TARGET_TOKENS

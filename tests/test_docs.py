@@ -18,8 +18,8 @@ import torch
 
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.recorders import RECORDERS, WINDOW_QUERIES
-from ripplekv.methods.base import SCORERS
-from ripplekv.methods.presets import PRESETS
+from ripplekv.methods.core.base import SCORERS
+from ripplekv.methods.core.spec import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -50,11 +50,11 @@ def test_adding_a_method_runs_as_written(tiny_model, monkeypatch):
     assert len(blocks) == 3
     module = types.ModuleType("ripplekv.methods.querygram")  # the new file, as the package would import it
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr("ripplekv.methods.presets.PRESETS", dict(PRESETS))  # the example's name leaves with the test
+    monkeypatch.setattr("ripplekv.methods.core.spec.PRESETS", dict(PRESETS))  # the example's name leaves with the test
     monkeypatch.setitem(SCORERS, "querygram", None)  # undone after the test: the example's scorer and recorder leave too
     monkeypatch.setitem(RECORDERS, "query_gram", None)
     import ripplekv.methods as methods
-    import ripplekv.methods.presets as presets
+    import ripplekv.methods.core.spec as presets
 
     monkeypatch.setattr(methods, "PRESETS", presets.PRESETS)
     exec(compile(blocks[0], "adding-a-method.md", "exec"), module.__dict__)
@@ -101,14 +101,14 @@ def test_a_new_signal_and_its_scorer_touch_two_source_files(tiny_model_dir, tmp_
     """The page's two changes, written into a copy of the package, are all eval needs to run the new method with
     its new signal: no engine or pipeline file changes, and the budget is exact."""
     changes = source_changes()
-    assert [path for path, _ in changes] == ["src/ripplekv/methods/querygram.py", "src/ripplekv/methods/presets.py"]
+    assert [path for path, _ in changes] == ["src/ripplekv/methods/querygram.py", "src/ripplekv/methods/core/spec.py"]
     copy = tmp_path / "src" / "ripplekv"
     shutil.copytree(ROOT / "src" / "ripplekv", copy, ignore=shutil.ignore_patterns("__pycache__"))
     (new_file, module), (preset_file, line) = changes
     (tmp_path / new_file).write_text(module)
     with (tmp_path / preset_file).open("a") as fh:
         fh.write(line)
-    assert changed_files(ROOT / "src" / "ripplekv", copy) == {"methods/querygram.py", "methods/presets.py"}
+    assert changed_files(ROOT / "src" / "ripplekv", copy) == {"methods/querygram.py", "methods/core/spec.py"}
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     # eval's own per-sample function (`ripplekv.generate`), in a fresh interpreter that imports the copy
     script = (f"import json, ripplekv; model, tokenizer = ripplekv.load_model({str(tiny_model_dir)!r}); "

@@ -9,8 +9,9 @@ import torch
 
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
-from ripplekv.methods import kvzap_surrogate, make_method
-from ripplekv.methods.kvzap import HIDDEN_STATES
+from ripplekv.methods import make_method
+from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
+from ripplekv.methods.kvzap.method import HIDDEN_STATES
 from tests.conftest import tiny_llama
 from tests.test_lukv import tiny_curve
 

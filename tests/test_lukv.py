@@ -12,9 +12,9 @@ import torch
 from ripplekv.engine.prefill import prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.lukv import exact_counts, keep_shares, kvpress_counts, read_curve, scorer_identity
-from ripplekv.methods.lukv_greedy import RATIOS, eviction_costs, greedy_evictions, head_floor, hull_slopes, prune_ratios
-from ripplekv.methods.lukv_oracle import prompt_curves
+from ripplekv.methods.lukv.greedy import RATIOS, eviction_costs, greedy_evictions, head_floor, hull_slopes, prune_ratios
+from ripplekv.methods.lukv.method import exact_counts, keep_shares, kvpress_counts, read_curve, scorer_identity
+from ripplekv.methods.lukv.oracle import prompt_curves
 from ripplekv.pipeline.head_curves import write_curve
 from tests.conftest import tiny_llama
 

@@ -230,13 +230,13 @@ def test_avg_pooling_counts_the_edge_padding_as_snapkv_does():
 
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.alias_of])
 def test_a_declared_alias_computes_what_it_names(name):
-    from ripplekv.methods.presets import identity
+    from ripplekv.methods.core.spec import identity
 
     assert identity(make_method(name)) == identity(make_method(PRESETS[name].alias_of))
 
 
 def test_aliases_are_computed_once_and_named_in_a_note():
-    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.core.catalog import build_methods
 
     notes: list[str] = []
     methods = build_methods(["snapkv", "uniform", "adakv", "snapkv:split=adakv"], {}, notes)
@@ -248,7 +248,7 @@ def test_aliases_are_computed_once_and_named_in_a_note():
 
 
 def test_only_the_same_computation_is_an_alias():
-    from ripplekv.methods.presets import identity
+    from ripplekv.methods.core.spec import identity
 
     same = identity(make_method("adakv:alpha=0.1:window=16"))
     assert same == identity(make_method("snapkv:split=adakv:head_alpha=0.1:window=16"))

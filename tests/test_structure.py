@@ -10,7 +10,7 @@ import pytest
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS, make_method
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "ripplekv"
 # The project's own name, where it means the project (not the ripplekv method).
@@ -94,7 +94,7 @@ def test_a_spec_window_beyond_the_window_option_is_the_one_captured():
     """`eval --window 16 --methods snapkv:window=128,snapkv:kernel=5`: the spec's own window wins for its method,
     the option sets the other's, and the prefill captures the larger one."""
     from ripplekv.engine.prefill import captured_window
-    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.core.catalog import build_methods
 
     methods = build_methods(["snapkv:window=128", "snapkv:kernel=5"], {"window": 16})
     assert [m.requirements().capture_window for m in methods.values()] == [0, 128, 16]  # full, then the specs

@@ -44,7 +44,7 @@ def budgets(
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.methods import make_method
-    from ripplekv.methods.presets import check_distinct, collapse_aliases, degenerate_notes
+    from ripplekv.methods.core.spec import check_distinct, collapse_aliases, degenerate_notes
     from ripplekv.pipeline.eval_plan import parse_names
 
     if prompt_len <= 0:
@@ -112,8 +112,8 @@ def methods_command() -> None:
     from rich.table import Table
 
     from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
-    from ripplekv.methods.presets import component_names, defaults_of
-    from ripplekv.methods.quant_options import QUANT_HELP
+    from ripplekv.methods.core.quant_options import QUANT_HELP
+    from ripplekv.methods.core.spec import component_names, defaults_of
 
     def options(component, preset=()) -> str:
         chosen = defaults_of(component)

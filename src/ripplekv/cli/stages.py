@@ -106,7 +106,7 @@ def profile(
     from rich.console import Console
 
     from ripplekv.engine.models import resolve_device_dtype
-    from ripplekv.methods.budgets import check_budget
+    from ripplekv.methods.core.budgets import check_budget
     from ripplekv.pipeline.profile import ProfileSettings, check_given, profile_into
     from ripplekv.tasks.calibration import Draw
 

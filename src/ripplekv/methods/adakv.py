@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import DEFAULT_HEAD_ALPHA, HEAD_SPLITS, Allocator, register_allocator, top_indices
+from ripplekv.methods.core.base import DEFAULT_HEAD_ALPHA, HEAD_SPLITS, Allocator, register_allocator, top_indices
 
 
 def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int) -> np.ndarray:

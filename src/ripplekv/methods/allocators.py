@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
-from ripplekv.methods.budgets import check_budget
-from ripplekv.methods.tables import check_layer_count, read_multipliers
+from ripplekv.methods.core.base import Allocator, register_allocator
+from ripplekv.methods.core.budgets import check_budget
+from ripplekv.methods.core.tables import check_layer_count, read_multipliers
 
 
 @register_allocator("uniform")

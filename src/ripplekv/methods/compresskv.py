@@ -30,10 +30,10 @@ import torch
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.base import Allocator, register_allocator
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.tables import check_layer_count, read_numbers
 from ripplekv.methods.snapkv import SnapKVScorer, window_attention
-from ripplekv.methods.tables import check_layer_count, read_numbers
 
 CAP = 3  # a layer keeps at most CAP x B entries (the reference's max_tokens)
 

@@ -23,8 +23,8 @@ import torch
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, check_positive, register_scorer
-from ripplekv.methods.query_statistics import FIRST_QUERIES, QUERY_STATISTICS
+from ripplekv.methods.core.base import check_integers, check_positive, register_scorer
+from ripplekv.methods.signals.query_statistics import FIRST_QUERIES, QUERY_STATISTICS
 from ripplekv.methods.snapkv import WindowScorer
 
 

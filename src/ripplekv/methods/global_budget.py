@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import COMPOSITION, Allocator, register_allocator, top_indices
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.base import COMPOSITION, Allocator, register_allocator, top_indices
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
 
 GRANULARITIES = ("layer", "entry")
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, check_integers, register_allocator
-from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.residual import residual_cosines
+from ripplekv.methods.core.base import Allocator, check_integers, register_allocator
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
+from ripplekv.methods.signals.residual import residual_cosines
 
 
 def three_groups(values) -> np.ndarray:

@@ -27,7 +27,7 @@ from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY, Decoding, SampleMemory, Variant, decode_variants
 from ripplekv.errors import UserError
-from ripplekv.methods.quantized import stored_as
+from ripplekv.methods.core.quantized import stored_as
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.sample_lines import SampleLines
@@ -241,7 +241,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
 
     console = console or Console(stderr=True)
     out = Path(out)
-    from ripplekv.methods.presets import degenerate_notes
+    from ripplekv.methods.core.spec import degenerate_notes
 
     plan = plan_eval(settings)
     notes = [*notes, *plan.notes, *degenerate_notes(plan.methods.values(), settings.budgets)]

@@ -21,9 +21,9 @@ import numpy as np
 
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.lukv import LUKV, protected, scorer_identity
-from ripplekv.methods.lukv_greedy import FLOOR_SHARE, RATIOS
-from ripplekv.methods.lukv_oracle import ANSWER_TOKENS, prompt_curves
+from ripplekv.methods.lukv.greedy import FLOOR_SHARE, RATIOS
+from ripplekv.methods.lukv.method import LUKV, protected, scorer_identity
+from ripplekv.methods.lukv.oracle import ANSWER_TOKENS, prompt_curves
 from ripplekv.runs.safeio import UnitLog, exclusive, other_files, write_csv, write_text
 from ripplekv.tasks.calibration import calibration_hash, calibration_prompts
 

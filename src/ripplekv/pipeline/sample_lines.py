@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ripplekv.engine.evict import peak_entries
-from ripplekv.methods.quantized import budget_bytes, kept_bytes
+from ripplekv.methods.core.quantized import budget_bytes, kept_bytes
 from ripplekv.runs.files import REFERENCE
 
 

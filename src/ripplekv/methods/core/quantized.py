@@ -31,7 +31,7 @@ from ripplekv.engine import entries as kv_entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.engine.quantize import QuantSpec, head_bytes, quantize_head
 from ripplekv.errors import UserError
-from ripplekv.methods.bit_allocation import BitProfile
+from ripplekv.methods.core.bit_allocation import BitProfile
 
 
 def element_bytes(state: PrefillState) -> int:

@@ -29,8 +29,8 @@ import torch
 from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
-from ripplekv.methods.selection import (  # noqa: F401 - the selection helpers, found here as before
+from ripplekv.methods.core.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
+from ripplekv.methods.core.selection import (  # noqa: F401 - the selection helpers, found here as before
     per_head,
     recent_mask,
     top_indices,

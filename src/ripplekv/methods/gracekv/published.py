@@ -18,9 +18,9 @@ import torch
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine.prefill import PrefillState
-from ripplekv.methods.gracekv_signals import signals
-from ripplekv.methods.gracekv_slots import boundary_scores, slot_of_tokens
-from ripplekv.methods.gracekv_split import (
+from ripplekv.methods.gracekv.signals import signals
+from ripplekv.methods.gracekv.slots import boundary_scores, slot_of_tokens
+from ripplekv.methods.gracekv.split import (
     BISECT,
     MIDDLE,
     PULL,
@@ -30,7 +30,7 @@ from ripplekv.methods.gracekv_split import (
     middle_side,
     node_costs,
 )
-from ripplekv.methods.gracekv_trees import RopeTable, prototypes
+from ripplekv.methods.gracekv.trees import RopeTable, prototypes
 
 
 def all_tokens(state: PrefillState, sinks: int, window: int, relevance, omega, boundary, rope) -> LayerTokens:

@@ -38,10 +38,10 @@ import torch
 from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods import gracekv_global as published
-from ripplekv.methods.base import options_of
-from ripplekv.methods.budgets import check_budget
-from ripplekv.methods.gracekv_trees import (
+from ripplekv.methods.core.base import options_of
+from ripplekv.methods.core.budgets import check_budget
+from ripplekv.methods.gracekv import published
+from ripplekv.methods.gracekv.trees import (
     GraceKVOptions,
     Layout,
     RopeTable,

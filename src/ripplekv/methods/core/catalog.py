@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
-from ripplekv.methods.presets import (
+from ripplekv.methods.core.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.core.spec import (
     PRESETS,
     check_distinct,
     collapse_aliases,

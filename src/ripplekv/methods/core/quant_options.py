@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ripplekv.engine.quantize import FULL_PRECISION, QuantSpec
 from ripplekv.errors import UserError
-from ripplekv.methods.bit_allocation import DEFAULT_AVERAGE_BITS, BitProfile, read_sensitivity
-from ripplekv.methods.quantized import Quantized
+from ripplekv.methods.core.bit_allocation import DEFAULT_AVERAGE_BITS, BitProfile, read_sensitivity
+from ripplekv.methods.core.quantized import Quantized
 
 QUANT_OPTIONS = ("bits", "kbits", "vbits", "avgbits", "group", "residual")  # `quant=` names the scheme
 # quant= -> how keys are grouped: KIVI's per channel, or FlexGen's per token (values are per token in both)

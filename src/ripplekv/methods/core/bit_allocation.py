@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ripplekv.engine.quantize import BITS
-from ripplekv.methods.tables import check_layer_count, read_numbers
+from ripplekv.methods.core.tables import check_layer_count, read_numbers
 
 START_BITS = BITS[0]
 UPGRADE = dict(zip(BITS, BITS[1:]))  # 2 -> 4 -> 8 -> 16

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.methods.gracekv_trees import LARGE, TINY, Sums, prototypes
+from ripplekv.methods.gracekv.trees import LARGE, TINY, Sums, prototypes
 
 BISECT, PULL, MIDDLE = 0, 1, 2
 

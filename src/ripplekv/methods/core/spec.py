@@ -22,10 +22,10 @@ from pathlib import Path
 
 from ripplekv import defaults
 from ripplekv.errors import UserError
-from ripplekv.methods.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
-from ripplekv.methods.gracekv import GraceKV
-from ripplekv.methods.lukv import CurveMethod
-from ripplekv.methods.quant_options import quantized_method, reads_profile
+from ripplekv.methods.core.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
+from ripplekv.methods.core.quant_options import quantized_method, reads_profile
+from ripplekv.methods.gracekv.method import GraceKV
+from ripplekv.methods.lukv.method import CurveMethod
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import PerLayer, register_recorder
 from ripplekv.errors import UserError
-from ripplekv.methods import kvzap_surrogate
-from ripplekv.methods.base import check_integers, register_scorer
+from ripplekv.methods.core.base import check_integers, register_scorer
+from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 from ripplekv.methods.snapkv import WindowScorer
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "kvzap"

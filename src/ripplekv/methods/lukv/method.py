@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, AllocatorScorer, options_of, register_allocator
-from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.lukv_greedy import RATIOS
+from ripplekv.methods.core.base import Allocator, AllocatorScorer, options_of, register_allocator
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
+from ripplekv.methods.lukv.greedy import RATIOS
 
 COLUMNS = ["ratio", "layer", "head", "prune"]
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "lukv"
