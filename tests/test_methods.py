@@ -273,3 +273,57 @@ def test_every_preset_has_a_family_for_the_report():
     named = [name for names in METHOD_FAMILIES.values() for name in names]
     assert len(named) == len(set(named)), "a preset in two families"
     assert sorted(set(PRESETS) - {"full"} - set(named)) == []
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def test_a_conflicting_registration_is_refused_and_a_reload_is_not(monkeypatch):
+    """Two modules claiming one name would make the last import win, silently; the registry refuses the second."""
+    from dataclasses import dataclass
+
+    from ripplekv.methods.core.registry import SCORERS, register_head_split, register_scorer
+    from ripplekv.methods.snapkv import SnapKVScorer
+
+    @dataclass(frozen=True)
+    class Impostor(SnapKVScorer):
+        pass
+
+    with pytest.raises(ValueError, match="scorer 'snapkv' is already registered .*SnapKVScorer.*Impostor"):
+        register_scorer("snapkv")(Impostor)
+    assert SCORERS["snapkv"] is SnapKVScorer and SnapKVScorer.name == "snapkv"
+    with pytest.raises(ValueError, match="head split 'adakv' is already registered"):
+        register_head_split("adakv")(lambda state, per_layer, scorer, alpha: None)
+    reloaded = type("SnapKVScorer", (SnapKVScorer,), {"__module__": SnapKVScorer.__module__,
+                                                       "__qualname__": SnapKVScorer.__qualname__})
+    monkeypatch.setitem(SCORERS, "snapkv", SnapKVScorer)  # put back after the test
+    assert register_scorer("snapkv")(reloaded) is reloaded  # the same class defined again: a reload
+
+
+def test_every_module_under_methods_is_imported_with_the_package():
+    """A method registers by being there, wherever it sits: every module under methods/, subfolders included."""
+    from pathlib import Path
+
+    import ripplekv.methods as methods
+
+    root = Path(methods.__file__).parent
+    on_disk = {".".join(("ripplekv", "methods", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+               for path in root.rglob("*.py")} - {"ripplekv.methods"}
+    assert set(methods.MODULES) == on_disk
+    assert {"ripplekv.methods.gracekv.method", "ripplekv.methods.kvzap.method", "ripplekv.methods.lukv.method"} <= on_disk
+
+
+def test_the_layer_allocators_are_what_each_allocator_declares():
+    """`split=` composes with every allocator that leaves the head split to it; the refusal names them all, as each
+    allocator declares it (a hand-kept list once left five out)."""
+    from ripplekv.methods import ALLOCATORS
+    from ripplekv.methods.core.base import layer_allocators
+
+    assert set(layer_allocators()) >= {"uniform", "pyramid", "file", "cake", "global", "compresskv", "dynamickv",
+                                       "lava", "pyramidinfer", "squeeze"}
+    assert set(ALLOCATORS) - set(layer_allocators()) == {"adakv", "answer", "lukv"}
+    for name in layer_allocators():
+        if name not in ("file", "compresskv"):  # these read a file before they build
+            make_method(f"snapkv:allocator={name}:split=adakv")
+    with pytest.raises(UserError, match="splits heads itself.*squeeze, uniform\\)"):
+        make_method("snapkv:allocator=adakv:split=adakv")

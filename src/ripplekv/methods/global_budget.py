@@ -42,7 +42,8 @@ class GlobalBudgets(Allocator):
         if self.granularity not in GRANULARITIES:
             raise UserError(f"option granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
 
-    def splits_itself(self) -> bool:
+    @classmethod
+    def splits_itself(cls) -> bool:
         return False  # its own `allocate` bypasses the split only at granularity=entry
 
     def split_alpha(self):

@@ -30,6 +30,15 @@ from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.core.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
+from ripplekv.methods.core.registry import (  # noqa: F401 - the registries, found here as before
+    ALLOCATORS,
+    DEFAULT_HEAD_ALPHA,
+    HEAD_SPLITS,
+    SCORERS,
+    register_allocator,
+    register_head_split,
+    register_scorer,
+)
 from ripplekv.methods.core.selection import (  # noqa: F401 - the selection helpers, found here as before
     per_head,
     recent_mask,
@@ -37,31 +46,11 @@ from ripplekv.methods.core.selection import (  # noqa: F401 - the selection help
     top_scored_mask,
 )
 
-SCORERS: dict[str, Callable[..., Scorer]] = {}
-ALLOCATORS: dict[str, Callable[..., Allocator]] = {}
-# Head splits: (state, per-layer budgets, scorer, alpha) -> [L, H_kv] counts, each layer's row summing to
-# H_kv x its budget. "even" (every head alike) is the default; `methods.adakv` registers "adakv".
-HEAD_SPLITS: dict[str, Callable] = {}
-DEFAULT_HEAD_ALPHA: dict[str, float] = {}  # each head split's safeguard when `head_alpha` is not given
-LAYER_ALLOCATORS = ("uniform", "pyramid", "file", "cake", "global")  # the ones a head split composes with
 
-
-def _registrar(registry: dict):
-    """A class decorator factory: `@register(name)` names the class and files it in `registry`."""
-
-    def register(name: str):
-        def wrap(cls):
-            cls.name = name
-            registry[name] = cls
-            return cls
-
-        return wrap
-
-    return register
-
-
-register_scorer = _registrar(SCORERS)
-register_allocator = _registrar(ALLOCATORS)
+def layer_allocators() -> list[str]:
+    """The allocators a head split composes with (`split=`): those that leave the head split to it, as each
+    declares (`Allocator.splits_itself`)."""
+    return sorted(name for name, cls in ALLOCATORS.items() if not cls.splits_itself())
 
 
 def options_of(component) -> dict:
@@ -146,11 +135,11 @@ class Scorer:
         raise NotImplementedError
 
 
+@register_head_split("even")
 def even_split(state, per_layer, scorer, alpha) -> np.ndarray:
     return np.repeat(np.asarray(per_layer, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
 
 
-HEAD_SPLITS["even"] = even_split
 # Options every layer allocator takes (a composition's head level); left out of each allocator's own defaults.
 COMPOSITION = {"composition": True}
 
@@ -175,14 +164,16 @@ class Allocator:
     def __post_init__(self):
         self.check_heads()
 
-    def splits_itself(self) -> bool:
-        """Whether this allocator sets head counts itself (so `split=` does not apply)."""
-        return type(self).allocate is not Allocator.allocate
+    @classmethod
+    def splits_itself(cls) -> bool:
+        """Whether this allocator sets head counts itself (so `split=` does not apply): one that overrides
+        `allocate` does, unless it says otherwise."""
+        return cls.allocate is not Allocator.allocate
 
     def check_heads(self) -> None:
         if self.split is not None and self.splits_itself():
             raise UserError(f"allocator {self.name} splits heads itself; split= applies to the layer allocators "
-                            f"({', '.join(LAYER_ALLOCATORS)})")
+                            f"({', '.join(layer_allocators())})")
         if self.split is not None and self.split not in HEAD_SPLITS:
             raise UserError(f"option split must be one of {', '.join(sorted(HEAD_SPLITS))}, got {self.split!r}")
         if self.head_alpha is not None and not 0 <= self.head_alpha <= 1:
