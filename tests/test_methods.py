@@ -266,13 +266,34 @@ def test_an_alias_keeps_the_same_entries(tiny_model):
     assert torch.equal(ada.select(state, 24), composed.select(state, 24))
 
 
-def test_every_preset_has_a_family_for_the_report():
-    """Every preset belongs to one family of `defaults.METHOD_FAMILIES`."""
-    from ripplekv.defaults import METHOD_FAMILIES
+def test_every_preset_has_a_family_from_the_table():
+    """Families are a column of the preset table (no list kept by hand): every line has one, `ripplekv.methods()`
+    reports it, and a line without one, or with a column the table does not have, is refused by name."""
+    from ripplekv.methods.core.catalog import catalog
+    from ripplekv.methods.core.presets import families, read_table
 
-    named = [name for names in METHOD_FAMILIES.values() for name in names]
-    assert len(named) == len(set(named)), "a preset in two families"
-    assert sorted(set(PRESETS) - {"full"} - set(named)) == []
+    assert all(chosen.family for chosen in PRESETS.values())
+    assert {info.name: info.family for info in catalog()} == {name: p.family for name, p in PRESETS.items()}
+    assert families()[0] == "reference" and {"uniform baselines", "answer-aware", "quantizers"} <= set(families())
+    with pytest.raises(ValueError, match="preset 'x' needs family"):
+        read_table('x = { allocator = "uniform", scorer = "snapkv", about = "SnapKV again" }')
+    with pytest.raises(ValueError, match="preset 'x' has no column famliy"):
+        read_table('x = { famliy = "uniform baselines", about = "SnapKV again" }')
+
+
+def test_the_table_builds_the_methods_it_names():
+    """A table line's class column names a registered method class: a method of its own or a checking subclass."""
+    from ripplekv.methods.core.base import AllocatorScorer
+    from ripplekv.methods.core.presets import read_table
+    from ripplekv.methods.gracekv.method import GraceKV
+    from ripplekv.methods.lukv.method import CurveMethod
+
+    assert PRESETS["gracekv"].own is GraceKV and PRESETS["lukv"].kind is CurveMethod and PRESETS["lukv"].own is None
+    assert PRESETS["snapkv"].kind is AllocatorScorer and PRESETS["full"].is_full
+    assert type(make_method("gracekv")) is GraceKV and type(make_method("snapkv")) is AllocatorScorer
+    (odd,) = read_table('odd = { family = "f", class = "nothing-registered", about = "a" }').values()
+    with pytest.raises(ValueError, match="names class 'nothing-registered', which no module registers"):
+        assert odd.own is None
 
 
 # --------------------------------------------------------------------------- the registry

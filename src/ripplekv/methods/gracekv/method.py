@@ -40,6 +40,7 @@ from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import options_of
 from ripplekv.methods.core.budgets import check_budget
+from ripplekv.methods.core.registry import register_method_class
 from ripplekv.methods.gracekv import published
 from ripplekv.methods.gracekv.trees import (
     GraceKVOptions,
@@ -53,6 +54,7 @@ from ripplekv.methods.gracekv.trees import (
 )
 
 
+@register_method_class("gracekv")
 @dataclass(frozen=True)
 class GraceKV:
     """The GraceKV method (a `Method`): budgets and entries come from one global greedy over prototype trees,

@@ -27,6 +27,7 @@ import numpy as np
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import Allocator, AllocatorScorer, options_of, register_allocator
 from ripplekv.methods.core.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.registry import register_method_class
 from ripplekv.methods.lukv.greedy import RATIOS
 
 COLUMNS = ["ratio", "layer", "head", "prune"]
@@ -128,6 +129,7 @@ def kvpress_counts(curve: np.ndarray, budget: int, length: int) -> np.ndarray:
     return counts
 
 
+@register_method_class("lukv")
 @dataclass(frozen=True)
 class CurveMethod(AllocatorScorer):
     """The `lukv` preset: its curve's scorer is checked against the method's when the method is built, before any
