@@ -348,3 +348,24 @@ def test_the_layer_allocators_are_what_each_allocator_declares():
             make_method(f"snapkv:allocator={name}:split=adakv")
     with pytest.raises(UserError, match="splits heads itself.*squeeze, uniform\\)"):
         make_method("snapkv:allocator=adakv:split=adakv")
+
+
+def test_file_options_are_what_each_component_declares(monkeypatch):
+    """An option naming a file is marked on its field (`base.FILE`), never listed elsewhere: a new component's file
+    option shows only its file name in labels as soon as it is registered."""
+    from dataclasses import dataclass, field
+
+    from ripplekv.methods.core.base import FILE
+    from ripplekv.methods.core.registry import SCORERS
+    from ripplekv.methods.core.spec import file_options
+    from ripplekv.methods.snapkv import SnapKVScorer
+
+    assert file_options() == {"allocation", "route", "profile", "curve", "weights"}
+
+    @dataclass(frozen=True)
+    class TableScorer(SnapKVScorer):
+        table: str | None = field(default=None, metadata=FILE)
+
+    monkeypatch.setitem(SCORERS, "table-scorer", TableScorer)
+    assert "table" in file_options()
+    assert make_method("snapkv:scorer=table-scorer:table=/some/where/t.csv").label == "snapkv:scorer=table-scorer:table=t.csv"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.core.base import AllocatorScorer, Scorer, register_scorer
+from ripplekv.methods.core.base import FILE, AllocatorScorer, Scorer, register_scorer
 from ripplekv.methods.core.tables import check_layer_count, read_layer_table
 
 
@@ -61,7 +61,7 @@ def scorer_identity(scorer: Scorer) -> str:
 @register_scorer("router")
 @dataclass(frozen=True)
 class Router(Scorer):
-    route: str | None = None
+    route: str | None = field(default=None, metadata=FILE)
     scorers: tuple = field(default=(), repr=False, metadata={"internal": True})
     methods: tuple[str, ...] = field(default=(), metadata={"internal": True, "record": True})
 

@@ -34,9 +34,10 @@ def _without_file_paths(spec: dict) -> dict:
     """A method spec without where its files were: their contents (multipliers, the route's methods) are
     recorded beside the paths and decide the output, so a run whose allocation moved (make reproduce's
     staging folder -> results/) can still be grown with the moved file."""
-    from ripplekv.methods.core.spec import FILE_OPTIONS
+    from ripplekv.methods.core.spec import file_options
 
-    return {part: ({k: v for k, v in options.items() if k not in FILE_OPTIONS} if isinstance(options, dict) else options)
+    files = file_options()
+    return {part: ({k: v for k, v in options.items() if k not in files} if isinstance(options, dict) else options)
             for part, options in spec.items()}
 
 

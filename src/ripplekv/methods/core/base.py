@@ -142,6 +142,9 @@ def even_split(state, per_layer, scorer, alpha) -> np.ndarray:
 
 # Options every layer allocator takes (a composition's head level); left out of each allocator's own defaults.
 COMPOSITION = {"composition": True}
+# An option that names a file (an allocation, a route, a fitted profile, curve or surrogate): a method's label
+# shows its file name only, and a run's config compares the file's contents, not where it was (`spec.file_options`).
+FILE = {"file": True}
 
 
 @dataclass(frozen=True)

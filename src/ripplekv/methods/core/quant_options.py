@@ -23,6 +23,7 @@ QUANT_OPTIONS = ("bits", "kbits", "vbits", "avgbits", "group", "residual")  # `q
 # quant= -> how keys are grouped: KIVI's per channel, or FlexGen's per token (values are per token in both)
 SCHEMES = {"kivi": "channel", "token": "token"}
 PROFILE = "profile"
+PROFILE_FILE = "allocation"  # the file `bits=profile` reads its sensitivity from
 SPEC_FIELDS = {"bits": "bits", "kbits": "key_bits", "vbits": "value_bits", "group": "group", "residual": "residual"}
 _DEFAULT = QuantSpec()
 QUANT_HELP = (f"quantizer options (kivi, or METHOD:quant=kivi|token): bits={_DEFAULT.bits} (2/4/8, keys and values); "
@@ -86,10 +87,10 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
         return ":".join([inner_name, *(f"{k}={v}" for k, v in given.items())])
 
     own_file = None  # an allocation= in the spec that only the profile reads
-    if profile and "allocation" in given:
-        file = given.pop("allocation")
+    if profile and PROFILE_FILE in given:
+        file = given.pop(PROFILE_FILE)
         if takes_allocation(inner_spec()):
-            given["allocation"] = file
+            given[PROFILE_FILE] = file
         else:
             own_file = file
     if name == "kivi" and given:
@@ -106,14 +107,14 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
         average = _number(own.get("avgbits", str(DEFAULT_AVERAGE_BITS)), "avgbits", spec, float)
         if not 2 <= average <= FULL_PRECISION:
             raise UserError(f"method spec {spec!r}: avgbits must be between 2 and {FULL_PRECISION}, got {average!r}")
-        file = own_file or given.get("allocation") or (shared or {}).get("allocation")
+        file = own_file or given.get(PROFILE_FILE) or (shared or {}).get(PROFILE_FILE)
         if file is None:
             raise UserError(f"method spec {spec!r}: bits=profile reads each layer's sensitivity from an allocation "
                             "file and none was given: run `ripplekv profile` and `ripplekv allocate`, then pass "
                             "--allocation ALLOC.csv (or allocation=FILE in the spec)")
         bit_profile = BitProfile(str(file), read_sensitivity(file), None if inner.is_full else average)
     label = name + inner.label[len(inner_name):] + (f":quant={scheme}" if name != "kivi" else "")
-    shown = {**own, **({"allocation": Path(own_file).name} if own_file else {})}
+    shown = {**own, **({PROFILE_FILE: Path(own_file).name} if own_file else {})}
     if "avgbits" in shown:
         shown["avgbits"] = _text(bit_profile.average_bits)
     label += "".join(f":{key}={_canonical(key, shown[key])}" for key in sorted(shown))

@@ -23,10 +23,15 @@ from pathlib import Path
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import ALLOCATORS, SCORERS, Method
 from ripplekv.methods.core.presets import PRESETS, Preset, method_names  # noqa: F401 - found here as before
-from ripplekv.methods.core.quant_options import quantized_method, reads_profile
+from ripplekv.methods.core.quant_options import PROFILE_FILE, quantized_method, reads_profile
+from ripplekv.methods.core.registry import METHOD_CLASSES
 
-# Options naming a file: labels show the file name only.
-FILE_OPTIONS = ("allocation", "route", "profile", "curve", "weights")
+
+def file_options() -> set[str]:
+    """Options that name a file, as each component declares them (`base.FILE` on its field), and the allocation a
+    quantizer's `bits=profile` reads: labels show the file name only."""
+    parts = [*ALLOCATORS.values(), *SCORERS.values(), *(own.Options for own in METHOD_CLASSES.values() if hasattr(own, "Options"))]
+    return {f.name for part in parts for f in fields(part) if f.metadata.get("file")} | {PROFILE_FILE}
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -103,7 +108,8 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
         return quantized
     chosen = PRESETS[name]
     raw = dict(given)
-    label = name + "".join(f":{key}={Path(given[key]).name if key in FILE_OPTIONS else given[key]}" for key in sorted(given))
+    files = file_options()
+    label = name + "".join(f":{key}={Path(given[key]).name if key in files else given[key]}" for key in sorted(given))
     if chosen.is_full:
         if given or options:
             raise UserError(f"method {name!r} takes no options (got {', '.join(sorted({**given, **options}))})")
@@ -216,8 +222,10 @@ def _canonical(value) -> str:
 def canonical_label(name: str, given: dict[str, str], converted: dict) -> str:
     """The label of a spec from its parsed values, so that two spellings of one method are one label
     (and so refused as a duplicate); files show their name only, components their name."""
+    files = file_options()
+
     def text(key: str) -> str:
-        if key in FILE_OPTIONS:
+        if key in files:
             return Path(given[key]).name
         return _canonical(converted[key]) if key in converted else given[key].strip()
 

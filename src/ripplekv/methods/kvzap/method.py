@@ -16,14 +16,14 @@ they ship in `data/kvzap/`; another model takes `kvzap:weights=FILE`. Its target
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import PerLayer, register_recorder
 from ripplekv.errors import UserError
-from ripplekv.methods.core.base import check_integers, register_scorer
+from ripplekv.methods.core.base import FILE, check_integers, register_scorer
 from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 from ripplekv.methods.snapkv import WindowScorer
 
@@ -70,7 +70,7 @@ class HiddenStates(PerLayer):
 @dataclass(frozen=True)
 class KVzapScorer(WindowScorer):
     model: str = "mlp"
-    weights: str | None = None
+    weights: str | None = field(default=None, metadata=FILE)
 
     def __post_init__(self):
         check_integers({"window": self.window}, minimum=0)

@@ -19,13 +19,13 @@ rho to the nearest percent (up to n / 200 entries per head).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ripplekv.errors import UserError
-from ripplekv.methods.core.base import Allocator, AllocatorScorer, options_of, register_allocator
+from ripplekv.methods.core.base import FILE, Allocator, AllocatorScorer, options_of, register_allocator
 from ripplekv.methods.core.budgets import check_budget, integer_budgets
 from ripplekv.methods.core.registry import register_method_class
 from ripplekv.methods.lukv.greedy import RATIOS
@@ -143,7 +143,7 @@ class CurveMethod(AllocatorScorer):
 @register_allocator("lukv")
 @dataclass(frozen=True)
 class LUKV(Allocator):
-    curve: str | None = None
+    curve: str | None = field(default=None, metadata=FILE)
     rounding: str = "exact"
     prompt_dependent = True
     prompt_note = "its per-head budgets follow its curve at each prompt's length; `ripplekv eval` records them per sample"
