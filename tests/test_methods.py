@@ -267,7 +267,7 @@ def test_an_alias_keeps_the_same_entries(tiny_model):
 
 
 def test_every_preset_has_a_family_from_the_table():
-    """Families are a column of the preset table (no list kept by hand): every line has one, `ripplekv.methods()`
+    """Families are a column of the preset table (no list kept by hand): every line has one, `ripplekv.list_methods()`
     reports it, and a line without one, or with a column the table does not have, is refused by name."""
     from ripplekv.methods.core.catalog import catalog
     from ripplekv.methods.core.presets import families, read_table

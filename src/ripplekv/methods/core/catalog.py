@@ -1,4 +1,4 @@
-"""The methods a user can choose, as data: what `ripplekv methods` prints and `ripplekv.methods()` returns,
+"""The methods a user can choose, as data: what `ripplekv methods` prints and `ripplekv.list_methods()` returns,
 and the one place that turns a list of specs into checked methods (eval, the Python API).
 """
 
