@@ -1,4 +1,4 @@
-"""Selection by score (methods.selection): the mask path keeps exactly the entries the stable sort keeps."""
+"""Selection by score (methods.core.selection): the mask path keeps exactly the entries the stable sort keeps."""
 
 import torch
 from hypothesis import given, settings

@@ -73,7 +73,7 @@ class CompressedPrompt(CompressedCache):
     def __init__(self, cache: CompressedCache, prompt_ids: torch.Tensor, first_token: int, counts: np.ndarray,
                  label: str, budget: int, kv_bytes: int | None = None):
         super().__init__(cache.layers, cache.num_variants)
-        self.kv_bytes = kv_bytes  # the bytes its entries take as the method stores them (`methods.quantized`)
+        self.kv_bytes = kv_bytes  # the bytes its entries take as the method stores them (`methods.core.quantized`)
         self.prompt_ids = prompt_ids  # [1, n]
         self.input_ids = torch.cat([prompt_ids, prompt_ids.new_tensor([[first_token]])], dim=1)
         self.counts = counts  # [L, H_kv] entries kept per layer and KV head

@@ -1,7 +1,7 @@
 """The methods the commands choose by default, named here so that no command names a method itself, and
 the fixed choices and shared defaults of the commands' options.
 
-Torch-free (the CLI shows these in --help without loading the engine); `methods.presets` checks that
+Torch-free (the CLI shows these in --help without loading the engine); `methods.core.presets` checks that
 each method named here is a preset.
 """
 

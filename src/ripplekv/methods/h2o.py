@@ -13,7 +13,7 @@ Options, for the other readings:
   LongBench setting and our earlier default; `h2o:norm=mean:recent=0` is kvpress's ObservedAttention.
 
 With grouped KV heads, a KV head's score is the mean over the query heads that share it. The sums come
-from the one prefill (chunked over queries, see `methods.column_sums`), never an n x n map.
+from the one prefill (chunked over queries, see `methods.signals.column_sums`), never an n x n map.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ fitted to the capacities by one rule for every method (`budgets.fit_layers` befo
 `budgets.fit_to_capacities` on the final counts of allocators that split heads themselves).
 
 Scorers and allocators are small frozen dataclasses registered by name; their fields are the options a
-method spec can set (see `methods.presets`).
+method spec can set (see `methods.core.spec`).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Scorer:
         """Refuse a model this scorer was not made for (a route lists its layers); most fit any model."""
 
     def decode_policy(self, every: int):
-        """How this scorer evicts while decoding under a total budget (`methods.decoding`), re-scoring every
+        """How this scorer evicts while decoding under a total budget (`methods.core.decoding`), re-scoring every
         `every` steps where it re-scores at all; None: it cannot compress while decoding."""
         return None
 
@@ -238,7 +238,7 @@ class Method(Protocol):
     `budgets` and `compress` are called on the same prefill; `layer_budgets` answers without a prompt
     (a UserError when the method's budgets depend on it: `prompt_dependent`). `describe` is everything
     that determines the output (written to config.json). A method that can compress while decoding also
-    has `decode_policy(every)` (`methods.decoding`); one without it is refused under `--decode-budget total`.
+    has `decode_policy(every)` (`methods.core.decoding`); one without it is refused under `--decode-budget total`.
     """
 
     label: str

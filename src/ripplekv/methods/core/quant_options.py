@@ -1,10 +1,10 @@
-"""A spec's quantizer options, and the method they make (`methods.quantized`).
+"""A spec's quantizer options, and the method they make (`methods.core.quantized`).
 
 `quant=kivi` (KIVI's per-channel keys) or `quant=token` (FlexGen's per-token keys) names the scheme; the `kivi`
 preset is the full cache with `quant=kivi`. Its options: `bits=N` (2, 4 or 8) stores keys and values at N bits;
 `kbits=`, `vbits=` (2, 4, 8 or 16; 16: that tensor at full precision) set each alone, the other keeping KIVI's
 2 (KVTuner's keys-more-than-values baseline is `kivi:kbits=4:vbits=2`); `bits=profile` takes each layer's bits
-from the sensitivity profile of an allocation file (`methods.bit_allocation`: the spec's `allocation=`, else
+from the sensitivity profile of an allocation file (`methods.core.bit_allocation`: the spec's `allocation=`, else
 the command's --allocation, found as for `ripplekv`), with `avgbits=` (default 4) when the method also evicts;
 `group=` and `residual=` as KIVI's.
 """

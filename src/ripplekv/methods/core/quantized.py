@@ -12,7 +12,7 @@ B' of its budget: less than two full-precision entries per (layer, KV head) unde
 costs at most one quantized key and value plus one new key group's minimums and scales). Eviction alone is
 exact: `L x H_kv x B` entries at full precision.
 
-Per-layer bits (`bits=profile`, `methods.bit_allocation`): the greedy picks each layer's bits first (from B's
+Per-layer bits (`bits=profile`, `methods.core.bit_allocation`): the greedy picks each layer's bits first (from B's
 bytes when every entry is kept, from `avgbits` when the method also evicts), then the same bisection finds B'
 under those bits; bytes are counted layer by layer at each layer's bits (`kept_bytes`), within the same rounding.
 

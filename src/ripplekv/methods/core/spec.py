@@ -139,7 +139,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
 
 def _with_quantizer(name: str, given: dict, spec: str, shared, options):
     """A spec with a quantizer (`kivi`, `METHOD:quant=kivi:bits=4`): the method without it, wrapped
-    (`methods.quant_options`); None for every other spec."""
+    (`methods.core.quant_options`); None for every other spec."""
     return quantized_method(name, given, spec, shared, lambda inner: make_method(inner, shared, **options),
                             lambda inner: "allocation" in options_taken([inner]))
 
@@ -199,7 +199,7 @@ def options_taken(specs) -> set[str]:
         chosen = PRESETS.get(name)
         if chosen is None:
             continue
-        if reads_profile(given):  # bits=profile reads the allocation's sensitivity (`methods.bit_allocation`)
+        if reads_profile(given):  # bits=profile reads the allocation's sensitivity (`methods.core.bit_allocation`)
             taken.add("allocation")
         try:
             classes = components(chosen, dict(given), spec)

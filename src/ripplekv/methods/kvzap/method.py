@@ -1,7 +1,7 @@
 """KVzap: KVzip's scores predicted from each layer's hidden states by a small surrogate, with no second pass.
 
 Our reading of Jegou et al. (arXiv 2601.07891) and kvpress's `KVzapPress` (read, not copied). Each layer's
-surrogate (`methods.kvzap_surrogate`: linear, or kvpress's 2-layer MLP) maps an entry's attention input (the
+surrogate (`methods.kvzap.surrogate`: linear, or kvpress's 2-layer MLP) maps an entry's attention input (the
 hidden state after the layer's input norm, recorded by the prefill: the `hidden_states` signal) to a
 predicted log KVzip score per KV head; the top entries per head are kept at the budget, like any scorer, so
 budgets are exact (`kvzap` keeps what SnapKV keeps in number). The last `window` (32) tokens are always kept,
