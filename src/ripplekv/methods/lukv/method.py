@@ -2,7 +2,7 @@
 
 A curve holds, for every global prune ratio rho_i = i / 100 (i = 1..99), each (layer, KV head)'s prune ratio,
 profiled offline on calibration prompts (`pipeline.lukv_profile`, `scripts/lukv_profile.py`; the solver is
-`methods.lukv_greedy`). At a prompt of n tokens and budget B, rho = 1 - B / n; each head's keep share is
+`methods.lukv.greedy`). At a prompt of n tokens and budget B, rho = 1 - B / n; each head's keep share is
 the curve at rho (linear between rows; 0 pruned at rho = 0), and the shares become integer counts that sum
 exactly to L x H_kv x B (`budgets.integer_budgets` over all heads at once), each at least the scorer's
 protected entries. The scorer picks the entries: `lukv` is Expected Attention as LU-KV and kvpress run it
