@@ -183,3 +183,11 @@ def test_eval_keeps_as_many_entries_for_lukv_as_for_snapkv_and_records_its_head_
     lukv = rows[f"lukv:curve={curve.name}"]
     assert lukv["kept_entries"] == rows["snapkv"]["kept_entries"] == 4 * 2 * 40
     assert len({b for layer in lukv["head_budgets"] for b in layer}) > 1
+
+
+def test_the_shipped_curves_are_where_lukv_looks():
+    """The bundled model's curves ship in ripplekv/data/lukv: lukv finds them wherever its module sits (a move into
+    methods/lukv/ once left it looking in methods/data/)."""
+    from ripplekv.methods.lukv.method import SHIPPED
+
+    assert {"smollm2-135m-lukv.csv", "smollm2-135m-snapkv.csv"} <= {path.name for path in SHIPPED.glob("*.csv")}

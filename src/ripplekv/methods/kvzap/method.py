@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ripplekv
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import PerLayer, register_recorder
@@ -27,7 +28,7 @@ from ripplekv.methods.core.base import FILE, check_integers, register_scorer
 from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 from ripplekv.methods.snapkv import WindowScorer
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "kvzap"
+SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "kvzap"  # the package's data, wherever this module sits
 FIT_HINT = ("fit one on calibration prompts: .venv/bin/python scripts/kvzap_fit.py --model M --out DIR, then pass "
             "kvzap:weights=DIR/kvzap-MODEL.safetensors")
 _LOADED: dict = {}

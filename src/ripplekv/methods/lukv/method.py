@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+import ripplekv
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import FILE, Allocator, AllocatorScorer, options_of, register_allocator
 from ripplekv.methods.core.budgets import check_budget, integer_budgets
@@ -31,7 +32,7 @@ from ripplekv.methods.core.registry import register_method_class
 from ripplekv.methods.lukv.greedy import RATIOS
 
 COLUMNS = ["ratio", "layer", "head", "prune"]
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "lukv"
+SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "lukv"  # the package's data, wherever this module sits
 ROUNDINGS = ("exact", "kvpress")
 PROFILE_HINT = ("profile one on calibration prompts: .venv/bin/python scripts/lukv_profile.py --methods SPEC "
                 "--out DIR, then pass SPEC:curve=DIR/curve-SCORER.csv")
