@@ -99,7 +99,8 @@ def test_a_new_signal_and_its_scorer_touch_one_module_and_one_table_line(tiny_mo
     assert [path for path, _ in changes] == ["src/ripplekv/methods/querygram.py", "src/ripplekv/methods/presets.toml"]
     copy = tmp_path / "src" / "ripplekv"
     shutil.copytree(ROOT / "src" / "ripplekv", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("tests", "docs"):  # the tests, and the design page test_structure reads
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (new_file, module), (table, line) = changes
     (tmp_path / new_file).write_text(module)
