@@ -32,8 +32,8 @@ from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import DEFAULT_CAPTURE_WINDOW, Requirements, prefill
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.methods import make_method
-from ripplekv.methods.column_sums import COLUMN_SUMS
 from ripplekv.methods.kvzip import RECONSTRUCTION
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 
 FRONTIER = ("criticalkv", "criticaladakv", "keydiff", "expected-attention", "defensivekv", "layer-defensivekv", "kvzip")
 ALLOCATORS = ("dynamickv", "lava", "squeezeattention", "pyramidinfer", "compresskv", "allocation-ceiling")

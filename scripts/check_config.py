@@ -150,7 +150,7 @@ def check_numbers() -> None:
 def stage_inputs(specs: list[str], name: str) -> None:
     """A method whose input an optional stage makes is refused when the config leaves that stage off (else it
     would fail after hours, or worse, run on another method's input: `depthkv` on RippleKV's allocation)."""
-    from ripplekv.methods.presets import parse_spec
+    from ripplekv.methods.core.spec import parse_spec
 
     for spec in specs:
         preset, options = parse_spec(spec)
@@ -187,7 +187,7 @@ def rewritten(specs: list[str], files: dict[str, str]) -> list[str]:
 
 
 def check_evals(layers: int, folder: Path) -> None:
-    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.core.catalog import build_methods
     from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget, parse_names
     from ripplekv.tasks import get_tasks
 

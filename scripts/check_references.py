@@ -227,7 +227,7 @@ def kept_sets(positions: np.ndarray) -> list[list[set[int]]]:
 
 def tied_swap(scores: np.ndarray | None, head: int, kept: set[int], theirs: set[int]) -> bool:
     """Whether two kept sets of one head differ only by entries of equal score (which of tied entries a top-k keeps
-    is not specified: ours keeps the earliest, `methods.base.top_indices`). Key norms tie exactly where two positions
+    is not specified: ours keeps the earliest, `methods.core.base.top_indices`). Key norms tie exactly where two positions
     hold the same token's key in layer 0 (RoPE leaves norms unchanged); KVzip's reconstruction scores where no
     query attends (kvpress leaves the chat template's opening at 0)."""
     if scores is None or len(kept) != len(theirs):

@@ -23,7 +23,7 @@ KVZAP_PAIRS = {"kvzap": ("kvzap:window=0", "kvzap", "mlp"),
 def shipped_curve(out: Path) -> bool:
     """Our LU-KV curve for the bundled model, saved for the worker to set on LUKVPress; False when none is shipped."""
     from ripplekv.engine.models import DEFAULT_MODEL
-    from ripplekv.methods.lukv import SHIPPED, read_curve
+    from ripplekv.methods.lukv.method import SHIPPED, read_curve
 
     path = SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv"
     if not path.is_file():
@@ -35,7 +35,7 @@ def shipped_curve(out: Path) -> bool:
 def shipped_surrogates(out: Path) -> list[str]:
     """The check names of the KVzap surrogates shipped for the bundled model, each copied (weights + shapes) into
     `out` as `KEY.safetensors` / `KEY.json` for the worker to load into kvpress's `KVzapModel`."""
-    from ripplekv.methods.kvzap import shipped_weights
+    from ripplekv.methods.kvzap.method import shipped_weights
 
     found = []
     for name, (_, key, kind) in KVZAP_PAIRS.items():
@@ -60,7 +60,7 @@ def lukv_drift(ours_files, layers: int, budgets: list[int]) -> str:
     """How far kvpress's rounding of our curve (its nearest-percent row, per-layer rounding) moves the total from
     L x H x B, over the prompts and budgets: ours keeps L x H x B exactly."""
     from ripplekv.engine.models import DEFAULT_MODEL
-    from ripplekv.methods.lukv import SHIPPED, kvpress_counts, read_curve
+    from ripplekv.methods.lukv.method import SHIPPED, kvpress_counts, read_curve
 
     curve = read_curve(SHIPPED / f"{DEFAULT_MODEL}-{SHIPPED_CURVE}.csv")[0]
     drifts = [kvpress_counts(curve, b, int(json.loads(str(np.load(p)["meta"]))["tokens"])).mean() / b - 1

@@ -32,7 +32,7 @@ from ripplekv.engine.memory import parse_bytes
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.schedule import Decoding, SampleMemory, Variant, decode_variants
 from ripplekv.methods import make_method
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 
 BIG_SPECS = [f"{name}:window={w}" for w in (32, 64)
              for name in ("adakv", "defensivekv", "layer-defensivekv", "snapkv", "cake")] + \

@@ -258,7 +258,7 @@ def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int
     Method tests loop over this, so a newly registered method is covered without touching them.
     """
     from ripplekv.methods import make_method, method_names
-    from ripplekv.methods.lukv import RATIOS
+    from ripplekv.methods.lukv.method import RATIOS
     from ripplekv.pipeline.head_curves import write_curve
 
     route = folder / "route.csv"
@@ -273,7 +273,7 @@ def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int
         curve = np.clip(RATIOS[:, None, None] * tilt / tilt.mean(), 0.0, 0.99)
         needs["lukv"] = {"curve": str(write_curve(folder / "lukv.csv", curve, {}))}
     if only in (None, "kvzap"):  # a random-weight surrogate over the tiny models' attention inputs
-        from ripplekv.methods import kvzap_surrogate
+        from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 
         with torch.random.fork_rng():
             torch.manual_seed(0)

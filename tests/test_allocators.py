@@ -13,7 +13,7 @@ from ripplekv import defaults
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.budgets import integer_budgets
+from ripplekv.methods.core.budgets import integer_budgets
 from tests.conftest import satisfy, tiny_llama
 
 NEW = ("dynamickv", "lava", "squeezeattention", "pyramidinfer", "compresskv", "allocation-ceiling")

@@ -10,10 +10,10 @@ import torch
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.errors import UserError
-from ripplekv.methods import column_sums as accumulate
 from ripplekv.methods import make_method
-from ripplekv.methods.budgets import integer_budgets
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.core.budgets import integer_budgets
+from ripplekv.methods.signals import column_sums as accumulate
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 from ripplekv.pipeline import evaluate
 from tests.test_budgets import fake_state
 

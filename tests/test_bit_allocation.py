@@ -14,8 +14,8 @@ from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.quantize import BITS
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.bit_allocation import UPGRADE, BitProfile, greedy_bits
-from ripplekv.methods.presets import options_taken
+from ripplekv.methods.core.bit_allocation import UPGRADE, BitProfile, greedy_bits
+from ripplekv.methods.core.spec import options_taken
 from tests.conftest import tiny_llama
 
 

@@ -13,9 +13,9 @@ from ripplekv.engine.prefill import PrefillState
 from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
-from ripplekv.methods.budgets import integer_budgets
-from ripplekv.methods.column_sums import COLUMN_SUMS
-from ripplekv.methods.query_statistics import QUERY_STATISTICS, query_statistics
+from ripplekv.methods.core.budgets import integer_budgets
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.query_statistics import QUERY_STATISTICS, query_statistics
 from tests.conftest import every_method, satisfy, tiny_llama
 
 
@@ -125,7 +125,7 @@ def test_every_method_keeps_exactly_the_matched_total(name, num_layers, kv_heads
 
 def check_bytes(method, state, budget: int) -> None:
     """A quantized method: refused in one line where its bytes cannot fit, else never over the budget's bytes."""
-    from ripplekv.methods.quantized import budget_bytes, kept_bytes
+    from ripplekv.methods.core.quantized import budget_bytes, kept_bytes
 
     if method.infeasible(state, budget):
         with pytest.raises(UserError, match="over budget"):

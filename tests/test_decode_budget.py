@@ -16,7 +16,7 @@ from ripplekv.engine.evict import attach, capacities, peak_entries
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget
 from tests.conftest import every_method, tiny_llama
 

@@ -18,7 +18,7 @@ from ripplekv.engine.models import resolve_device_dtype
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.query_statistics import QUERY_STATISTICS
+from ripplekv.methods.signals.query_statistics import QUERY_STATISTICS
 from ripplekv.pipeline.profile import ProfileSettings, profile_prompt, split_prompt
 from tests.conftest import tiny_llama
 

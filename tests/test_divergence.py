@@ -7,7 +7,7 @@ from ripplekv.engine.decode import full_reference, greedy_decode, measure_fideli
 from ripplekv.engine.divergence import decode_by_divergence
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.engine.schedule import Decoding
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 from tests.conftest import every_method
 
 

@@ -1,5 +1,6 @@
 """The docs' worked example runs as written: docs/adding-a-method.md's code blocks, in order, on a tiny model, and
-its two source changes, written into a copy of the package, are all a new signal and its scorer take."""
+its two source changes (one new module, one table line), written into a copy of the package, are all a new signal
+and its scorer take: the method runs there, and the structure and method-registry tests pass there."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import torch
 
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.recorders import RECORDERS, WINDOW_QUERIES
-from ripplekv.methods.base import SCORERS
-from ripplekv.methods.presets import PRESETS
+from ripplekv.methods.core.base import SCORERS
+from ripplekv.methods.core.presets import PRESETS, read_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -31,36 +32,29 @@ def code_blocks(path: Path) -> list[str]:
 
 
 def source_changes(path: Path = WALKTHROUGH) -> list[tuple[str, str]]:
-    """(file under the repository, its python block) for every section whose heading names a source file: the
-    first block of a section titled with the file is the whole file, of one titled "one line in" a line added."""
+    """(file under the repository, its block) for every section whose heading names a source file: the first
+    code block of a section titled with a module is the whole module, of one titled "one line in" a line added."""
     changes = []
     for heading, body in re.findall(r"^## (.*?)\n(.*?)(?=^## |\Z)", path.read_text(), flags=re.S | re.M):
-        named = re.search(r"`(src/ripplekv/[\w/]+\.py)`", heading)
+        named = re.search(r"`(src/ripplekv/[\w/]+\.(?:py|toml))`", heading)
         if named:
-            changes.append((named.group(1), code_blocks_in(body)[0]))
+            changes.append((named.group(1), re.findall(r"```\w+\n(.*?)```", body, flags=re.S)[0]))
     return changes
-
-
-def code_blocks_in(text: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 def test_adding_a_method_runs_as_written(tiny_model, monkeypatch):
     blocks = code_blocks(WALKTHROUGH)
-    assert len(blocks) == 3
+    assert len(blocks) == 2
+    (_, line), = [change for change in source_changes() if change[0].endswith(".toml")]
     module = types.ModuleType("ripplekv.methods.querygram")  # the new file, as the package would import it
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr("ripplekv.methods.presets.PRESETS", dict(PRESETS))  # the example's name leaves with the test
     monkeypatch.setitem(SCORERS, "querygram", None)  # undone after the test: the example's scorer and recorder leave too
     monkeypatch.setitem(RECORDERS, "query_gram", None)
-    import ripplekv.methods as methods
-    import ripplekv.methods.presets as presets
-
-    monkeypatch.setattr(methods, "PRESETS", presets.PRESETS)
     exec(compile(blocks[0], "adding-a-method.md", "exec"), module.__dict__)
-    exec(compile(blocks[1], "adding-a-method.md", "exec"), {"preset": presets.preset})
+    for name, preset in read_table(line).items():  # the table line, as the table reads it; it leaves with the test
+        monkeypatch.setitem(PRESETS, name, preset)
     namespace = {"model": tiny_model}
-    exec(compile(blocks[2], "adding-a-method.md", "exec"), namespace)
+    exec(compile(blocks[1], "adding-a-method.md", "exec"), namespace)
     method, state, counts = namespace["method"], namespace["state"], namespace["counts"]
     kept = method.select(state, 32)
     assert int(kept.sum()) == int(counts.sum())
@@ -97,18 +91,23 @@ def changed_files(before: Path, after: Path) -> set[str]:
     return found
 
 
-def test_a_new_signal_and_its_scorer_touch_two_source_files(tiny_model_dir, tmp_path):
+def test_a_new_signal_and_its_scorer_touch_one_module_and_one_table_line(tiny_model_dir, tmp_path):
     """The page's two changes, written into a copy of the package, are all eval needs to run the new method with
-    its new signal: no engine or pipeline file changes, and the budget is exact."""
+    its new signal: no other file changes, the budget is exact, and the structure and method-registry tests pass
+    on the copy (the 400-line rule, the import rules, every preset's family and registration)."""
     changes = source_changes()
-    assert [path for path, _ in changes] == ["src/ripplekv/methods/querygram.py", "src/ripplekv/methods/presets.py"]
+    assert [path for path, _ in changes] == ["src/ripplekv/methods/querygram.py", "src/ripplekv/methods/presets.toml"]
     copy = tmp_path / "src" / "ripplekv"
     shutil.copytree(ROOT / "src" / "ripplekv", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (new_file, module), (preset_file, line) = changes
+    for folder in ("tests", "docs"):  # the tests, and the design page test_structure reads
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (new_file, module), (table, line) = changes
     (tmp_path / new_file).write_text(module)
-    with (tmp_path / preset_file).open("a") as fh:
+    assert len(line.strip().splitlines()) == 1
+    with (tmp_path / table).open("a") as fh:
         fh.write(line)
-    assert changed_files(ROOT / "src" / "ripplekv", copy) == {"methods/querygram.py", "methods/presets.py"}
+    assert changed_files(ROOT / "src" / "ripplekv", copy) == {"methods/querygram.py", "methods/presets.toml"}
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     # eval's own per-sample function (`ripplekv.generate`), in a fresh interpreter that imports the copy
     script = (f"import json, ripplekv; model, tokenizer = ripplekv.load_model({str(tiny_model_dir)!r}); "
@@ -122,6 +121,12 @@ def test_a_new_signal_and_its_scorer_touch_two_source_files(tiny_model_dir, tmp_
     assert Path(where).is_relative_to(copy)  # the copy ran, not the checkout
     full = dict(answers)["full"]
     assert full > 32 * 4 * 2 and dict(answers)["querygram"] == 4 * 2 * 32  # L x H_kv x B, exactly
+    # the copy's structure and method-registry tests, on the copy's package (their SRC is the copy's)
+    on_copy = {**env, "PYTHONPATH": f"{tmp_path / 'src'}{os.pathsep}{tmp_path}"}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "tests/test_structure.py", "tests/test_methods.py", "-q", "-x"],
+                           env=on_copy, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
+    assert re.search(r"\b\d+ passed\b", tests.stdout) and "querygram" in (copy / "methods" / "presets.toml").read_text()
 
 
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))

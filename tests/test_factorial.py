@@ -11,7 +11,7 @@ import pytest
 
 from ripplekv.analysis import factorial
 from ripplekv.methods import factors
-from ripplekv.methods.catalog import build_methods
+from ripplekv.methods.core.catalog import build_methods
 
 SHIPPED = Path(__file__).resolve().parent.parent / "src" / "ripplekv" / "data" / "allocations" / "smollm2-135m.csv"
 ALLOCATIONS = {"uniform": 0.0, "ripplekv": -0.10, "lukv": -0.25}

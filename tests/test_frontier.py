@@ -14,11 +14,11 @@ from transformers import DynamicCache
 from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
-from ripplekv.methods import continuation as probe
 from ripplekv.methods import make_method
 from ripplekv.methods.kvzip import RECONSTRUCTION
 from ripplekv.methods.oracle import reference_answer
-from ripplekv.methods.query_statistics import QUERY_STATISTICS
+from ripplekv.methods.signals import continuation as probe
+from ripplekv.methods.signals.query_statistics import QUERY_STATISTICS
 from tests.conftest import StubTokenizer, satisfy, tiny_llama
 
 N = 120

@@ -15,9 +15,9 @@ from ripplekv.engine.decode import greedy_decode, teacher_forced_logprobs
 from ripplekv.engine.prefill import prefill
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.gracekv import greedy_order
-from ripplekv.methods.gracekv_slots import curvature, robust_z, segment, segment_value
-from ripplekv.methods.gracekv_trees import RopeTable, distortion, summarize, unrotate
+from ripplekv.methods.gracekv.method import greedy_order
+from ripplekv.methods.gracekv.slots import curvature, robust_z, segment, segment_value
+from ripplekv.methods.gracekv.trees import RopeTable, distortion, summarize, unrotate
 from tests.conftest import check_fidelity, tiny_llama
 from tests.test_budgets import fake_state
 
@@ -360,7 +360,7 @@ def test_inspect_reports_the_split_kinds_gracekv_used(tiny_model_dir, tmp_path, 
 def test_pricing_what_the_greedy_can_reach_and_sharing_trees_across_budgets_keep_every_entry(monkeypatch):
     """Only the splits that could be among a budget's pops are priced, and budgets share the trees of the slots
     whose floor tokens agree: each budget's entries equal those of pricing every node of a fresh state."""
-    from ripplekv.methods import gracekv_global
+    from ripplekv.methods.gracekv import published as gracekv_global
 
     spec, budgets = "gracekv:min_slot=8:slot=16:max_slot=32", (20, 60, 150, 390)
     state = fake_state(2, 400, kv_heads=2, query_heads=4)

@@ -16,7 +16,7 @@ from ripplekv.analysis.footprint import add_footprint, critical_footprints
 from ripplekv.analysis.html_page import page_html, write_compare_page, write_site
 from ripplekv.analysis.page_data import run_page_data
 from ripplekv.analysis.page_sets import paired_ranks
-from ripplekv.methods.catalog import method_notes
+from ripplekv.methods.core.catalog import method_notes
 from tests.chromium import Browser, chromium_binary
 from tests.test_report import noisy_predictions, write
 

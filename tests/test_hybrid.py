@@ -25,7 +25,7 @@ from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.engine.recorders import SampleContext
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
-from ripplekv.methods.budgets import fit_to_capacities, integer_budgets
+from ripplekv.methods.core.budgets import fit_to_capacities, integer_budgets
 from tests.conftest import HYBRID_BUILDERS, HYBRID_WINDOW, StubTokenizer, every_method, satisfy, tiny_gemma3
 from tests.test_budgets import check_bytes
 

@@ -9,8 +9,9 @@ import torch
 
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
-from ripplekv.methods import kvzap_surrogate, make_method
-from ripplekv.methods.kvzap import HIDDEN_STATES
+from ripplekv.methods import make_method
+from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
+from ripplekv.methods.kvzap.method import HIDDEN_STATES
 from tests.conftest import tiny_llama
 from tests.test_lukv import tiny_curve
 
@@ -130,3 +131,11 @@ def test_eval_keeps_as_many_entries_for_kvzap_and_lukv_as_for_snapkv(tiny_model_
     rows = {r["method"]: r for r in map(json.loads, (out / "predictions.jsonl").read_text().splitlines())}
     assert rows[f"kvzap:weights={weights.name}"]["kept_entries"] == rows["snapkv"]["kept_entries"] == 4 * 2 * 40
     assert rows[f"lukv:curve={curve.name}"]["kept_entries"] == 4 * 2 * 40
+
+
+def test_the_shipped_surrogates_are_where_kvzap_looks():
+    """The bundled model's surrogates ship in ripplekv/data/kvzap: kvzap finds them wherever its module sits (a move
+    into methods/kvzap/ once left it looking in methods/data/)."""
+    from ripplekv.methods.kvzap.method import SHIPPED
+
+    assert {"smollm2-135m-linear.safetensors", "smollm2-135m-mlp.safetensors"} <= {p.name for p in SHIPPED.iterdir()}

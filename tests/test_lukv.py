@@ -12,9 +12,9 @@ import torch
 from ripplekv.engine.prefill import prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.lukv import exact_counts, keep_shares, kvpress_counts, read_curve, scorer_identity
-from ripplekv.methods.lukv_greedy import RATIOS, eviction_costs, greedy_evictions, head_floor, hull_slopes, prune_ratios
-from ripplekv.methods.lukv_oracle import prompt_curves
+from ripplekv.methods.lukv.greedy import RATIOS, eviction_costs, greedy_evictions, head_floor, hull_slopes, prune_ratios
+from ripplekv.methods.lukv.method import exact_counts, keep_shares, kvpress_counts, read_curve, scorer_identity
+from ripplekv.methods.lukv.oracle import prompt_curves
 from ripplekv.pipeline.head_curves import write_curve
 from tests.conftest import tiny_llama
 
@@ -204,3 +204,11 @@ def test_lukv_with_a_head_split_keeps_its_layer_totals_and_splits_heads_that_way
         assert int(ada.select(state, budget).sum()) == 4 * 2 * budget
     with pytest.raises(UserError, match="takes no split="):
         make_method(f"lukv:curve={ea}:split=even:rounding=kvpress")
+
+
+def test_the_shipped_curves_are_where_lukv_looks():
+    """The bundled model's curves ship in ripplekv/data/lukv: lukv finds them wherever its module sits (a move into
+    methods/lukv/ once left it looking in methods/data/)."""
+    from ripplekv.methods.lukv.method import SHIPPED
+
+    assert {"smollm2-135m-lukv.csv", "smollm2-135m-snapkv.csv"} <= {path.name for path in SHIPPED.glob("*.csv")}

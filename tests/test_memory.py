@@ -8,7 +8,7 @@ from ripplekv.engine import malloc, memory
 from ripplekv.engine.cache import build_cache, build_lazily
 from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.errors import UserError
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 from tests.conftest import every_method
 
 

@@ -10,7 +10,7 @@ import torch
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.quantized import budget_bytes, kept_bytes, stored_as
+from ripplekv.methods.core.quantized import budget_bytes, kept_bytes, stored_as
 from tests.conftest import tiny_llama
 
 N = 160  # prompt tokens
@@ -226,7 +226,7 @@ def test_a_layer_quantizes_each_heads_entries_in_prompt_order_whatever_their_cou
     """quantize_layer on heads that keep different numbers of entries (AdaKV's split) is `quantize_head` on each
     head's real entries sorted by position; padding is left as it was."""
     from ripplekv.engine.quantize import QuantSpec, quantize_head
-    from ripplekv.methods.quantized import quantize_layer
+    from ripplekv.methods.core.quantized import quantize_layer
 
     spec = QuantSpec(bits=2, group=8, residual=16)
     layers = make_method("snapkv:split=adakv").compress(state, 48)

@@ -230,13 +230,13 @@ def test_avg_pooling_counts_the_edge_padding_as_snapkv_does():
 
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.alias_of])
 def test_a_declared_alias_computes_what_it_names(name):
-    from ripplekv.methods.presets import identity
+    from ripplekv.methods.core.spec import identity
 
     assert identity(make_method(name)) == identity(make_method(PRESETS[name].alias_of))
 
 
 def test_aliases_are_computed_once_and_named_in_a_note():
-    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.core.catalog import build_methods
 
     notes: list[str] = []
     methods = build_methods(["snapkv", "uniform", "adakv", "snapkv:split=adakv"], {}, notes)
@@ -248,7 +248,7 @@ def test_aliases_are_computed_once_and_named_in_a_note():
 
 
 def test_only_the_same_computation_is_an_alias():
-    from ripplekv.methods.presets import identity
+    from ripplekv.methods.core.spec import identity
 
     same = identity(make_method("adakv:alpha=0.1:window=16"))
     assert same == identity(make_method("snapkv:split=adakv:head_alpha=0.1:window=16"))
@@ -266,10 +266,106 @@ def test_an_alias_keeps_the_same_entries(tiny_model):
     assert torch.equal(ada.select(state, 24), composed.select(state, 24))
 
 
-def test_every_preset_has_a_family_for_the_report():
-    """Every preset belongs to one family of `defaults.METHOD_FAMILIES`."""
-    from ripplekv.defaults import METHOD_FAMILIES
+def test_every_preset_has_a_family_from_the_table():
+    """Families are a column of the preset table (no list kept by hand): every line has one, `ripplekv.list_methods()`
+    reports it, and a line without one, or with a column the table does not have, is refused by name."""
+    from ripplekv.methods.core.catalog import catalog
+    from ripplekv.methods.core.presets import families, read_table
 
-    named = [name for names in METHOD_FAMILIES.values() for name in names]
-    assert len(named) == len(set(named)), "a preset in two families"
-    assert sorted(set(PRESETS) - {"full"} - set(named)) == []
+    assert all(chosen.family for chosen in PRESETS.values())
+    assert {info.name: info.family for info in catalog()} == {name: p.family for name, p in PRESETS.items()}
+    assert families()[0] == "reference" and {"uniform baselines", "answer-aware", "quantizers"} <= set(families())
+    with pytest.raises(ValueError, match="preset 'x' needs family"):
+        read_table('x = { allocator = "uniform", scorer = "snapkv", about = "SnapKV again" }')
+    with pytest.raises(ValueError, match="preset 'x' has no column famliy"):
+        read_table('x = { famliy = "uniform baselines", about = "SnapKV again" }')
+
+
+def test_the_table_builds_the_methods_it_names():
+    """A table line's class column names a registered method class: a method of its own or a checking subclass."""
+    from ripplekv.methods.core.base import AllocatorScorer
+    from ripplekv.methods.core.presets import read_table
+    from ripplekv.methods.gracekv.method import GraceKV
+    from ripplekv.methods.lukv.method import CurveMethod
+
+    assert PRESETS["gracekv"].own is GraceKV and PRESETS["lukv"].kind is CurveMethod and PRESETS["lukv"].own is None
+    assert PRESETS["snapkv"].kind is AllocatorScorer and PRESETS["full"].is_full
+    assert type(make_method("gracekv")) is GraceKV and type(make_method("snapkv")) is AllocatorScorer
+    (odd,) = read_table('odd = { family = "f", class = "nothing-registered", about = "a" }').values()
+    with pytest.raises(ValueError, match="names class 'nothing-registered', which no module registers"):
+        assert odd.own is None
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def test_a_conflicting_registration_is_refused_and_a_reload_is_not(monkeypatch):
+    """Two modules claiming one name would make the last import win, silently; the registry refuses the second."""
+    from dataclasses import dataclass
+
+    from ripplekv.methods.core.registry import SCORERS, register_head_split, register_scorer
+    from ripplekv.methods.snapkv import SnapKVScorer
+
+    @dataclass(frozen=True)
+    class Impostor(SnapKVScorer):
+        pass
+
+    with pytest.raises(ValueError, match="scorer 'snapkv' is already registered .*SnapKVScorer.*Impostor"):
+        register_scorer("snapkv")(Impostor)
+    assert SCORERS["snapkv"] is SnapKVScorer and SnapKVScorer.name == "snapkv"
+    with pytest.raises(ValueError, match="head split 'adakv' is already registered"):
+        register_head_split("adakv")(lambda state, per_layer, scorer, alpha: None)
+    reloaded = type("SnapKVScorer", (SnapKVScorer,), {"__module__": SnapKVScorer.__module__,
+                                                       "__qualname__": SnapKVScorer.__qualname__})
+    monkeypatch.setitem(SCORERS, "snapkv", SnapKVScorer)  # put back after the test
+    assert register_scorer("snapkv")(reloaded) is reloaded  # the same class defined again: a reload
+
+
+def test_every_module_under_methods_is_imported_with_the_package():
+    """A method registers by being there, wherever it sits: every module under methods/, subfolders included."""
+    from pathlib import Path
+
+    import ripplekv.methods as methods
+
+    root = Path(methods.__file__).parent
+    on_disk = {".".join(("ripplekv", "methods", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+               for path in root.rglob("*.py")} - {"ripplekv.methods"}
+    assert set(methods.MODULES) == on_disk
+    assert {"ripplekv.methods.gracekv.method", "ripplekv.methods.kvzap.method", "ripplekv.methods.lukv.method"} <= on_disk
+
+
+def test_the_layer_allocators_are_what_each_allocator_declares():
+    """`split=` composes with every allocator that leaves the head split to it; the refusal names them all, as each
+    allocator declares it (a hand-kept list once left five out)."""
+    from ripplekv.methods import ALLOCATORS
+    from ripplekv.methods.core.base import layer_allocators
+
+    assert set(layer_allocators()) >= {"uniform", "pyramid", "file", "cake", "global", "compresskv", "dynamickv",
+                                       "lava", "pyramidinfer", "squeeze"}
+    assert set(ALLOCATORS) - set(layer_allocators()) == {"adakv", "answer", "lukv"}
+    for name in layer_allocators():
+        if name not in ("file", "compresskv"):  # these read a file before they build
+            make_method(f"snapkv:allocator={name}:split=adakv")
+    with pytest.raises(UserError, match="splits heads itself.*squeeze, uniform\\)"):
+        make_method("snapkv:allocator=adakv:split=adakv")
+
+
+def test_file_options_are_what_each_component_declares(monkeypatch):
+    """An option naming a file is marked on its field (`base.FILE`), never listed elsewhere: a new component's file
+    option shows only its file name in labels as soon as it is registered."""
+    from dataclasses import dataclass, field
+
+    from ripplekv.methods.core.base import FILE
+    from ripplekv.methods.core.registry import SCORERS
+    from ripplekv.methods.core.spec import file_options
+    from ripplekv.methods.snapkv import SnapKVScorer
+
+    assert file_options() == {"allocation", "route", "profile", "curve", "weights"}
+
+    @dataclass(frozen=True)
+    class TableScorer(SnapKVScorer):
+        table: str | None = field(default=None, metadata=FILE)
+
+    monkeypatch.setitem(SCORERS, "table-scorer", TableScorer)
+    assert "table" in file_options()
+    assert make_method("snapkv:scorer=table-scorer:table=/some/where/t.csv").label == "snapkv:scorer=table-scorer:table=t.csv"

@@ -13,11 +13,11 @@ from ripplekv.engine.prefill import Requirements, prefill
 from ripplekv.engine.recorders import WINDOW_QUERIES, SampleContext, record_reference
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.base import top_indices, top_scored_mask
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.core.base import top_indices, top_scored_mask
 from ripplekv.methods.kvzip import TOKENIZER
 from ripplekv.methods.oracle import REFERENCE_ANSWER
-from ripplekv.methods.query_statistics import QUERY_STATISTICS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.query_statistics import QUERY_STATISTICS
 from ripplekv.pipeline import evaluate
 from tests.conftest import StubTokenizer, tiny_llama
 

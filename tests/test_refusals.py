@@ -157,7 +157,7 @@ def test_an_evict_pruner_keeps_the_same_count_in_every_layer():
     """DepthKV's pruner keeps its ratio in every layer (its head split may move entries between a layer's heads,
     never between layers); a pruner that spreads budgets over layers trips the guard, never a silent profile."""
     from ripplekv.engine.prefill import Requirements, prefill
-    from ripplekv.methods.column_sums import COLUMN_SUMS
+    from ripplekv.methods.signals.column_sums import COLUMN_SUMS
     from ripplekv.pipeline.taskdrop import kept_count, layer_prunes
     from tests.conftest import tiny_llama
 
@@ -175,7 +175,7 @@ def test_an_evict_pruner_keeps_the_same_count_in_every_layer():
 # --------------------------------------------------------------------------- smaller marks
 
 def test_pyramidinfer_notes_sinks_that_fill_the_budget_as_streamingllm_does():
-    from ripplekv.methods.presets import degenerate_notes
+    from ripplekv.methods.core.spec import degenerate_notes
 
     notes = degenerate_notes([make_method("pyramidinfer:sinks=64"), make_method("pyramidinfer")], [96, 256])
     assert len(notes) == 1 and notes[0].startswith("note: pyramidinfer:sinks=64 at B=96:")

@@ -65,7 +65,7 @@ else:
     out.mkdir(parents=True, exist_ok=True)
     specs = args[args.index("--methods") + 1].split(",")
 
-    def make_label(spec):  # the label rule of methods.presets: sorted options, files by their name
+    def make_label(spec):  # the label rule of methods.core.spec: sorted options, files by their name
         name, *options = spec.split(":")
         pairs = sorted(option.split("=", 1) for option in options)
         return name + "".join(f":{k}={Path(v).name if k in ('allocation', 'route', 'profile') else v}" for k, v in pairs)

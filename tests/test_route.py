@@ -16,7 +16,7 @@ from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.recorders import WINDOW_QUERIES
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, parse_spec
-from ripplekv.methods.catalog import build_methods
+from ripplekv.methods.core.catalog import build_methods
 from ripplekv.pipeline.profile import split_prompt
 from ripplekv.pipeline.route import (
     DEFAULT_CANDIDATES,

@@ -1,10 +1,10 @@
-"""Selection by score (methods.selection): the mask path keeps exactly the entries the stable sort keeps."""
+"""Selection by score (methods.core.selection): the mask path keeps exactly the entries the stable sort keeps."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripplekv.methods.selection import top_indices, top_mask, top_scored_mask
+from ripplekv.methods.core.selection import top_indices, top_mask, top_scored_mask
 
 # few distinct values, so ties are the rule; the signed zeros and infinities rank as the sort ranks them
 VALUES = st.sampled_from([0.0, -0.0, 1.0, 2.5, -3.0, float("inf"), float("-inf"), 1e-30])

@@ -10,7 +10,7 @@ import pytest
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS, make_method
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "ripplekv"
 # The project's own name, where it means the project (not the ripplekv method).
@@ -94,7 +94,7 @@ def test_a_spec_window_beyond_the_window_option_is_the_one_captured():
     """`eval --window 16 --methods snapkv:window=128,snapkv:kernel=5`: the spec's own window wins for its method,
     the option sets the other's, and the prefill captures the larger one."""
     from ripplekv.engine.prefill import captured_window
-    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.core.catalog import build_methods
 
     methods = build_methods(["snapkv:window=128", "snapkv:kernel=5"], {"window": 16})
     assert [m.requirements().capture_window for m in methods.values()] == [0, 128, 16]  # full, then the specs
@@ -259,8 +259,27 @@ def circles(src: Path) -> list[list[str]]:
     return found
 
 
+# Inside methods/: the shared parts sit below the methods and import no method module, so a method comes and goes
+# without touching them (what each may import within methods/, besides itself).
+METHODS_INSIDE = {"methods.core": {"methods.signals"}, "methods.signals": set()}
+
+
+def inside_methods_violations(src: Path) -> list[str]:
+    bad = []
+    for module, targets in sorted(module_imports(src).items()):
+        part = ".".join(module.split(".")[1:3])
+        if part not in METHODS_INSIDE:
+            continue
+        for target in sorted(targets):
+            other = ".".join(target.split(".")[1:3])
+            if target.split(".")[1:2] == ["methods"] and other != part and other not in METHODS_INSIDE[part]:
+                bad.append(f"{module} imports {target}")
+    return bad
+
+
 def test_the_import_rule_holds():
     assert rule_violations(SRC) == []
+    assert inside_methods_violations(SRC) == []
 
 
 def test_no_import_circles():
@@ -280,6 +299,41 @@ def test_the_import_checks_can_fail(tmp_path):
                                          "ripplekv.engine.a imports ripplekv.methods.b",
                                          "ripplekv.methods.b imports ripplekv.pipeline.c"}
     assert ["ripplekv.engine.a", "ripplekv.methods.b", "ripplekv.engine.a"] in circles(src)
+    for part in ("core", "signals"):
+        (src / "methods" / part).mkdir()
+    (src / "methods" / "core" / "c.py").write_text("from ripplekv.methods import b\nfrom ripplekv.methods.signals import s\n")
+    (src / "methods" / "signals" / "s.py").write_text("from ripplekv.methods.core.c import x\n")
+    assert inside_methods_violations(src) == ["ripplekv.methods.core.c imports ripplekv.methods",
+                                              "ripplekv.methods.core.c imports ripplekv.methods.b",
+                                              "ripplekv.methods.signals.s imports ripplekv.methods.core.c"]
+
+
+# --------------------------------------------------------------------------- the design page
+
+DESIGN = SRC.parents[1] / "docs" / "design.md"
+
+
+def documented_rules(text: str, heading: str) -> dict[str, set[str]]:
+    """The table under `heading` as {layer: what it may import} (the backticked names of each row; "nothing": none)."""
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w.]+)` \| (.*?) \|$", section, flags=re.M)
+    return {layer: set(re.findall(r"`([\w.]+)`", allowed)) for layer, allowed in rows}
+
+
+def test_the_design_page_states_the_rules_this_test_enforces():
+    """docs/design.md's tables are the rules checked here: a rule changed in one place and not the other fails."""
+    text = DESIGN.read_text(encoding="utf-8")
+    assert documented_rules(text, "## What each layer may import") == MAY_IMPORT
+    assert documented_rules(text, "## Inside methods/") == METHODS_INSIDE
+    besides = re.search(r"^Besides itself, (.*?)\.", text, flags=re.M).group(1)  # what every layer may import
+    assert set(re.findall(r"`(\w+)`", besides)) == EVERYWHERE
+    assert all(f"- `{layer}/`" in text for layer in MAY_IMPORT)  # each layer is described
+
+
+def test_the_design_check_can_fail():
+    page = "# A page\n\n## Rules\n\n| layer | may import |\n|---|---|\n| `metrics` | `tasks`, `engine` |\n| `runs` | nothing |\n"
+    assert documented_rules(page, "## Rules") == {"metrics": {"tasks", "engine"}, "runs": set()}
+    assert documented_rules(page, "## Rules") != {k: v for k, v in MAY_IMPORT.items() if k in ("metrics", "runs")}
 
 
 def test_eval_captures_the_window_its_methods_declare(run_cli, tiny_model_dir, tmp_path):

@@ -20,8 +20,8 @@ import torch
 from ripplekv.defaults import EVAL_BATCH_SIZE
 from ripplekv.engine.cache import CompressedCache
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Method
-from ripplekv.methods.catalog import MethodInfo, catalog
+from ripplekv.methods.core.base import Method
+from ripplekv.methods.core.catalog import MethodInfo, catalog
 from ripplekv.pipeline.samples import Prompt, sample_prompt
 from ripplekv.runs.tables import Run, load_run
 
@@ -73,7 +73,7 @@ class CompressedPrompt(CompressedCache):
     def __init__(self, cache: CompressedCache, prompt_ids: torch.Tensor, first_token: int, counts: np.ndarray,
                  label: str, budget: int, kv_bytes: int | None = None):
         super().__init__(cache.layers, cache.num_variants)
-        self.kv_bytes = kv_bytes  # the bytes its entries take as the method stores them (`methods.quantized`)
+        self.kv_bytes = kv_bytes  # the bytes its entries take as the method stores them (`methods.core.quantized`)
         self.prompt_ids = prompt_ids  # [1, n]
         self.input_ids = torch.cat([prompt_ids, prompt_ids.new_tensor([[first_token]])], dim=1)
         self.counts = counts  # [L, H_kv] entries kept per layer and KV head
@@ -143,7 +143,7 @@ def _methods(model, specs: Sequence[str], allocation: str | None, options: dict)
 
     from ripplekv.engine.models import is_bundled
     from ripplekv.errors import Notice
-    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.core.catalog import build_methods
     from ripplekv.pipeline.eval_plan import default_allocation
 
     if allocation is None:
@@ -217,7 +217,7 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     from ripplekv.engine.prefill import prefill_for
     from ripplekv.engine.recorders import SampleContext
     from ripplekv.engine.schedule import Variant, build, entry_counts
-    from ripplekv.methods.budgets import check_budget
+    from ripplekv.methods.core.budgets import check_budget
 
     _check_model(model)
     if not isinstance(method, str):
@@ -229,7 +229,7 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     built = build(state, Variant(chosen.label, budget, chosen))
     counts = entry_counts(built)
     cache = build_cache(state, [built])
-    from ripplekv.methods.quantized import kept_bytes, stored_as
+    from ripplekv.methods.core.quantized import kept_bytes, stored_as
 
     return CompressedPrompt(cache, state.input_ids[None], int(state.last_logits.argmax()), counts, chosen.label, budget,
                             kept_bytes(state, counts, stored_as(chosen, state, budget)))
@@ -276,7 +276,7 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     how many entries it kept and its KL/agreement to the full cache's answer; with `answers`, its score.
     `memory_budget` ('40GiB', '500MB' or bytes) bounds what the sample holds, as eval's --memory-budget.
     """
-    from ripplekv.methods.budgets import check_budget
+    from ripplekv.methods.core.budgets import check_budget
     from ripplekv.pipeline.eval_plan import PROTOCOLS, parse_budgets, parse_names
     from ripplekv.pipeline.evaluate import SampleSettings, evaluate_sample
 

@@ -1,7 +1,7 @@
 """The methods the commands choose by default, named here so that no command names a method itself, and
 the fixed choices and shared defaults of the commands' options.
 
-Torch-free (the CLI shows these in --help without loading the engine); `methods.presets` checks that
+Torch-free (the CLI shows these in --help without loading the engine); `methods.core.presets` checks that
 each method named here is a preset.
 """
 
@@ -18,19 +18,6 @@ EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prun
 # Answer-aware variants (they read the full cache's answer): reported beside the methods, never ranked; not all are
 # bounds (`answer-allocation` is beaten by learned allocators).
 CEILINGS = ("oracle", "answer-allocation", "allocation-ceiling")
-# The families methods belong to (a composition takes its preset's family); every preset belongs to one
-# (tests/test_methods.py checks).
-METHOD_FAMILIES = {
-    "uniform baselines": ("uniform", "snapkv", "streamingllm", "random", "h2o", "tova", "knorm"),
-    "RippleKV": ("ripplekv", "routed-ripplekv"),
-    "seed systems": ("depthkv", "routed", "gracekv"),
-    "layer and head allocators": ("pyramidkv", "cake", "adakv", "layer-defensivekv", "kvzip", "dynamickv", "lava",
-                                  "squeezeattention", "pyramidinfer", "compresskv", "lukv"),
-    "2025-26 scorers": ("criticalkv", "criticaladakv", "defensivekv", "expected-attention", "keydiff", "kvzap"),
-    "quantizers": ("kivi",),  # alone; any method composes with one (METHOD:quant=kivi:bits=4)
-    "answer-aware": CEILINGS,
-}
-
 # The fixed sets of values an option takes: the CLI declares them as choices (so --help shows them and a
 # wrong value fails while parsing), and the libraries check the same tuples when called directly.
 PROTOCOLS = ("with-question", "context-only")  # `eval --protocol`, ripplekv.generate(protocol=)

@@ -27,8 +27,8 @@ from ripplekv.engine.entries import LayerEntries
 from ripplekv.engine.prefill import PrefillState, prefill_for
 from ripplekv.engine.recorders import SampleContext
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Method
-from ripplekv.methods.budgets import check_budget
+from ripplekv.methods.core.base import Method
+from ripplekv.methods.core.budgets import check_budget
 
 BACKEND_NAME = "ripplekv"
 # What lm-eval itself hands every backend (None when its command line leaves them out).
@@ -41,8 +41,8 @@ def chosen_method(method: str, budget, allocation: str | None = None, bundled: b
     """The checked method and budget of the model arguments: a bad spec, option or budget is a UserError, and so
     is a method that needs the full cache's answer (lm-eval's requests have none). `bundled`: the model is the
     bundled SmolLM2, whose shipped allocation profile-driven methods use unless `allocation` names another."""
-    from ripplekv.methods.catalog import build_methods
-    from ripplekv.methods.presets import shared_option_users
+    from ripplekv.methods.core.catalog import build_methods
+    from ripplekv.methods.core.spec import shared_option_users
 
     if not isinstance(method, str) or not method.strip():
         raise UserError(f"model_args method= must be a method spec such as snapkv or pyramidkv:beta=10, got {method!r}")

@@ -1,7 +1,7 @@
 """The memory-axis table: at each budget (a number of bytes), every way of spending it side by side.
 
 Eviction keeps fewer entries at full precision, a quantizer keeps every entry at fewer bits, and a method
-with a quantizer does both (`methods.quantized`). The table puts each variant's bytes (mean over samples,
+with a quantizer does both (`methods.core.quantized`). The table puts each variant's bytes (mean over samples,
 and as a share of the budget's), entries and bits beside its KL to the full cache with the leaderboard's
 interval and paired comparison, and its `n` (samples); a variant that did not fit its budget on some prompt is
 listed as infeasible there, with no numbers, and one with fewer samples than the table's n is listed apart. Written only when the run has a quantized variant.

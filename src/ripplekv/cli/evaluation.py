@@ -161,7 +161,7 @@ def report_command(
     """Re-render scores.csv, leaderboards (with 95% intervals and tests), plots, summary.md and index.html from predictions.jsonl alone."""
     from ripplekv.analysis import report
     from ripplekv.errors import UserError
-    from ripplekv.methods.catalog import method_notes
+    from ripplekv.methods.core.catalog import method_notes
     from ripplekv.metrics.rouge import check_rouge
     from ripplekv.runs.safeio import exclusive
 
@@ -192,7 +192,7 @@ def _write_pages(compare: tuple[str, str] | None, out: str | None, site: str | N
 
     from ripplekv.analysis.html_page import write_compare_page, write_site
     from ripplekv.errors import UserError
-    from ripplekv.methods.catalog import method_notes
+    from ripplekv.methods.core.catalog import method_notes
 
     if compare is not None:
         if out is None:

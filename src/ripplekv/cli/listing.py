@@ -44,7 +44,7 @@ def budgets(
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
     from ripplekv.methods import make_method
-    from ripplekv.methods.presets import check_distinct, collapse_aliases, degenerate_notes
+    from ripplekv.methods.core.spec import check_distinct, collapse_aliases, degenerate_notes
     from ripplekv.pipeline.eval_plan import parse_names
 
     if prompt_len <= 0:
@@ -93,7 +93,8 @@ def budgets(
 
 COMPOSITION_HELP = """compositions: layer allocator x head split x scorer, in one spec:
   PRESET[:allocator=LAYERS][:split=even|adakv[:head_alpha=A]][:scorer=SCORER][:option=value...]
-  layers: uniform, pyramid, file (ripplekv/depthkv, with --allocation), cake, global (Layer-DefensiveKV's);
+  layers: {layers}
+    (file: ripplekv/depthkv's, with --allocation; global: Layer-DefensiveKV's);
   split=adakv lets a layer's heads compete by the scorer's scores (AdaKV's split, safeguard head_alpha, 0.2);
   budgets stay exactly L x H_kv x B. Examples:
     ripplekv:split=adakv:scorer=criticalkv      RippleKV layer budgets x AdaKV heads x CriticalKV scores
@@ -112,8 +113,9 @@ def methods_command() -> None:
     from rich.table import Table
 
     from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
-    from ripplekv.methods.presets import component_names, defaults_of
-    from ripplekv.methods.quant_options import QUANT_HELP
+    from ripplekv.methods.core.base import layer_allocators
+    from ripplekv.methods.core.quant_options import QUANT_HELP
+    from ripplekv.methods.core.spec import component_names, defaults_of
 
     def options(component, preset=()) -> str:
         chosen = defaults_of(component)
@@ -138,7 +140,7 @@ def methods_command() -> None:
     console.print(f"allocators: {', '.join(sorted(ALLOCATORS))}; scorers: {', '.join(sorted(SCORERS))} "
                   "(swap one with allocator=NAME or scorer=NAME)")
     console.print(QUANT_HELP)
-    console.print(COMPOSITION_HELP)
+    console.print(COMPOSITION_HELP.format(layers=", ".join(layer_allocators())))
 
 
 def tasks_command(

@@ -109,7 +109,7 @@ def profile(
     Rerunning the same command resumes an interrupted profile (finished samples are kept)."""
     from rich.console import Console
 
-    from ripplekv.methods.budgets import check_budget
+    from ripplekv.methods.core.budgets import check_budget
     from ripplekv.pipeline.model_choice import ModelChoice
     from ripplekv.pipeline.profile import ProfileSettings, check_given, profile_into
 

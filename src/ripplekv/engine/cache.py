@@ -312,7 +312,7 @@ def ripplekv_attention(module, query, key, value, attention_mask, scaling=None, 
     if cache is not None:
         layer = cache.layers[module.layer_idx]
         return compressed_attention(query, layer, key, value, scaling or module.scaling), None
-    if attend is not None:  # a pass's own attention (`methods.continuation`)
+    if attend is not None:  # a pass's own attention (`methods.signals.continuation`)
         return attend(module, query, key, value, attention_mask, scaling or module.scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 

@@ -44,7 +44,7 @@ class StepView:
 
 
 class DecodePolicy(Protocol):
-    """A method's answer to: which entry does a full head give up while decoding? (see `methods.decoding`)"""
+    """A method's answer to: which entry does a full head give up while decoding? (see `methods.core.decoding`)"""
 
     query_window: int  # decoded queries to remember for re-scoring (0: none)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import DEFAULT_HEAD_ALPHA, HEAD_SPLITS, Allocator, register_allocator, top_indices
+from ripplekv.methods.core.base import Allocator, register_allocator, register_head_split, top_indices
 
 
 def split_by_scores(scores: torch.Tensor, total: int, floor: int, reserved: int) -> np.ndarray:
@@ -67,6 +67,7 @@ RULES = ("ffy0", "floor", "kvpress")
 DEFAULT_ALPHA = 0.2
 
 
+@register_head_split("adakv", default_alpha=DEFAULT_ALPHA)
 def adakv_split(state, per_layer, scorer, alpha: float | None, rule: str = "ffy0") -> np.ndarray:
     """AdaKV's head split of every layer's budget (`per_layer[l]` entries per head on average), safeguard
     `alpha` (AdaKV's 0.2 when None); `rule` ffy0 (the published one), floor (our earlier one) or kvpress. The head
@@ -95,9 +96,6 @@ def adakv_split(state, per_layer, scorer, alpha: float | None, rule: str = "ffy0
         matrix[layer] = split_by_scores(scorer.scores(state, layer), heads * count, floor, reserved)
     return matrix
 
-
-HEAD_SPLITS["adakv"] = adakv_split
-DEFAULT_HEAD_ALPHA["adakv"] = DEFAULT_ALPHA
 
 
 @register_allocator("adakv")

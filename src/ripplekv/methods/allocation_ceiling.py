@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
-from ripplekv.methods.budgets import check_budget
+from ripplekv.methods.core.base import Allocator, register_allocator
+from ripplekv.methods.core.budgets import check_budget
 from ripplekv.methods.oracle import OracleScorer, answer_attention
 
 

@@ -14,13 +14,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
-from ripplekv.methods.budgets import check_budget
-from ripplekv.methods.tables import check_layer_count, read_multipliers
+from ripplekv.methods.core.base import FILE, Allocator, register_allocator
+from ripplekv.methods.core.budgets import check_budget
+from ripplekv.methods.core.tables import check_layer_count, read_multipliers
 
 
 @register_allocator("uniform")
@@ -88,7 +88,7 @@ def read_allocation(path: str | Path) -> tuple[float, ...]:
 class FromAllocation(Allocator):
     """Budgets proportional to per-layer multipliers from `ripplekv allocate`."""
 
-    allocation: str | None = None
+    allocation: str | None = field(default=None, metadata=FILE)
     multipliers: tuple[float, ...] | None = None
 
     def __post_init__(self):

@@ -25,8 +25,8 @@ import torch
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, check_integers, register_allocator
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.base import Allocator, check_integers, register_allocator
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
 from ripplekv.methods.snapkv import window_attention
 
 

@@ -22,7 +22,7 @@ Where ours differs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,10 +30,10 @@ import torch
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, register_allocator
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.base import FILE, Allocator, register_allocator
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.tables import check_layer_count, read_numbers
 from ripplekv.methods.snapkv import SnapKVScorer, window_attention
-from ripplekv.methods.tables import check_layer_count, read_numbers
 
 CAP = 3  # a layer keeps at most CAP x B entries (the reference's max_tokens)
 
@@ -95,7 +95,7 @@ def write_profile(path: str | Path, errors) -> Path:
 class CompressKV(Allocator):
     """Budgets: the floor plus a share of the rest proportional to each layer's profiled error, capped at 3 x B."""
 
-    profile: str | None = None
+    profile: str | None = field(default=None, metadata=FILE)
     errors: tuple[float, ...] | None = None
 
     def __post_init__(self):

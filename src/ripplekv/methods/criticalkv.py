@@ -23,7 +23,7 @@ import torch
 
 from ripplekv.engine import adapter
 from ripplekv.errors import UserError
-from ripplekv.methods.base import per_head, recent_mask, register_scorer, top_indices
+from ripplekv.methods.core.base import per_head, recent_mask, register_scorer, top_indices
 from ripplekv.methods.snapkv import SnapKVScorer
 
 

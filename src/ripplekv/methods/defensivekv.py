@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_positive, register_scorer
+from ripplekv.methods.core.base import check_positive, register_scorer
 from ripplekv.methods.criticalkv import projected_value_norms
 from ripplekv.methods.snapkv import WindowScorer, window_attention
 

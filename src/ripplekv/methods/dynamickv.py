@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, check_integers, register_allocator, register_scorer
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.base import Allocator, check_integers, register_allocator, register_scorer
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
 from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, pooling_unused, window_attention
 
 

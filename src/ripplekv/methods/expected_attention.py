@@ -7,7 +7,7 @@ positions (R: mu' = R mu, S' = R S R^T). For a Gaussian query, E[exp(q.k/sqrt d)
 exp(mu'.k/sqrt d + k^T S' k / (2d)); a softmax of these logits over the prompt's entries (past the sinks),
 averaged over the query heads sharing a KV head, times the value norm ||v||_2 (+ epsilon first), is the
 score. It needs no question, so it is question-agnostic. The statistics are summed during the one prefill
-(the `query_statistics` signal, `methods.query_statistics`), never stored per query. Defaults follow kvpress:
+(the `query_statistics` signal, `methods.signals.query_statistics`), never stored per query. Defaults follow kvpress:
 n_future_positions 512, n_sink 4 (kept always), use_covariance and use_vnorm on, epsilon 0. Unlike kvpress,
 the last `window` tokens (32) are kept too: kvpress compresses the context alone, our with-question protocol
 compresses the question with it; `expected-attention:window=0` is kvpress's `ExpectedAttentionPress` (make
@@ -23,8 +23,8 @@ import torch
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, check_positive, register_scorer
-from ripplekv.methods.query_statistics import FIRST_QUERIES, QUERY_STATISTICS
+from ripplekv.methods.core.base import check_integers, check_positive, register_scorer
+from ripplekv.methods.signals.query_statistics import FIRST_QUERIES, QUERY_STATISTICS
 from ripplekv.methods.snapkv import WindowScorer
 
 

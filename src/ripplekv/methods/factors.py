@@ -26,12 +26,11 @@ def cell_of(label: str, spec: dict) -> tuple[str, str, str] | None:
 
 
 def sets_head_counts(allocator_name: str) -> bool:
-    """Whether this allocator, given no split=, sets each head's count itself (it has its own `allocate`)."""
+    """Whether this allocator, given no split=, sets each head's count itself (as it declares)."""
     from ripplekv.methods import ALLOCATORS
-    from ripplekv.methods.base import Allocator
 
     kind = ALLOCATORS.get(allocator_name)
-    return kind is not None and kind.allocate is not Allocator.allocate
+    return kind is not None and kind.splits_itself()
 
 
 def design(method_specs: dict) -> list[tuple[str, str, str, str]]:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import COMPOSITION, Allocator, register_allocator, top_indices
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.base import COMPOSITION, Allocator, register_allocator, top_indices
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
 
 GRANULARITIES = ("layer", "entry")
 
@@ -42,7 +42,8 @@ class GlobalBudgets(Allocator):
         if self.granularity not in GRANULARITIES:
             raise UserError(f"option granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
 
-    def splits_itself(self) -> bool:
+    @classmethod
+    def splits_itself(cls) -> bool:
         return False  # its own `allocate` bypasses the split only at granularity=entry
 
     def split_alpha(self):

@@ -13,7 +13,7 @@ Options, for the other readings:
   LongBench setting and our earlier default; `h2o:norm=mean:recent=0` is kvpress's ObservedAttention.
 
 With grouped KV heads, a KV head's score is the mean over the query heads that share it. The sums come
-from the one prefill (chunked over queries, see `methods.column_sums`), never an n x n map.
+from the one prefill (chunked over queries, see `methods.signals.column_sums`), never an n x n map.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, held_only, per_head, register_scorer, top_scored_mask
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.core.base import check_integers, held_only, per_head, register_scorer, top_scored_mask
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 from ripplekv.methods.snapkv import WindowScorer
 
 NORMS = ("sum", "mean")
@@ -64,7 +64,7 @@ class H2OScorer(WindowScorer):
         return self.column_scores(state, layer)[:, : state.length - min(self.window, state.length)]
 
     def decode_policy(self, every: int):
-        from ripplekv.methods.decoding import Accumulated
+        from ripplekv.methods.core.decoding import Accumulated
 
         # The mean attention (norm=mean) would need a per-entry query count; only H2O's own sums decode.
         return Accumulated((self.recent, self.window)) if self.norm == "sum" else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ripplekv.methods.base import check_integers, register_scorer
+from ripplekv.methods.core.base import check_integers, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ripplekv.methods.base import check_integers, register_scorer
+from ripplekv.methods.core.base import check_integers, register_scorer
 from ripplekv.methods.snapkv import WindowScorer
 
 

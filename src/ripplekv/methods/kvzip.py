@@ -40,8 +40,8 @@ from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import FromSample, register_recorder
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, check_positive, register_scorer
-from ripplekv.methods.continuation import (
+from ripplekv.methods.core.base import check_integers, check_positive, register_scorer
+from ripplekv.methods.signals.continuation import (
     ROWS,
     PassDone,
     can_split_attention,

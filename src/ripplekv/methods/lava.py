@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.adakv import DEFAULT_ALPHA
-from ripplekv.methods.base import COMPOSITION, Allocator, check_positive, register_allocator, register_scorer
-from ripplekv.methods.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.base import COMPOSITION, Allocator, check_positive, register_allocator, register_scorer
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
 from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, pooling_unused, window_attention
 
 

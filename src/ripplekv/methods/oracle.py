@@ -20,8 +20,8 @@ import torch
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import FromSample, register_recorder
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, register_scorer
-from ripplekv.methods.continuation import causal_attention_rows, probe_tokens
+from ripplekv.methods.core.base import check_integers, register_scorer
+from ripplekv.methods.signals.continuation import causal_attention_rows, probe_tokens
 from ripplekv.methods.snapkv import WindowScorer
 
 NO_ANSWER = "oracle needs the full cache's answer, so it runs only in `ripplekv eval` (after the full decode)"

@@ -27,7 +27,7 @@ import torch
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, check_integers, register_allocator, register_scorer
+from ripplekv.methods.core.base import Allocator, check_integers, register_allocator, register_scorer
 from ripplekv.methods.snapkv import WindowScorer, window_attention
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.methods.base import register_scorer
+from ripplekv.methods.core.base import register_scorer
 from ripplekv.methods.snapkv import WindowScorer
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import AllocatorScorer, Scorer, register_scorer
-from ripplekv.methods.tables import check_layer_count, read_layer_table
+from ripplekv.methods.core.base import FILE, AllocatorScorer, Scorer, register_scorer
+from ripplekv.methods.core.tables import check_layer_count, read_layer_table
 
 
 def read_route(path: str | Path) -> list[tuple[int, str]]:
@@ -53,7 +53,7 @@ def scorer_identity(scorer: Scorer) -> str:
     """What a scorer selects, whatever method names it (`snapkv` and `uniform` route to one scorer)."""
     import json
 
-    from ripplekv.methods.base import options_of
+    from ripplekv.methods.core.base import options_of
 
     return json.dumps({"name": scorer.name, **options_of(scorer)}, sort_keys=True, default=str)
 
@@ -61,12 +61,12 @@ def scorer_identity(scorer: Scorer) -> str:
 @register_scorer("router")
 @dataclass(frozen=True)
 class Router(Scorer):
-    route: str | None = None
+    route: str | None = field(default=None, metadata=FILE)
     scorers: tuple = field(default=(), repr=False, metadata={"internal": True})
     methods: tuple[str, ...] = field(default=(), metadata={"internal": True, "record": True})
 
     def __post_init__(self):
-        from ripplekv.methods.presets import make_method
+        from ripplekv.methods.core.spec import make_method
 
         if self.route is None:
             raise UserError("routed needs a route: pass --route ROUTE.csv (layer,method rows)")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ripplekv.defaults import POOLINGS
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
+from ripplekv.methods.core.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
 
 
 def check_pooling(pooling: str) -> None:
@@ -125,7 +125,7 @@ class SnapKVScorer(WindowScorer):
         return pooling_unused(self.kernel, self.pooling)
 
     def decode_policy(self, every: int):
-        from ripplekv.methods.decoding import Rescored
+        from ripplekv.methods.core.decoding import Rescored
 
         if type(self) is not SnapKVScorer:  # a subclass (CriticalKV) scores differently: it must say how itself
             return None

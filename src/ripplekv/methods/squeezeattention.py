@@ -10,7 +10,7 @@ preset's scorer); any scorer composes (`squeezeattention:scorer=snapkv`).
 
 Where ours differs:
 - The similarity is averaged over the last `tokens` (64) prompt tokens, recomputed through the full
-  cache (`methods.residual`), not over the whole prompt: the prefill keeps no hidden states, and a second
+  cache (`methods.signals.residual`), not over the whole prompt: the prefill keeps no hidden states, and a second
   full pass would cost a prefill.
 - KMeans is made deterministic: in one dimension the best 3-group split of the sorted similarities is
   found exactly (every pair of cut points), where sklearn's KMeans starts from random centres.
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, check_integers, register_allocator
-from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.residual import residual_cosines
+from ripplekv.methods.core.base import Allocator, check_integers, register_allocator
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
+from ripplekv.methods.signals.residual import residual_cosines
 
 
 def three_groups(values) -> np.ndarray:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.methods.base import Scorer, check_integers, per_head, recent_mask, register_scorer
+from ripplekv.methods.core.base import Scorer, check_integers, per_head, recent_mask, register_scorer
 
 
 @register_scorer("recency")
@@ -25,7 +25,7 @@ class SinksAndRecent(Scorer):
         return None
 
     def decode_policy(self, every: int):
-        from ripplekv.methods.decoding import Rolling
+        from ripplekv.methods.core.decoding import Rolling
 
         return Rolling(self.sinks)
 

@@ -16,7 +16,7 @@ import torch
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_positive, register_scorer
+from ripplekv.methods.core.base import check_positive, register_scorer
 from ripplekv.methods.snapkv import WindowScorer, window_attention
 
 HEADS = ("kv", "layer")
@@ -47,7 +47,7 @@ class TOVAScorer(WindowScorer):
         return Requirements(capture_window=1)  # the last prompt token's query, whatever window is kept
 
     def decode_policy(self, every: int):
-        from ripplekv.methods.decoding import CurrentQuery
+        from ripplekv.methods.core.decoding import CurrentQuery
 
         return CurrentQuery(self.window, self.heads)
 

@@ -33,7 +33,7 @@ from ripplekv.tasks.calibration import Calibration
 def read_profile_sensitivity(path: str | Path, num_layers: int | None = None) -> np.ndarray:
     """Sensitivity by layer from sensitivity.csv, checked against the model's layer count: its `sensitivity`
     column when it has one (a task-drop or InfoNCE profile), else `kl_mean` (a KL profile)."""
-    from ripplekv.methods.tables import read_numbers
+    from ripplekv.methods.core.tables import read_numbers
 
     column = "sensitivity" if "sensitivity" in _header(path) else "kl_mean"
     values = np.asarray(read_numbers(path, column, "sensitivity", "run `ripplekv profile --out DIR` first"))

@@ -26,7 +26,7 @@ class LayerErrorSettings:
     window: int = 32
 
     def check(self) -> None:
-        from ripplekv.methods.budgets import check_budget
+        from ripplekv.methods.core.budgets import check_budget
 
         if self.window < 1:
             raise UserError(f"--window must be at least 1, got {self.window}")

@@ -31,7 +31,7 @@ def draw_file(path: str | Path, root: str | Path, draw: int) -> Path:
 def _uses(entry: str, shared: dict[str, str | None]) -> dict[str, str]:
     """The calibration files a --methods entry reads: its own file options, and the eval's shared ones it takes."""
     from ripplekv.methods import parse_spec
-    from ripplekv.methods.presets import options_taken
+    from ripplekv.methods.core.spec import options_taken
 
     _, options = parse_spec(entry)
     used = {key: value for key, value in options.items() if key in FILE_KEYS}

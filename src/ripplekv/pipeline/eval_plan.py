@@ -24,7 +24,7 @@ from ripplekv.defaults import (
 from ripplekv.engine.prefill import Requirements, captured_window
 from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY
 from ripplekv.errors import UserError
-from ripplekv.methods.budgets import check_budget
+from ripplekv.methods.core.budgets import check_budget
 from ripplekv.runs.files import ANSWER_AWARE, REFERENCE
 from ripplekv.runs.resume import variant_keys
 
@@ -98,7 +98,7 @@ def default_allocation(specs: Sequence[str], bundled: bool) -> tuple[str | None,
     else none (the method then says how to make one). (None, None) when no method of `specs` takes one. The one
     rule for `eval`, `budgets` and the Python API."""
     from ripplekv.engine.models import DEFAULT_MODEL
-    from ripplekv.methods.presets import options_taken
+    from ripplekv.methods.core.spec import options_taken
 
     if "allocation" not in options_taken(specs):
         return None, None
@@ -136,8 +136,8 @@ def plan_eval(settings: EvalSettings) -> Plan:
         resolve_model,
         runtime_info,
     )
-    from ripplekv.methods.catalog import build_methods
-    from ripplekv.methods.presets import reads_allocation
+    from ripplekv.methods.core.catalog import build_methods
+    from ripplekv.methods.core.spec import reads_allocation
     from ripplekv.tasks import get_tasks
 
     for budget in settings.budgets:

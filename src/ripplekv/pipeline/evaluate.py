@@ -27,7 +27,7 @@ from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY, Decoding, SampleMemory, Variant, decode_variants
 from ripplekv.errors import UserError
-from ripplekv.methods.quantized import stored_as
+from ripplekv.methods.core.quantized import stored_as
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.sample_lines import SampleLines
@@ -246,7 +246,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
 
     console = console or Console(stderr=True)
     out = Path(out)
-    from ripplekv.methods.presets import degenerate_notes
+    from ripplekv.methods.core.spec import degenerate_notes
 
     plan = plan_eval(settings)
     notes = [*notes, *plan.notes, *degenerate_notes(plan.methods.values(), settings.budgets)]
@@ -338,7 +338,7 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
     else:
         console.print(f"all {len(work)} samples already done in {out}; re-rendering the report", soft_wrap=True)
     start = perf_counter()
-    from ripplekv.methods.catalog import method_notes
+    from ripplekv.methods.core.catalog import method_notes
 
     tables = report.render(out, plots=report.plots_wanted(), notes=method_notes())
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])

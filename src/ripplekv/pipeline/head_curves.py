@@ -2,7 +2,7 @@
 
 The calibration prompts are `ripplekv profile`'s (the offline suite's calibration split, disjoint from every
 evaluated sample). Each prompt is prefilled once for all the methods' scorers; its oracle importance and
-each scorer's per-prompt greedy curve (`methods.lukv_oracle.prompt_curves`) are appended to
+each scorer's per-prompt greedy curve (`methods.lukv.oracle.prompt_curves`) are appended to
 `samples.jsonl` as soon as they are done, so a killed run resumes where it stopped and other settings
 are refused. The curve of a scorer is the mean of its per-prompt curves (the reference's averaging),
 written as `curve-SCORER.csv` (rows ratio,layer,head,prune) with `curve-SCORER.json` (model, scorer,
@@ -21,9 +21,9 @@ import numpy as np
 
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
-from ripplekv.methods.lukv import LUKV, protected, scorer_identity
-from ripplekv.methods.lukv_greedy import FLOOR_SHARE, RATIOS
-from ripplekv.methods.lukv_oracle import ANSWER_TOKENS, prompt_curves
+from ripplekv.methods.lukv.greedy import FLOOR_SHARE, RATIOS
+from ripplekv.methods.lukv.method import LUKV, protected, scorer_identity
+from ripplekv.methods.lukv.oracle import ANSWER_TOKENS, prompt_curves
 from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.runs.safeio import UnitLog, exclusive, other_files, write_csv, write_text
 from ripplekv.tasks.calibration import Calibration, calibration_hash

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ripplekv.errors import UserError
-from ripplekv.methods import kvzap_surrogate
+from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.runs.safeio import UnitLog, atomic_write, exclusive, other_files
 from ripplekv.tasks.calibration import Calibration, calibration_hash
@@ -59,7 +59,7 @@ def prompt_pairs(model, tokenizer, ids: list[int], tokens: int, seed: int) -> tu
     """(hidden [L, k, D] float32, log KVzip scores [L, k, H]) at k random positions past the sinks of one prompt."""
     from ripplekv.engine.prefill import Requirements, prefill_for
     from ripplekv.engine.recorders import SampleContext
-    from ripplekv.methods.kvzap import HIDDEN_STATES
+    from ripplekv.methods.kvzap.method import HIDDEN_STATES
     from ripplekv.methods.kvzip import TOKENIZER, reconstruction_scores
 
     state = prefill_for(model, ids, Requirements(signals={HIDDEN_STATES, TOKENIZER}),

@@ -40,8 +40,8 @@ from ripplekv.engine import entries
 from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.errors import UserError
-from ripplekv.methods.base import held_mask
-from ripplekv.methods.budgets import check_budget, uniform_budgets
+from ripplekv.methods.core.base import held_mask
+from ripplekv.methods.core.budgets import check_budget, uniform_budgets
 from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.pipeline.route_choice import choose_route, parse_caps, random_placements  # noqa: F401 - as before
 from ripplekv.pipeline.route_plots import plot_placements, plot_preferences, plot_route
@@ -77,7 +77,7 @@ def candidate_methods(specs) -> list:
     """The candidate methods, resolved through the registry; only their scorers are used (`router.routed_scorer`
     refuses a method that is more than its scorer), and two candidates with one scorer are refused."""
     from ripplekv.methods import PRESETS, make_method, parse_spec
-    from ripplekv.methods.presets import check_distinct
+    from ripplekv.methods.core.spec import check_distinct
     from ripplekv.methods.router import routed_scorer, scorer_identity
 
     if len(specs) < 1:

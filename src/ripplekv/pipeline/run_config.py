@@ -34,9 +34,10 @@ def _without_file_paths(spec: dict) -> dict:
     """A method spec without where its files were: their contents (multipliers, the route's methods) are
     recorded beside the paths and decide the output, so a run whose allocation moved (make reproduce's
     staging folder -> results/) can still be grown with the moved file."""
-    from ripplekv.methods.presets import FILE_OPTIONS
+    from ripplekv.methods.core.spec import file_options
 
-    return {part: ({k: v for k, v in options.items() if k not in FILE_OPTIONS} if isinstance(options, dict) else options)
+    files = file_options()
+    return {part: ({k: v for k, v in options.items() if k not in files} if isinstance(options, dict) else options)
             for part, options in spec.items()}
 
 
@@ -61,7 +62,7 @@ def allocation_readers(config: dict) -> set[str]:
     """The methods of a run that read its --allocation: their allocator (or a quantizer's bits=profile) takes an
     allocation that their own spec does not name (as the method specs in config.json record them)."""
     from ripplekv.methods import parse_spec
-    from ripplekv.methods.presets import reads_allocation
+    from ripplekv.methods.core.spec import reads_allocation
 
     specs = config.get("method_specs", {})
     return {label for label in config.get("methods", ())

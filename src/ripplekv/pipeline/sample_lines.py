@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ripplekv.engine.evict import peak_entries
-from ripplekv.methods.quantized import budget_bytes, kept_bytes
+from ripplekv.methods.core.quantized import budget_bytes, kept_bytes
 from ripplekv.runs.files import REFERENCE
 
 QUESTION_CHARS = 300  # of the sample's question, kept on its full-cache line
@@ -86,13 +86,13 @@ class SampleLines:
             # Entries per KV head in each layer (the mean over heads when heads differ; then head_budgets too).
             "layer_budgets": [int(t) // heads if t % heads == 0 else round(float(t) / heads, 3) for t in per_layer],
             "peak_memory_bytes": self.peak,
-            "kv_bytes": kept_bytes(self.state, counts, quantizer),  # what the kept entries take (`methods.quantized`)
+            "kv_bytes": kept_bytes(self.state, counts, quantizer),  # what the kept entries take (`methods.core.quantized`)
         }
         if budget is not None:  # the bytes budget B stands for on this prompt
             fields["kv_budget_bytes"] = budget_bytes(self.state, budget)
         if bool((counts != counts[:, :1]).any()):
             fields["head_budgets"] = counts.tolist()
-        if quantizer is not None and len(set(quantizer)) > 1:  # per-layer bits (`methods.bit_allocation`)
+        if quantizer is not None and len(set(quantizer)) > 1:  # per-layer bits (`methods.core.bit_allocation`)
             fields["layer_bits"] = [[spec.key_bits, spec.value_bits] for spec in quantizer]
         if self.decode_budget:  # absent under prompt budgets: those lines stay as they were before the option
             fields["decode_budget"] = self.decode_budget

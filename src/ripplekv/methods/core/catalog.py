@@ -1,4 +1,4 @@
-"""The methods a user can choose, as data: what `ripplekv methods` prints and `ripplekv.methods()` returns,
+"""The methods a user can choose, as data: what `ripplekv methods` prints and `ripplekv.list_methods()` returns,
 and the one place that turns a list of specs into checked methods (eval, the Python API).
 """
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ripplekv.errors import UserError
-from ripplekv.methods.base import ALLOCATORS, SCORERS, Method
-from ripplekv.methods.presets import (
+from ripplekv.methods.core.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.core.spec import (
     PRESETS,
     check_distinct,
     collapse_aliases,
@@ -24,13 +24,14 @@ REFERENCE = "full"
 
 @dataclass(frozen=True)
 class MethodInfo:
-    """One named method: its allocator and scorer and their options with defaults (None for `full`)."""
+    """One named method: its allocator and scorer and their options with defaults (None for `full`), and its family."""
 
     name: str
     allocator: str | None
     scorer: str | None
     options: dict
     about: str
+    family: str  # what it is reported beside (the preset table's family column)
     alias_of: str | None = None  # the canonical spec when this name is another name for it
 
 
@@ -39,11 +40,11 @@ def catalog() -> list[MethodInfo]:
     rows = []
     for name, chosen in sorted(PRESETS.items()):
         if chosen.is_full:
-            rows.append(MethodInfo(name, None, None, {}, chosen.about))
+            rows.append(MethodInfo(name, None, None, {}, chosen.about, chosen.family))
             continue
         parts = [chosen.own.Options] if chosen.own else [ALLOCATORS[chosen.allocator], SCORERS[chosen.scorer]]
         options = {key: value for part in parts for key, value in defaults_of(part).items()}
-        rows.append(MethodInfo(name, *component_names(chosen), options, chosen.about, chosen.alias_of))
+        rows.append(MethodInfo(name, *component_names(chosen), options, chosen.about, chosen.family, chosen.alias_of))
     return rows
 
 

@@ -18,7 +18,7 @@ The allowance is in bytes for quantization alone (`kivi:bits=profile`: every ent
 budget B's bytes; infeasible when even 2 bits everywhere does not fit) and in bits for a method that also
 evicts (`snapkv:quant=kivi:bits=profile`): `avgbits` (default 4) bits per quantized number on average over
 the layers, each layer weighted equally, so the bits do not depend on how many entries are kept; then the
-entry bisection of `methods.quantized` keeps the most entries whose bytes under those bits fit B. A joint
+entry bisection of `methods.core.quantized` keeps the most entries whose bytes under those bits fit B. A joint
 search over entries and bits per layer would need a model of how eviction's loss and quantization's add;
 fixing the average bits keeps the choice well defined and leaves avgbits as the one stated knob.
 """
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ripplekv.engine.quantize import BITS
-from ripplekv.methods.tables import check_layer_count, read_numbers
+from ripplekv.methods.core.tables import check_layer_count, read_numbers
 
 START_BITS = BITS[0]
 UPGRADE = dict(zip(BITS, BITS[1:]))  # 2 -> 4 -> 8 -> 16

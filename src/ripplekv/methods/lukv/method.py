@@ -2,7 +2,7 @@
 
 A curve holds, for every global prune ratio rho_i = i / 100 (i = 1..99), each (layer, KV head)'s prune ratio,
 profiled offline on calibration prompts (`pipeline.head_curves`, `ripplekv fit lukv`; the solver is
-`methods.lukv_greedy`). At a prompt of n tokens and budget B, rho = 1 - B / n; each head's keep share is
+`methods.lukv.greedy`). At a prompt of n tokens and budget B, rho = 1 - B / n; each head's keep share is
 the curve at rho (linear between rows; 0 pruned at rho = 0), and the shares become integer counts that sum
 exactly to L x H_kv x B (`budgets.integer_budgets` over all heads at once), each at least the scorer's
 protected entries. The scorer picks the entries: `lukv` is Expected Attention as LU-KV and kvpress run it
@@ -23,18 +23,20 @@ rho to the nearest percent (up to n / 200 entries per head).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+import ripplekv
 from ripplekv.errors import UserError
-from ripplekv.methods.base import Allocator, AllocatorScorer, options_of, register_allocator
-from ripplekv.methods.budgets import check_budget, integer_budgets
-from ripplekv.methods.lukv_greedy import RATIOS
+from ripplekv.methods.core.base import FILE, Allocator, AllocatorScorer, options_of, register_allocator
+from ripplekv.methods.core.budgets import check_budget, integer_budgets
+from ripplekv.methods.core.registry import register_method_class
+from ripplekv.methods.lukv.greedy import RATIOS
 
 COLUMNS = ["ratio", "layer", "head", "prune"]
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "lukv"
+SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "lukv"  # the package's data, wherever this module sits
 ROUNDINGS = ("exact", "kvpress")
 PROFILE_HINT = ("profile one on calibration prompts: ripplekv fit lukv --methods SPEC "
                 "--out DIR, then pass SPEC:curve=DIR/curve-SCORER.csv")
@@ -132,6 +134,7 @@ def kvpress_counts(curve: np.ndarray, budget: int, length: int) -> np.ndarray:
     return counts
 
 
+@register_method_class("lukv")
 @dataclass(frozen=True)
 class CurveMethod(AllocatorScorer):
     """The `lukv` preset: its curve's scorer is checked against the method's when the method is built, before any
@@ -145,7 +148,7 @@ class CurveMethod(AllocatorScorer):
 @register_allocator("lukv")
 @dataclass(frozen=True)
 class LUKV(Allocator):
-    curve: str | None = None
+    curve: str | None = field(default=None, metadata=FILE)
     rounding: str = "exact"
     prompt_dependent = True
     prompt_note = "its per-head budgets follow its curve at each prompt's length; `ripplekv eval` records them per sample"
@@ -157,9 +160,9 @@ class LUKV(Allocator):
         if self.curve is not None:
             read_curve(self.curve)  # a bad file is one line before any model work
 
-    def splits_itself(self) -> bool:
-        """Its curve sets per-head counts, unless `split=` asks for its layer totals under that head split."""
-        return self.split is None
+    def takes_split(self) -> bool:
+        """Its curve sets per-head counts; `split=` asks for its layer totals under that head split instead."""
+        return True
 
     def check_heads(self) -> None:
         super().check_heads()

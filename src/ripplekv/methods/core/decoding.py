@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ripplekv.engine.evict import StepView, first_rank, recent_rank
-from ripplekv.methods.column_sums import COLUMN_SUMS
+from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 
 
 def _zeros(positions: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ B' of its budget: less than two full-precision entries per (layer, KV head) unde
 costs at most one quantized key and value plus one new key group's minimums and scales). Eviction alone is
 exact: `L x H_kv x B` entries at full precision.
 
-Per-layer bits (`bits=profile`, `methods.bit_allocation`): the greedy picks each layer's bits first (from B's
+Per-layer bits (`bits=profile`, `methods.core.bit_allocation`): the greedy picks each layer's bits first (from B's
 bytes when every entry is kept, from `avgbits` when the method also evicts), then the same bisection finds B'
 under those bits; bytes are counted layer by layer at each layer's bits (`kept_bytes`), within the same rounding.
 
@@ -31,7 +31,7 @@ from ripplekv.engine import entries as kv_entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.engine.quantize import QuantSpec, head_bytes, quantize_head
 from ripplekv.errors import UserError
-from ripplekv.methods.bit_allocation import BitProfile
+from ripplekv.methods.core.bit_allocation import BitProfile
 
 
 def element_bytes(state: PrefillState) -> int:

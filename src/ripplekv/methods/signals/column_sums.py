@@ -1,7 +1,7 @@
 """Each key's attention summed over every prompt query (H2O's heavy hitters), beside the prefill's own attention.
 
 The signal `COLUMN_SUMS` (per layer [H_kv, n] float32), recorded by `ColumnSums` for the methods that
-declare it: H2O's scorer and its decoding policy (`methods.decoding.Accumulated`).
+declare it: H2O's scorer and its decoding policy (`methods.core.decoding.Accumulated`).
 
 H2O ranks entries by the attention they received from all prompt queries: the column sums of the n x n
 attention map. That map is never built: queries go in chunks, each chunk attends only to the keys it can

@@ -17,7 +17,7 @@ import torch
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import PrefillState
 from ripplekv.errors import UserError
-from ripplekv.methods.base import check_integers, check_positive, top_indices
+from ripplekv.methods.core.base import check_integers, check_positive, top_indices
 from ripplekv.methods.snapkv import window_scores
 
 TINY = 1e-30  # keeps relative errors finite where a node's true attention underflows to zero

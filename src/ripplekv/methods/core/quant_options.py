@@ -1,10 +1,10 @@
-"""A spec's quantizer options, and the method they make (`methods.quantized`).
+"""A spec's quantizer options, and the method they make (`methods.core.quantized`).
 
 `quant=kivi` (KIVI's per-channel keys) or `quant=token` (FlexGen's per-token keys) names the scheme; the `kivi`
 preset is the full cache with `quant=kivi`. Its options: `bits=N` (2, 4 or 8) stores keys and values at N bits;
 `kbits=`, `vbits=` (2, 4, 8 or 16; 16: that tensor at full precision) set each alone, the other keeping KIVI's
 2 (KVTuner's keys-more-than-values baseline is `kivi:kbits=4:vbits=2`); `bits=profile` takes each layer's bits
-from the sensitivity profile of an allocation file (`methods.bit_allocation`: the spec's `allocation=`, else
+from the sensitivity profile of an allocation file (`methods.core.bit_allocation`: the spec's `allocation=`, else
 the command's --allocation, found as for `ripplekv`), with `avgbits=` (default 4) when the method also evicts;
 `group=` and `residual=` as KIVI's.
 """
@@ -16,13 +16,14 @@ from pathlib import Path
 
 from ripplekv.engine.quantize import FULL_PRECISION, QuantSpec
 from ripplekv.errors import UserError
-from ripplekv.methods.bit_allocation import DEFAULT_AVERAGE_BITS, BitProfile, read_sensitivity
-from ripplekv.methods.quantized import Quantized
+from ripplekv.methods.core.bit_allocation import DEFAULT_AVERAGE_BITS, BitProfile, read_sensitivity
+from ripplekv.methods.core.quantized import Quantized
 
 QUANT_OPTIONS = ("bits", "kbits", "vbits", "avgbits", "group", "residual")  # `quant=` names the scheme
 # quant= -> how keys are grouped: KIVI's per channel, or FlexGen's per token (values are per token in both)
 SCHEMES = {"kivi": "channel", "token": "token"}
 PROFILE = "profile"
+PROFILE_FILE = "allocation"  # the file `bits=profile` reads its sensitivity from
 SPEC_FIELDS = {"bits": "bits", "kbits": "key_bits", "vbits": "value_bits", "group": "group", "residual": "residual"}
 _DEFAULT = QuantSpec()
 QUANT_HELP = (f"quantizer options (kivi, or METHOD:quant=kivi|token): bits={_DEFAULT.bits} (2/4/8, keys and values); "
@@ -86,10 +87,10 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
         return ":".join([inner_name, *(f"{k}={v}" for k, v in given.items())])
 
     own_file = None  # an allocation= in the spec that only the profile reads
-    if profile and "allocation" in given:
-        file = given.pop("allocation")
+    if profile and PROFILE_FILE in given:
+        file = given.pop(PROFILE_FILE)
         if takes_allocation(inner_spec()):
-            given["allocation"] = file
+            given[PROFILE_FILE] = file
         else:
             own_file = file
     if name == "kivi" and given:
@@ -106,14 +107,14 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
         average = _number(own.get("avgbits", str(DEFAULT_AVERAGE_BITS)), "avgbits", spec, float)
         if not 2 <= average <= FULL_PRECISION:
             raise UserError(f"method spec {spec!r}: avgbits must be between 2 and {FULL_PRECISION}, got {average!r}")
-        file = own_file or given.get("allocation") or (shared or {}).get("allocation")
+        file = own_file or given.get(PROFILE_FILE) or (shared or {}).get(PROFILE_FILE)
         if file is None:
             raise UserError(f"method spec {spec!r}: bits=profile reads each layer's sensitivity from an allocation "
                             "file and none was given: run `ripplekv profile` and `ripplekv allocate`, then pass "
                             "--allocation ALLOC.csv (or allocation=FILE in the spec)")
         bit_profile = BitProfile(str(file), read_sensitivity(file), None if inner.is_full else average)
     label = name + inner.label[len(inner_name):] + (f":quant={scheme}" if name != "kivi" else "")
-    shown = {**own, **({"allocation": Path(own_file).name} if own_file else {})}
+    shown = {**own, **({PROFILE_FILE: Path(own_file).name} if own_file else {})}
     if "avgbits" in shown:
         shown["avgbits"] = _text(bit_profile.average_bits)
     label += "".join(f":{key}={_canonical(key, shown[key])}" for key in sorted(shown))

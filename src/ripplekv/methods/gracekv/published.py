@@ -4,7 +4,7 @@ Per prompt and budget: every (layer, KV head) keeps its `sinks` first and `windo
 (charged to the budget unless `ends=free`). The rest of the budget, over all layers and heads, is spent in
 two steps: a *singleton floor*, the `singletons` share kept exactly as the tokens of highest value omega x R
 over every layer and head; then one global max-heap of actions, highest gain first: *add* a slot's root
-(gain omega x R - E: the slot's attention is lost without it) or *split* a present node (`gracekv_split`),
+(gain omega x R - E: the slot's attention is lost without it) or *split* a present node (`split`),
 each one entry. Totals are exact: sinks + window + floor + one entry per action = L x H_kv x B.
 """
 
@@ -18,9 +18,9 @@ import torch
 
 from ripplekv.engine import adapter, entries
 from ripplekv.engine.prefill import PrefillState
-from ripplekv.methods.gracekv_signals import signals
-from ripplekv.methods.gracekv_slots import boundary_scores, slot_of_tokens
-from ripplekv.methods.gracekv_split import (
+from ripplekv.methods.gracekv.signals import signals
+from ripplekv.methods.gracekv.slots import boundary_scores, slot_of_tokens
+from ripplekv.methods.gracekv.split import (
     BISECT,
     MIDDLE,
     PULL,
@@ -30,7 +30,7 @@ from ripplekv.methods.gracekv_split import (
     middle_side,
     node_costs,
 )
-from ripplekv.methods.gracekv_trees import RopeTable, prototypes
+from ripplekv.methods.gracekv.trees import RopeTable, prototypes
 
 
 def all_tokens(state: PrefillState, sinks: int, window: int, relevance, omega, boundary, rope) -> LayerTokens:
@@ -242,7 +242,7 @@ class Trees:
 
     def price(self, nodes: list[int]) -> None:
         """Split gain, kind and children of unpriced nodes of two tokens or more, in one batch: priced levels
-        (< depth) by the better of bisect and pull (`gracekv_split`), deeper ones at their middle with gain -level."""
+        (< depth) by the better of bisect and pull (`split`), deeper ones at their middle with gain -level."""
         deep = [i for i in nodes if self.level[i] >= self.opts.depth]
         shallow = [i for i in nodes if self.level[i] < self.opts.depth]
         for group, priced in [(part, True) for part in chunks(shallow, [self.count[i] for i in shallow])] + \

@@ -1,9 +1,9 @@
 """GraceKV: prototype trees of every (layer, KV head, slot) compete for one global budget.
 
 Two forms share this Method. The default (`slots=curvature`) is the published one, built in
-`methods.gracekv_global` (slots from `gracekv_slots`, relevance and head weights from `gracekv_signals`, trees
-with two split kinds from `gracekv_split`). `slots=fixed` is our earlier reading, described below and built
-here with `methods.gracekv_trees`:
+`methods.gracekv.published` (slots from `slots`, relevance and head weights from `signals`, trees
+with two split kinds from `split`). `slots=fixed` is our earlier reading, described below and built
+here with `methods.gracekv.trees`:
 
 The compressible prompt of each (layer, KV head) (all but `sinks` first tokens and the `window` last ones)
 loses its `singletons` share of exact top-scored tokens first; the rest is cut into slots of at most
@@ -24,7 +24,7 @@ sum) / 2 when the node's tokens are replaced by the prototype; D(token) = 0.
 The greedy is one max-heap in principle; we compute its exact order without a Python heap (see
 `greedy_order`). Totals are exact: sinks + window + singletons + one entry per action = L x H_kv x B.
 
-The trees, their prototypes and gains live in `methods.gracekv_trees`; this module holds the Method, the
+The trees, their prototypes and gains live in `methods.gracekv.trees`; this module holds the Method, the
 global greedy and the entries it keeps.
 """
 
@@ -38,10 +38,11 @@ import torch
 from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods import gracekv_global as published
-from ripplekv.methods.base import options_of
-from ripplekv.methods.budgets import check_budget
-from ripplekv.methods.gracekv_trees import (
+from ripplekv.methods.core.base import options_of
+from ripplekv.methods.core.budgets import check_budget
+from ripplekv.methods.core.registry import register_method_class
+from ripplekv.methods.gracekv import published
+from ripplekv.methods.gracekv.trees import (
     GraceKVOptions,
     Layout,
     RopeTable,
@@ -53,6 +54,7 @@ from ripplekv.methods.gracekv_trees import (
 )
 
 
+@register_method_class("gracekv")
 @dataclass(frozen=True)
 class GraceKV:
     """The GraceKV method (a `Method`): budgets and entries come from one global greedy over prototype trees,
@@ -62,7 +64,7 @@ class GraceKV:
     preset: str
     options: GraceKVOptions
 
-    Options = GraceKVOptions  # what a spec's options build (methods.presets)
+    Options = GraceKVOptions  # what a spec's options build (methods.core.spec)
     is_full = False
     prompt_dependent = True
     knows_answer = False

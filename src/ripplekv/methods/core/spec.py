@@ -1,4 +1,4 @@
-"""Named methods (presets of allocator x scorer) and the one parser for method specs.
+"""The one parser for method specs, over the named methods of the preset table (`core.presets`).
 
 A spec is a preset name with optional options: `snapkv`, `snapkv:window=16:kernel=5`,
 `ripplekv:scorer=random`, `pyramidkv:beta=10`. `allocator=` and `scorer=` swap a component; every other
@@ -17,111 +17,21 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ripplekv import defaults
 from ripplekv.errors import UserError
-from ripplekv.methods.base import ALLOCATORS, SCORERS, AllocatorScorer, Method
-from ripplekv.methods.gracekv import GraceKV
-from ripplekv.methods.lukv import CurveMethod
-from ripplekv.methods.quant_options import quantized_method, reads_profile
+from ripplekv.methods.core.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.core.presets import PRESETS, Preset, method_names  # noqa: F401 - found here as before
+from ripplekv.methods.core.quant_options import PROFILE_FILE, quantized_method, reads_profile
+from ripplekv.methods.core.registry import METHOD_CLASSES
 
 
-@dataclass(frozen=True)
-class Preset:
-    """A named method: an allocator x a scorer (`scorer` None: the full cache), or a method class of its own
-    (`own`, built from its `Options`) when it is not made of the two."""
-
-    name: str
-    allocator: str | None
-    scorer: str | None
-    about: str
-    kind: type = AllocatorScorer  # an AllocatorScorer subclass for methods that merge what they keep
-    own: type | None = None
-    options: tuple = ()  # (key, value) defaults this preset sets on its allocator or scorer (a spec overrides them)
-    alias_of: str | None = None  # the canonical spec this name is another name for (`adakv` = `snapkv:split=adakv`)
-
-    @property
-    def is_full(self) -> bool:
-        return self.own is None and self.scorer is None
-
-
-PRESETS: dict[str, Preset] = {}
-# Options naming a file: labels show the file name only.
-FILE_OPTIONS = ("allocation", "route", "profile", "curve", "weights")
-
-
-def preset(name: str, allocator: str | None, scorer: str | None, about: str, kind: type = AllocatorScorer,
-           own: type | None = None, alias_of: str | None = None, **options) -> None:
-    PRESETS[name] = Preset(name, allocator, scorer, about, kind, own, tuple(sorted(options.items())), alias_of)
-
-
-preset("full", "uniform", None, "every entry of every layer (the reference)")
-preset("uniform", "uniform", "snapkv", "the design card's uniform baseline: SnapKV at the same budget in every layer",
-       alias_of="snapkv")
-preset("snapkv", "uniform", "snapkv", "SnapKV: uniform budgets, window attention scores")
-preset("pyramidkv", "pyramid", "snapkv", "PyramidKV: budgets linear in depth, SnapKV scores")
-preset("ripplekv", "file", "snapkv", "RippleKV: budgets from a sensitivity allocation (--allocation), SnapKV scores")
-preset("streamingllm", "uniform", "recency", "StreamingLLM: 4 attention sinks + the most recent tokens")
-preset("random", "uniform", "random", "the window + random prefix entries (a floor for sanity)")
-preset("adakv", "adakv", "snapkv", "AdaKV: a layer's heads share its budget by their SnapKV scores (FFY0/AdaKV's rule)",
-       alias_of="snapkv:split=adakv")
-preset("h2o", "uniform", "h2o", "H2O: half heavy hitters (attention summed over all prompt queries), half recent tokens")
-preset("tova", "uniform", "tova", "TOVA: the last prompt token's attention, averaged over the layer's heads")
-preset("knorm", "uniform", "knorm", "KNorm: the smallest key norms")
-preset("cake", "cake", "snapkv", "CAKE: layer budgets from window attention's entropy and variance, SnapKV scores")
-preset("depthkv", "file", "h2o", "DepthKV: budgets proportional to eviction sensitivity (--allocation), H2O scores")
-preset("routed", "uniform", "router", "a scorer per layer from a route CSV (--route), uniform budgets")
-preset("routed-ripplekv", "file", "router", "a scorer per layer from a route CSV (--route), RippleKV budgets (--allocation)")
-preset("gracekv", None, None, "GraceKV as published: curvature-cut slots, a singleton floor, prototype trees "
-       "split by bisection or pull-out, one global heap (gracekv:slots=fixed: our earlier fixed-slot reading)", own=GraceKV)
-preset("criticalkv", "uniform", "criticalkv", "CriticalKV: SnapKV attention x ||v W_o||_1 in two stages (kvpress CriticalKVPress)")
-preset("criticaladakv", "adakv", "criticalkv", "CriticalAdaKV: AdaKV's head split by SnapKV scores, CriticalKV's "
-       "two-stage selection (kvpress CriticalAdaKVPress)")
-preset("keydiff", "uniform", "keydiff", "KeyDiff: the keys least similar to the mean key direction + the window")
-preset("expected-attention", "uniform", "expected-attention", "Expected Attention: attention future queries "
-       "are expected to pay (query mean/covariance, averaged RoPE) x ||v|| (kvpress)")
-preset("defensivekv", "adakv", "defensivekv", "DefensiveKV: worst-case window attention x normalized "
-       "||v W_o||_1, heads compete in each layer (FFY0/DefensiveKV)", alpha=0.0)
-preset("layer-defensivekv", "global", "defensivekv", "Layer-DefensiveKV: DefensiveKV's scores, every layer "
-       "and head competing for one budget (FFY0/DefensiveKV)")
-preset("kvzip", "global", "kvzip", "KVzip: max attention from a context-reconstruction pass (a second "
-       "forward), all layers and heads competing (kvpress KVzipPress)")
-preset("lukv", "lukv", "lukv", "LU-KV: per-layer and per-head budgets from an offline curve (a greedy over oracle "
-       "importance on calibration prompts), Expected Attention scores (epsilon 0.02, 4 sinks, window 1; kvpress LUKVPress)",
-       kind=CurveMethod)
-preset("kvzap", "uniform", "kvzap", "KVzap: KVzip's scores predicted from each layer's hidden states by a surrogate "
-       "fitted here on calibration prompts (MLP; model=linear), window 32, no second pass (kvpress KVzapPress)")
-preset("dynamickv", "dynamickv", "dynamickv", "DynamicKV: layer budgets from a global top-k of every layer's window "
-       "attention (all layers at once), SnapKV scores at window 8, average pooling (DreamMr/DynamicKV)")
-preset("lava", "lava", "lava", "LAVa: layer budgets from the entropy of value-weighted window attention, heads "
-       "compete AdaKV's way (MGDDestiny/Lava; its floor bug not reproduced)")
-preset("squeezeattention", "squeeze", "recency", "SqueezeAttention: 3 layer groups by residual cosine (exact "
-       "1-D KMeans, last 64 tokens), the least-changing group gets p=0.38 of B; sinks + recent")
-preset("pyramidinfer", "pyramidinfer", "pyramidinfer", "PyramidInfer: the compounded cosine schedule normalized to "
-       "L x H x B, window attention averaged over heads + 4 sinks (mutonix/pyramidinfer)")
-preset("compresskv", "compresskv", "snapkv", "CompressKV: static layer budgets from a calibration error profile "
-       "(profile=FILE), SnapKV scores (its retrieval-head scorer is not implemented)")
-preset("answer-allocation", "answer", "snapkv", "ANSWER-AWARE, not a method and not a bound: layer and head budgets "
-       "from the full cache's answer (the oracle's scores competing over all layers and heads), SnapKV scores (eval only)")
-preset("allocation-ceiling", "answer", "snapkv", "answer-allocation's earlier name (answer-aware, not a bound)",
-       alias_of="answer-allocation")
-preset("kivi", None, None, "KIVI alone: every entry at 2 bits (bits=2/4/8; kbits=/vbits= apart; bits=profile: per layer), "
-       "keys per channel, values per token, groups of 32, the last 128 entries at full precision; infeasible where "
-       "that exceeds the budget's bytes. Compose it with eviction as METHOD:quant=kivi:bits=4 (quant=token: "
-       "FlexGen's per-token keys)")
-preset("oracle", "uniform", "oracle", "CEILING, not a method: per head, the entries the full cache's answer "
-       "attends to most (eval only; left out of ranks)")
-
-# The commands' default choices (ripplekv.defaults) must name presets.
-for _chosen in (*defaults.DEFAULT_EVAL_METHODS, *defaults.DEFAULT_ROUTE_CANDIDATES, *defaults.UNIFORM_BASELINES,
-                defaults.ALLOCATION_METHOD, defaults.ALLOCATION_PLOT_BESIDE, defaults.EVICTION_METHOD, *defaults.CEILINGS):
-    assert _chosen in PRESETS, f"ripplekv.defaults names {_chosen!r}, which is not a preset"
-
-
-def method_names() -> list[str]:
-    return sorted(PRESETS)
+def file_options() -> set[str]:
+    """Options that name a file, as each component declares them (`base.FILE` on its field), and the allocation a
+    quantizer's `bits=profile` reads: labels show the file name only."""
+    parts = [*ALLOCATORS.values(), *SCORERS.values(), *(own.Options for own in METHOD_CLASSES.values() if hasattr(own, "Options"))]
+    return {f.name for part in parts for f in fields(part) if f.metadata.get("file")} | {PROFILE_FILE}
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -198,7 +108,8 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
         return quantized
     chosen = PRESETS[name]
     raw = dict(given)
-    label = name + "".join(f":{key}={Path(given[key]).name if key in FILE_OPTIONS else given[key]}" for key in sorted(given))
+    files = file_options()
+    label = name + "".join(f":{key}={Path(given[key]).name if key in files else given[key]}" for key in sorted(given))
     if chosen.is_full:
         if given or options:
             raise UserError(f"method {name!r} takes no options (got {', '.join(sorted({**given, **options}))})")
@@ -228,7 +139,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
 
 def _with_quantizer(name: str, given: dict, spec: str, shared, options):
     """A spec with a quantizer (`kivi`, `METHOD:quant=kivi:bits=4`): the method without it, wrapped
-    (`methods.quant_options`); None for every other spec."""
+    (`methods.core.quant_options`); None for every other spec."""
     return quantized_method(name, given, spec, shared, lambda inner: make_method(inner, shared, **options),
                             lambda inner: "allocation" in options_taken([inner]))
 
@@ -288,7 +199,7 @@ def options_taken(specs) -> set[str]:
         chosen = PRESETS.get(name)
         if chosen is None:
             continue
-        if reads_profile(given):  # bits=profile reads the allocation's sensitivity (`methods.bit_allocation`)
+        if reads_profile(given):  # bits=profile reads the allocation's sensitivity (`methods.core.bit_allocation`)
             taken.add("allocation")
         try:
             classes = components(chosen, dict(given), spec)
@@ -311,8 +222,10 @@ def _canonical(value) -> str:
 def canonical_label(name: str, given: dict[str, str], converted: dict) -> str:
     """The label of a spec from its parsed values, so that two spellings of one method are one label
     (and so refused as a duplicate); files show their name only, components their name."""
+    files = file_options()
+
     def text(key: str) -> str:
-        if key in FILE_OPTIONS:
+        if key in files:
             return Path(given[key]).name
         return _canonical(converted[key]) if key in converted else given[key].strip()
 

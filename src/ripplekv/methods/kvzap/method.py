@@ -1,7 +1,7 @@
 """KVzap: KVzip's scores predicted from each layer's hidden states by a small surrogate, with no second pass.
 
 Our reading of Jegou et al. (arXiv 2601.07891) and kvpress's `KVzapPress` (read, not copied). Each layer's
-surrogate (`methods.kvzap_surrogate`: linear, or kvpress's 2-layer MLP) maps an entry's attention input (the
+surrogate (`methods.kvzap.surrogate`: linear, or kvpress's 2-layer MLP) maps an entry's attention input (the
 hidden state after the layer's input norm, recorded by the prefill: the `hidden_states` signal) to a
 predicted log KVzip score per KV head; the top entries per head are kept at the budget, like any scorer, so
 budgets are exact (`kvzap` keeps what SnapKV keeps in number). The last `window` (32) tokens are always kept,
@@ -16,18 +16,19 @@ they ship in `data/kvzap/`; another model takes `kvzap:weights=FILE`. Its target
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import ripplekv
 from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import PerLayer, register_recorder
 from ripplekv.errors import UserError
-from ripplekv.methods import kvzap_surrogate
-from ripplekv.methods.base import check_integers, register_scorer
+from ripplekv.methods.core.base import FILE, check_integers, register_scorer
+from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 from ripplekv.methods.snapkv import WindowScorer
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "kvzap"
+SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "kvzap"  # the package's data, wherever this module sits
 FIT_HINT = ("fit one on calibration prompts: ripplekv fit kvzap --model M --out DIR, then pass "
             "kvzap:weights=DIR/kvzap-MODEL.safetensors")
 _LOADED: dict = {}
@@ -70,7 +71,7 @@ class HiddenStates(PerLayer):
 @dataclass(frozen=True)
 class KVzapScorer(WindowScorer):
     model: str = "mlp"
-    weights: str | None = None
+    weights: str | None = field(default=None, metadata=FILE)
 
     def __post_init__(self):
         check_integers({"window": self.window}, minimum=0)

@@ -23,9 +23,9 @@ from ripplekv.engine.decode import greedy_decode, stop_tokens
 from ripplekv.engine.prefill import PrefillState, Requirements, prefill_for
 from ripplekv.engine.recorders import SampleContext
 from ripplekv.errors import UserError
-from ripplekv.methods.continuation import causal_attention_rows, probe_tokens
-from ripplekv.methods.lukv import protected
-from ripplekv.methods.lukv_greedy import prune_ratios
+from ripplekv.methods.lukv.greedy import prune_ratios
+from ripplekv.methods.lukv.method import protected
+from ripplekv.methods.signals.continuation import causal_attention_rows, probe_tokens
 
 ANSWER_TOKENS = 64
 

@@ -1,6 +1,6 @@
 """GraceKV's variable trees (the published form): each slot's tree, grown by the better of two split kinds.
 
-A node is a set of one head's tokens with one prototype (`gracekv_trees.prototypes`). Its distortion over
+A node is a set of one head's tokens with one prototype (`trees.prototypes`). Its distortion over
 the probe queries q (the window's queries of its KV head) is D = mean_q (mass error + output error) / 2:
 mass error |m'_q - m_q| / m_q, m_q the node's true attention mass (exp-logits) and m'_q its prototype's;
 output error sum_j a_qj |v_j - v'| / sum_j a_qj |v_j|, the attention-weighted distance of the node's values to
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ripplekv.methods.gracekv_trees import LARGE, TINY, Sums, prototypes
+from ripplekv.methods.gracekv.trees import LARGE, TINY, Sums, prototypes
 
 BISECT, PULL, MIDDLE = 0, 1, 2
 

@@ -13,7 +13,7 @@ fitted to the capacities by one rule for every method (`budgets.fit_layers` befo
 `budgets.fit_to_capacities` on the final counts of allocators that split heads themselves).
 
 Scorers and allocators are small frozen dataclasses registered by name; their fields are the options a
-method spec can set (see `methods.presets`).
+method spec can set (see `methods.core.spec`).
 """
 
 from __future__ import annotations
@@ -29,39 +29,28 @@ import torch
 from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
-from ripplekv.methods.selection import (  # noqa: F401 - the selection helpers, found here as before
+from ripplekv.methods.core.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
+from ripplekv.methods.core.registry import (  # noqa: F401 - the registries, found here as before
+    ALLOCATORS,
+    DEFAULT_HEAD_ALPHA,
+    HEAD_SPLITS,
+    SCORERS,
+    register_allocator,
+    register_head_split,
+    register_scorer,
+)
+from ripplekv.methods.core.selection import (  # noqa: F401 - the selection helpers, found here as before
     per_head,
     recent_mask,
     top_indices,
     top_scored_mask,
 )
 
-SCORERS: dict[str, Callable[..., Scorer]] = {}
-ALLOCATORS: dict[str, Callable[..., Allocator]] = {}
-# Head splits: (state, per-layer budgets, scorer, alpha) -> [L, H_kv] counts, each layer's row summing to
-# H_kv x its budget. "even" (every head alike) is the default; `methods.adakv` registers "adakv".
-HEAD_SPLITS: dict[str, Callable] = {}
-DEFAULT_HEAD_ALPHA: dict[str, float] = {}  # each head split's safeguard when `head_alpha` is not given
-LAYER_ALLOCATORS = ("uniform", "pyramid", "file", "cake", "global")  # the ones a head split composes with
 
-
-def _registrar(registry: dict):
-    """A class decorator factory: `@register(name)` names the class and files it in `registry`."""
-
-    def register(name: str):
-        def wrap(cls):
-            cls.name = name
-            registry[name] = cls
-            return cls
-
-        return wrap
-
-    return register
-
-
-register_scorer = _registrar(SCORERS)
-register_allocator = _registrar(ALLOCATORS)
+def layer_allocators() -> list[str]:
+    """The allocators a head split composes with (`split=`): those that leave the head split to it, as each
+    declares (`Allocator.splits_itself`)."""
+    return sorted(name for name, cls in ALLOCATORS.items() if not cls.splits_itself())
 
 
 def options_of(component) -> dict:
@@ -133,7 +122,7 @@ class Scorer:
         """Refuse a model this scorer was not made for (a route lists its layers); most fit any model."""
 
     def decode_policy(self, every: int):
-        """How this scorer evicts while decoding under a total budget (`methods.decoding`), re-scoring every
+        """How this scorer evicts while decoding under a total budget (`methods.core.decoding`), re-scoring every
         `every` steps where it re-scores at all; None: it cannot compress while decoding."""
         return None
 
@@ -146,13 +135,16 @@ class Scorer:
         raise NotImplementedError
 
 
+@register_head_split("even")
 def even_split(state, per_layer, scorer, alpha) -> np.ndarray:
     return np.repeat(np.asarray(per_layer, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
 
 
-HEAD_SPLITS["even"] = even_split
 # Options every layer allocator takes (a composition's head level); left out of each allocator's own defaults.
 COMPOSITION = {"composition": True}
+# An option that names a file (an allocation, a route, a fitted profile, curve or surrogate): a method's label
+# shows its file name only, and a run's config compares the file's contents, not where it was (`spec.file_options`).
+FILE = {"file": True}
 
 
 @dataclass(frozen=True)
@@ -175,14 +167,20 @@ class Allocator:
     def __post_init__(self):
         self.check_heads()
 
-    def splits_itself(self) -> bool:
-        """Whether this allocator sets head counts itself (so `split=` does not apply)."""
-        return type(self).allocate is not Allocator.allocate
+    @classmethod
+    def splits_itself(cls) -> bool:
+        """Whether this allocator sets head counts itself (so `split=` does not apply): one that overrides
+        `allocate` does, unless it says otherwise."""
+        return cls.allocate is not Allocator.allocate
+
+    def takes_split(self) -> bool:
+        """Whether `split=` applies to this allocator (a layer allocator; LU-KV's layer totals also take one)."""
+        return not self.splits_itself()
 
     def check_heads(self) -> None:
-        if self.split is not None and self.splits_itself():
+        if self.split is not None and not self.takes_split():
             raise UserError(f"allocator {self.name} splits heads itself; split= applies to the layer allocators "
-                            f"({', '.join(LAYER_ALLOCATORS)})")
+                            f"({', '.join(layer_allocators())})")
         if self.split is not None and self.split not in HEAD_SPLITS:
             raise UserError(f"option split must be one of {', '.join(sorted(HEAD_SPLITS))}, got {self.split!r}")
         if self.head_alpha is not None and not 0 <= self.head_alpha <= 1:
@@ -244,7 +242,7 @@ class Method(Protocol):
     `budgets` and `compress` are called on the same prefill; `layer_budgets` answers without a prompt
     (a UserError when the method's budgets depend on it: `prompt_dependent`). `describe` is everything
     that determines the output (written to config.json). A method that can compress while decoding also
-    has `decode_policy(every)` (`methods.decoding`); one without it is refused under `--decode-budget total`.
+    has `decode_policy(every)` (`methods.core.decoding`); one without it is refused under `--decode-budget total`.
     """
 
     label: str

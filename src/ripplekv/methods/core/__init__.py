@@ -1,0 +1,1 @@
+"""The shared machinery every method builds on: the method protocol, spec parsing, budgets, selection, tables, decoding and quantization."""

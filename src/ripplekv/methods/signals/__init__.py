@@ -1,0 +1,1 @@
+"""Prefill signals and passes that more than one method reads (a signal one method alone reads lives in its module)."""
