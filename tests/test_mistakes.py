@@ -32,6 +32,7 @@ def inputs(tmp_path_factory, tiny_model_dir) -> Path:
         "nan_sens.csv": "layer,kl_mean\n0,1\n1,nan\n2,1\n3,1\n",
         "README.md": "# my notes\n",
         "regular": "a file, not a folder\n",
+        "folder.gguf/notes.txt": "a folder named as a GGUF file\n",
         "alloc.csv": "layer,multiplier\n0,1\n1,1\n2,1\n3,1\n",
         "other/alloc.csv": "layer,multiplier\n0,2\n1,1\n2,0.5\n3,0.5\n",
         "badcfg/config.json": "{not json",
@@ -126,7 +127,8 @@ CASES = [
     (["budgets", "--model", "{d}/bad.gguf"], "is not a GGUF file"),
     (["budgets", "--model", "{d}/absent.gguf"], "does not exist"),
     (["budgets", "--model", "{d}/badcfg"], "config.json is not a readable JSON file"),
-    (["budgets", "--model", "{d}/regular"], "has no config.json"),
+    (["budgets", "--model", "{d}/regular"], "is a file, not a model directory"),
+    (["budgets", "--model", "{d}/folder.gguf"], "folder.gguf has no config.json"),  # a folder, whatever its name
     # eval
     ([*EVAL, "--out", "{d}/o", "--methods", ""], "--methods is empty"),
     ([*EVAL, "--out", "{d}/o", "--tasks", ""], "--tasks is empty"),

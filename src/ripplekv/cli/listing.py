@@ -49,7 +49,7 @@ def budgets(
 
     if prompt_len <= 0:
         raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
-    specs = parse_names(methods, "--methods")
+    specs = parse_names(methods, "methods")
     note = None
     if allocation is None:  # as eval resolves it (the last `allocate`, the shipped one, ...)
         from ripplekv.cli.evaluation import model_is_bundled

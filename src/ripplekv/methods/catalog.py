@@ -58,12 +58,13 @@ def build_methods(specs: Sequence[str], shared: dict, notes: list[str] | None = 
     built = [make_method(spec, shared=shared) for spec in dict.fromkeys((REFERENCE, *specs))]
     for key, used in shared_option_users(specs, shared).items():
         if not used:
-            raise UserError(f"--{key} applies to none of the chosen methods ({', '.join(specs)})")
+            raise UserError(f"{{{key}}} applies to none of the chosen methods ({', '.join(specs)})", key)
     methods = {method.label: method for method in built}
     if len(methods) < len(built):
         repeated = sorted({m.label for m in built if sum(other.label == m.label for other in built) > 1})
-        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (one method spelt twice, "
-                        "or file options with the same file name); name each method once, and give files different names")
+        raise UserError(f"{{methods}}: two methods share the label {', '.join(repeated)} (one method spelt twice, "
+                        "or file options with the same file name); name each method once, and give files different names",
+                        "methods")
     check_distinct(built)
     kept, said = collapse_aliases(built)
     if notes is not None:

@@ -32,12 +32,12 @@ def sample_prompt(tokenizer, task: str, index: int = 0, *, suite: str = "offline
     from ripplekv.tasks.prompts import question_start
 
     if index < 0:
-        raise UserError(f"--index must be >= 0, got {index}")
+        raise UserError(f"{{index}} must be >= 0, got {index}", "index")
     (chosen,) = get_tasks(suite, [task])
     records = load_samples(chosen, tokenizer, limit=index + 1, data_dir=data_dir, target_tokens=target_tokens,
                            seed=seed)
     if index >= len(records):
-        raise UserError(f"task {chosen.name} has {len(records)} samples; --index must be below that")
+        raise UserError(f"task {chosen.name} has {len(records)} samples; {{index}} must be below that", "index")
     record = records[index]
     ids = build_prompt_ids(chosen, record, tokenizer, max_length)
     return Prompt(ids, question_start(chosen, record, tokenizer, max_length), list(record["answers"]),
@@ -73,7 +73,7 @@ def check_sliding_layers(config, methods: dict, decode_budget: str = "prompt") -
     refused = [label for label, method in methods.items() if not getattr(method, "sliding_layers", True)]
     if refused:
         raise UserError(f"{', '.join(refused)} cannot run on a model with sliding-window layers yet: "
-                        "drop it from --methods for this model")
+                        "drop it from {methods} for this model", "methods")
     if decode_budget == "total":
         raise UserError("--decode-budget total is not supported on a model with sliding-window layers (the model "
                         "evicts those layers itself while decoding): use --decode-budget prompt")
