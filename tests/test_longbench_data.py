@@ -215,3 +215,10 @@ def test_a_field_of_the_wrong_json_type_is_refused_at_load(tokenizer, tmp_path, 
     (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(record) + "\n")
     with pytest.raises(UserError, match=re.escape(message)):
         load_samples(_task("hotpotqa"), tokenizer, data_dir=str(tmp_path))
+
+
+def test_the_records_checked_for_classes_are_the_classification_datasets():
+    from ripplekv.tasks.registry import LONGBENCH_DATASETS
+
+    assert set(longbench.CLASSIFIED) == {name for name, (_, metric) in LONGBENCH_DATASETS.items()
+                                         if metric == "classification"}

@@ -143,14 +143,16 @@ def _methods(model, specs: Sequence[str], allocation: str | None, options: dict)
 
     from ripplekv.engine.models import is_bundled
     from ripplekv.errors import Notice
-    from ripplekv.methods.catalog import build_methods
+    from ripplekv.methods.catalog import build_methods, check_fitted
     from ripplekv.pipeline.eval_plan import default_allocation
 
     if allocation is None:
         allocation, note = default_allocation(specs, bundled=is_bundled(model))
         if note:
             warnings.warn(Notice(note), stacklevel=3)
-    return build_methods(specs, {**options, "allocation": allocation})
+    built = build_methods(specs, {**options, "allocation": allocation})
+    check_fitted(built.values(), model.config, is_bundled(model))  # a missing or foreign fitted file: before any prefill
+    return built
 
 
 def positive_integer(value, name: str) -> int:

@@ -103,6 +103,9 @@ class RippleKVLM(TemplateLM):
         self.model, self.tokenizer, _ = load_model(None if model in (None, "") else str(model),
                                                    device=device or "auto", dtype=dtype)
         self.method, self.budget = chosen_method(method, budget, allocation, is_bundled(self.model), **options)
+        from ripplekv.methods.catalog import check_fitted
+
+        check_fitted([self.method], self.model.config, is_bundled(self.model))
         self.kept_per_context: list[np.ndarray] = []  # what each scored or generated context kept, in order
 
     # ---------------------------------------------------------------- lm-eval's tokenization contract

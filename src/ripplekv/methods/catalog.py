@@ -70,3 +70,15 @@ def build_methods(specs: Sequence[str], shared: dict, notes: list[str] | None = 
     if notes is not None:
         notes.extend(said)
     return {method.label: method for method in kept}
+
+
+def check_fitted(methods, config, bundled: bool) -> None:
+    """Every method that reads a fitted file (LU-KV's curve, KVzap's surrogate) has one for this model (from
+    its config; `bundled`: the bundled model, whose files are shipped), refused in one line before any prefill:
+    a method would otherwise fail after the first prefill, or run without its file at budgets where it is
+    never read."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    shape = (int(config.num_hidden_layers), int(heads), int(config.hidden_size))
+    for method in methods:
+        if hasattr(method, "check_fitted"):
+            method.check_fitted(shape, bundled)

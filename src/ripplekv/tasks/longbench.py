@@ -72,6 +72,10 @@ def _find_local(name: str, where: Path) -> tuple[str, Path, str] | None:
     return None
 
 
+# The datasets scored by classification, which reads each record's `all_classes` (registry.LONGBENCH_DATASETS).
+CLASSIFIED = ("trec", "lsht")
+
+
 def _parse_jsonl(lines, source: str, name: str) -> list[dict]:
     """Parse official jsonl lines; a broken line or a record without answers names file and line."""
     records, first_line = [], {}
@@ -113,7 +117,7 @@ def _normalize(record: dict, name: str, where: str, fallback_id: str) -> dict:
     classes = record.get("all_classes")
     if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
         raise UserError(f"{where}: 'all_classes' must be a list of strings or null, got {_type(classes)}")
-    if not classes and _metric(name) == "classification":  # its metric reads the class names: refused at load
+    if not classes and name.removesuffix("_e") in CLASSIFIED:  # its metric reads the class names: refused at load
         raise UserError(f"{where}: {name} is scored by classification, which needs 'all_classes' (the list of "
                         f"class names), got {_type(classes)}; replace the file with the official one")
     length = record.get("length")
@@ -131,13 +135,6 @@ def _normalize(record: dict, name: str, where: str, fallback_id: str) -> dict:
     if out.get("_id") is None:
         out["_id"] = fallback_id
     return out
-
-
-def _metric(name: str) -> str | None:
-    """The official metric of a LongBench dataset (`hotpotqa_e` as `hotpotqa`), None for another name."""
-    from ripplekv.tasks.registry import LONGBENCH_DATASETS
-
-    return LONGBENCH_DATASETS.get(name.removesuffix("_e"), (None, None))[1]
 
 
 def _type(value) -> str:
