@@ -309,3 +309,24 @@ def test_eval_runs_gracekv_on_a_hybrid_model_whose_window_holds_every_prompt(win
         assert code == 0 and (out / "predictions.jsonl").is_file(), err
     else:
         assert code == 2 and "is longer than a sliding layer holds (47)" in err and not out.exists(), err
+
+
+def test_budgets_prints_what_each_layer_of_a_hybrid_model_keeps_in_eval(tokenizer, tmp_path, run_cli):
+    """`ripplekv budgets` on a model with sliding-window layers shows what eval keeps (a sliding layer no more
+    than its window holds), not budgets those layers cannot hold."""
+    model = tiny_gemma3(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    length, budget = 200, 32
+    code, out, err = run_cli("budgets", "--model", tmp_path / "model", "--methods", "snapkv,pyramidkv", "--budget",
+                             budget, "--prompt-len", length, "--format", "csv")
+    assert code == 0 and "sliding-window layers hold at most 15 of the 200 prompt tokens" in err, err
+    printed = {}
+    for line in out.strip().splitlines()[1:]:
+        name, layer, count = line.split(",")
+        printed.setdefault(name, []).append(int(count))
+    state = prefill(model, torch.randint(0, len(tokenizer), (length,), generator=torch.Generator().manual_seed(0)))
+    for name in ("snapkv", "pyramidkv"):
+        kept = make_method(name).budgets(state, budget)  # what eval keeps per layer and KV head
+        assert printed[name] == kept[:, 0].tolist(), name
+        assert max(printed[name][layer] for layer, cap in enumerate(state.capacities) if cap < length) <= HYBRID_WINDOW - 1
