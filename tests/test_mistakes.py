@@ -181,6 +181,11 @@ CASES = [
     ([*ALLOCATE, "--out", "{d}/profile"], "is a directory"),
     ([*ALLOCATE, "--out", "{d}/a.csv", "--ratio", "nan"], "--ratio must be a number >= 1"),
     ([*ALLOCATE, "--out", "{d}/a.csv", "--ratio", "0.5"], "--ratio must be a number >= 1"),
+    # calibration options beside one ratio (or none) choose nothing: refused, not silently ignored
+    ([*ALLOCATE, "--out", "{d}/a.csv", "--budget", "64"], "--budget steer the calibration that chooses among several"),
+    ([*ALLOCATE, "--out", "{d}/a.csv", "--ratio", "4", "--ratio", "4", "--calib-samples", "3", "--max-extensions", "1"],
+     "--calib-samples, --max-extensions steer the calibration"),
+    ([*ALLOCATE, "--out", "{d}/a.csv", "--map", "proportional", "--calib-samples", "3"], "--map proportional takes no ratio"),
     ([*ALLOCATE, "--out", "{d}/a.csv", "--calib-samples", "0", "--ratio", "2", "--ratio", "4"], "at least 1"),
     (["allocate", "{d}/absent.csv", "--model", "{model}", "--out", "{d}/a.csv"], "does not exist"),
     (["allocate", "{d}/two_layers.csv", "--model", "{model}", "--out", "{d}/a.csv"], "has 2 layers but the model has 4"),

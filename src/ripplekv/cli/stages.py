@@ -34,6 +34,7 @@ from ripplekv.cli.options import (
     _say_out,
     _say_written,
     budget_option,
+    flag,
     model_shape,
     out_option,
     seed_option,
@@ -136,7 +137,12 @@ def profile(
     _say_written(console, [out_dir / name for name in ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png")])
 
 
+# allocate's options that only steer the calibration choosing among several --ratio values
+SWEEP_OPTIONS = ("budget", "calib_samples", "calib_draw", "calib_draws", "max_extensions", "device", "dtype")
+
+
 def allocate(
+    ctx: typer.Context,
     sensitivity: str | None = typer.Argument(
         None, help=f"sensitivity.csv from `ripplekv profile`; default: {DEFAULT_PROFILE}/sensitivity.csv."),
     out: AllocationOut = None,
@@ -174,6 +180,12 @@ def allocate(
     check_bounds(floor, cap)
     if mapping != "proportional" and (floor is not None or cap is not None):
         raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
+    idle = [name for name in SWEEP_OPTIONS if ctx.get_parameter_source(name).name != "DEFAULT"]
+    if idle and (mapping == "proportional" or len(set(ratio or [])) < 2):
+        without = "--map proportional takes no ratio" if mapping == "proportional" else "one --ratio is taken as it is"
+        raise UserError(f"{', '.join(flag(name) for name in idle)} steer the calibration that chooses among several "
+                        f"--ratio values; {without}, so nothing is calibrated: drop them, or repeat --ratio "
+                        "(e.g. --ratio 2 --ratio 4)")
     if calib_samples < 1:
         raise UserError(f"--calib-samples must be at least 1, got {calib_samples}")
     console = Console(stderr=True)
