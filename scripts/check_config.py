@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ripplekv.cli.options import flag
 from ripplekv.errors import UserError
 
 # eval -> (its methods setting, gets --allocation, gets --route, tasks setting, budgets setting, protocol, decode
@@ -217,7 +218,7 @@ def check_evals(layers: int, folder: Path) -> None:
                 check_decode_budget(EvalSettings(budgets=budgets(budget_name) if budget_name else (1,), protocol=protocol,
                                                  decode_budget=mode), methods.values())
         except UserError as err:
-            said = str(err).replace(str(folder) + "/", "")
+            said = err.phrased(flag).replace(str(folder) + "/", "")  # reproduce.sh passes these as eval's flags
             raise UserError(f"{name} (the {stage} stage; reproduce.sh {passed}): {said}") from None
         assert chosen
     if setting("NEEDLE_LENGTHS"):
@@ -228,7 +229,7 @@ def check_evals(layers: int, folder: Path) -> None:
             build_methods(list(parse_names(setting("NEEDLE_METHODS") or "full,streamingllm,snapkv,pyramidkv,ripplekv",
                                            "NEEDLE_METHODS")), {"allocation": files["allocation"]})
         except UserError as err:
-            said = str(err).replace(str(folder) + "/", "")
+            said = err.phrased(flag).replace(str(folder) + "/", "")  # reproduce.sh passes these as eval's flags
             raise UserError(f"NEEDLE_LENGTHS/NEEDLE_METHODS (the needle stage; reproduce.sh passes --allocation): {said}") \
                 from None
 

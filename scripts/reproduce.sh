@@ -87,12 +87,13 @@ calibrate_draw() {
   run_stage "profile$tag" "$dir/profile/sensitivity.csv" \
     "$RKV" profile "${model_args[@]}" --calib-samples "$CALIB_SAMPLES" "${draw_args[@]}" --seeds "$SEEDS" --eta "$ETA" \
     --probe-tokens "$PROBE_TOKENS" --target-tokens "$TARGET_TOKENS" --out "$dir/profile"
-  local ratio_args=()
+  local ratio_args=() sweep_args=()
   for r in $RATIOS; do ratio_args+=(--ratio "$r"); done
+  # the calibration options steer the choice among several ratios; allocate refuses them beside one ratio
+  [ "${#ratio_args[@]}" -gt 2 ] && sweep_args=(--budget "$SWEEP_BUDGET" --calib-samples "$SWEEP_SAMPLES" "${draw_args[@]}")
   run_stage "allocate$tag" "$dir/allocation$tag.csv" \
     "$RKV" allocate "$dir/profile/sensitivity.csv" "${model_args[@]}" "${ratio_args[@]}" \
-    --budget "$SWEEP_BUDGET" --calib-samples "$SWEEP_SAMPLES" "${draw_args[@]}" --target-tokens "$TARGET_TOKENS" \
-    --out "$dir/allocation$tag.csv"
+    "${sweep_args[@]}" --target-tokens "$TARGET_TOKENS" --out "$dir/allocation$tag.csv"
   # DepthKV (optional, EVICT_CALIB_SAMPLES): its sensitivity as published, the task-score drop with each layer
   # alone pruned by PRUNE_RATIO (profile --signal evict, --measure task-drop), budgets proportional to it; beside
   # it the signals that might predict the drop on the same samples (the eviction KL at SWEEP_BUDGET and InfoNCE).

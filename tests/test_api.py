@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ripplekv
+from ripplekv.cli.options import flag
 from ripplekv.engine.decode import greedy_decode
 from ripplekv.engine.prefill import prefill
 from ripplekv.errors import UserError
@@ -98,7 +99,59 @@ def test_a_callers_mistake_is_a_user_error_with_the_clis_message(call, cli_args,
     with pytest.raises(UserError) as raised:
         call(tiny_llama())
     code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"), *cli_args)
-    assert code == 2 and err.strip() == "error: " + " ".join(str(raised.value).split())
+    assert code == 2 and err.strip() == "error: " + " ".join(raised.value.phrased(flag).split())
+
+
+# A Python caller passed `methods=`, `budgets=`, `allocation=`...: a message names those, never a CLI flag.
+CLI_FLAGS = r"--(methods|budget|allocation|bits|kbits|route|protocol|index)\b"
+
+
+@pytest.mark.parametrize("call, setting", [
+    (lambda m, t: ripplekv.generate(m, t, "text", methods=[]), "methods"),
+    (lambda m, t: ripplekv.generate(m, t, "text", methods="snapkv", budgets=[]), "budgets"),
+    (lambda m, t: ripplekv.generate(m, t, "text", methods="snapkv,snapkv:window=32"), "methods"),
+    (lambda m, t: ripplekv.generate(m, t, "text", methods="snapkv", bits=4), "bits"),
+    (lambda m, t: ripplekv.generate(m, t, "text", methods="snapkv", protocol="x"), "protocol"),
+    (lambda m, t: ripplekv.compress(m, t, _ids(50), method="ripplekv"), "allocation"),
+    (lambda m, t: ripplekv.compress(m, t, _ids(50), method="routed"), "route"),
+    (lambda m, t: ripplekv.compress(m, t, _ids(50), method="kivi:bits=profile"), "allocation"),
+    (lambda m, t: ripplekv.sample_prompt(t, "nosuch", -1), "index"),
+])
+def test_an_api_mistake_names_the_python_argument_not_a_cli_flag(call, setting, tokenizer):
+    import re
+
+    with pytest.raises(UserError) as raised:
+        call(tiny_llama(), tokenizer)
+    message = str(raised.value)
+    assert not re.search(CLI_FLAGS, message) and re.search(rf"\b{setting}\b", message), message
+    assert re.search(CLI_FLAGS, raised.value.phrased(flag))  # the CLI still names its flag (same message)
+
+
+def test_load_model_takes_a_path_and_says_what_a_wrong_one_is(tiny_model_dir, tmp_path):
+    model, _ = ripplekv.load_model(Path(tiny_model_dir), device="cpu", dtype="float32")
+    assert model.config.num_hidden_layers == 4
+    (tmp_path / "weights.bin").write_text("not a model")
+    (tmp_path / "x.gguf").mkdir()
+    for given, message in [(tmp_path / "weights.bin", "is a file, not a model directory"),
+                           (tmp_path / "x.gguf", "model directory .* has no config.json"),
+                           (tmp_path / "absent", "does not exist"),
+                           (3, "model must be a hub id, a model directory or a .gguf file, not int")]:
+        with pytest.raises(UserError, match=message):
+            ripplekv.load_model(given)
+
+
+def test_generate_says_which_quantized_variant_cannot_fit_and_answers_the_rest(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    answers = ripplekv.generate(model, tokenizer, "The harbour had eleven boats. " * 8, "How many?",
+                                methods="snapkv,kivi", budgets=[1, 256], max_new_tokens=2)
+    by_variant = {(a.method, a.budget): a for a in answers}
+    assert set(by_variant) == {("full", None), ("snapkv", 1), ("snapkv", 256), ("kivi", 1), ("kivi", 256)}
+    refused = by_variant["kivi", 1]
+    assert "over budget 1" in refused.infeasible and refused.text is None and refused.kl is None
+    assert all(a.infeasible is None and isinstance(a.text, str) for key, a in by_variant.items() if key != ("kivi", 1))
 
 
 def test_other_mistakes_raise_user_error_before_model_work():
@@ -112,7 +165,7 @@ def test_other_mistakes_raise_user_error_before_model_work():
         ripplekv.compress("smollm2-135m", None, _ids(50), method="snapkv")
     with pytest.raises(UserError, match="protocol"):
         ripplekv.generate(model, None, "text", protocol="question-first")
-    with pytest.raises(UserError, match="--methods is empty"):
+    with pytest.raises(UserError, match="methods is empty"):
         ripplekv.generate(model, None, "text", methods=[])
     with pytest.raises(UserError, match="unknown option"):
         ripplekv.method("pyramidkv", betta=3)

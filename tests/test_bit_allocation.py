@@ -98,9 +98,10 @@ def test_bits_profile_specs_read_the_allocation_and_say_so(tmp_path):
 @pytest.mark.parametrize("spec,message", [
     ("kivi:bits=profile", "bits=profile reads each layer's sensitivity from an allocation file and none was given"),
     ("kivi:bits=4:kbits=8", "give bits (keys and values) or kbits/vbits, not both"),
-    ("kivi:bits=16", "is no quantizer"),
     ("kivi:kbits=16:vbits=16", "is no quantizer"),
-    ("kivi:kbits=3", "option key_bits must be one of 2, 4, 8, 16"),
+    ("kivi:kbits=3", "option kbits must be one of 2, 4, 8, 16, got 3"),
+    ("kivi:bits=3", "option bits must be one of 2, 4, 8, got 3"),  # the choices it offers are the ones it takes
+    ("kivi:bits=16", "option bits must be one of 2, 4, 8, got 16"),
     ("snapkv:quant=kivi:bits=4:avgbits=3", "avgbits sets the average bits of bits=profile"),
     ("snapkv:avgbits=3", "needs a quantizer"),
     ("snapkv:quant=kivi:bits=profile:avgbits=1", "avgbits must be between 2 and 16"),

@@ -280,3 +280,57 @@ def test_the_second_model_is_named_and_a_missing_install_says_how_to_get_it(monk
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == packaged.GEMMA3_PACKAGE else real(name, *a))
     with pytest.raises(UserError, match=r"model gemma3-270m is not installed; run `make install`"):
         resolve_model("gemma3-270m")
+
+
+def test_a_method_without_sliding_layers_runs_where_every_prompt_fits_the_window():
+    """GraceKV cannot keep a sliding layer's window apart yet: it is refused only where some prompt is longer
+    than a sliding layer holds (window - 1 tokens), not on every model with sliding-window layers."""
+    import ripplekv
+    from ripplekv.pipeline.samples import check_sliding_layers
+
+    model = tiny_gemma3()
+    methods = {"gracekv": make_method("gracekv")}
+    held = HYBRID_WINDOW - 1
+    check_sliding_layers(model.config, methods, longest=lambda: held)  # every layer holds the whole prompt
+    for longest in (None, lambda: held + 1):
+        with pytest.raises(UserError, match="gracekv cannot run on a model with sliding-window layers"):
+            check_sliding_layers(model.config, methods, longest=longest)
+    cache = ripplekv.compress(model, None, list(range(5, 5 + held)), method="gracekv", budget=4)
+    assert cache.kept_entries == model.config.num_hidden_layers * model.config.num_key_value_heads * 4
+
+
+@pytest.mark.parametrize("window, runs", [(2048, True), (48, False)])
+def test_eval_runs_gracekv_on_a_hybrid_model_whose_window_holds_every_prompt(window, runs, tokenizer, tmp_path,
+                                                                              run_cli):
+    model = tiny_gemma3(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, sliding_window=window)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "eval"
+    code, _, err = run_cli("eval", "--model", tmp_path / "model", "--suite", "offline", "--tasks", "niah", "--limit", 1,
+                           "--target-tokens", 256, "--budget", 32, "--methods", "gracekv", "--out", out)
+    if runs:
+        assert code == 0 and (out / "predictions.jsonl").is_file(), err
+    else:
+        assert code == 2 and "is longer than a sliding layer holds (47)" in err and not out.exists(), err
+
+
+def test_budgets_prints_what_each_layer_of_a_hybrid_model_keeps_in_eval(tokenizer, tmp_path, run_cli):
+    """`ripplekv budgets` on a model with sliding-window layers shows what eval keeps (a sliding layer no more
+    than its window holds), not budgets those layers cannot hold."""
+    model = tiny_gemma3(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    length, budget = 200, 32
+    code, out, err = run_cli("budgets", "--model", tmp_path / "model", "--methods", "snapkv,pyramidkv", "--budget",
+                             budget, "--prompt-len", length, "--format", "csv")
+    assert code == 0 and "sliding-window layers hold at most 15 of the 200 prompt tokens" in err, err
+    printed = {}
+    for line in out.strip().splitlines()[1:]:
+        name, layer, count = line.split(",")
+        printed.setdefault(name, []).append(int(count))
+    state = prefill(model, torch.randint(0, len(tokenizer), (length,), generator=torch.Generator().manual_seed(0)))
+    for name in ("snapkv", "pyramidkv"):
+        kept = make_method(name).budgets(state, budget)  # what eval keeps per layer and KV head
+        assert printed[name] == kept[:, 0].tolist(), name
+        assert max(printed[name][layer] for layer, cap in enumerate(state.capacities) if cap < length) <= HYBRID_WINDOW - 1

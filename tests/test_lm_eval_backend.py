@@ -146,3 +146,40 @@ def test_the_bundled_model_runs_a_local_task_under_snapkv_at_64(run_cli, task_di
     assert results["config"]["model"] == "ripplekv"
     assert results["config"]["model_args"] == {"method": "snapkv", "budget": 64}
     assert results["results"]["ripplekv_story_mc"]["acc,none"] in (0.0, 1.0)
+
+
+def test_a_method_on_the_shipped_allocation_passes_the_check(monkeypatch, tmp_path):
+    """`method=ripplekv` on the default (bundled) model reads the allocation shipped for it, as eval does."""
+    from ripplekv.lm_eval_backend import check_model_args, chosen_method
+
+    monkeypatch.chdir(tmp_path)  # no `ripplekv allocate` output here: the shipped one is the default
+    picked, budget = chosen_method("ripplekv", 64, bundled=True)
+    assert picked.label == "ripplekv" and budget == 64
+    assert picked.describe()["allocator"]["allocation"].endswith("smollm2-135m.csv")
+    assert check_model_args("method=ripplekv,budget=64") == {"method": "ripplekv", "budget": 64}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model_args", "method=snapkv,budget=64,bits=4"], "model_args bits= applies to none of the chosen methods"),
+    (["--model_args", "method=routed,budget=64"], "as model_args route="),
+    (["--model_args", "method=snapkv", "--include_path", "/no/such/folder"], "--include_path /no/such/folder is not a folder"),
+])
+def test_a_mistake_names_lm_evals_own_arguments_in_one_line(run_cli, args, message):
+    code, _, err = run_cli("lm-eval", *args, "--tasks", "ripplekv_story_mc")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert not any(flag in lines[0] for flag in ("--bits", "--route", "--methods", "--budget"))
+
+
+@pytest.mark.slow
+def test_an_unknown_task_or_a_data_path_read_elsewhere_is_one_line(run_cli, tiny_model_dir, monkeypatch, tmp_path):
+    """lm-eval's own failures a user meets first (an unknown task; the shipped example run outside the checkout,
+    whose data path is relative to it) are one line, exit 2. Slow: lm-eval indexes its built-in tasks first."""
+    monkeypatch.chdir(tmp_path)
+    model = f"model={tiny_model_dir},method=snapkv,budget=16"
+    for args, message in [(["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
+                          (["--tasks", "ripplekv_story_mc", "--include_path", str(EXAMPLES)],
+                           "a task's data_files path is read relative to the folder lm-eval runs in")]:
+        code, _, err = run_cli("lm-eval", "--model_args", model, *args, "--limit", "1", "--device", "cpu")
+        lines = [line for line in err.splitlines() if line.startswith("error:") or "Traceback" in line]
+        assert code == 2 and len(lines) == 1 and message in lines[0], err

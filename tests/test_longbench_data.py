@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,10 +72,28 @@ def test_longbench_e_reads_the_e_files(tokenizer, tmp_path):
 
 
 def test_missing_fields_get_official_defaults(tokenizer, tmp_path):
-    (tmp_path / "trec.jsonl").write_text(json.dumps({"input": "q", "context": "a b c", "answers": ["LOC"]}) + "\n")
-    (record,) = load_samples(_task("trec"), tokenizer, data_dir=str(tmp_path))
-    assert record["length"] == 3 and record["dataset"] == "trec" and record["_id"] == "trec-00001"
+    (tmp_path / "triviaqa.jsonl").write_text(json.dumps({"input": "q", "context": "a b c", "answers": ["LOC"]}) + "\n")
+    (record,) = load_samples(_task("triviaqa"), tokenizer, data_dir=str(tmp_path))
+    assert record["length"] == 3 and record["dataset"] == "triviaqa" and record["_id"] == "triviaqa-00001"
     assert record["all_classes"] is None
+
+
+@pytest.mark.parametrize("suite, name", [("longbench", "trec"), ("longbench-e", "trec_e"), ("longbench", "lsht")])
+def test_a_record_without_what_its_metric_reads_is_refused_at_load(tokenizer, tmp_path, suite, name):
+    """Classification scores against the class names: a record without them is refused when the data loads,
+    not after every variant has decoded."""
+    record = {"input": "q", "context": "a b c", "answers": ["LOC"]}
+    for classes in (None, []):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({**record, "all_classes": classes}) + "\n")
+        with pytest.raises(UserError, match=rf"{name}\.jsonl: line 1: .* needs 'all_classes'"):
+            load_samples(_task(name, suite), tokenizer, data_dir=str(tmp_path))
+
+
+def test_a_file_that_starts_with_a_utf8_bom_reads_as_the_csv_readers_do(tokenizer, tmp_path):
+    text = (FIXTURES / "hotpotqa.jsonl").read_text(encoding="utf-8")
+    (tmp_path / "hotpotqa.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert load_samples(_task("hotpotqa"), tokenizer, data_dir=str(tmp_path)) == \
+        load_samples(_task("hotpotqa"), tokenizer, data_dir=str(FIXTURES))
 
 
 def test_malformed_line_names_file_and_line(tokenizer, tmp_path):
@@ -185,3 +204,21 @@ def test_a_mistyped_hub_model_fails_in_seconds(offline, monkeypatch, run_cli):
     assert time.time() - start < 10
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "not in the local hub cache" in err and ("switched off" if offline else "cannot be reached") in err
+
+
+@pytest.mark.parametrize("field, value, message", [("_id", True, "'_id' must be a string, got true"),
+                                                   ("_id", 1.5, "'_id' must be a string"),
+                                                   ("length", "900", "'length' must be a number, got a string"),
+                                                   ("context", ["a"], "'context' must be a string")])
+def test_a_field_of_the_wrong_json_type_is_refused_at_load(tokenizer, tmp_path, field, value, message):
+    record = {"input": "q", "context": "a b c", "answers": ["x"], field: value}
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_samples(_task("hotpotqa"), tokenizer, data_dir=str(tmp_path))
+
+
+def test_the_records_checked_for_classes_are_the_classification_datasets():
+    from ripplekv.tasks.registry import LONGBENCH_DATASETS
+
+    assert set(longbench.CLASSIFIED) == {name for name, (_, metric) in LONGBENCH_DATASETS.items()
+                                         if metric == "classification"}

@@ -145,3 +145,11 @@ def test_eval_and_score_on_a_tiny_model(run_cli, tiny_model_dir, data_dir, tmp_p
     assert code == 0, err
     rows = (tmp_path / "scores.csv").read_text()
     assert "longbench_v2@easy" in rows and "longbench_v2@short" in rows
+
+
+def test_a_data_json_with_a_utf8_bom_loads_as_without(data_dir, tmp_path):
+    (task,) = get_tasks("longbench-v2")
+    marked = tmp_path / "bom"
+    marked.mkdir()
+    (marked / "data.json").write_bytes(b"\xef\xbb\xbf" + (data_dir / "data.json").read_bytes())
+    assert load_samples(task, None, data_dir=str(marked)) == load_samples(task, None, data_dir=str(data_dir))

@@ -32,6 +32,7 @@ def inputs(tmp_path_factory, tiny_model_dir) -> Path:
         "nan_sens.csv": "layer,kl_mean\n0,1\n1,nan\n2,1\n3,1\n",
         "README.md": "# my notes\n",
         "regular": "a file, not a folder\n",
+        "folder.gguf/notes.txt": "a folder named as a GGUF file\n",
         "alloc.csv": "layer,multiplier\n0,1\n1,1\n2,1\n3,1\n",
         "other/alloc.csv": "layer,multiplier\n0,2\n1,1\n2,0.5\n3,0.5\n",
         "badcfg/config.json": "{not json",
@@ -126,7 +127,8 @@ CASES = [
     (["budgets", "--model", "{d}/bad.gguf"], "is not a GGUF file"),
     (["budgets", "--model", "{d}/absent.gguf"], "does not exist"),
     (["budgets", "--model", "{d}/badcfg"], "config.json is not a readable JSON file"),
-    (["budgets", "--model", "{d}/regular"], "has no config.json"),
+    (["budgets", "--model", "{d}/regular"], "is a file, not a model directory"),
+    (["budgets", "--model", "{d}/folder.gguf"], "folder.gguf has no config.json"),  # a folder, whatever its name
     # eval
     ([*EVAL, "--out", "{d}/o", "--methods", ""], "--methods is empty"),
     ([*EVAL, "--out", "{d}/o", "--tasks", ""], "--tasks is empty"),
@@ -179,6 +181,11 @@ CASES = [
     ([*ALLOCATE, "--out", "{d}/profile"], "is a directory"),
     ([*ALLOCATE, "--out", "{d}/a.csv", "--ratio", "nan"], "--ratio must be a number >= 1"),
     ([*ALLOCATE, "--out", "{d}/a.csv", "--ratio", "0.5"], "--ratio must be a number >= 1"),
+    # calibration options beside one ratio (or none) choose nothing: refused, not silently ignored
+    ([*ALLOCATE, "--out", "{d}/a.csv", "--budget", "64"], "--budget steer the calibration that chooses among several"),
+    ([*ALLOCATE, "--out", "{d}/a.csv", "--ratio", "4", "--ratio", "4", "--calib-samples", "3", "--max-extensions", "1"],
+     "--calib-samples, --max-extensions steer the calibration"),
+    ([*ALLOCATE, "--out", "{d}/a.csv", "--map", "proportional", "--calib-samples", "3"], "--map proportional takes no ratio"),
     ([*ALLOCATE, "--out", "{d}/a.csv", "--calib-samples", "0", "--ratio", "2", "--ratio", "4"], "at least 1"),
     (["allocate", "{d}/absent.csv", "--model", "{model}", "--out", "{d}/a.csv"], "does not exist"),
     (["allocate", "{d}/two_layers.csv", "--model", "{model}", "--out", "{d}/a.csv"], "has 2 layers but the model has 4"),

@@ -87,3 +87,20 @@ def test_needle_command_runs_each_length_and_draws(run_cli, tiny_model_dir, tmp_
     assert config["tasks"] == ["niah_depths"] and config["target_tokens"] == 1200
     code, _, err = run_cli("needle", "--model", tiny_model_dir, "--lengths", "0", "--budget", 64, "--out", out)
     assert code == 2 and "--lengths takes positive token counts" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "vt"], "task vt (ruler) records no needle depth, so it has no heatmap rows: pass --task niah_depths"),
+    (["--suite", "offline", "--task", "hotpotqa"], "records no needle depth"),
+    (["--depth-step", "0"], "--depth-step must be a whole percentage from 1 to 100, got 0"),
+    (["--depth-step", "250"], "--depth-step must be a whole percentage from 1 to 100, got 250"),
+    (["--lengths", "1024,300"], "--lengths must be RULER target lengths of 1024-131072 tokens, got 300"),
+])
+def test_needle_refuses_its_own_mistakes_before_any_eval(args, message, run_cli, tiny_model_dir, tmp_path, monkeypatch):
+    from ripplekv.pipeline import evaluate
+
+    monkeypatch.setattr(evaluate, "run_eval", lambda *a, **k: pytest.fail("an eval ran before the refusal"))
+    out = tmp_path / "needle"
+    code, _, err = run_cli("needle", "--model", tiny_model_dir, "--budget", 64, "--methods", "snapkv", "--out", out,
+                           *args)
+    assert code == 2 and err.count("error:") == 1 and message in err and not out.exists(), err

@@ -7,12 +7,14 @@ scripts' refusals are in test_script_refusals.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method
+from tests.conftest import StubTokenizer
 
 # --------------------------------------------------------------------------- one option check for every family
 
@@ -191,3 +193,44 @@ def test_generate_marks_ceiling_answers(loaded):
     marks = {answer.method: answer.ceiling for answer in answers}
     assert marks == {"full": False, "snapkv": False, "oracle": True, "allocation-ceiling": True}
     assert json.dumps([a.ceiling for a in answers])  # a plain bool field
+
+
+# --------------------------------------------------------------------------- fitted files: refused before any prefill
+
+LUKV_SHIPPED = "src/ripplekv/data/lukv/smollm2-135m-lukv.csv"
+KVZAP_SHIPPED = "src/ripplekv/data/kvzap/smollm2-135m-mlp.safetensors"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("lukv", "lukv needs a budget curve for this model"),
+    ("kvzap", "kvzap needs a fitted mlp surrogate for this model"),
+    (f"lukv:curve={LUKV_SHIPPED}", "is for 30 layers x 3 KV heads, the model has 4 x 2"),  # another model's file
+    (f"kvzap:weights={KVZAP_SHIPPED}", "are for 30 layers x 3 KV heads"),
+    ("snapkv:quant=kivi:bits=4,kvzap:quant=kivi:bits=4", "kvzap needs a fitted mlp surrogate"),
+])
+@pytest.mark.parametrize("budget", [8, 64])  # 64: over the prompt, where the curve or surrogate is never read
+def test_a_method_without_its_fitted_file_is_refused_before_any_prefill(spec, message, budget, monkeypatch):
+    import ripplekv
+    from ripplekv.engine import prefill as engine_prefill
+    from ripplekv.pipeline import evaluate
+    from tests.conftest import tiny_llama
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("a prefill ran before the refusal")
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the shipped files' paths are the checkout's
+    monkeypatch.setattr(engine_prefill, "prefill", no_prefill)
+    monkeypatch.setattr(evaluate, "prefill", no_prefill)
+    model, prompt = tiny_llama(), list(range(5, 45))
+    with pytest.raises(UserError, match=message):
+        ripplekv.generate(model, StubTokenizer(), "some words " * 4, methods=spec, budgets=budget, chat=False)
+    if "," not in spec:
+        with pytest.raises(UserError, match=message):
+            ripplekv.compress(model, None, prompt, method=spec, budget=budget)
+
+
+def test_eval_refuses_a_missing_fitted_file_before_writing(tiny_model_dir, tmp_path, run_cli):
+    out = tmp_path / "out"
+    code, _, err = run_cli("eval", "--model", tiny_model_dir, "--methods", "lukv,kvzap", "--budget", "4096",
+                           "--limit", "1", "--out", out)
+    assert code == 2 and err.count("error:") == 1 and "needs a budget curve" in err and not out.exists(), err

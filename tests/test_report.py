@@ -512,3 +512,28 @@ def test_forest_rows_leave_out_rows_with_fewer_samples():
                           "kl_ratio_ci_high": [1.0, 0.9, np.nan], "p_kl_vs_uniform_holm": [np.nan, 0.01, 1.0]})
     rows, _ = forest_rows(board, 256, "kl")
     assert list(rows["method"]) == ["ripplekv", "snapkv"]  # the 1-sample row's lower ratio is not drawn first
+
+
+def test_a_variant_over_its_budget_is_flagged_and_never_ranked_against_exact_ones(tmp_path):
+    """A variant that keeps more bytes than its budget stands for (`lukv:rounding=kvpress`'s drift) came first
+    by KL: it is flagged `over_budget`, left out of ranks, verdicts and the headline, and named in summary.md;
+    the exact methods rank among themselves."""
+    records = []
+    for line in noisy_predictions():
+        exact = 4 * 2 * 64 * 128
+        if line["budget"] is not None:  # every eval line says what it kept and what its budget stands for
+            line = {**line, "kv_bytes": exact, "kv_budget_bytes": exact}
+        records.append(line)
+        if line["method"] == "ahead":  # the closest of all, on more memory than budget 64 allows
+            records.append({**line, "method": "loose", "kl": line["kl"] / 4, "kv_bytes": exact + 512})
+    run = write(tmp_path / "run", records)
+    tables = report.render(run)
+    board = pd.read_csv(run / "leaderboard.csv").set_index("method")
+    assert bool(board.loc["loose", "over_budget"]) and not board.loc[["snapkv", "ahead", "clone"], "over_budget"].any()
+    assert pd.isna(board.loc["loose", "rank"]) and board.loc["ahead", "rank"] == 1
+    assert board.loc["loose", "kl_verdict"] == "over budget" and board.loc["loose", "verdict"] == "over budget"
+    assert "loose" not in set(tables["ranks"]["method"])
+    headline = pd.read_csv(run / "headline.csv")
+    assert "loose" not in set(headline["closest"]) | set(headline["runner_up"])
+    summary = (run / "summary.md").read_text()
+    assert "Over budget: `loose`" in summary and "| rank | over budget |" in summary

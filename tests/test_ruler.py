@@ -223,3 +223,10 @@ def test_prompts_that_would_be_cut_are_refused(run_cli, tmp_path):
     code, _, err = run_cli("eval", "--suite", "ruler", "--target-tokens", 8000, "--budget", 64, "--out", tmp_path / "r")
     assert code == 2 and "need --max-length 8064 or more" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_haystack_hint_is_quoted_only_for_its_own_family():
+    from ripplekv.tasks.ruler_package import haystack_step
+
+    assert "10 documents" in haystack_step("qa")
+    assert all(haystack_step(family) == "" for family in ("niah", "vt", "cwe", "fwe"))

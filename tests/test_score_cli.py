@@ -126,3 +126,12 @@ def test_installed_command_exit_code(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr == f"error: {pred} line 1: not valid JSON (Expecting property name enclosed in double quotes)\n"
+
+
+def test_a_predictions_file_with_a_utf8_bom_scores_as_without(tmp_path, run_cli):
+    plain, marked = _write(tmp_path / "plain.jsonl", GOOD), tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    for source, out in ((plain, "a.csv"), (marked, "b.csv")):
+        code, _, err = run_cli("score", str(source), "--out", str(tmp_path / out))
+        assert code == 0, err
+    assert (tmp_path / "a.csv").read_text() == (tmp_path / "b.csv").read_text()

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from ripplekv.errors import UserError
 from tests.conftest import load_script, script_refusal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,3 +55,19 @@ def test_signal_vs_drop_refuses_an_output_under_a_file_in_one_line(tmp_path, mon
     assert predictors.main() == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --out ") and "a-file is a file, not a directory" in err and err.count("\n") == 1
+
+
+def test_an_output_folder_that_is_a_file_is_said_to_be_one_not_a_lock_clash(tmp_path):
+    """The fitters (kvzap fit, LU-KV's profile) and every command hold `OUT/.lock` while they write: an OUT that
+    is a plain file (or sits under one) is named as such, not reported as a lock it could not take."""
+    from ripplekv.runs.safeio import exclusive
+
+    (tmp_path / "a-file").write_text("x")
+    for out in (tmp_path / "a-file", tmp_path / "a-file" / "fit"):
+        with pytest.raises(UserError, match=r"a-file is a file, not a folder: kvzap fit writes a folder there; use "
+                                            r"another --out$"):
+            with exclusive(out, "kvzap fit"):
+                pass
+    assert (tmp_path / "a-file").read_text() == "x"
+    with exclusive(tmp_path / "new" / "fit", "kvzap fit"):  # a missing folder is made, as before
+        assert (tmp_path / "new" / "fit").is_dir()

@@ -143,14 +143,16 @@ def _methods(model, specs: Sequence[str], allocation: str | None, options: dict)
 
     from ripplekv.engine.models import is_bundled
     from ripplekv.errors import Notice
-    from ripplekv.methods.core.catalog import build_methods
+    from ripplekv.methods.core.catalog import build_methods, check_fitted
     from ripplekv.pipeline.eval_plan import default_allocation
 
     if allocation is None:
         allocation, note = default_allocation(specs, bundled=is_bundled(model))
         if note:
             warnings.warn(Notice(note), stacklevel=3)
-    return build_methods(specs, {**options, "allocation": allocation})
+    built = build_methods(specs, {**options, "allocation": allocation})
+    check_fitted(built.values(), model.config, is_bundled(model))  # a missing or foreign fitted file: before any prefill
+    return built
 
 
 def positive_integer(value, name: str) -> int:
@@ -241,16 +243,19 @@ class Answer:
 
     method: str
     budget: int | None  # None for `full`
-    text: str
+    text: str | None  # None for an infeasible variant
     new_tokens: int
     kept_entries: int
     layer_budgets: list  # entries per KV head in each layer
-    kl: float  # mean KL(full || variant) along the full cache's answer (0 for full)
-    agreement: float  # share of the full answer's tokens the variant also ranks first
+    kl: float | None  # mean KL(full || variant) along the full cache's answer (0 for full; None if infeasible)
+    agreement: float | None  # share of the full answer's tokens the variant also ranks first
     score: float | None  # against `answers` with the metric of `score_as`; None without answers
     # True for a bound that reads the full cache's answer (oracle, allocation-ceiling): not a method to deploy
     # or to rank against methods (reports leave ceilings out of ranks); False for methods and `full`
     ceiling: bool = False
+    # why a quantized variant could not run: its fewest bytes exceed budget B's on this prompt (eval's line says
+    # the same); it then has no text and no numbers. None for every variant that ran.
+    infeasible: str | None = None
 
 
 def _text_task(question: str | None, max_new_tokens: int, score_as: str, chat: bool):
@@ -286,7 +291,7 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     if question is not None and not isinstance(question, str):
         raise UserError(f"question must be text or None, got {type(question).__name__}")
     if protocol not in PROTOCOLS:
-        raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        raise UserError(f"{{protocol}} must be one of {', '.join(PROTOCOLS)}, got {protocol!r}", "protocol")
     max_new_tokens = positive_integer(max_new_tokens, "max_new_tokens")
     batch_size = positive_integer(batch_size, "batch_size")
     if answers is not None and (isinstance(answers, str) or not all(isinstance(a, str) for a in answers)):
@@ -294,7 +299,7 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     from ripplekv.engine.memory import parse_bytes
 
     limit = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-    specs = parse_names(methods, "--methods")
+    specs = parse_names(methods, "methods")
     if isinstance(budgets, (Integral, str)):
         budgets = [budgets]
     try:
@@ -309,7 +314,14 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     record = {"_id": "text", "context": context, "input": question or "", "answers": list(answers or [])}
     settings = SampleSettings(max_length=NO_TRUNCATION, batch_size=batch_size, protocol=protocol, memory_budget=limit)
     rows = evaluate_sample(model, tokenizer, task, record, built, chosen_budgets, settings, sid="text")
-    return [Answer(row["method"], row["budget"], row["prediction"], row["new_tokens"], row["kept_entries"],
-                   row["layer_budgets"], row["kl"], row["agreement"], row["score"] if answers else None,
-                   ceiling=bool(built[row["method"]].knows_answer))
-            for row in rows]
+    return [_answer(row, bool(built[row["method"]].knows_answer), bool(answers)) for row in rows]
+
+
+def _answer(row: dict, ceiling: bool, scored: bool) -> Answer:
+    """An eval line as an `Answer`; an infeasible variant's line (its bytes cannot fit its budget on this prompt)
+    has no answer and no numbers: `infeasible` says why."""
+    if row.get("infeasible"):
+        return Answer(row["method"], row["budget"], None, 0, 0, [], None, None, None, ceiling=ceiling,
+                      infeasible=row["infeasible"])
+    return Answer(row["method"], row["budget"], row["prediction"], row["new_tokens"], row["kept_entries"],
+                  row["layer_budgets"], row["kl"], row["agreement"], row["score"] if scored else None, ceiling=ceiling)

@@ -48,11 +48,15 @@ def chosen_method(method: str, budget, allocation: str | None = None, bundled: b
         raise UserError(f"model_args method= must be a method spec such as snapkv or pyramidkv:beta=10, got {method!r}")
     budget = check_budget(budget)
     shared = {**options, "allocation": allocation}
-    if allocation is None and bundled and shared_option_users([method], {"allocation": "?"})["allocation"]:
-        from ripplekv.api import SHIPPED_ALLOCATIONS
-        from ripplekv.engine.models import DEFAULT_MODEL
+    if allocation is None and shared_option_users([method], {"allocation": "?"})["allocation"]:
+        import warnings
 
-        shared["allocation"] = str(SHIPPED_ALLOCATIONS / f"{DEFAULT_MODEL}.csv")
+        from ripplekv.errors import Notice
+        from ripplekv.pipeline.eval_plan import default_allocation
+
+        shared["allocation"], note = default_allocation([method], bundled=bundled)
+        if note:
+            warnings.warn(Notice(note), stacklevel=2)
     picked = list(build_methods([method], shared).values())[-1]
     if picked.knows_answer:
         raise UserError(f"{picked.label} reads the full cache's answer (a ceiling, not a method); lm-eval requests "
@@ -99,6 +103,9 @@ class RippleKVLM(TemplateLM):
         self.model, self.tokenizer, _ = load_model(None if model in (None, "") else str(model),
                                                    device=device or "auto", dtype=dtype)
         self.method, self.budget = chosen_method(method, budget, allocation, is_bundled(self.model), **options)
+        from ripplekv.methods.core.catalog import check_fitted
+
+        check_fitted([self.method], self.model.config, is_bundled(self.model))
         self.kept_per_context: list[np.ndarray] = []  # what each scored or generated context kept, in order
 
     # ---------------------------------------------------------------- lm-eval's tokenization contract

@@ -46,8 +46,8 @@ def needle_grid(runs: list[tuple[int, pd.DataFrame]], depth_step: int = DEPTH_ST
         lines["length"] = length
         parts.append(lines)
     if not parts:
-        raise UserError("no prediction line has a needle depth: run a needle task (e.g. --tasks niah_depths "
-                        "or any RULER niah task)")
+        raise UserError("no prediction line has a needle depth: evaluate a needle task (niah_depths or any RULER "
+                        "niah task)")
     lines = pd.concat(parts, ignore_index=True)
     lines["depth"] = (np.round(lines["depth"].astype(float) / depth_step) * depth_step).astype(int)
     lines["budget"] = lines["budget"].astype("Int64")

@@ -25,6 +25,9 @@ from ripplekv.analysis.headline import closest_pairs
 from ripplekv.analysis.html_page import PAGE, write_run_page
 from ripplekv.analysis.informative import counted_tasks, informative_tasks
 from ripplekv.analysis.memory_axis import memory_markdown, memory_table, plot_memory_axis
+from ripplekv.analysis.over_budget import flag as flag_over_budget
+from ripplekv.analysis.over_budget import note as over_budget_note
+from ripplekv.analysis.over_budget import over_budget
 from ripplekv.analysis.plots import series_styles
 from ripplekv.analysis.proportions import accuracy_tasks
 from ripplekv.analysis.summary import summary_markdown
@@ -165,13 +168,16 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     counted = counted_tasks(informative)
     scores = task_scores(frame, informative)
     ceilings = ceilings_of(run_dir, frame)
+    over = over_budget(frame)
+    unranked = ceilings | over  # answer-aware ceilings and variants over their budget: never ranked (`over_budget`)
     declared = declared_baseline(run_dir)
-    board, ranks = add_uncertainty(frame, leaderboard(scores, ceilings, counted), resamples, seed, ceilings, counted,
+    board, ranks = add_uncertainty(frame, leaderboard(scores, unranked, counted), resamples, seed, unranked, counted,
                                    declared)
-    headline = run_headline(frame, board, ceilings, counted, seed)
+    board = flag_over_budget(board, over)
+    headline = run_headline(frame, board, unranked, counted, seed)
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
-    parts = allocation_parts(frame, method_specs(run_dir), ceilings, counted, seed, declared)
+    parts = allocation_parts(frame[~frame["method"].isin(over)], method_specs(run_dir), ceilings, counted, seed, declared)
     allocation = None if parts is None else parts[0]
     if parts is not None:
         headline = pd.concat([headline, allocation_headline(parts, seed)], ignore_index=True)
@@ -211,8 +217,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             plot_score_vs_budget(board, run_dir / "score_vs_budget.png", ceilings, styles)
             plot_kl_vs_budget(board, run_dir / "kl_vs_budget.png", ceilings, styles)
             plot_layer_budgets(frame, run_dir / "layer_budgets.png")
-            plot_forest(board, run_dir / "kl_forest.png", "kl", ceilings, styles)
-            plot_forest(board, run_dir / "score_forest.png", "score", ceilings, styles)
+            plot_forest(board, run_dir / "kl_forest.png", "kl", unranked, styles)
+            plot_forest(board, run_dir / "score_forest.png", "score", unranked, styles)
             if memory is not None:
                 plot_memory_axis(memory, run_dir / MEMORY_FIGURE, styles)
         else:
@@ -220,7 +226,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
                 (run_dir / name).unlink(missing_ok=True)
         if memory is None or not plots:
             (run_dir / MEMORY_FIGURE).unlink(missing_ok=True)
-        text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative)
+        text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative,
+                                over_budget_note(over, board["method"]))
         if memory is not None:
             text += "\n" + memory_markdown(memory)
         if spent is not None:

@@ -12,6 +12,7 @@ import pandas as pd
 
 from ripplekv.analysis import inference, stats
 from ripplekv.analysis.headline import headline_markdown
+from ripplekv.analysis.over_budget import shown as with_over_budget
 from ripplekv.analysis.tables import KL_RATIO, KL_TEST, SCORE_TEST
 from ripplekv.metrics.scoring import LENGTH_BUCKETS
 from ripplekv.runs.files import REFERENCE
@@ -49,7 +50,7 @@ def leaderboard_view(board: pd.DataFrame) -> pd.DataFrame:
         view.insert(view.columns.get_loc(f"{name}_ci_low"), f"{name} 95% CI",
                     [_interval(a, b, digits) for a, b in zip(board[f"{name}_ci_low"], board[f"{name}_ci_high"])])
         view = view.drop(columns=[f"{name}_ci_low", f"{name}_ci_high"])
-    return view.rename(columns={"avg_informative": "score (informative)", "avg_informative 95% CI": "score 95% CI",
+    return with_over_budget(view).rename(columns={"avg_informative": "score (informative)", "avg_informative 95% CI": "score 95% CI",
                                 "avg": "avg (all tasks)", "avg 95% CI": "avg 95% CI"})
 
 
@@ -127,7 +128,7 @@ def informative_view(informative: pd.DataFrame) -> pd.DataFrame:
 def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFrame, run_dir: Path,
                      ranks: pd.DataFrame | None = None, lengths: pd.DataFrame | None = None,
                      settings: dict | None = None, ceilings=(), headline: pd.DataFrame | None = None,
-                     informative: pd.DataFrame | None = None) -> str:
+                     informative: pd.DataFrame | None = None, over_budget: list[str] = ()) -> str:
     samples = frame.drop_duplicates(["task", "id"])
     settings = settings or {}
     lines = ["# ripplekv eval summary", ""]
@@ -190,6 +191,7 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
                   f"{'read' if len(marked) > 1 else 'reads'} the full cache's answer, so "
                   f"{'they are' if len(marked) > 1 else 'it is'} left out of ranks and verdicts; "
                   "none is a bound on what a method can reach.", ""]
+    lines += list(over_budget)  # the variants kept over their budget (`analysis.over_budget`)
     if ranks is not None:
         lines += [
             "## Differences to the uniform baseline",

@@ -103,7 +103,7 @@ def eval_command(
 
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_EVAL
-    names = eval_plan.parse_names(methods, "--methods")
+    names = eval_plan.parse_names(methods, "methods")
     notes = [f"eval: writing to {out_dir}" + ("" if out else " (the default; choose with --out)")]
     if allocation is None:
         allocation, note = eval_plan.default_allocation(names, bundled=model_is_bundled(model))
@@ -113,7 +113,7 @@ def eval_command(
         budgets=eval_plan.parse_budgets(budget),
         methods=names,
         suite=suite,
-        tasks=eval_plan.parse_names(tasks, "--tasks"),
+        tasks=eval_plan.parse_names(tasks, "tasks"),
         limit=OFFLINE_FIRST_LOOK if limit is None and suite in GENERATED_SUITES else limit,
         split=split,
         allocation=allocation,

@@ -43,13 +43,15 @@ def budgets(
     route: Route = None,
 ) -> None:
     """Print each method's per-layer budgets, so you can see how it spends the cache."""
+    from ripplekv.engine.adapter import layer_capacities, layer_windows
+    from ripplekv.engine.models import load_config
     from ripplekv.methods import make_method
     from ripplekv.methods.core.spec import check_distinct, collapse_aliases, degenerate_notes
     from ripplekv.pipeline.eval_plan import parse_names
 
     if prompt_len <= 0:
         raise UserError(f"--prompt-len must be a positive number of tokens, got {prompt_len}")
-    specs = parse_names(methods, "--methods")
+    specs = parse_names(methods, "methods")
     note = None
     if allocation is None:  # as eval resolves it (the last `allocate`, the shipped one, ...)
         from ripplekv.cli.evaluation import model_is_bundled
@@ -63,9 +65,14 @@ def budgets(
     for note in alias_notes:
         print(note, file=sys.stderr)
     num_layers, kv_heads = model_shape(model)
-    # A prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or
-    # says why it cannot (CAKE: layers depend on the prompt's attention).
-    rows = {m.label: m.layer_budgets(num_layers, budget, prompt_len) for m in chosen}
+    # What eval keeps: a sliding-window layer holds only its window, and budgets fit those capacities. A
+    # prompt-dependent allocator shows what is known without a prompt (AdaKV: its per-layer totals) or says
+    # why it cannot (CAKE: layers depend on the prompt's attention).
+    capacities = layer_capacities(prompt_len, layer_windows(load_config(model)))
+    rows = {m.label: m.layer_budgets(num_layers, budget, capacities) for m in chosen}
+    if min(capacities) < prompt_len:
+        print(f"note: sliding-window layers hold at most {min(capacities)} of the {prompt_len} prompt tokens; the "
+              "budgets shown are what each layer keeps, fitted to those capacities as eval fits them", file=sys.stderr)
     for line in ([note] if note else []) + degenerate_notes(chosen, [budget]):
         print(line, file=sys.stderr)
     for method in chosen:

@@ -8,6 +8,7 @@ lm-eval 0.4.13 loads a backend only from its own registry (no entry points, no `
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -38,7 +39,27 @@ def lm_eval_command(ctx: typer.Context) -> None:
         args = ["--model", BACKEND_NAME, *args]
     # lm-eval's own parser reads the arguments (its model_args forms: a=1,b=2 / a=1 b=2 / JSON / repeated)
     parsed = HarnessCLI()._parser.parse_args(["run", *args])
-    if parsed.model == BACKEND_NAME:
-        check_model_args(parsed.model_args or {})
+    include = getattr(parsed, "include_path", None)
+    if include is not None and not Path(include).is_dir():
+        raise UserError(f"--include_path {include} is not a folder; pass the folder that holds the task YAML files")
     sys.argv = ["lm-eval", "run", *args]
-    cli_evaluate()
+    try:
+        if parsed.model == BACKEND_NAME:
+            check_model_args(parsed.model_args or {})
+        cli_evaluate()
+    except UserError as err:  # the backend's settings are --model_args keys here, not ripplekv's flags
+        raise UserError(err.phrased(model_arg)) from None
+    except ValueError as err:
+        if not str(err).startswith("Tasks not found"):
+            raise
+        raise UserError(f"lm-eval: {err}; list them with `lm-eval ls tasks`, or pass --include_path with the folder "
+                        "of your own task YAML files") from None
+    except FileNotFoundError as err:  # a task's data file, which lm-eval reads relative to where it runs
+        raise UserError(f"lm-eval: {err}; a task's data_files path is read relative to the folder lm-eval runs in "
+                        f"({Path.cwd()}): run from the folder it is relative to (the checkout's root for "
+                        "examples/lm_eval) or make the path absolute") from None
+
+
+def model_arg(setting: str) -> str:
+    """How `--model_args` spells a setting the libraries name in a message (`errors.UserError`)."""
+    return f"model_args {setting}="

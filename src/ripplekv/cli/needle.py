@@ -55,7 +55,7 @@ def needle_command(
 
     console = Console(stderr=True)
     out_dir = Path(out) if out else DEFAULT_NEEDLE
-    names = eval_plan.parse_names(methods, "--methods")
+    names = eval_plan.parse_names(methods, "methods")
     if allocation is None:  # the one rule of eval, budgets and the API
         allocation, note = eval_plan.default_allocation(names, bundled=model_is_bundled(model))
         if note:

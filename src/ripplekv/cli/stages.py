@@ -37,6 +37,7 @@ from ripplekv.cli.options import (
     budget_option,
     calibration,
     check_extensions,
+    flag,
     model_shape,
     out_option,
     seed_option,
@@ -135,7 +136,12 @@ def profile(
     _say_written(console, [out_dir / name for name in ("sensitivity.csv", "per_sample.csv", "profile.json", "sensitivity.png")])
 
 
+# allocate's options that only steer the calibration choosing among several --ratio values
+SWEEP_OPTIONS = ("budget", "calib_samples", "calib_draw", "calib_draws", "max_extensions", "device", "dtype")
+
+
 def allocate(
+    ctx: typer.Context,
     sensitivity: str | None = typer.Argument(
         None, help=f"sensitivity.csv from `ripplekv profile`; default: {DEFAULT_PROFILE}/sensitivity.csv."),
     out: AllocationOut = None,
@@ -173,6 +179,12 @@ def allocate(
     check_bounds(floor, cap)
     if mapping != "proportional" and (floor is not None or cap is not None):
         raise UserError("--floor and --cap apply to --map proportional only; the exponential map is bounded by --ratio")
+    idle = [name for name in SWEEP_OPTIONS if ctx.get_parameter_source(name).name != "DEFAULT"]
+    if idle and (mapping == "proportional" or len(set(ratio or [])) < 2):
+        without = "--map proportional takes no ratio" if mapping == "proportional" else "one --ratio is taken as it is"
+        raise UserError(f"{', '.join(flag(name) for name in idle)} steer the calibration that chooses among several "
+                        f"--ratio values; {without}, so nothing is calibrated: drop them, or repeat --ratio "
+                        "(e.g. --ratio 2 --ratio 4)")
     console = Console(stderr=True)
     out_path = Path(out) if out else DEFAULT_ALLOCATION
     if sensitivity is None:

@@ -45,22 +45,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("RIPPLEKV_CACHE", Path.home() / ".cache" / "ripplekv"))
 
 
-def resolve_model(spec: str | None) -> ModelSource:
-    """Decide what kind of model `spec` names; missing paths fail here with one clear line."""
+def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
+    """Decide what kind of model `spec` (text or a path) names; a wrong path fails here with one line saying what
+    it is instead (absent, a plain file); a folder is a model directory whatever its name ends in."""
+    spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
+    if spec is not None and not isinstance(spec, str):
+        raise UserError(f"{{model}} must be a hub id, a model directory or a .gguf file, not {type(spec).__name__}", "model")
     if spec in (None, "", DEFAULT_MODEL):
-        path = bundled_gguf_path()
-        return ModelSource("gguf", str(path), DEFAULT_MODEL)
+        return ModelSource("gguf", str(bundled_gguf_path()), DEFAULT_MODEL)
     if spec == GEMMA3_270M:
         return ModelSource("gguf", str(gemma3_gguf_path()), GEMMA3_270M)
-    if spec.endswith(".gguf"):
-        if not Path(spec).is_file():
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf") and not path.is_dir():
+        if not path.is_file():
             raise UserError(f"model file {spec} does not exist; pass an existing .gguf file")
-        _check_gguf(Path(spec))
-        return ModelSource("gguf", str(Path(spec).resolve()), Path(spec).name)
-    if Path(spec).exists() or spec.startswith((".", "/", "~")):
-        path = Path(spec).expanduser()
-        if not (path / "config.json").is_file():
-            raise UserError(f"model directory {spec} has no config.json; pass a transformers model directory")
+        _check_gguf(path)
+        return ModelSource("gguf", str(path.resolve()), path.name)
+    if path.exists() or spec.startswith((".", "/", "~")):
+        what = "does not exist" if not path.exists() else "is a file, not a model directory" if path.is_file() else None
+        if what or not (path / "config.json").is_file():
+            raise UserError(f"model directory {spec} {what or 'has no config.json'}; pass a transformers model "
+                            "directory (with config.json), a .gguf file or a hub id")
         _check_config_json(path / "config.json")
         return ModelSource("local", str(path.resolve()), path.name)
     return ModelSource("hub", spec, spec)

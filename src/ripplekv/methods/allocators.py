@@ -97,8 +97,8 @@ class FromAllocation(Allocator):
             if self.allocation is None:
                 raise UserError(
                     "this method needs an allocation: run `ripplekv profile` and `ripplekv allocate` (for depthkv: "
-                    "`profile --signal evict`, `allocate --map proportional`), then pass --allocation ALLOC.csv "
-                    "(or use `make reproduce`)"
+                    "`profile --signal evict`, `allocate --map proportional`), then pass its CSV as {allocation} "
+                    "(or use `make reproduce`)", "allocation"
                 )
             object.__setattr__(self, "multipliers", read_allocation(self.allocation))
         elif any(m < 0 for m in self.multipliers) or not any(m > 0 for m in self.multipliers):

@@ -69,7 +69,7 @@ class Router(Scorer):
         from ripplekv.methods.core.spec import make_method
 
         if self.route is None:
-            raise UserError("routed needs a route: pass --route ROUTE.csv (layer,method rows)")
+            raise UserError("routed needs a route: pass a CSV of layer,method rows as {route}", "route")
         rows = read_route(self.route)
         specs, scorers = [spec for _, spec in rows], []
         for number, spec in rows:

@@ -177,7 +177,7 @@ def read_prediction_file(path: Path) -> list[dict]:
         raise UserError(f"predictions file not found: {path}")
     records = []
     try:
-        with path.open(encoding="utf-8") as fh:
+        with path.open(encoding="utf-8-sig") as fh:
             lines = list(fh)
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text; pass a JSON-lines predictions file") from None

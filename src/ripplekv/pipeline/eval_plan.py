@@ -63,17 +63,19 @@ class EvalSettings:
     memory_budget: int | None = None
 
 
-def parse_names(text: str | Sequence[str] | None, option: str | None = None) -> tuple[str, ...]:
+def parse_names(text: str | Sequence[str] | None, setting: str | None = None) -> tuple[str, ...]:
     """`"a,b, c"` (or several such strings) -> ('a', 'b', 'c'), duplicates dropped, order kept.
 
-    With `option` (e.g. "--methods"), a given but empty list is a UserError rather than "none".
+    With `setting` (e.g. "methods", spelt `--methods` by the CLI), a given but empty list is a UserError rather
+    than "none".
     """
     if text is None:
         return ()
     items = [text] if isinstance(text, str) else list(text)
     names = [part.strip() for item in items for part in str(item).split(",") if part.strip()]
-    if option and not names:
-        raise UserError(f"{option} is empty; name at least one, comma-separated (or leave the option out)")
+    if setting and not names:
+        setting = setting.lstrip("-")
+        raise UserError(f"{{{setting}}} is empty; name at least one, comma-separated (or leave the option out)", setting)
     return tuple(dict.fromkeys(names))
 
 
@@ -87,7 +89,8 @@ def parse_budgets(values: Sequence[str | int]) -> tuple[int, ...]:
             raise UserError(f"budget must be a positive integer, got {item!r}") from None
         budgets.append(check_budget(number))
     if not budgets:
-        raise UserError("give at least one --budget (average entries kept per layer per KV head), e.g. --budget 128")
+        raise UserError("{budgets} is empty; give at least one budget (average entries kept per layer per KV head), "
+                        "e.g. 128", "budgets")
     return tuple(sorted(set(budgets)))
 
 

@@ -31,7 +31,7 @@ from ripplekv.methods.core.quantized import stored_as
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.sample_lines import SampleLines
-from ripplekv.pipeline.samples import check_eval_window, check_sliding_layers
+from ripplekv.pipeline.samples import check_eval_sliding, check_eval_window, check_sliding_layers
 from ripplekv.runs.files import CONFIG, PREDICTIONS, REFERENCE, REPORT_FILES, TIMINGS, report_is_current
 from ripplekv.runs.resume import append_rows, existing_lines
 from ripplekv.runs.safeio import exclusive, open_append, write_json
@@ -188,8 +188,12 @@ def check_model_fits(plan: Plan, config) -> None:
     """Per-layer budgets need the model's layer count (an allocation may not match), and a model with
     sliding-window layers the methods and decode budget that handle them (`config`: the model's): fail before
     loading weights."""
+    from ripplekv.engine.models import DEFAULT_MODEL
+    from ripplekv.methods.core.catalog import check_fitted
+
     layers = config.num_hidden_layers
-    check_sliding_layers(config, plan.methods, plan.settings.decode_budget)
+    check_sliding_layers(config, {}, plan.settings.decode_budget)  # the methods once the prompts are known
+    check_fitted(plan.methods.values(), config, bundled=plan.settings.model in (None, "", DEFAULT_MODEL))
     for method in plan.methods.values():
         if not method.prompt_dependent:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
@@ -256,6 +260,7 @@ def run_eval(settings: EvalSettings, out: str | Path, console=None, notes: Seque
     tokenizer = load_tokenizer(settings.model)
     work = load_all_samples(plan, tokenizer)
     check_eval_window(model_config, work, tokenizer, settings.max_length)  # a sliding window: refused before any model work
+    check_eval_sliding(model_config, plan.methods, work, tokenizer, settings.max_length)
     check_prompts_fit(plan, work, tokenizer, model_config)
     config = {**plan.config, "samples": {}}
     for task, sid, _ in work:

@@ -30,6 +30,26 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def check_needle(settings: EvalSettings, lengths, depth_step: int) -> None:
+    """The needle's own options, before any eval runs: one task whose lines record a needle depth (a RULER niah
+    task), lengths RULER can build, a depth step within 1-100%."""
+    from ripplekv.tasks import get_tasks
+    from ripplekv.tasks.ruler import MAX_TARGET_TOKENS, MIN_TARGET_TOKENS
+
+    if len(settings.tasks) != 1:
+        raise UserError("needle runs one task ({task}), e.g. niah_depths", "task")
+    if isinstance(depth_step, bool) or not isinstance(depth_step, int) or not 1 <= depth_step <= 100:
+        raise UserError(f"{{depth_step}} must be a whole percentage from 1 to 100, got {depth_step!r}", "depth_step")
+    (task,) = get_tasks(settings.suite, list(settings.tasks))
+    if "depth" not in task.fields:
+        raise UserError(f"task {task.name} ({settings.suite}) records no needle depth, so it has no heatmap rows: "
+                        "pass {task} niah_depths or another RULER niah task", "task")
+    outside = [n for n in lengths if not MIN_TARGET_TOKENS <= n <= MAX_TARGET_TOKENS]
+    if outside:
+        raise UserError(f"{{lengths}} must be RULER target lengths of {MIN_TARGET_TOKENS}-{MAX_TARGET_TOKENS} tokens, "
+                        f"got {', '.join(map(str, outside))}", "lengths")
+
+
 def run_folders(out: Path, lengths) -> list[Path]:
     return [Path(out) / f"{RUN_PREFIX}{length}" for length in lengths]
 
@@ -42,11 +62,8 @@ def run_needle(settings: EvalSettings, lengths, out: str | Path, console=None, d
     from ripplekv.pipeline.evaluate import run_eval
     from ripplekv.runs.safeio import check_output, exclusive
 
+    check_needle(settings, lengths, depth_step)
     out = check_output(out, kind="dir", writes=WRITES + tuple(f"needle_b{b}.png" for b in settings.budgets))
-    if len(settings.tasks) != 1:
-        raise UserError("needle runs one task (--task), e.g. niah_depths")
-    if depth_step < 1:
-        raise UserError(f"--depth-step must be a positive percentage, got {depth_step}")
     folders = run_folders(out, lengths)
     for length, folder in zip(lengths, folders):
         if console is not None:

@@ -32,12 +32,12 @@ def sample_prompt(tokenizer, task: str, index: int = 0, *, suite: str = "offline
     from ripplekv.tasks.prompts import question_start
 
     if index < 0:
-        raise UserError(f"--index must be >= 0, got {index}")
+        raise UserError(f"{{index}} must be >= 0, got {index}", "index")
     (chosen,) = get_tasks(suite, [task])
     records = load_samples(chosen, tokenizer, limit=index + 1, data_dir=data_dir, target_tokens=target_tokens,
                            seed=seed)
     if index >= len(records):
-        raise UserError(f"task {chosen.name} has {len(records)} samples; --index must be below that")
+        raise UserError(f"task {chosen.name} has {len(records)} samples; {{index}} must be below that", "index")
     record = records[index]
     ids = build_prompt_ids(chosen, record, tokenizer, max_length)
     return Prompt(ids, question_start(chosen, record, tokenizer, max_length), list(record["answers"]),
@@ -90,21 +90,37 @@ def config_window(config) -> int | None:
     return sliding_window(config)
 
 
-def check_sliding_layers(config, methods: dict, decode_budget: str = "prompt") -> None:
+def check_sliding_layers(config, methods: dict, decode_budget: str = "prompt", longest=None) -> None:
     """A model with sliding-window layers runs the methods that handle layers holding less than the prompt (all
     but those marked `sliding_layers = False`) under prompt budgets: the model evicts those layers itself while
-    decoding. Refused in one line before any weights load."""
-    from ripplekv.engine.adapter import has_sliding_layers
+    decoding. Refused in one line before any weights load. `longest()`: the longest prompt's tokens; where every
+    sliding layer holds it whole, no layer holds less and those methods run (None: any prompt may be longer)."""
+    from ripplekv.engine.adapter import has_sliding_layers, layer_capacities, layer_windows
 
     if not has_sliding_layers(config):
         return
     refused = [label for label, method in methods.items() if not getattr(method, "sliding_layers", True)]
+    held = None
+    if refused and longest is not None:
+        length = longest()
+        held = min(layer_capacities(length, layer_windows(config)))
+        refused = [] if held >= length else refused
     if refused:
-        raise UserError(f"{', '.join(refused)} cannot run on a model with sliding-window layers yet: "
-                        "drop it from --methods for this model")
+        where = "" if held is None else f" where a prompt ({length} tokens) is longer than a sliding layer holds ({held})"
+        raise UserError(f"{', '.join(refused)} cannot run on a model with sliding-window layers{where} yet: "
+                        "drop it from {methods} for this model" + (", or shorten the prompts" if held else ""), "methods")
     if decode_budget == "total":
         raise UserError("--decode-budget total is not supported on a model with sliding-window layers (the model "
                         "evicts those layers itself while decoding): use --decode-budget prompt")
+
+
+def check_eval_sliding(config, methods: dict, work, tokenizer, max_length: int) -> None:
+    """`eval`'s methods against the sliding-window layers of its model (`config`), once its samples are known: a
+    method that cannot handle a layer holding less than the prompt runs where every prompt fits the window."""
+    from ripplekv.tasks import build_prompt_ids
+
+    check_sliding_layers(config, methods, longest=lambda: max(
+        len(build_prompt_ids(task, record, tokenizer, max_length)) for task, _, record in work))
 
 
 def check_window(window: int | None, longest, option: str, value: int, lowest: int) -> None:

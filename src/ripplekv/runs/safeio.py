@@ -183,7 +183,12 @@ def save_figure(fig, path: str | Path, **kwargs) -> None:
 def exclusive(folder: Path, what: str, elsewhere: str | None = "use another --out"):
     """Hold `folder/.lock` while writing: two runs appending to one log would duplicate lines. The holder
     writes its command and pid into the lock, so a refused command names who holds it; `elsewhere` is
-    the other way out the refused command offers (None: it has no --out, it can only wait)."""
+    the other way out the refused command offers (None: it has no --out, it can only wait). An output that is a
+    file is said to be one, never taken for a lock another run holds."""
+    clash = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if clash is not None:
+        raise UserError(f"{clash} is a file, not a folder: {what} writes a folder there; "
+                        f"{elsewhere or 'move the file away'}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle = (folder / ".lock").open("a+")

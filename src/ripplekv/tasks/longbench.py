@@ -72,6 +72,10 @@ def _find_local(name: str, where: Path) -> tuple[str, Path, str] | None:
     return None
 
 
+# The datasets scored by classification, which reads each record's `all_classes` (registry.LONGBENCH_DATASETS).
+CLASSIFIED = ("trec", "lsht")
+
+
 def _parse_jsonl(lines, source: str, name: str) -> list[dict]:
     """Parse official jsonl lines; a broken line or a record without answers names file and line."""
     records, first_line = [], {}
@@ -113,10 +117,13 @@ def _normalize(record: dict, name: str, where: str, fallback_id: str) -> dict:
     classes = record.get("all_classes")
     if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
         raise UserError(f"{where}: 'all_classes' must be a list of strings or null, got {_type(classes)}")
+    if not classes and name.removesuffix("_e") in CLASSIFIED:  # its metric reads the class names: refused at load
+        raise UserError(f"{where}: {name} is scored by classification, which needs 'all_classes' (the list of "
+                        f"class names), got {_type(classes)}; replace the file with the official one")
     length = record.get("length")
     if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))):
         raise UserError(f"{where}: 'length' must be a number, got {_type(length)}")
-    if record.get("_id") is not None and not isinstance(record["_id"], (str, int)):
+    if record.get("_id") is not None and (isinstance(record["_id"], bool) or not isinstance(record["_id"], (str, int))):
         raise UserError(f"{where}: '_id' must be a string, got {_type(record['_id'])}")
     out = dict(record)
     out["answers"] = answers
@@ -156,10 +163,10 @@ def _reading(where: str):
 def _read_local(found: tuple[str, Path, str], name: str) -> list[dict]:
     kind, path, member = found
     if kind == "jsonl":
-        with _reading(str(path)), open(path, encoding="utf-8") as handle:
+        with _reading(str(path)), open(path, encoding="utf-8-sig") as handle:
             return _parse_jsonl(handle, str(path), name)
     with _reading(f"{path}:{member}"), zipfile.ZipFile(path) as archive, archive.open(member) as raw:
-        return _parse_jsonl(io.TextIOWrapper(raw, encoding="utf-8"), f"{path}:{member}", name)
+        return _parse_jsonl(io.TextIOWrapper(raw, encoding="utf-8-sig"), f"{path}:{member}", name)
 
 
 def _hub_worth_trying() -> bool:
@@ -227,7 +234,7 @@ def local_record_count(name: str, data_dir: str | None = None) -> int | None:
         return None
     kind, path, member = found
     if kind == "jsonl":
-        with _reading(str(path)), open(path, encoding="utf-8") as handle:
+        with _reading(str(path)), open(path, encoding="utf-8-sig") as handle:
             return sum(1 for line in handle if line.strip())
     with _reading(f"{path}:{member}"), zipfile.ZipFile(path) as archive, archive.open(member) as raw:
-        return sum(1 for line in io.TextIOWrapper(raw, encoding="utf-8") if line.strip())
+        return sum(1 for line in io.TextIOWrapper(raw, encoding="utf-8-sig") if line.strip())

@@ -98,7 +98,7 @@ def parse(items, source: str) -> list[dict]:
 
 def _read_local(path: Path) -> list[dict]:
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             items = json.load(handle)
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text; replace it with the official LongBench v2 data.json") from None

@@ -322,6 +322,13 @@ class AllocatorScorer:
     def degenerate(self, budget: int) -> str | None:
         return self.scorer.degenerate(budget) if self.scorer is not None else None
 
+    def check_fitted(self, shape: tuple[int, int, int], bundled: bool) -> None:
+        """A part that reads a fitted file (`check_fitted`: LU-KV's curve, KVzap's surrogate) checks it against the
+        model's (layers, KV heads, hidden size) before any prefill (`methods.catalog.check_fitted`)."""
+        for part in (self.allocator, self.scorer):
+            if hasattr(part, "check_fitted"):
+                part.check_fitted(shape, bundled, self.scorer)
+
     def decode_policy(self, every: int):
         """The scorer's decoding-phase eviction (None: the full cache, or a scorer that cannot)."""
         return self.scorer.decode_policy(every) if self.scorer is not None else None

@@ -65,14 +65,27 @@ def build_methods(specs: Sequence[str], shared: dict, notes: list[str] | None = 
     built = [make_method(spec, shared=shared) for spec in dict.fromkeys((REFERENCE, *specs))]
     for key, used in shared_option_users(specs, shared).items():
         if not used:
-            raise UserError(f"--{key} applies to none of the chosen methods ({', '.join(specs)})")
+            raise UserError(f"{{{key}}} applies to none of the chosen methods ({', '.join(specs)})", key)
     methods = {method.label: method for method in built}
     if len(methods) < len(built):
         repeated = sorted({m.label for m in built if sum(other.label == m.label for other in built) > 1})
-        raise UserError(f"--methods: two methods share the label {', '.join(repeated)} (one method spelt twice, "
-                        "or file options with the same file name); name each method once, and give files different names")
+        raise UserError(f"{{methods}}: two methods share the label {', '.join(repeated)} (one method spelt twice, "
+                        "or file options with the same file name); name each method once, and give files different names",
+                        "methods")
     check_distinct(built)
     kept, said = collapse_aliases(built)
     if notes is not None:
         notes.extend(said)
     return {method.label: method for method in kept}
+
+
+def check_fitted(methods, config, bundled: bool) -> None:
+    """Every method that reads a fitted file (LU-KV's curve, KVzap's surrogate) has one for this model (from
+    its config; `bundled`: the bundled model, whose files are shipped), refused in one line before any prefill:
+    a method would otherwise fail after the first prefill, or run without its file at budgets where it is
+    never read."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    shape = (int(config.num_hidden_layers), int(heads), int(config.hidden_size))
+    for method in methods:
+        if hasattr(method, "check_fitted"):
+            method.check_fitted(shape, bundled)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ripplekv.engine.quantize import FULL_PRECISION, QuantSpec
+from ripplekv.engine.quantize import BITS, FULL_PRECISION, QuantSpec
 from ripplekv.errors import UserError
 from ripplekv.methods.core.bit_allocation import DEFAULT_AVERAGE_BITS, BitProfile, read_sensitivity
 from ripplekv.methods.core.quantized import Quantized
@@ -50,6 +50,11 @@ def _quant_spec(scheme: str, own: dict, spec: str) -> QuantSpec:
     if "bits" in own and {"kbits", "vbits"} & set(own):
         raise UserError(f"method spec {spec!r}: give bits (keys and values) or kbits/vbits, not both")
     numbers = {SPEC_FIELDS[key]: _number(value, key, spec) for key, value in own.items() if key in SPEC_FIELDS}
+    for key in ("bits", "kbits", "vbits"):  # checked here so the message names the spec's own option and choices
+        allowed = [b for b in BITS if key != "bits" or b != FULL_PRECISION]  # both tensors at 16 bits: no quantizer
+        if key in own and numbers[SPEC_FIELDS[key]] not in allowed:
+            raise UserError(f"method spec {spec!r}: option {key} must be one of {', '.join(map(str, allowed))}, "
+                            f"got {own[key]}")
     try:
         quantizer = QuantSpec(key_axis=SCHEMES[scheme], **numbers)
     except UserError as err:
@@ -111,7 +116,7 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
         if file is None:
             raise UserError(f"method spec {spec!r}: bits=profile reads each layer's sensitivity from an allocation "
                             "file and none was given: run `ripplekv profile` and `ripplekv allocate`, then pass "
-                            "--allocation ALLOC.csv (or allocation=FILE in the spec)")
+                            "its CSV as {allocation} (or allocation=FILE in the spec)", "allocation")
         bit_profile = BitProfile(str(file), read_sensitivity(file), None if inner.is_full else average)
     label = name + inner.label[len(inner_name):] + (f":quant={scheme}" if name != "kivi" else "")
     shown = {**own, **({PROFILE_FILE: Path(own_file).name} if own_file else {})}

@@ -92,6 +92,10 @@ class Quantized:
     def knows_answer(self) -> bool:
         return bool(self.inner.knows_answer)
 
+    def check_fitted(self, shape, bundled: bool) -> None:
+        if hasattr(self.inner, "check_fitted"):
+            self.inner.check_fitted(shape, bundled)
+
     @property
     def evicts(self) -> bool:
         return not self.inner.is_full

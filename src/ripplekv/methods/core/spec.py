@@ -130,7 +130,7 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     try:
         built = {part: cls(**converted[part]) for part, cls in classes.items()}
     except UserError as err:
-        raise UserError(f"method {label!r}: {err}") from None
+        raise UserError(f"method {label!r}: " + str(err.args[0] if err.args else ""), *err.args[1:]) from None
     check_used(label, built, keys, set(strict) | ({"allocator", "scorer"} & set(raw)))
     if chosen.own is not None:
         return chosen.own(label, name, built["options"])
@@ -232,7 +232,7 @@ def canonical_label(name: str, given: dict[str, str], converted: dict) -> str:
     return name + "".join(f":{key}={text(key)}" for key in sorted(given))
 
 
-def check_distinct(methods, option: str = "--methods") -> None:
+def check_distinct(methods, setting: str = "methods") -> None:
     """Two entries that are one method (one label, or the same resolved options, as `snapkv` and
     `snapkv:window=32`) are refused: they would be computed twice and ranked as rivals."""
     import json
@@ -243,7 +243,7 @@ def check_distinct(methods, option: str = "--methods") -> None:
         resolved = json.dumps(method.describe(), sort_keys=True, default=str)
         same = by_label.get(method.label) or by_options.get(resolved)
         if same is not None:
-            raise UserError(f"{option} names one method twice ({same} and {method.label}); name each method once")
+            raise UserError(f"{{{setting}}} names one method twice ({same} and {method.label}); name each once", setting)
         by_label[method.label] = by_options[resolved] = method.label
 
 

@@ -163,7 +163,7 @@ def _build(state: PrefillState, budget: int, opts: GraceKVOptions) -> Build:
     layers, heads, n = state.num_layers, state.num_kv_heads, state.length
     if state.hybrid:
         raise UserError("gracekv does not support models with sliding-window layers yet (its prototypes span the "
-                        "whole prompt in every layer): drop it from --methods for this model")
+                        "whole prompt in every layer): drop it from {methods} for this model", "methods")
     free = min(opts.window, n) + min(opts.sinks, n - min(opts.window, n)) if opts.ends == "free" else 0
     if n <= budget + free:  # under ends=free, sinks and window beside the budget
         return Build(np.full((layers, heads), n, dtype=np.int64), [state.full_entries(l) for l in range(layers)])

@@ -89,16 +89,25 @@ class KVzapScorer(WindowScorer):
     def requirements(self) -> Requirements:
         return Requirements(signals={HIDDEN_STATES})
 
-    def weights_for(self, state) -> Path:
+    def weights_for(self, state, bundled: bool | None = None) -> Path:
         """The weights given, or the shipped ones for the bundled model."""
         if self.weights is not None:
             return Path(self.weights)
-        from ripplekv.engine.models import is_bundled
+        if bundled is None:
+            from ripplekv.engine.models import is_bundled
 
+            bundled = state.model is not None and is_bundled(state.model)
         path = shipped_weights(self.model)
-        if not (state.model is not None and is_bundled(state.model) and path.is_file()):
+        if not (bundled and path.is_file()):
             raise UserError(f"kvzap needs a fitted {self.model} surrogate for this model; {FIT_HINT}")
         return path
+
+    def check_fitted(self, shape, bundled: bool, scorer=None) -> None:
+        """Before any prefill: the surrogate exists and fits the model (`shape`: layers, KV heads, hidden size);
+        at a budget no smaller than the prompt it is never called, so only this check would say."""
+        path = self.weights_for(None, bundled)
+        layers, info = surrogate(path)
+        check_shape(path, (len(layers), info["output_dim"], info["input_dim"]), tuple(shape))
 
     def log_scores(self, state, layer: int):
         """Predicted log KVzip scores [H_kv, n] of every prompt entry of `layer` (computed once per prefill)."""
@@ -114,9 +123,13 @@ def predicted_scores(state, path: Path, layer: int):
     """The surrogate at `path` applied to `layer`'s recorded hidden states: log KVzip scores [H_kv, n]."""
     layers, info = surrogate(path)
     hidden = state.signal(HIDDEN_STATES)
-    shape = (len(layers), info["output_dim"], info["input_dim"])
-    if shape != (state.num_layers, state.num_kv_heads, hidden[layer].shape[-1]):
-        raise UserError(f"KVzap weights {path} are for {shape[0]} layers x {shape[1]} KV heads from hidden size "
-                        f"{shape[2]}; the model has {state.num_layers} x {state.num_kv_heads} from "
-                        f"{hidden[layer].shape[-1]}; {FIT_HINT}")
+    check_shape(path, (len(layers), info["output_dim"], info["input_dim"]),
+                (state.num_layers, state.num_kv_heads, hidden[layer].shape[-1]))
     return kvzap_surrogate.predict(layers[layer], hidden[layer])
+
+
+def check_shape(path: Path, fitted: tuple, model: tuple) -> None:
+    """Weights fitted for (layers, KV heads, hidden size) `fitted` against the model's."""
+    if tuple(fitted) != tuple(model):
+        raise UserError(f"KVzap weights {path} are for {fitted[0]} layers x {fitted[1]} KV heads from hidden size "
+                        f"{fitted[2]}; the model has {model[0]} x {model[1]} from {model[2]}; {FIT_HINT}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -180,22 +181,35 @@ class LUKV(Allocator):
         floor = min(max(sum(protected(scorer)), scorer.floor(), 1), budget)
         return integer_budgets(shares.tolist(), budget, state.length, floor)
 
-    def curve_for(self, state, scorer) -> np.ndarray:
-        """The curve (given, or shipped for the bundled model and this scorer), checked against both."""
-        path = self.curve
-        if path is None:
-            from ripplekv.engine.models import DEFAULT_MODEL, is_bundled
+    def curve_path(self, bundled: bool, scorer) -> str | Path:
+        """The curve given, or the one shipped for the bundled model and this scorer (none: refused)."""
+        if self.curve is not None:
+            return self.curve
+        from ripplekv.engine.models import DEFAULT_MODEL
 
-            shipped = SHIPPED / f"{DEFAULT_MODEL}-{scorer.name}.csv"
-            if not (state.model is not None and is_bundled(state.model) and shipped.is_file()):
-                raise UserError(f"lukv needs a budget curve for this model and scorer ({scorer.name}); {PROFILE_HINT}")
-            path = shipped
+        shipped = SHIPPED / f"{DEFAULT_MODEL}-{scorer.name}.csv"
+        if not (bundled and shipped.is_file()):
+            raise UserError(f"lukv needs a budget curve for this model and scorer ({scorer.name}); {PROFILE_HINT}")
+        return shipped
+
+    def curve_for(self, state, scorer, bundled: bool | None = None) -> np.ndarray:
+        """The curve (given, or shipped for the bundled model and this scorer), checked against both."""
+        if bundled is None:
+            from ripplekv.engine.models import is_bundled
+
+            bundled = state.model is not None and is_bundled(state.model)
+        path = self.curve_path(bundled, scorer)
         curve, provenance = read_curve(path)
         if curve.shape[1:] != (state.num_layers, state.num_kv_heads):
             raise UserError(f"LU-KV curve {path} is for {curve.shape[1]} layers x {curve.shape[2]} KV heads, the model "
                             f"has {state.num_layers} x {state.num_kv_heads}; {PROFILE_HINT}")
         check_scorer(path, provenance, scorer)
         return curve
+
+    def check_fitted(self, shape, bundled: bool, scorer) -> None:
+        """Before any prefill: the curve exists and fits the model (`shape`: its layers, KV heads, hidden size)
+        and the scorer; a prompt no longer than the budget never reads it, so only this check would say."""
+        self.curve_for(SimpleNamespace(num_layers=shape[0], num_kv_heads=shape[1]), scorer, bundled)
 
     def allocate(self, state, budget, scorer):
         check_budget(budget)
