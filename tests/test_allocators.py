@@ -335,3 +335,16 @@ def test_check_references_dynamickv_rule_caps_a_dominant_layer_and_spreads_its_e
     assert exact[0] == cap and exact.sum() == layers * budget
     expected = integer_budgets([window + layers * (budget - window) * (i == 0) for i in range(layers)], budget, cap, window)
     assert np.abs(exact - np.asarray(expected)).max() <= 1 and exact[1:].min() > window
+
+
+def test_global_layers_first_fills_the_layers_that_read_the_whole_prompt_before_the_sliding_ones():
+    from ripplekv.methods.global_first import global_first_budgets
+
+    caps, length = [15, 15, 15, 15, 15, 90], 90  # five sliding layers holding 15 entries, one global layer
+    assert global_first_budgets(caps, length, 20, 4) == [6, 6, 6, 6, 6, 90]  # floors 4, the global layer full, +2 each
+    assert global_first_budgets(caps, length, 10, 4) == [4, 4, 4, 4, 4, 40]  # the global layer takes all it can
+    assert global_first_budgets(caps, length, 40, 4) == caps  # more than every layer holds: all of it
+    for budget in range(1, 30):
+        counts = global_first_budgets(caps, length, budget, 4)
+        assert sum(counts) == min(6 * budget, sum(caps)) and all(c <= cap for c, cap in zip(counts, caps))
+    assert global_first_budgets([90] * 4, 90, 20, 4) == [20] * 4  # no sliding layer: uniform

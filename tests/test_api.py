@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -280,6 +281,8 @@ def test_load_run_returns_the_committed_leaderboard():
                 assert pd.isna(value), (column, value)
             elif isinstance(value, str):
                 assert value == text
+            elif isinstance(value, (bool, np.bool_)):  # a flag column (fewer_samples) reads back as a bool
+                assert str(value) == text, (column, value, text)
             else:
                 assert float(value) == float(text), (column, value, text)
     assert str(table["budget"].dtype) == "Int64"
