@@ -99,16 +99,24 @@ def test_report_prints_where_the_time_went(timed_run, tmp_path, run_cli):
     assert summary.rstrip().endswith("|")  # the last section: run_files (conftest) cuts it when comparing runs
 
 
-def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(tmp_path):
+def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(tmp_path, monkeypatch):
+    now = [0.0]  # a clock the test advances: sleeping would make the sums depend on the machine's load
+    monkeypatch.setattr(timings, "perf_counter", lambda: now[0])
+
+    def spend(seconds: float) -> None:
+        now[0] += seconds
+
     with timings.collect() as spent:
+        spend(0.01)
         with timings.phase("outer"):
-            time.sleep(0.02)
+            spend(0.02)
             with timings.phase(timings.BUILD, "a"):
-                time.sleep(0.03)
+                spend(0.03)
     seconds = {(phase, method): value for phase, method, value in spent.rows()}
-    assert seconds[("outer", "")] == pytest.approx(0.02, abs=0.015)
-    assert seconds[(timings.BUILD, "a")] == pytest.approx(0.03, abs=0.015)
-    assert sum(seconds.values()) == pytest.approx(0.05, abs=0.02)
+    assert seconds[("outer", "")] == pytest.approx(0.02)
+    assert seconds[(timings.BUILD, "a")] == pytest.approx(0.03)
+    assert seconds[(timings.OTHER, "")] == pytest.approx(0.01)
+    assert sum(seconds.values()) == pytest.approx(0.06)
     with timings.phase("ignored"):  # outside `collect`: nothing is measured
         pass
     log = TimingsLog(tmp_path / "timings.csv")
