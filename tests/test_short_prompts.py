@@ -9,6 +9,7 @@ The states come from a real prefill of a tiny random Llama, as `ripplekv eval` b
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -120,3 +121,54 @@ def test_every_listed_method_is_covered(run_cli):
         spec.split("=")[1] for spec in COMPOSITIONS if ":scorer=" not in spec}
     assert {n.strip() for n in names.group(2).split(",")} == {
         spec.rsplit("=", 1)[1] for spec in COMPOSITIONS if ":scorer=" in spec}
+
+
+SHORT_PROMPT_METHODS = ("lava", "dynamickv", "snapkv:allocator=global")  # the ones that crashed on 2 tokens
+
+
+@pytest.mark.parametrize("spec", SHORT_PROMPT_METHODS)
+def test_compress_a_prompt_of_one_and_two_tokens(tiny_model, spec):
+    """The Python API on the shortest prompts: the cache holds min(B, n) entries per layer and head, and the
+    model generates through it."""
+    import ripplekv
+
+    layers, heads = tiny_model.config.num_hidden_layers, tiny_model.config.num_key_value_heads
+    for ids in ([5], [5, 9]):
+        for budget in (1, 4):
+            cache = ripplekv.compress(tiny_model, None, ids, method=spec, budget=budget)
+            assert cache.kept_entries == layers * heads * min(budget, len(ids))
+            out = tiny_model.generate(cache.input_ids, cache=cache, max_new_tokens=2, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
+            assert out.shape[1] == cache.input_ids.shape[1] + 2  # the prompt, its next token, two more
+
+
+@pytest.mark.slow
+def test_generate_eval_and_inspect_on_a_two_token_prompt(tiny_model_dir, tmp_path, run_cli):
+    """`ripplekv.generate` and `ripplekv inspect` on a prompt of 2 tokens, and `ripplekv eval` on its shortest
+    prompt (2 tokens of the sample in the chat template: no longer than the window of 32), with the methods
+    that crashed there, at a budget under and over the prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ripplekv
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    methods = ",".join(SHORT_PROMPT_METHODS)
+    answers = ripplekv.generate(model, tokenizer, "Hi there", None, methods=methods, budgets=[1, 8], max_new_tokens=2,
+                                chat=False)
+    n = len(tokenizer("Hi there", add_special_tokens=False)["input_ids"])
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert n <= 2 and [a.kept_entries for a in answers[1:]] == [layers * heads * min(b, n) for _ in range(3)
+                                                               for b in (1, 8)]
+    code, _, err = run_cli("eval", "--model", tiny_model_dir, "--suite", "offline", "--tasks", "niah", "--limit", "1",
+                           "--target-tokens", "300", "--max-length", "2", "--methods", methods, "--budget", "1",
+                           "--budget", "8", "--out", tmp_path / "eval")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert max(r["prompt_tokens"] for r in rows) <= 32 and len(rows) == 1 + 3 * 2
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Hi there")
+    code, _, err = run_cli("inspect", "--model", tiny_model_dir, "--prompt-file", prompt, "--method", "lava",
+                           "--budget", "1", "--out", tmp_path / "inspect")
+    assert code == 0, err
+    assert (tmp_path / "inspect" / "kept.npz").is_file()
