@@ -51,6 +51,11 @@ TORCH_RANDOM = _TorchRandom()  # hypothesis keeps a weak reference only
 register_random(TORCH_RANDOM)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "property: a hypothesis test (marked below); `make test-explore` runs these "
+                            "with fresh examples")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Every test (and the module fixtures it starts) begins from the same global random state, whatever ran
