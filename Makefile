@@ -6,7 +6,7 @@ STAMP   := .venv/.installed
 # `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
 REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
-.PHONY: install browser test reproduce reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
+.PHONY: install browser test test-explore reproduce reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
 
 install: $(STAMP) browser
 
@@ -38,7 +38,15 @@ test: install
 	$(PY) -m ruff check src tests scripts
 	# Tests never reach a hub: the few that exercise online paths fake the network themselves.
 	# One worker per core (pytest-xdist), each test file on one worker so its shared runs are made once.
+	# Property tests draw the same examples on every run (tests/conftest.py); `make test-explore` draws fresh ones.
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -n auto --dist loadfile
+
+# The property tests with fresh random examples, round after round under new seeds, for EXPLORE_SECONDS; the
+# first failing round stops with its seed and replay command (README.md, "Tests"). EXPLORE_ARGS: more pytest
+# arguments, e.g. EXPLORE_ARGS="tests/test_budgets.py -k lava".
+EXPLORE_SECONDS ?= 600
+test-explore: install
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) tests/explore.py --seconds $(EXPLORE_SECONDS) -- $(EXPLORE_ARGS)
 
 reproduce: install
 	bash scripts/reproduce.sh configs/reproduce.env

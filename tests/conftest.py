@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import register_random, settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 # Eval's closing report draws five figures (~2 s of CPU, ~95% of a small run's report) that only a few tests
@@ -26,6 +28,42 @@ os.environ.setdefault("RIPPLEKV_DECODE_ATTENTION", "ours")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+# Property tests (hypothesis) draw the same examples on every run: `make test`, CI and a plain pytest pass or fail
+# by the commit, never by chance, and keep no example database between runs. `make test-explore`
+# (tests/explore.py) asks for the `explore` profile (`--hypothesis-profile explore`): fresh examples under a
+# printed seed, a failure's reproduce blob printed too, to be pinned as an `@example`.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile("ci")
+
+
+class _TorchRandom:
+    """torch's global generator as hypothesis sees a `random.Random`: it seeds it before each example, as it does
+    Python's and numpy's, so an example draws the same tensors whichever example or test ran before it."""
+
+    seed = staticmethod(torch.manual_seed)
+    getstate = staticmethod(torch.get_rng_state)
+    setstate = staticmethod(torch.set_rng_state)
+
+
+TORCH_RANDOM = _TorchRandom()  # hypothesis keeps a weak reference only
+register_random(TORCH_RANDOM)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "property: a hypothesis test (marked below); `make test-explore` runs these "
+                            "with fresh examples")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Every test (and the module fixtures it starts) begins from the same global random state, whatever ran
+    before it on its pytest-xdist worker: which files a worker takes changes from run to run."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
 
 TINY = dict(
     hidden_size=64,
@@ -144,11 +182,13 @@ HEAVIEST = ("test_distributed.py", "test_ruler.py", "test_reproduce.py", "test_r
 
 def pytest_collection_modifyitems(items):
     """Whatever loads the real bundled model or starts a Ray cluster is `slow`, wherever it is: `pytest -m "not
-    slow"` then leaves out every test that needs them (their session fixtures never start). The heaviest files
-    run first (`HEAVIEST`)."""
+    slow"` then leaves out every test that needs them (their session fixtures never start). Every hypothesis
+    test is `property`. The heaviest files run first (`HEAVIEST`)."""
     for item in items:
         if {"bundled_model", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.property)  # what `make test-explore` runs
     rank = {name: index for index, name in enumerate(HEAVIEST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(HEAVIEST)))  # stable: the rest keep their order
 
@@ -252,12 +292,19 @@ def satisfy(state, tokenizer=None):
 
 
 def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 1) -> dict:
-    """Every registered method, with the inputs the ones that need them get (an allocation, a route, an LU-KV
-    curve and a KVzap surrogate for `num_layers` x `kv_heads`).
+    """Every registered method, with the inputs the ones that need them get (`method_inputs`).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
     """
     from ripplekv.methods import make_method, method_names
+
+    needs = method_inputs(num_layers, folder, kv_heads, only)
+    return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
+
+
+def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None = None) -> dict[str, dict]:
+    """The options of the presets that need an input, by preset: an allocation, a route, an LU-KV curve and a
+    KVzap surrogate for `num_layers` x `kv_heads` (the files written to `folder`; `only`: that preset's alone)."""
     from ripplekv.methods.lukv.method import RATIOS
     from ripplekv.pipeline.head_curves import write_curve
 
@@ -279,7 +326,7 @@ def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int
             torch.manual_seed(0)
             layers = kvzap_surrogate.build("mlp", HIDDEN, kv_heads, num_layers)
         needs["kvzap"] = {"weights": str(kvzap_surrogate.save(Path(folder) / "kvzap.safetensors", "mlp", layers, {}))}
-    return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
+    return needs
 
 
 def check_fidelity(rows) -> None:

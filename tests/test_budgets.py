@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ripplekv.engine.prefill import PrefillState
@@ -104,6 +104,7 @@ def test_bad_budget_is_a_user_error():
     length=st.integers(1, 300),
     budget=st.integers(1, 400),
 )
+@example(num_layers=1, kv_heads=1, length=2, budget=1)  # lava: max_pool1d on an empty prefix (a 2-token prompt)
 def test_every_method_keeps_exactly_the_matched_total(name, num_layers, kv_heads, length, budget):
     """For every registered method (layer- and head-level allocators alike): L*H*min(B, n) entries in all,
     entries built per head equal to the allocated [L, H] matrix, and no head over n."""

@@ -99,16 +99,24 @@ def test_report_prints_where_the_time_went(timed_run, tmp_path, run_cli):
     assert summary.rstrip().endswith("|")  # the last section: run_files (conftest) cuts it when comparing runs
 
 
-def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(tmp_path):
+def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(tmp_path, monkeypatch):
+    now = [0.0]  # a clock the test advances: sleeping would make the sums depend on the machine's load
+    monkeypatch.setattr(timings, "perf_counter", lambda: now[0])
+
+    def spend(seconds: float) -> None:
+        now[0] += seconds
+
     with timings.collect() as spent:
+        spend(0.01)
         with timings.phase("outer"):
-            time.sleep(0.02)
+            spend(0.02)
             with timings.phase(timings.BUILD, "a"):
-                time.sleep(0.03)
+                spend(0.03)
     seconds = {(phase, method): value for phase, method, value in spent.rows()}
-    assert seconds[("outer", "")] == pytest.approx(0.02, abs=0.015)
-    assert seconds[(timings.BUILD, "a")] == pytest.approx(0.03, abs=0.015)
-    assert sum(seconds.values()) == pytest.approx(0.05, abs=0.02)
+    assert seconds[("outer", "")] == pytest.approx(0.02)
+    assert seconds[(timings.BUILD, "a")] == pytest.approx(0.03)
+    assert seconds[(timings.OTHER, "")] == pytest.approx(0.01)
+    assert sum(seconds.values()) == pytest.approx(0.06)
     with timings.phase("ignored"):  # outside `collect`: nothing is measured
         pass
     log = TimingsLog(tmp_path / "timings.csv")
@@ -120,9 +128,33 @@ def test_nested_phases_keep_their_own_time_and_builds_beyond_the_top_are_summed(
     assert table["share"].sum() == pytest.approx(1.0)
 
 
+def test_staged_seconds_are_kept_when_the_lines_reached_the_disk_and_dropped_when_not(tmp_path):
+    """What a stopped run staged: appended once (rows it half appended cut first) when all the sample's lines
+    are on disk; dropped when they are not, since that sample runs again."""
+    from ripplekv.runs.timings import PENDING
+
+    path, lines = tmp_path / "timings.csv", [{"method": "full", "budget": None}, {"method": "snapkv", "budget": 32}]
+    log = TimingsLog(path)
+    log.append("niah", "a", [(timings.PREFILL, "", 1.0)])
+    log.stage("niah", "b", [(timings.PREFILL, "", 2.0), (timings.BUILD, "snapkv", 0.5)], lines)
+    with path.open("a") as fh:  # stopped while appending its rows: one whole, one torn
+        fh.write("niah,b,1,prefill,,2.000000\nniah,b,1,bu")
+    written = {("full", None), ("snapkv", 32)}
+    TimingsLog(path).settle({("niah", "a"): {"variants": written}, ("niah", "b"): {"variants": written}})
+    rows = read_timings(path)
+    assert rows[["sample_id", "job", "phase", "seconds"]].values.tolist() == [
+        ["a", 1, timings.PREFILL, 1.0], ["b", 1, timings.PREFILL, 2.0], ["b", 1, timings.BUILD, 0.5]]
+    assert not (tmp_path / PENDING).exists()
+    before = path.read_bytes()
+    log = TimingsLog(path)
+    log.stage("niah", "c", [(timings.PREFILL, "", 3.0)], lines)
+    TimingsLog(path).settle({("niah", "c"): {"variants": {("full", None)}}})  # one of its two lines only
+    assert path.read_bytes() == before and not (tmp_path / PENDING).exists()
+
+
 def test_a_sample_written_but_not_timed_gets_one_untimed_row_and_the_report_counts_it(tmp_path):
-    """Lines on disk but no timings row (killed between the two): the next run cannot time it without running it
-    again, so it marks it once; the report counts every sample of the predictions, timed or not."""
+    """Lines on disk but no timings row (from a version that wrote no staged seconds): the next run cannot time
+    it without running it again, so it marks it once; the report counts every sample of the predictions."""
     log = TimingsLog(tmp_path / "timings.csv")
     log.append("niah", "a", [(timings.PREFILL, "", 1.5)])
     assert log.mark_untimed([("niah", "a"), ("niah", "b")]) == 1

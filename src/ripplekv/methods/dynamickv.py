@@ -28,13 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import Allocator, check_integers, register_allocator, register_scorer
 from ripplekv.methods.core.budgets import check_budget, integer_budgets
-from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, pooling_unused, window_attention
+from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, pooled, pooling_unused, window_attention
 
 
 def pooled_head_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -42,11 +41,7 @@ def pooled_head_scores(state, layer: int, window: int, kernel: int, pooling: str
     def compute() -> torch.Tensor:
         attention = window_attention(state, layer, window, who="DynamicKV")  # [H_kv, group, w, n]
         mass = attention.sum(2).reshape(-1, attention.shape[-1])[:, : state.length - window]
-        if pooling == "max" and kernel > 1:
-            mass = F.max_pool1d(mass[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-        elif pooling == "avg" and kernel > 1:
-            mass = F.avg_pool1d(mass[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-        return mass[:, : state.length - window]
+        return pooled(mass, kernel, pooling)
 
     return state.memo((pooled_head_scores, layer, window, kernel, pooling), compute)
 

@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.adakv import DEFAULT_ALPHA
 from ripplekv.methods.core.base import COMPOSITION, Allocator, check_positive, register_allocator, register_scorer
 from ripplekv.methods.core.budgets import check_budget, integer_budgets
-from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, pooling_unused, window_attention
+from ripplekv.methods.snapkv import SnapKVScorer, check_pooling, pooled, pooling_unused, window_attention
 
 
 def lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -44,15 +43,10 @@ def lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> to
 def _lava_scores(state, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
     attention = window_attention(state, layer, window, who="LAVa")  # [H_kv, group, w, n]
     kv_heads, group, _, length = attention.shape
-    mean = attention.mean(2)[..., : length - window].reshape(kv_heads * group, 1, -1)
-    if pooling == "max" and kernel > 1:
-        mean = F.max_pool1d(mean, kernel, stride=1, padding=kernel // 2)
-    elif pooling == "avg" and kernel > 1:
-        mean = F.avg_pool1d(mean, kernel, stride=1, padding=kernel // 2)
-    pooled = mean.reshape(kv_heads, group, -1)[..., : length - window]
+    mean = pooled(attention.mean(2)[..., : length - window], kernel, pooling)  # [H_kv, group, n - window]
     values = state.values[layer][:, : length - window].float()
     largest = values.abs().sum(-1).amax(-1) if values.shape[1] else values.new_zeros(kv_heads)  # [H_kv]
-    return (pooled * largest[:, None, None]).amax(1)
+    return (mean * largest[:, None, None]).amax(1)
 
 
 def normalized_entropy(scores: torch.Tensor) -> float:

@@ -43,6 +43,17 @@ def pooling_unused(kernel: int, pooling: str) -> dict[str, str]:
     return unused
 
 
+def pooled(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """`scores` [..., m] smoothed along their last axis by 1-D pooling (same length; the edges zero-padded).
+    An empty prefix (a prompt no longer than the window: m = 0) has nothing to smooth and comes back as it is;
+    torch's pooling refuses an empty axis."""
+    if kernel == 1 or pooling == "none" or scores.shape[-1] == 0:
+        return scores
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    return pool(flat, kernel, stride=1, padding=kernel // 2)[..., : scores.shape[-1]].reshape(scores.shape)
+
+
 def window_attention(state: PrefillState, layer: int, window: int, who: str = "SnapKV") -> torch.Tensor:
     """Attention [H_kv, group, window, n] (float32) of the last `window` prompt queries over all keys."""
     queries = state.window_queries(layer, window, who).float()  # [H_q, w, d]
@@ -70,12 +81,7 @@ def window_scores(state: PrefillState, layer: int, window: int, kernel: int, poo
 def pooled_window_mass(state: PrefillState, layer: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
     mass = window_attention(state, layer, window).sum(2).mean(1)
     length = mass.shape[1]
-    prefix = mass[:, : length - window]
-    if pooling == "max" and kernel > 1:
-        prefix = F.max_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-    elif pooling == "avg" and kernel > 1:
-        prefix = F.avg_pool1d(prefix[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-    return prefix[:, : length - window]
+    return pooled(mass[:, : length - window], kernel, pooling)
 
 
 @dataclass(frozen=True)

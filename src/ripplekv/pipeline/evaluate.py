@@ -287,7 +287,8 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
 
     have = existing_lines(out)
     times = TimingsLog(out / TIMINGS)  # a torn last row (a kill mid-write) is cut here
-    times.mark_untimed(have)  # lines written, timings row lost (killed between the two): said, not guessed
+    times.settle(have)  # a sample's seconds staged before a stop: kept if its lines were written, else dropped
+    times.mark_untimed(have)  # lines without rows (from an earlier version): said, not guessed
     jobs = plan_jobs(plan, config, work, have, tokenizer)
     merged = merge_config(old, config)
     unchanged = json.loads(json.dumps(merged)) == old
@@ -330,8 +331,9 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
                         if job.old_prompt_tokens is not None and rows and rows[0]["prompt_tokens"] != job.old_prompt_tokens:
                             raise UserError(f"sample {job.task.name}/{job.sid} now has {rows[0]['prompt_tokens']} "
                                             f"prompt tokens, not {job.old_prompt_tokens} as in {out}; use a new --out directory")
+                        times.stage(job.task.name, job.sid, spent, rows)  # kept through a stop before `commit`
                         append_rows(fh, rows)
-                        times.append(job.task.name, job.sid, spent)  # after its lines: a sample is timed once
+                        times.commit()  # after its lines: a sample is timed once
                         finished += 1
                         progress.update(bar, samples=f"{finished}/{len(jobs)} samples",
                                         description=f"{job.task.name} [dim]{escape(job.sid)}[/dim] done")

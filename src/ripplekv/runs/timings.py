@@ -3,26 +3,31 @@
 Rows are appended, fsynced, right after the sample's result lines, so a resumed run keeps the rows of the
 samples already done and never times a sample twice (a finished sample is not run again). A sample that
 a later run extends with more variants is prefilled again: those rows carry the next `job` number, as
-they are new work. A torn last row (a kill mid-write) is cut when the next run opens the file. A sample whose lines were
-written but whose rows were not (a kill, or a full disk, between the two) cannot be timed afterwards
-without running it again: the next run gives it one `UNTIMED` row instead, so the table still names every
-sample the predictions hold, and the report says how many were not timed.
+they are new work. A torn last row (a kill mid-write) is cut when the next run opens the file.
+
+A run stopped anywhere between a sample's lines and its rows (a kill, a full disk) loses neither: the sample's
+seconds are staged in `PENDING` before its lines are written (`stage`), appended after them (`commit`), and the
+next run finishes or drops what is staged by whether the lines reached the disk (`settle`). A sample with lines
+but no rows can then only come from a run of an earlier version: it gets one `UNTIMED` row, so the table still
+names every sample the predictions hold, and the report says how many were not timed.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 import pandas as pd
 
 from ripplekv.errors import UserError
-from ripplekv.runs.safeio import append_bytes, cut_to, open_append
+from ripplekv.runs.safeio import append_bytes, cut_to, open_append, write_json
 
 # method: "" for the phases every variant shares; task and sample_id: "" for the run's report
 COLUMNS = ("task", "sample_id", "job", "phase", "method", "seconds")
 UNTIMED = "untimed"  # the phase of a sample's one row when its lines were written but its times were lost
+PENDING = ".timings.pending.json"  # beside timings.csv: the seconds of the sample whose lines are being written
 
 
 def read_timings(path: str | Path) -> pd.DataFrame:
@@ -49,9 +54,46 @@ class TimingsLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.pending = self.path.with_name(PENDING)
         self._cut_torn_row()
+        self._read_jobs()
+
+    def _read_jobs(self) -> None:
         frame = read_timings(self.path)
         self.jobs = {key: int(job) for key, job in frame.groupby(["task", "sample_id"])["job"].max().items()}
+
+    def stage(self, task: str, sample_id: str, spent: list[tuple[str, str, float]], rows: list[dict]) -> None:
+        """Before a sample's result `rows` are written: its seconds, which (method, budget) lines it writes, and
+        where the table ends now, kept in one atomic file."""
+        size = self.path.stat().st_size if self.path.is_file() else 0
+        write_json(self.pending, {"task": str(task), "sample_id": str(sample_id), "table_bytes": size,
+                                  "lines": [[row["method"], row["budget"]] for row in rows],
+                                  "spent": [list(item) for item in spent]})
+
+    def commit(self) -> None:
+        """After the staged sample's lines are on disk: its rows appended, then the staged file removed."""
+        staged = json.loads(self.pending.read_text(encoding="utf-8"))
+        self.append(staged["task"], staged["sample_id"], [tuple(item) for item in staged["spent"]])
+        self.pending.unlink()
+
+    def settle(self, have: dict) -> None:
+        """At a run's start, what a stopped run staged: its rows appended when all its lines are among `have`
+        (`runs.resume.existing_lines`), the table first cut back to where it ended before them (rows half
+        appended are not doubled); dropped when they are not, as that sample runs again."""
+        if not self.pending.is_file():
+            return
+        try:
+            staged = json.loads(self.pending.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            raise UserError(f"{self.pending} is unreadable; delete it (that sample's seconds are lost)") from None
+        written = have.get((staged["task"], staged["sample_id"]), {}).get("variants", set())
+        if {(method, budget) for method, budget in staged["lines"]} <= written:
+            if self.path.is_file() and self.path.stat().st_size > staged["table_bytes"]:
+                cut_to(self.path, staged["table_bytes"])
+                self._read_jobs()
+            self.commit()
+        else:
+            self.pending.unlink()
 
     def _cut_torn_row(self) -> None:
         if not self.path.is_file():
