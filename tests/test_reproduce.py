@@ -494,3 +494,18 @@ def test_the_predictors_step_refuses_an_output_under_a_file_in_one_line(tmp_path
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(UserError, match="a-file is a file, not a directory"):
         write_predictors(str(tmp_path / "drop"), [str(tmp_path / "kl")], str(tmp_path / "a-file" / "predictors.csv"))
+
+
+@pytest.mark.parametrize("target", ["reproduce", "reproduce-quick", "reproduce-gemma", "reproduce-full"])
+def test_every_make_target_runs_the_pipeline_on_a_config_that_loads(target):
+    """Each `make reproduce*` target is `ripplekv reproduce` on a committed TOML config that parses."""
+    import re
+    import subprocess
+
+    from ripplekv.pipeline.reproduce.config import load_config
+
+    make = subprocess.run(["make", "-n", "-o", ".venv/.installed", target], cwd=REPO, capture_output=True, text=True)
+    configs = re.findall(r"ripplekv reproduce (configs/\S+\.toml)", make.stdout)
+    assert configs, make.stdout
+    for config in configs:
+        assert load_config(REPO / config).out

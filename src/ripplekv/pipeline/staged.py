@@ -168,6 +168,11 @@ class StagedRun:
 
 
 def _run(name: str, command: Command) -> None:
-    code = subprocess.run(list(command.argv)).returncode
+    process = subprocess.Popen(list(command.argv))
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:  # the stage got the same Ctrl-C: let it keep what it finished, then stop
+        process.wait()
+        raise
     if code != 0:
         raise StageFailed(name, code)

@@ -146,11 +146,10 @@ def _listed(name: str, value) -> list:
     return value
 
 
-def parse(name: str, value):
+def parse(name: str, value, kind: str):
     """One setting's value, checked against its kind; empty (`""`, `[]`) is unset."""
     from ripplekv.pipeline.profile import MAX_ETA
 
-    kind = KINDS[name]
     if value == "" or value == []:
         return None
     if kind == "count":
@@ -186,8 +185,11 @@ def parse(name: str, value):
     return tuple(items)
 
 
-def load_config(path: str | Path) -> ReproduceConfig:
-    """configs/NAME.toml, parsed and its settings checked one by one (UserError on the first mistake)."""
+def read_settings(path: str | Path, kinds: dict[str, str], required: tuple[str, ...],
+                  needs: dict[str, tuple[str, ...]], guide: str) -> dict:
+    """A pipeline's TOML config as {setting: value}, each checked against `kinds` (a setting -> its kind), the
+    `required` ones present and each setting of `needs` (setting -> those its stage needs) with its needs;
+    `guide`: the config file that describes every setting (named in the errors)."""
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as err:
@@ -196,18 +198,24 @@ def load_config(path: str | Path) -> ReproduceConfig:
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"not valid TOML: {err}") from None
     for key in raw:
-        if key not in KINDS:
-            close = difflib.get_close_matches(key, KINDS, n=1)
+        if key not in kinds:
+            close = difflib.get_close_matches(key, kinds, n=1)
             raise UserError(f"unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                            + "; configs/reproduce.toml describes every setting")
-    values = {key: parse(key, value) for key, value in raw.items()}
-    for key in REQUIRED:
+                            + f"; {guide} describes every setting")
+    values = {key: parse(key, value, kinds[key]) for key, value in raw.items()}
+    for key in required:
         if values.get(key) is None:
-            raise UserError(f"{key} is not set; every config sets it (see configs/quick.toml)")
-    for key, needs in NEEDS.items():
-        missing = [need for need in needs if values.get(key) is not None and values.get(need) is None]
+            raise UserError(f"{key} is not set; every config sets it (see {guide})")
+    for key, wanted in needs.items():
+        missing = [need for need in wanted if values.get(key) is not None and values.get(need) is None]
         if missing:
             raise UserError(f"{key} runs a stage that needs {', '.join(missing)}; set it")
+    return values
+
+
+def load_config(path: str | Path) -> ReproduceConfig:
+    """configs/NAME.toml, parsed and its settings checked one by one (UserError on the first mistake)."""
+    values = read_settings(path, KINDS, REQUIRED, NEEDS, "configs/reproduce.toml")
     for kept in values.get("carry") or ():
         if "/" in kept or kept in (".", ".."):
             raise UserError(f"carry: {kept!r} is not a folder name inside out (e.g. gemma3)")
