@@ -48,21 +48,23 @@ EXPLORE_SECONDS ?= 600
 test-explore: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) tests/explore.py --seconds $(EXPLORE_SECONDS) -- $(EXPLORE_ARGS)
 
+# The pipeline (`ripplekv reproduce`, src/ripplekv/pipeline/reproduce/): stages from one config, built in
+# runs/.staging/ and moved into place only when all succeeded; rerun the same target to resume.
 reproduce: install
-	bash scripts/reproduce.sh configs/reproduce.env
+	$(RKV) reproduce configs/reproduce.toml
 
 reproduce-quick: install
-	bash scripts/reproduce.sh configs/quick.env
+	$(RKV) reproduce configs/quick.toml
 
 reproduce-gemma: install
-	# The second model (Gemma 3 270M) into results/gemma3 (configs/gemma3.env); then results/README.md again, which
+	# The second model (Gemma 3 270M) into results/gemma3 (configs/gemma3.toml); then results/README.md again, which
 	# pairs the two models' rankings, when results/ holds the bundled model's run.
-	bash scripts/reproduce.sh configs/gemma3.env
-	if [ -f results/eval/leaderboard.csv ]; then $(PY) scripts/write_results_readme.py results configs/reproduce.env results; fi
+	$(RKV) reproduce configs/gemma3.toml
+	if [ -f results/eval/leaderboard.csv ]; then $(RKV) reproduce configs/reproduce.toml --page-only; fi
 
 reproduce-full: install
-	# The whole zoo, both protocols, long answers, into results-full/ (hours on 2 cores; see configs/full.env).
-	bash scripts/reproduce.sh configs/full.env
+	# The whole zoo, both protocols, long answers, into results-full/ (hours on 2 cores; see configs/full.toml).
+	$(RKV) reproduce configs/full.toml
 
 check-references: install
 	# Baselines against kvpress 0.5.5 and the papers' formulas, the KIVI quantizer against optimum-quanto 0.2.7,

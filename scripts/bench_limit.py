@@ -8,7 +8,7 @@ is also evaluated with plain decoding (every variant decoded whole, the pre-dive
 of identical predictions is printed, with its time ratio.
 
 Default: the 14 methods reproduce ran before the 2025-26 ones (53 variants: x 4 budgets, 3.5k tokens; today's
-configs/reproduce.env has 23, pass them with --methods) with the committed results/ allocation, DepthKV
+configs/reproduce.toml has 23, pass them with --methods) with the committed results/ allocation, DepthKV
 allocation and route.
 
 `--stages` adds reproduce's other per-sample work on its calibration prompts, each over one plain prefill of

@@ -1,19 +1,23 @@
-"""scripts/reproduce.sh with a stand-in `ripplekv`: OUT is replaced only when every stage succeeded."""
+"""`ripplekv reproduce` with a stand-in `ripplekv` for its stages: OUT is replaced only when every stage succeeded;
+the pre-flight refuses a bad config in one line; the committed config builds the committed commands."""
 
 from __future__ import annotations
 
-import os
+import json
 import shutil
 import stat
-import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from ripplekv.pipeline.reproduce import run as run_module
+from ripplekv.pipeline.staged import StageFailed
+
 REPO = Path(__file__).resolve().parents[1]
 
-# Writes what each stage's real command writes (enough for write_results_readme.py); fails at $FAIL_AT.
+# Writes what each stage's real command writes (enough for the results page); fails at $FAIL_AT.
 FAKE_RIPPLEKV = r'''#!/usr/bin/env python3
 import json, os, sys
 from pathlib import Path
@@ -99,77 +103,83 @@ else:
                                             "| 128 | snapkv:quant=kivi:bits=4 | 4 |\n")
 '''
 
-CONFIG = """MODEL=
-OUT=results
-CALIB_SAMPLES=2
-SEEDS=1
-ETA=0.3
-PROBE_TOKENS=16
-RATIOS="4"
-SWEEP_SAMPLES=2
-SWEEP_BUDGET=128
-SUITE=offline
-BUDGETS="64 128"
-METHODS=full,snapkv,ripplekv
-LIMIT=1
-TARGET_TOKENS=2000
-"""
-OPTIONAL_STAGES = """EVICT_CALIB_SAMPLES=2
-ROUTE_CALIB_SAMPLES=2
-ROUTE_BUDGET=128
-PLACEMENTS=3
-PLACEMENT_SAMPLES=1
-METHODS=full,snapkv,ripplekv,depthkv,routed
-HEADLINE_METHODS=full,h2o,depthkv
-DEPTHKV_FLOOR=0.25
-"""
-
-# configs/gemma3.env's shape: the second model's own run into a folder of results/ (the bundled model stands in for
+# The stand-in runs' settings, written as TOML by `toml` (a later dict's keys replace an earlier one's).
+CONFIG = {"model": "", "out": "results", "calib_samples": 2, "seeds": 1, "eta": 0.3, "probe_tokens": 16,
+          "ratios": [4], "sweep_samples": 2, "sweep_budget": 128, "suite": "offline", "budgets": [64, 128],
+          "methods": ["full", "snapkv", "ripplekv"], "limit": 1, "target_tokens": 2000}
+OPTIONAL_STAGES = {"evict_calib_samples": 2, "route_calib_samples": 2, "route_budget": 128, "placements": 3,
+                   "placement_samples": 1, "methods": ["full", "snapkv", "ripplekv", "depthkv", "routed"],
+                   "headline_methods": ["full", "h2o", "depthkv"], "depthkv_floor": 0.25}
+CONTEXT = {"context_methods": ["full", "snapkv", "ripplekv", "criticalkv", "oracle"], "context_budgets": [128],
+           "context_limit": 2}
+MEMORY = {"memory_methods": ["full", "snapkv", "ripplekv", "kivi:bits=4", "snapkv:quant=kivi:bits=4"],
+          "memory_budgets": [128], "memory_limit": 2}
+LONG = {"long_tasks": ["paragraph_recall"], "long_methods": ["full", "snapkv", "ripplekv"], "long_budgets": [64],
+        "long_limit": 1, "long_target_tokens": 2000}
+DRAWS = {"draws": 3, "draw_budgets": [64], "ratios": [2, 4], "tune": ["cake:tau1=0.5,1"],
+         "methods": ["full", "snapkv", "ripplekv", "depthkv:scorer=snapkv", "routed", "cake"]}
+# configs/gemma3.toml's shape: the second model's own run into a folder of results/ (the bundled model stands in for
 # Gemma here: the stand-in ripplekv ignores --model, and the pre-flight need not assemble Gemma's GGUF)
-GEMMA = CONFIG.replace("OUT=results\n", "OUT=results/gemma3\n")
+GEMMA = {**CONFIG, "out": "results/gemma3"}
 
 
-# The stand-in runs skip reproduce.sh's pre-flight (scripts/check_config.py imports torch and transformers: ~7 s a
-# run); the real one refuses bad configs in `project_with_preflight` and accepts every config used here in
-# test_the_preflight_accepts_every_config_the_stand_in_runs_use.
-PREFLIGHT_SKIPPED = "# the stand-in runs' pre-flight (tests/test_reproduce.py): every config passes\n"
+def toml(*settings: dict) -> str:
+    """The settings as a config file (TOML), later dicts overriding earlier ones."""
+    merged = {key: value for part in settings for key, value in part.items()}
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in merged.items())
 
 
 @pytest.fixture
-def project(tmp_path: Path) -> Path:
-    """A copy of scripts/ with the stand-in ripplekv, the test's Python as .venv/bin/python and no pre-flight."""
-    shutil.copytree(REPO / "scripts", tmp_path / "scripts")
-    (tmp_path / "scripts" / "check_config.py").write_text(PREFLIGHT_SKIPPED)
+def project(tmp_path: Path, monkeypatch) -> Path:
+    """A folder with configs/reproduce.toml, a committed results/ and the stand-in ripplekv as every stage's
+    program; the working directory while the test runs. The pre-flight is skipped (it imports the model's config:
+    seconds a run); the real one passes every config used here (test_the_preflight_accepts_...)."""
+    fake = tmp_path / "fake-ripplekv"
+    fake.write_text(FAKE_RIPPLEKV.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("RIPPLEKV_PROGRAM", str(fake))
+    monkeypatch.delenv("FAIL_AT", raising=False)
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "reproduce.env").write_text(CONFIG)
-    venv = tmp_path / ".venv" / "bin"
-    venv.mkdir(parents=True)
-    (venv / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (venv / "ripplekv").write_text(FAKE_RIPPLEKV.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
-    for name in ("python", "ripplekv"):
-        (venv / name).chmod((venv / name).stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "configs" / "reproduce.toml").write_text(toml(CONFIG))
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "committed.txt").write_text("the committed results\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run_module, "check_config", lambda config: None)
     return tmp_path
 
 
-@pytest.fixture
-def project_with_preflight(project: Path) -> Path:
-    shutil.copy(REPO / "scripts" / "check_config.py", project / "scripts" / "check_config.py")
-    return project
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def reproduce(project: Path, fail_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FAIL_AT": fail_at or ""}
-    return subprocess.run(["bash", "scripts/reproduce.sh", "configs/reproduce.env"], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=120)
+def ripplekv(args: list[str], capfd, monkeypatch, fail_at: str | None = None) -> Done:
+    """`ripplekv ARGS` in this process (its stages as subprocesses), with FAIL_AT for the stand-in."""
+    from ripplekv.cli.app import main
+
+    monkeypatch.setenv("FAIL_AT", fail_at or "")
+    monkeypatch.setattr(sys, "argv", ["ripplekv", *args])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main()
+    out, err = capfd.readouterr()
+    return Done(stop.value.code or 0, out, err)
+
+
+def reproduce(capfd, monkeypatch, fail_at: str | None = None, config: str = "configs/reproduce.toml") -> Done:
+    return ripplekv(["reproduce", config], capfd, monkeypatch, fail_at)
+
+
+def write_config(project: Path, *settings: dict) -> None:
+    (project / "configs" / "reproduce.toml").write_text(toml(*settings))
 
 
 @pytest.mark.slow
-def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
-    config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + OPTIONAL_STAGES)
-    done = reproduce(project)
+def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project, capfd, monkeypatch):
+    write_config(project, CONFIG, OPTIONAL_STAGES)
+    done = reproduce(capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     results = project / "results"
     assert (results / "profile-evict" / "sensitivity.csv").is_file() and (results / "depthkv.csv").is_file()
@@ -186,22 +196,22 @@ def test_depthkv_and_route_stages_feed_eval_and_the_results_page(project):
     assert "`depthkv:allocation=depthkv.csv` against `h2o` at the headline ratio (3 samples, paired)" in readme
     assert (results / "eval-headline" / "predictions.jsonl").is_file()
     # Without the optional settings the stages are skipped and eval gets neither flag.
-    config.write_text(CONFIG)
+    write_config(project, CONFIG)
     shutil.rmtree(results)
-    again = reproduce(project)
+    again = reproduce(capfd, monkeypatch)
     assert again.returncode == 0, again.stderr
     readme = (results / "README.md").read_text()
     assert "--route" not in readme and "depthkv" not in readme.lower() and "## Layer-wise routing" not in readme
 
 
 @pytest.mark.slow
-def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_replaces_them(project):
-    failed = reproduce(project, fail_at="eval")
-    assert failed.returncode != 0
+def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_replaces_them(project, capfd, monkeypatch):
+    failed = reproduce(capfd, monkeypatch, fail_at="eval")
+    assert failed.returncode == 1 and "== eval failed (exit 1); finished stages are kept" in failed.stdout
     assert sorted(p.name for p in (project / "results").iterdir()) == ["committed.txt"]
     assert (project / "runs" / ".staging" / "results" / "profile" / "sensitivity.csv").is_file()
 
-    done = reproduce(project)
+    done = reproduce(capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     assert "profile: up to date" in done.stdout and "allocate: up to date" in done.stdout
     results = project / "results"
@@ -211,15 +221,44 @@ def test_a_failed_run_leaves_results_untouched_and_the_next_one_resumes_and_repl
     assert len(previous) == 1 and (previous[0] / "committed.txt").is_file()
     readme = (results / "README.md").read_text()
     assert readme.startswith("# Results of `make reproduce`")
+    assert "Produced by `ripplekv reproduce configs/reproduce.toml` into `results`" in readme
     assert "--methods full,snapkv,ripplekv" in readme and "\\," not in readme
     assert ".staging" not in readme and "--out results/eval" in readme
+    stages = (results / "stages.csv").read_text().splitlines()  # the resumed run appended its stages
+    assert stages[0] == "stage,seconds" and [line.split(",")[0] for line in stages[1:]] == \
+        ["profile", "allocate", "eval"]
+
+
+def test_a_changed_setting_reruns_its_stage_and_a_finished_one_is_skipped(project, capfd, monkeypatch):
+    """A stage is skipped only when its output exists and its recorded command is the one wanted now."""
+    assert reproduce(capfd, monkeypatch, fail_at="eval").returncode == 1
+    write_config(project, CONFIG, {"ratios": [2, 4]})
+    done = reproduce(capfd, monkeypatch, fail_at="eval")
+    assert "== profile: up to date" in done.stdout and "== allocate: up to date" not in done.stdout
+    assert "--ratio 2 --ratio 4" in (project / "runs" / ".staging" / "results" / ".allocate.cmd").read_text()
+
+
+def test_records_of_the_bash_runner_count_as_up_to_date(tmp_path, monkeypatch, capsys):
+    """A staging folder the earlier bash runner left (`printf %q` records, commas escaped, `.venv/bin/ripplekv`)
+    resumes without rerunning its finished stages; a different command does rerun."""
+    from ripplekv.pipeline.staged import StagedRun, ripplekv_command
+
+    monkeypatch.chdir(tmp_path)
+    run = StagedRun("results")
+    run.begin()
+    Path(run.path("marker")).write_text("x")
+    Path(run.path(".eval.cmd")).write_text(".venv/bin/ripplekv eval --methods full\\,snapkv --out results/eval \n")
+    monkeypatch.setenv("RIPPLEKV_PROGRAM", "false")  # would fail if run
+    run.stage("eval", run.path("marker"), ripplekv_command("eval", "--methods", "full,snapkv", "--out", run.path("eval")))
+    assert "== eval: up to date" in capsys.readouterr().out
+    with pytest.raises(StageFailed):
+        run.stage("eval", run.path("marker"), ripplekv_command("eval", "--methods", "full", "--out", run.path("eval")))
 
 
 @pytest.mark.slow
-def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project):
-    config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + CONTEXT)
-    done = reproduce(project)
+def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project, capfd, monkeypatch):
+    write_config(project, CONFIG, CONTEXT)
+    done = reproduce(capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     results = project / "results"
     assert (results / "eval-context-only" / "leaderboard.csv").is_file()
@@ -233,36 +272,29 @@ def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headl
     assert "Informative tasks" in readme and "code (full cache 1.50, best constant answer 40.00)" in readme
 
 
-def test_the_memory_axis_runs_only_when_configured_and_the_page_names_the_best_way_per_budget(project):
-    """MEMORY_METHODS's eval into OUT/eval-memory; the page gives its headline (closest way of spending each
+def test_the_memory_axis_runs_only_when_configured_and_the_page_names_the_best_way_per_budget(project, capfd,
+                                                                                            monkeypatch):
+    """memory_methods' eval into OUT/eval-memory; the page gives its headline (closest way of spending each
     budget's bytes against the runner-up, tied when their interval holds 0) and the memory-axis table."""
-    config = project / "configs" / "reproduce.env"
-    done = reproduce(project)
-    assert done.returncode == 0, done.stderr
-    assert not (project / "results" / "eval-memory").exists() and "Memory axis" not in (project / "results" / "README.md").read_text()
-    config.write_text(CONFIG + MEMORY)
-    done = reproduce(project)
+    done = reproduce(capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     readme = (project / "results" / "README.md").read_text()
-    assert "--out results/eval-memory" in readme and "--methods full,snapkv,ripplekv,kivi:bits=4,snapkv:quant=kivi:bits=4" in readme
+    assert not (project / "results" / "eval-memory").exists() and "Memory axis" not in readme
+    write_config(project, CONFIG, MEMORY)
+    done = reproduce(capfd, monkeypatch)
+    assert done.returncode == 0, done.stderr
+    readme = (project / "results" / "README.md").read_text()
+    assert "--out results/eval-memory" in readme
+    assert "--methods full,snapkv,ripplekv,kivi:bits=4,snapkv:quant=kivi:bits=4" in readme
     section = readme[readme.index("## Memory axis: the best way found"):]
     assert "`criticalkv` 0.400" in section and "| tied " in section and "| 128 | snapkv:quant=kivi:bits=4 | 4 |" in section
     assert "![memory axis](eval-memory/memory_axis.png)" in section
 
 
-LONG = """LONG_TASKS=paragraph_recall
-LONG_METHODS=full,snapkv,ripplekv
-LONG_BUDGETS="64"
-LONG_LIMIT=1
-LONG_TARGET_TOKENS=2000
-"""
-
-
 @pytest.mark.slow
-def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(project):
-    config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + LONG)
-    done = reproduce(project)
+def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(project, capfd, monkeypatch):
+    write_config(project, CONFIG, LONG)
+    done = reproduce(capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     results = project / "results"
     assert (results / "long" / "prompt" / "predictions.jsonl").is_file()
@@ -274,26 +306,16 @@ def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(p
     snap = next(line for line in readme.splitlines() if line.startswith("| snapkv"))
     assert [cell.strip() for cell in snap.strip("|").split("|")] == \
         ["snapkv", "64", "1", "50", "0.1", "101", "164", "50", "0.1", "101", "64"]
-    config.write_text(CONFIG)
+    write_config(project, CONFIG)
     shutil.rmtree(results)
-    again = reproduce(project)
+    again = reproduce(capfd, monkeypatch)
     assert again.returncode == 0, again.stderr
     assert not (results / "long").exists() and "Long answers" not in (results / "README.md").read_text()
 
 
-
-DRAWS = """DRAWS=3
-DRAW_BUDGETS="64"
-RATIOS="2 4"
-TUNE="cake:tau1=0.5,1"
-METHODS=full,snapkv,ripplekv,depthkv:scorer=snapkv,routed,cake
-"""
-
-
-def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_the_spread(project):
-    config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + OPTIONAL_STAGES + DRAWS)
-    failed = reproduce(project, fail_at="eval")  # interrupted after every draw's calibration
+def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_the_spread(project, capfd, monkeypatch):
+    write_config(project, CONFIG, OPTIONAL_STAGES, DRAWS)
+    failed = reproduce(capfd, monkeypatch, fail_at="eval")  # interrupted after every draw's calibration
     assert failed.returncode != 0
     staging = project / "runs" / ".staging" / "results"
     for d in (1, 2):
@@ -302,13 +324,14 @@ def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_th
         assert (staging / "draws" / f"d{d}" / f"ROUTE-d{d}.csv").is_file()
     assert "--calib-draw 2 --calib-draws 3" in (staging / ".profile-d2.cmd").read_text()
     assert "--placements 0" in (staging / ".route-d1.cmd").read_text()  # the placement study is draw 0's
-    # Predictors pool the three draws' profiles (the record is `printf %q`'s, commas escaped).
+    # Predictors pool the three draws' profiles.
     assert "results/profile-evict,results/draws/d1/profile-evict,results/draws/d2/profile-evict" in \
-        (staging / ".predictors.cmd").read_text().replace("\\,", ",")
+        (staging / ".predictors.cmd").read_text()
 
-    done = reproduce(project)
+    done = reproduce(capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     assert "profile-d2: up to date" in done.stdout and "route-d1: up to date" in done.stdout
+    assert "predictors: up to date" in done.stdout
     results = project / "results"
     draws = (results / "draws.csv").read_text().splitlines()
     assert draws[0] == "method,draw,variant" and len(draws) == 1 + 3 * 3  # ripplekv, depthkv, routed x 3 draws
@@ -316,7 +339,7 @@ def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_th
     assert "routed,2,routed:route=ROUTE-d2.csv" in draws
     assert "depthkv:allocation=depthkv.csv:scorer=snapkv,2,depthkv:allocation=depthkv-d2.csv:scorer=snapkv" in draws
     readme = (results / "README.md").read_text()
-    # The tuned baseline is evaluated as tuned; the draws' eval runs at DRAW_BUDGETS beside draw 0's.
+    # The tuned baseline is evaluated as tuned; the draws' eval runs at draw_budgets beside draw 0's.
     assert "--methods full,snapkv,ripplekv,depthkv:allocation=results/depthkv.csv:scorer=snapkv,routed,cake:tau1=2" in readme
     assert "--budget 64 --methods full,ripplekv:allocation=results/draws/d1/allocation-d1.csv," in readme
     assert "## Calibration draws" in readme and "## Baselines tuned on calibration prompts" in readme
@@ -328,13 +351,12 @@ def test_calibration_draws_calibrate_every_method_per_draw_and_the_page_gives_th
 
 
 @pytest.mark.slow
-def test_the_second_model_runs_into_its_folder_and_the_bundled_models_run_keeps_it(project):
-    """`make reproduce-gemma` (configs/gemma3.env) builds results/gemma3 with its own profile, allocation, eval and
-    page; `make reproduce` (CARRY=gemma3) then replaces what it made, keeps results/gemma3 as it was, and its page
-    pairs the two models' rankings, ties called ties."""
-    (project / "configs" / "gemma3.env").write_text(GEMMA)
-    done = subprocess.run(["bash", "scripts/reproduce.sh", "configs/gemma3.env"], cwd=project, capture_output=True,
-                          text=True, timeout=120)
+def test_the_second_model_runs_into_its_folder_and_the_bundled_models_run_keeps_it(project, capfd, monkeypatch):
+    """`make reproduce-gemma` (configs/gemma3.toml) builds results/gemma3 with its own profile, allocation, eval and
+    page; `make reproduce` (carry = ["gemma3"]) then replaces what it made, keeps results/gemma3 as it was, and its
+    page pairs the two models' rankings, ties called ties."""
+    (project / "configs" / "gemma3.toml").write_text(toml(GEMMA))
+    done = reproduce(capfd, monkeypatch, config="configs/gemma3.toml")
     assert done.returncode == 0, done.stderr
     results, gemma = project / "results", project / "results" / "gemma3"
     assert (gemma / "profile" / "sensitivity.csv").is_file() and (gemma / "eval" / "leaderboard.csv").is_file()
@@ -343,8 +365,8 @@ def test_the_second_model_runs_into_its_folder_and_the_bundled_models_run_keeps_
     assert (results / "committed.txt").is_file()  # the second model's run leaves the rest of results/ alone
 
     (gemma / "eval" / "marker").write_text("made by reproduce-gemma")
-    (project / "configs" / "reproduce.env").write_text(CONFIG + "CARRY=gemma3\n")
-    again = reproduce(project)
+    write_config(project, CONFIG, {"carry": ["gemma3"]})
+    again = reproduce(capfd, monkeypatch)
     assert again.returncode == 0, again.stderr
     assert "gemma3: kept from results" in again.stdout
     assert (gemma / "eval" / "marker").read_text() == "made by reproduce-gemma"
@@ -354,70 +376,136 @@ def test_the_second_model_runs_into_its_folder_and_the_bundled_models_run_keeps_
     # The stand-in's KL differences are the same on every sample: 3 samples cannot reject, so both models tie,
     # at each of the two budgets they share.
     assert "| ripplekv vs snapkv |" in readme and "undecided (tied on m and gemma3)" in readme and "2 undecided." in readme
+    # --page-only writes the same page again from the finished folder (as `make reproduce-gemma` ends), no stage runs.
+    (results / "README.md").unlink()
+    paged = ripplekv(["reproduce", "configs/reproduce.toml", "--page-only"], capfd, monkeypatch)
+    assert paged.returncode == 0 and "== profile" not in paged.stdout
+    assert (results / "README.md").read_text() == readme
+
+
+def test_page_only_refuses_a_folder_without_a_finished_run(project, capfd, monkeypatch):
+    done = ripplekv(["reproduce", "configs/reproduce.toml", "--page-only"], capfd, monkeypatch)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("error: configs/reproduce.toml: results holds no finished run"), done.stderr
 
 
 CHANGES = [
-    ("TASKS=niah,nope", "TASKS (the eval stage): unknown task 'nope'"),
-    ("METHODS=full,snapkv,nope", "unknown method 'nope'"),
-    ("COMPARE_METHODS=full,snapkv,nosuch", "COMPARE_METHODS (the eval-compare stage"),
-    ("MEMORY_METHODS=full,ripplekv,snapkv:quant=kivi:bits=3", "MEMORY_METHODS (the eval-memory stage"),
-    ("METHODS=full,snapkv,ripplekv,compresskv", "set COMPRESSKV_CALIB_SAMPLES"),
-    ("HEADLINE_METHODS=full,h2o,depthkv", "set EVICT_CALIB_SAMPLES"),
-    ("BUDGETS=64 0", "BUDGETS='64 0': budget must be a positive integer"),
-    ("LIMIT=0", "LIMIT='0' must be an integer >= 1"),
-    ("METHODS=full,gracekv:slots=fixed:shape=2,ripplekv", "option shape changes nothing here"),
-    ("CONTEXT_METHODS=full,snapkv\nCONTEXT_BUDGETS=128\nCONTEXT_LIMIT=1", "--allocation applies to none"),
-    ("ROUTE_CALIB_SAMPLES=2\nROUTE_BUDGET=128\nPLACEMENTS=5\nPLACEMENT_SAMPLES=0", "leaves no prompts to score"),
-    ("RATIOS=\"2 0.5\"", "RATIOS='2 0.5': '0.5' is not a ratio >= 1"),
-    ("CARRY=gemma3/eval", "CARRY='gemma3/eval': 'gemma3/eval' is not a folder name inside OUT"),
+    ({"tasks": ["niah", "nope"]}, "tasks (the eval stage): unknown task 'nope'"),
+    ({"methods": ["full", "snapkv", "nope"]}, "unknown method 'nope'"),
+    ({"compare_methods": ["full", "snapkv", "nosuch"]}, "compare_methods (the eval-compare stage"),
+    ({"memory_methods": ["full", "ripplekv", "snapkv:quant=kivi:bits=3"]}, "memory_methods (the eval-memory stage"),
+    ({"methods": ["full", "snapkv", "ripplekv", "compresskv"]}, "set compresskv_calib_samples"),
+    ({"headline_methods": ["full", "h2o", "depthkv"]}, "set evict_calib_samples"),
+    ({"budgets": [64, 0]}, "budgets = [64, 0]: 0 is not a positive integer"),
+    ({"limit": 0}, "limit = 0 must be an integer >= 1"),
+    ({"limit": "12"}, "limit = '12' must be an integer >= 1"),
+    ({"methods": ["full", "gracekv:slots=fixed:shape=2", "ripplekv"]}, "option shape changes nothing here"),
+    (CONTEXT | {"context_methods": ["full", "snapkv"], "context_limit": 1}, "--allocation applies to none"),
+    ({"route_calib_samples": 2, "route_budget": 128, "placements": 5, "placement_samples": 0},
+     "leaves no prompts to score"),
+    ({"route_calib_samples": 2}, "route_calib_samples runs a stage that needs route_budget; set it"),
+    ({"ratios": [2, 0.5]}, "ratios = [2, 0.5]: 0.5 is not a ratio >= 1"),
+    ({"carry": ["gemma3/eval"]}, "carry: 'gemma3/eval' is not a folder name inside out"),
+    ({"limt": 3}, "unknown setting 'limt' (did you mean 'limit'?)"),
+    ({"tune": ["cake:tau1=0.5, 1"]}, "tune = ['cake:tau1=0.5, 1'] must list grids in quotes, each without spaces"),
+    ({"eta": 0}, "eta = 0 must be a number in (0, 100)"),
 ]
 
 
-def preflight(text: str, monkeypatch) -> int:
-    """scripts/check_config.py's exit status, as reproduce.sh runs it with the config's settings in the environment."""
-    from tests.conftest import load_script
-
-    check = load_script("check_config")
-    settings = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    optional = (line.split("=", 1)[0] for line in ALL_SETTINGS.splitlines() if "=" in line)
-    for name in [*check.REQUIRED, *check.COUNTS, "TASKS", "COMPARE_METHODS", "CARRY", *optional]:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in settings.items():
-        monkeypatch.setenv(name, value.strip('"'))
-    monkeypatch.setattr(sys, "argv", ["check_config.py", "configs/reproduce.env"])
-    return check.main()
+def preflight(text: str, tmp_path: Path, capfd, monkeypatch) -> Done:
+    """`ripplekv reproduce configs/reproduce.toml --check-only` on `text`: the real pre-flight."""
+    (tmp_path / "configs").mkdir(exist_ok=True)
+    (tmp_path / "configs" / "reproduce.toml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    return ripplekv(["reproduce", "configs/reproduce.toml", "--check-only"], capfd, monkeypatch)
 
 
 @pytest.mark.parametrize("change, message", CHANGES)
-def test_the_preflight_names_each_mistake_in_one_line(change, message, monkeypatch, capsys):
-    assert preflight(CONFIG + change + "\n", monkeypatch) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: configs/reproduce.env: ") and message in lines[0], lines
+def test_the_preflight_names_each_mistake_in_one_line(change, message, tmp_path, capfd, monkeypatch):
+    done = preflight(toml(CONFIG, change), tmp_path, capfd, monkeypatch)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: configs/reproduce.toml: ") and message in lines[0], lines
+    assert not (tmp_path / "runs").exists()
 
 
-CONTEXT = 'CONTEXT_METHODS=full,snapkv,ripplekv,criticalkv,oracle\nCONTEXT_BUDGETS="128"\nCONTEXT_LIMIT=2\n'
-MEMORY = 'MEMORY_METHODS=full,snapkv,ripplekv,kivi:bits=4,snapkv:quant=kivi:bits=4\nMEMORY_BUDGETS="128"\nMEMORY_LIMIT=2\n'
-STAND_IN_CONFIGS = {"plain": CONFIG, "optional stages": CONFIG + OPTIONAL_STAGES, "context": CONFIG + CONTEXT,
-                    "memory": CONFIG + MEMORY, "long": CONFIG + LONG, "draws": CONFIG + OPTIONAL_STAGES + DRAWS,
-                    "gemma": GEMMA, "carry": CONFIG + "CARRY=gemma3\n"}
-ALL_SETTINGS = OPTIONAL_STAGES + CONTEXT + MEMORY + LONG + DRAWS
+def test_a_config_that_is_not_toml_is_one_line(tmp_path, capfd, monkeypatch):
+    done = preflight(toml(CONFIG) + "limit = = 2\n", tmp_path, capfd, monkeypatch)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not valid TOML" in done.stderr
+    missing = ripplekv(["reproduce", "configs/nope.toml"], capfd, monkeypatch)
+    assert missing.returncode == 2 and "configs/nope.toml: cannot read the config" in missing.stderr
+
+
+STAND_IN_CONFIGS = {"plain": [CONFIG], "optional stages": [CONFIG, OPTIONAL_STAGES], "context": [CONFIG, CONTEXT],
+                    "memory": [CONFIG, MEMORY], "long": [CONFIG, LONG], "draws": [CONFIG, OPTIONAL_STAGES, DRAWS],
+                    "gemma": [GEMMA], "carry": [CONFIG, {"carry": ["gemma3"]}]}
 
 
 @pytest.mark.parametrize("name", STAND_IN_CONFIGS)
-def test_the_preflight_accepts_every_config_the_stand_in_runs_use(name, monkeypatch, capsys):
+def test_the_preflight_accepts_every_config_the_stand_in_runs_use(name, tmp_path, capfd, monkeypatch):
     """The stand-in runs skip the pre-flight: the real one passes each of their configs, so they run what it allows."""
-    assert preflight(STAND_IN_CONFIGS[name], monkeypatch) == 0, capsys.readouterr().err
+    done = preflight(toml(*STAND_IN_CONFIGS[name]), tmp_path, capfd, monkeypatch)
+    assert done.returncode == 0, done.stderr
+    assert "== pre-flight: configs/reproduce.toml checked" in done.stdout
 
 
-def test_reproduce_refuses_a_bad_config_before_any_stage(project_with_preflight):
-    """A method whose input comes from a stage the config leaves off: one line, exit 2, before the first stage
-    runs or anything is built (each mistake's line is checked in-process above)."""
-    project, (change, message) = project_with_preflight, CHANGES[3]
-    config = project / "configs" / "reproduce.env"
-    config.write_text(CONFIG + change + "\n")
-    done = reproduce(project)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: configs/reproduce.env: ") and message in lines[0], done.stderr
-    assert "== profile" not in done.stdout and not (project / "runs").exists()
-    assert sorted(p.name for p in (project / "results").iterdir()) == ["committed.txt"]
+@pytest.mark.parametrize("name", ["quick", "reproduce", "full"])
+def test_the_preflight_accepts_the_committed_configs(name, capfd, monkeypatch):
+    monkeypatch.chdir(REPO)
+    done = ripplekv(["reproduce", f"configs/{name}.toml", "--check-only"], capfd, monkeypatch)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_committed_config_builds_the_commands_results_records():
+    """configs/reproduce.toml declares the very commands the committed results/ recorded (bash's `printf %q`
+    records, compared word by word): the same stages, arguments and order, so a rerun reproduces results/."""
+    from ripplekv.pipeline.reproduce.calibration import calibration_stages, tune_stage
+    from ripplekv.pipeline.reproduce.checks import stage_files
+    from ripplekv.pipeline.reproduce.config import load_config
+    from ripplekv.pipeline.reproduce.evals import declared_evals, draws_eval, fed_lists
+    from ripplekv.pipeline.staged import _words
+    from ripplekv.pipeline.tune import apply_tuned, read_tuned
+
+    results = REPO / "results"
+    config = load_config(REPO / "configs" / "reproduce.toml")
+    built = {}
+    for draw in range(config.draw_count):
+        for stage in calibration_stages(config, draw, "results" if draw == 0 else f"results/draws/d{draw}"):
+            built[stage.name] = list(stage.command.shown)
+    built["tune"] = list(tune_stage(config, "results").command.shown)
+    methods, headline = fed_lists(config, stage_files(config, "results"))
+    methods = apply_tuned(methods, read_tuned(results / "tune.json"))
+    for spec in declared_evals(config, "results", methods, headline, "results/route/ROUTE.csv"):
+        built[spec.name] = ["ripplekv", *spec.argv()]
+    recorded_draws = _words((results / ".eval-draws.cmd").read_text())
+    draw_methods = recorded_draws[recorded_draws.index("--methods") + 1].removeprefix("full,")
+    built["eval-draws"] = ["ripplekv", *draws_eval(config, "results", draw_methods).argv()]
+    recorded = {path.name[1:-4]: _words(path.read_text()) for path in results.glob(".*.cmd")}
+    recorded.pop("predictors")  # a script then, a function of the package now
+    assert set(built) == set(recorded) and len(recorded) == 31
+    for name, words in recorded.items():
+        assert built[name] == words, name
+
+
+def test_the_predictors_step_refuses_an_output_under_a_file_in_one_line(tmp_path):
+    from ripplekv.errors import UserError
+    from ripplekv.pipeline.reproduce.run import write_predictors
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(UserError, match="a-file is a file, not a directory"):
+        write_predictors(str(tmp_path / "drop"), [str(tmp_path / "kl")], str(tmp_path / "a-file" / "predictors.csv"))
+
+
+@pytest.mark.parametrize("target", ["reproduce", "reproduce-quick", "reproduce-gemma", "reproduce-full"])
+def test_every_make_target_runs_the_pipeline_on_a_config_that_loads(target):
+    """Each `make reproduce*` target is `ripplekv reproduce` on a committed TOML config that parses."""
+    import re
+    import subprocess
+
+    from ripplekv.pipeline.reproduce.config import load_config
+
+    make = subprocess.run(["make", "-n", "-o", ".venv/.installed", target], cwd=REPO, capture_output=True, text=True)
+    configs = re.findall(r"ripplekv reproduce (configs/\S+\.toml)", make.stdout)
+    assert configs, make.stdout
+    for config in configs:
+        assert load_config(REPO / config).out

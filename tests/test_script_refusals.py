@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,16 +44,6 @@ def test_the_reference_venv_defaults_inside_the_project_and_is_ignored(monkeypat
     moved = subprocess.run(["make", "-n", "-o", ".venv/.installed", "check-references", "REFVENV=/tmp/x"], cwd=REPO,
                            capture_output=True, text=True)
     assert "--venv /tmp/x" in moved.stdout
-
-
-def test_signal_vs_drop_refuses_an_output_under_a_file_in_one_line(tmp_path, monkeypatch, capsys):
-    predictors = load_script("signal_vs_drop")
-    (tmp_path / "a-file").write_text("x")
-    monkeypatch.setattr(sys, "argv", ["signal_vs_drop.py", str(tmp_path / "drop"), str(tmp_path / "kl"),
-                                      "--out", str(tmp_path / "a-file" / "predictors.csv")])
-    assert predictors.main() == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --out ") and "a-file is a file, not a directory" in err and err.count("\n") == 1
 
 
 def test_an_output_folder_that_is_a_file_is_said_to_be_one_not_a_lock_clash(tmp_path):

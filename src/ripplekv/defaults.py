@@ -43,3 +43,15 @@ PRUNE_RATIO = 0.6  # `profile --measure task-drop`: the share of a layer's promp
 # about what 16 cost, so the 22-variant bench eval decodes in half the time (docs/performance.md); groups still
 # stay within --memory-budget.
 EVAL_BATCH_SIZE = 32
+# `ripplekv reproduce`: the presets an optional calibration stage feeds: preset -> (the option its file fills, the
+# stage that makes it, options that stand in for that file). `route` reaches them through eval's --route.
+PIPELINE_FED = {"depthkv": ("allocation", "allocate-depthkv", ()),
+                "compresskv": ("profile", "compresskv-profile", ("errors",)),
+                "routed": ("route", "route", ()), "routed-ripplekv": ("route", "route", ())}
+PIPELINE_CURVES = "lukv"  # `ripplekv reproduce`'s lukv-profile stage profiles this preset's head-budget curves
+# The results page (analysis.results_page): methods compared head to head when a run holds both (GraceKV against its
+# earlier reading, each against SnapKV); the method of DepthKV's headline ratio and what its paper compares it with;
+# the pruner an eviction profile names when it predates recording one.
+HEAD_TO_HEAD = (("gracekv", "gracekv:slots=fixed"), ("gracekv", "snapkv"), ("gracekv:slots=fixed", "snapkv"))
+HEADLINE_PRESET, HEADLINE_VERSUS = "depthkv", ("h2o", "snapkv")
+EARLIER_EVICT_METHOD = "snapkv"

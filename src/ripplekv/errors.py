@@ -10,6 +10,14 @@ import errno
 from collections.abc import Callable
 from pathlib import Path
 
+CLI_FLAGS = {"budgets": "--budget"}  # settings whose command-line flag is not `--` + their name with dashes
+
+
+def cli_flag(setting: str) -> str:
+    """The command-line flag of a setting a message names: what the CLI and the reproduce pipeline (which passes
+    settings to commands as flags) write."""
+    return CLI_FLAGS.get(setting, "--" + setting.replace("_", "-"))
+
 
 def _phrase(message: str, settings, spell: Callable[[str], str] | None) -> str:
     for name in settings:

@@ -2,7 +2,7 @@
 draw chose, the route's stability, and the baselines tuned on calibration prompts.
 
 Each function takes the run folder `make reproduce` built and returns markdown lines (none when the run did not
-make what the section reports); `scripts/write_results_readme.py` places them on the page.
+make what the section reports); `analysis.results_page` places them on the page.
 """
 
 from __future__ import annotations

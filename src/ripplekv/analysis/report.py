@@ -26,7 +26,6 @@ from ripplekv.analysis.html_page import PAGE, write_run_page
 from ripplekv.analysis.informative import counted_tasks, informative_tasks
 from ripplekv.analysis.memory_axis import memory_markdown, memory_table, plot_memory_axis
 from ripplekv.analysis.over_budget import flag as flag_over_budget
-from ripplekv.analysis.over_budget import note as over_budget_note
 from ripplekv.analysis.over_budget import over_budget
 from ripplekv.analysis.plots import series_styles
 from ripplekv.analysis.proportions import accuracy_tasks
@@ -226,8 +225,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
                 (run_dir / name).unlink(missing_ok=True)
         if memory is None or not plots:
             (run_dir / MEMORY_FIGURE).unlink(missing_ok=True)
-        text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative,
-                                over_budget_note(over, board["method"]))
+        text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative)
         if memory is not None:
             text += "\n" + memory_markdown(memory)
         if spent is not None:

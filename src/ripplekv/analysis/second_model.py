@@ -98,7 +98,7 @@ def ranking_across(first: Path, second: Path, names: tuple[str, str]) -> pd.Data
 
 
 def second_model_lines(out: Path, folder: str = "gemma3", first_name: str = "bundled model") -> list[str]:
-    """The section for OUT/FOLDER (scripts/reproduce.sh's second-model block), when the run made it."""
+    """The section for OUT/FOLDER (the second model's own reproduce run, kept by `carry`), when the run made it."""
     eval_dir = out / folder / "eval"
     if not (eval_dir / "leaderboard.csv").is_file():
         return []

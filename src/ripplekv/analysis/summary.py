@@ -12,6 +12,8 @@ import pandas as pd
 
 from ripplekv.analysis import inference, stats
 from ripplekv.analysis.headline import headline_markdown
+from ripplekv.analysis.over_budget import COLUMN as OVER_BUDGET
+from ripplekv.analysis.over_budget import note as over_budget_note
 from ripplekv.analysis.over_budget import shown as with_over_budget
 from ripplekv.analysis.tables import KL_RATIO, KL_TEST, SCORE_TEST
 from ripplekv.metrics.scoring import LENGTH_BUCKETS
@@ -128,7 +130,7 @@ def informative_view(informative: pd.DataFrame) -> pd.DataFrame:
 def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFrame, run_dir: Path,
                      ranks: pd.DataFrame | None = None, lengths: pd.DataFrame | None = None,
                      settings: dict | None = None, ceilings=(), headline: pd.DataFrame | None = None,
-                     informative: pd.DataFrame | None = None, over_budget: list[str] = ()) -> str:
+                     informative: pd.DataFrame | None = None) -> str:
     samples = frame.drop_duplicates(["task", "id"])
     settings = settings or {}
     lines = ["# ripplekv eval summary", ""]
@@ -191,7 +193,8 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
                   f"{'read' if len(marked) > 1 else 'reads'} the full cache's answer, so "
                   f"{'they are' if len(marked) > 1 else 'it is'} left out of ranks and verdicts; "
                   "none is a bound on what a method can reach.", ""]
-    lines += list(over_budget)  # the variants kept over their budget (`analysis.over_budget`)
+    if OVER_BUDGET in board:  # the variants kept over their budget (`analysis.over_budget`)
+        lines += over_budget_note(board.loc[board[OVER_BUDGET].astype(bool), "method"], board["method"])
     if ranks is not None:
         lines += [
             "## Differences to the uniform baseline",

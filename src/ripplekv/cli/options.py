@@ -26,7 +26,7 @@ from ripplekv.defaults import (
     ROUGE_CHOICES,
     SUITES,
 )
-from ripplekv.errors import UserError
+from ripplekv.errors import UserError, cli_flag
 
 # Where each stage writes when no --out is given, and where the next stage looks for it.
 DEFAULT_PROFILE = Path("runs/profile")
@@ -40,12 +40,7 @@ DEFAULT_SCORE = Path("runs/score/scores.csv")
 
 
 # A setting's flag where it is not the setting's name with dashes (`memory_budget` -> `--memory-budget`).
-FLAGS = {"budgets": "--budget"}
-
-
-def flag(setting: str) -> str:
-    """The command-line flag of a setting the libraries name in a message (`errors.UserError`)."""
-    return FLAGS.get(setting, "--" + setting.replace("_", "-"))
+flag = cli_flag  # the command-line flag of a setting a message names (`errors.UserError`)
 
 
 def _say_out(console, command: str, out, given: bool) -> None:

@@ -5,10 +5,9 @@ about it. Data, apart from the spec parser (`core.spec`), so a new method is its
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from ripplekv import defaults
 from ripplekv.methods.core.base import AllocatorScorer

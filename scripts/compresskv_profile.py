@@ -1,9 +1,0 @@
-"""Moved to the command `ripplekv fit compresskv` (same options); kept only while scripts/reproduce.sh calls this path."""
-
-import sys
-
-from ripplekv.cli.app import main
-
-if __name__ == "__main__":
-    sys.argv = ["ripplekv", "fit", "compresskv", *sys.argv[1:]]
-    main()
