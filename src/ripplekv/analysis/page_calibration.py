@@ -69,7 +69,7 @@ def headline_ratio_lines(out: Path) -> list[str]:
     if not path.is_file():
         return []
     board = pd.read_csv(path)
-    columns = [c for c in ("method", "budget", "kl", "agreement", "kl_delta_vs_uniform", "kl_delta_ci_low",
+    columns = [c for c in ("method", "budget", "n", "kl", "agreement", "kl_delta_vs_uniform", "kl_delta_ci_low",
                            "kl_delta_ci_high", "p_kl_vs_uniform_holm", "kl_verdict", "avg_informative", "delta_vs_uniform",
                            "delta_ci_low", "delta_ci_high", "p_vs_uniform_holm", "verdict") if c in board]
     return ["", "At DepthKV's headline ratio (60% of the prompt pruned: one budget of 0.4 x the prompts' target "

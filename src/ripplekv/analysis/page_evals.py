@@ -51,12 +51,23 @@ def _headline_table(rows: pd.DataFrame, board: pd.DataFrame | None) -> str:
 
 
 def _tied_sentence(rows: pd.DataFrame) -> str:
-    """Which budgets' closest method the data cannot tell from its runner-up."""
+    """Which budgets' closest method the data cannot tell from its runner-up: tied, or underpowered (this n could
+    not detect a difference of the meaningful size)."""
     tied = [f"B={int(r.budget)}" for r in rows.itertuples() if r.kl_verdict == "tied"]
-    if not tied:
+    weak = [f"B={int(r.budget)}" for r in rows.itertuples() if r.kl_verdict == "underpowered"]
+    other = [f"B={int(r.budget)}" for r in rows.itertuples() if r.kl_verdict not in ("closer", "tied", "underpowered")]
+    if not tied and not weak and not other:
         return "At every budget the closest method is closer than its runner-up (Holm-adjusted p < 0.05)."
-    return (f"Tied at {', '.join(tied)}: there the closest method and the runner-up are tied (the interval holds 0 or "
-            "the adjusted p is 0.05 or more), so neither is the winner.")
+    parts = []
+    if tied:
+        parts.append(f"Tied at {', '.join(tied)}: there the closest method and the runner-up are tied (the interval "
+                     "holds 0 or the adjusted p is 0.05 or more, and this n could detect the meaningful difference).")
+    if weak:
+        parts.append(f"Underpowered at {', '.join(weak)}: the difference is not significant and its minimum detectable "
+                     "size (80% power) is above the meaningful effect, so these samples cannot say either way.")
+    if other:
+        parts.append(f"Not compared at {', '.join(other)}.")
+    return " ".join(parts) + " Where not `closer`, neither method is the winner."
 
 
 def headline_lines(eval_dir: Path, title: str) -> list[str]:
@@ -73,9 +84,10 @@ def headline_lines(eval_dir: Path, title: str) -> list[str]:
     lines = ["", f"## {title}", "",
              "Fidelity first: per budget, the real method with the lowest mean KL to the full cache (answer-aware "
              "variants excluded), the runner-up, and their paired difference: stratified t interval, sign-flip "
-             "permutation p, Holm-adjusted over the budgets. `closer` only where the adjusted p < 0.05 and the "
-             "interval excludes 0, else `tied`. Scores are on the informative tasks only, compared the same way; no "
-             "score winner is named.", "", _headline_table(rows, board), "", _tied_sentence(rows)]
+             "permutation p, Holm-adjusted over the budgets (accuracies: Wilson intervals, Tango's paired score interval "
+             "for differences). `closer` only where the adjusted p < 0.05 and the interval excludes 0; else `tied`, or "
+             "`underpowered` where the minimum detectable difference is above the meaningful effect (KL 0.05, score 5 "
+             "points). Scores are on the informative tasks only, compared the same way; no score winner is named.", "", _headline_table(rows, board), "", _tied_sentence(rows)]
     lines += informative_lines(eval_dir)
     return lines
 
@@ -195,7 +207,7 @@ def context_only_lines(out: Path) -> list[str]:
     if not path.is_file():
         return []
     board = pd.read_csv(path)
-    columns = [c for c in ("method", "budget", "kl", "agreement", "kl_delta_vs_uniform", "kl_delta_ci_low",
+    columns = [c for c in ("method", "budget", "n", "kl", "agreement", "kl_delta_vs_uniform", "kl_delta_ci_low",
                            "kl_delta_ci_high", "p_kl_vs_uniform_holm", "kl_verdict", "avg_informative", "avg") if c in board]
     config = json.loads((eval_dir / "config.json").read_text())
     count = sum(len(ids) for ids in config.get("samples", {}).values())
