@@ -371,11 +371,14 @@ def test_the_second_model_runs_into_its_folder_and_the_bundled_models_run_keeps_
     assert "gemma3: kept from results" in again.stdout
     assert (gemma / "eval" / "marker").read_text() == "made by reproduce-gemma"
     assert not (results / "committed.txt").exists() and (results / "eval" / "leaderboard.csv").is_file()
+    # the pipeline ends with the web pages: each run's, and results/index.html linking them (the second model's too)
+    index = (results / "index.html").read_text()
+    assert (results / "eval" / "index.html").is_file() and "eval/index.html" in index and "gemma3/eval" in index
     readme = (results / "README.md").read_text()
     assert "## Second model: `gemma3`" in readme and "allocation. Its sliding-window layers" in readme
     # The stand-in's KL differences are the same on every sample: 3 samples cannot reject, so both models tie,
     # at each of the two budgets they share.
-    assert "| ripplekv vs snapkv |" in readme and "undecided (tied on m and gemma3)" in readme and "2 undecided." in readme
+    assert "| ripplekv vs snapkv |" in readme and "undecided (tied on m and tied on gemma3)" in readme and "2 undecided." in readme
     # --page-only writes the same page again from the finished folder (as `make reproduce-gemma` ends), no stage runs.
     (results / "README.md").unlink()
     paged = ripplekv(["reproduce", "configs/reproduce.toml", "--page-only"], capfd, monkeypatch)

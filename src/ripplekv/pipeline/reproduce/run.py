@@ -116,11 +116,15 @@ def run_eval(run: StagedRun, spec: EvalSpec) -> None:
 
 
 def write_page(out: Path, config: ReproduceConfig, final: str) -> None:
+    """OUT/README.md, then every run's web page and OUT/index.html linking them (`report --site`)."""
+    from ripplekv.analysis.html_page import write_site
     from ripplekv.analysis.results_page import write_results_page
+    from ripplekv.methods.core.catalog import method_notes
     from ripplekv.tasks import get_tasks
 
     tasks = get_tasks("offline", list(config.long_tasks)) if config.long_tasks else []
     write_results_page(out, config.path, final, {task.name: task.max_new_tokens for task in tasks})
+    write_site(out, notes=method_notes())
 
 
 def reproduce(config_path: str, check_only: bool = False, page_only: bool = False) -> None:
