@@ -121,9 +121,8 @@ def effects(frame: pd.DataFrame, cells: pd.DataFrame, pair: tuple[str, str] | No
         p_holm = inference.holm(p)
         detectable = estimate.detectable()
         for i, (name, kind, w) in enumerate(found):
-            verdict = inference.verdict(estimate.low[i], estimate.high[i], p_holm[i], lower_is_better=True)
-            if verdict == "tied" and meaningful is not None and detectable[i] > meaningful:
-                verdict = "underpowered"
+            verdict = inference.verdict(estimate.low[i], estimate.high[i], p_holm[i], lower_is_better=True,
+                                        detectable=detectable[i], meaningful=meaningful)
             rows.append({"budget": budget, "effect": name, "kind": kind,
                          "cells": sum(1 for v in w.values() if v != 0), "samples": int(complete.sum()),
                          "delta": estimate.point[i], "ci_low": estimate.low[i], "ci_high": estimate.high[i],

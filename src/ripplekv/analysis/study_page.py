@@ -31,10 +31,8 @@ def primary(effects: pd.DataFrame, comparison: str, meaningful: dict[int, float]
     p_holm = inference.holm(rows["p"].to_numpy())
     out = []
     for row, adjusted in zip(rows.itertuples(), p_holm):
-        verdict = inference.verdict(row.ci_low, row.ci_high, adjusted, lower_is_better=True)
-        threshold = (meaningful or {}).get(int(row.budget))
-        if verdict == "tied" and threshold is not None and row.detectable > threshold:
-            verdict = "underpowered"
+        verdict = inference.verdict(row.ci_low, row.ci_high, adjusted, lower_is_better=True,
+                                    detectable=row.detectable, meaningful=(meaningful or {}).get(int(row.budget)))
         out.append({"id": f"P-{int(row.budget)}", "budget": int(row.budget), "comparison": comparison,
                     "samples": int(row.samples), "delta": row.delta, "ci_low": row.ci_low, "ci_high": row.ci_high,
                     "detectable": row.detectable, "p": row.p, "p_holm": adjusted, "verdict": verdict})
