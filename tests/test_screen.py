@@ -27,8 +27,8 @@ def test_the_choice_takes_the_longest_length_with_enough_tasks_and_the_model_wit
         ("b", "fwe", 1024, True, 90),
     ])
     choice = screen.choose(table, 3, ["a", "b"])
-    assert choice["per_model"]["a"] == {"target_tokens": 2048, "tasks": ["ruler:vt", "ruler:cwe", "ruler:qa_1"],
-                                        "enough_tasks": True}
+    assert choice["per_model"]["a"] == {"suite": "ruler", "target_tokens": 2048,
+                                        "tasks": ["ruler:vt", "ruler:cwe", "ruler:qa_1"], "enough_tasks": True}
     assert choice["model"] == "b" and choice["target_tokens"] == 1024 and len(choice["tasks"]) == 4
     # a tie in task count goes to the model listed first
     assert screen.choose(table, 3, ["b", "a"])["model"] == "b"
@@ -42,6 +42,17 @@ def test_a_model_short_of_informative_tasks_takes_its_best_length_and_says_so():
     assert choice["target_tokens"] == 1024 and choice["tasks"] == ["ruler:vt"] and choice["enough_tasks"] is False
     with pytest.raises(UserError, match="no verdicts"):
         screen.choose(table.iloc[0:0], 3, ["a"])
+
+
+def test_the_choice_keeps_one_suite_the_one_with_most_informative_tasks():
+    ruler = verdicts([("a", "vt", 1024, True, 50), ("a", "cwe", 1024, True, 60), ("a", "qa_1", 1024, False, -5)])
+    offline = verdicts([("a", "niah", 1024, True, 80), ("a", "hotpotqa", 1024, True, 70),
+                        ("a", "squad", 1024, True, 3)]).assign(suite="offline")
+    choice = screen.choose(pd.concat([ruler, offline], ignore_index=True), 3, ["a"])
+    assert choice["suite"] == "offline" and choice["tasks"] == ["offline:niah", "offline:hotpotqa", "offline:squad"]
+    # tasks of two suites are never mixed, even when together they would reach min_tasks
+    choice = screen.choose(pd.concat([ruler, offline.iloc[:1]], ignore_index=True), 3, ["a"])
+    assert choice["suite"] == "ruler" and choice["tasks"] == ["ruler:cwe", "ruler:vt"]
 
 
 def test_eval_reads_the_calibration_split_when_asked(tiny_model_dir, tmp_path, run_cli):
@@ -67,8 +78,11 @@ def test_the_screen_runs_each_cell_and_writes_its_table_and_choice(tiny_model_di
     code, _, err = run_cli(*args)
     assert code == 0, err
     table = pd.read_csv(out / screen.SCREEN_CSV)
-    assert sorted(zip(table["task"], table["target_tokens"])) == [("hotpotqa", 300), ("hotpotqa", 400),
-                                                                  ("niah", 300), ("niah", 400)]
+    # 400 tokens are screened only if 300 kept min_tasks (1) informative: prompts lengthen while informative
+    found = int((table[table["target_tokens"] == 300]["informative"].astype(str) == "True").sum())
+    lengths = (300, 400) if found >= 1 else (300,)
+    assert sorted(zip(table["task"], table["target_tokens"])) == sorted(
+        (task, n) for task in ("hotpotqa", "niah") for n in lengths)
     assert (table["samples"] == 2).all()
     choice = json.loads((out / screen.CHOICE_JSON).read_text())
     assert choice["model"] == screen.model_label(str(tiny_model_dir)) and choice["target_tokens"] in (300, 400)

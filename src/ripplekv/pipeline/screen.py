@@ -7,8 +7,12 @@ is then judged on. Each cell is an ordinary `eval` of the full cache alone on th
 (resumable, in its own folder); the screen collects their verdicts into one table and applies a rule
 fixed before any study result exists:
 
-- per model, the study length is the longest candidate length at which at least `min_tasks` tasks are
-  informative (else the length with the most informative tasks, and the choice says it is short of them);
+- per model and suite, the study length is the longest candidate length at which at least `min_tasks` tasks
+  are informative (else the length with the most informative tasks, and the choice says it is short of them);
+  a model's prompts are lengthened (shortest first) only while the last length had `min_tasks`: "the longest
+  length that stays informative", and a small model is not run at lengths it already failed below;
+- per model, its suite is the one with the most informative tasks at its length (the first listed wins a tie):
+  one suite, so the study is one eval;
 - the study model is the one with the most informative tasks at its study length (the first listed wins a tie);
 - the study's tasks are the informative ones at that length, widest margin first.
 """
@@ -80,18 +84,32 @@ def run_screen(settings: ScreenSettings, out: str | Path, console=None) -> pd.Da
 
     check_settings(settings)
     out = Path(out)
-    cells = [(model, suite, tasks, length) for model in settings.models for suite, tasks in settings.suites
-             for length in settings.lengths]
-    for index, (model, suite, tasks, length) in enumerate(cells, 1):
-        if console is not None:
-            console.print(f"screen: cell {index}/{len(cells)}: {model_label(model)}, {suite}, {length} tokens",
-                          markup=False)
-        run_eval(cell_settings(settings, model, suite, tasks, length), cell_dir(out, model, suite, length),
-                 console=console)
+    lengths = sorted(settings.lengths)
+    cells = [(model, suite, tasks) for model in settings.models for suite, tasks in settings.suites]
+    for index, (model, suite, tasks) in enumerate(cells, 1):
+        for length in lengths:
+            if console is not None:
+                console.print(f"screen: {index}/{len(cells)}: {model_label(model)}, {suite}, {length} tokens",
+                              markup=False)
+            folder = cell_dir(out, model, suite, length)
+            run_eval(cell_settings(settings, model, suite, tasks, length), folder, console=console)
+            found = informative_count(folder)
+            if found < settings.min_tasks and length != lengths[-1]:
+                if console is not None:
+                    console.print(f"screen: {found} informative task(s) at {length} tokens, fewer than "
+                                  f"{settings.min_tasks}: longer prompts are not screened for this model and suite",
+                                  markup=False)
+                break
     table = collect(out)
     write_csv(out / SCREEN_CSV, table, index=False)
     write_json(out / CHOICE_JSON, choose(table, settings.min_tasks, [model_label(m) for m in settings.models]))
     return table
+
+
+def informative_count(folder: Path) -> int:
+    """How many tasks one finished cell found informative."""
+    verdicts = pd.read_csv(folder / "informative.csv")
+    return int((verdicts["informative"].astype(str) == "True").sum())
 
 
 def collect(out: Path) -> pd.DataFrame:
@@ -111,23 +129,32 @@ def collect(out: Path) -> pd.DataFrame:
 
 
 def choose(table: pd.DataFrame, min_tasks: int, model_order: Sequence[str]) -> dict:
-    """The study's model, length and tasks by the rule in the module docstring (deterministic)."""
+    """The study's model, suite, length and tasks by the rule in the module docstring (deterministic)."""
     if table.empty:
         raise UserError("the screen has no verdicts yet: run it first")
     informative = table[table["informative"].astype(str) == "True"]
+    suites = list(dict.fromkeys(table["suite"]))
     per_model = {}
     for model in [m for m in model_order if m in set(table["model"])]:
-        counts = informative[informative["model"] == model].groupby("target_tokens")["task"].nunique()
-        lengths = sorted(table[table["model"] == model]["target_tokens"].unique())
-        enough = [length for length in lengths if counts.get(length, 0) >= min_tasks]
-        length = (max(enough) if enough
-                  else max(lengths, key=lambda n: (counts.get(n, 0), -n)))  # the most tasks, the shortest of ties
-        chosen = informative[(informative["model"] == model) & (informative["target_tokens"] == length)]
-        chosen = chosen.sort_values(["margin_low", "task"], ascending=[False, True])
-        per_model[model] = {"target_tokens": int(length), "tasks": [f"{s}:{t}" for s, t in
-                                                                   zip(chosen["suite"], chosen["task"])],
-                            "enough_tasks": bool(enough)}
+        options = [_choice_in(table[(table["model"] == model) & (table["suite"] == suite)],
+                              informative[(informative["model"] == model) & (informative["suite"] == suite)],
+                              suite, min_tasks)
+                   for suite in suites if ((table["model"] == model) & (table["suite"] == suite)).any()]
+        per_model[model] = max(options, key=lambda o: (len(o["tasks"]), -options.index(o)))
     best = max(per_model, key=lambda m: (len(per_model[m]["tasks"]), -list(per_model).index(m)))
-    return {"rule": f"longest length with >= {min_tasks} informative tasks; the model with the most; "
-                    "tasks by margin", "min_tasks": min_tasks, "model": best, **per_model[best],
-            "per_model": per_model}
+    return {"rule": f"per model and suite, the longest length with >= {min_tasks} informative tasks; the suite "
+                    "with the most; the model with the most; tasks by margin", "min_tasks": min_tasks,
+            "model": best, **per_model[best], "per_model": per_model}
+
+
+def _choice_in(table: pd.DataFrame, informative: pd.DataFrame, suite: str, min_tasks: int) -> dict:
+    """One model's length and tasks within one suite."""
+    counts = informative.groupby("target_tokens")["task"].nunique()
+    lengths = sorted(table["target_tokens"].unique())
+    enough = [length for length in lengths if counts.get(length, 0) >= min_tasks]
+    length = (max(enough) if enough
+              else max(lengths, key=lambda n: (counts.get(n, 0), -n)))  # the most tasks, the shortest of ties
+    chosen = informative[informative["target_tokens"] == length]
+    chosen = chosen.sort_values(["margin_low", "task"], ascending=[False, True])
+    return {"suite": suite, "target_tokens": int(length), "tasks": [f"{suite}:{t}" for t in chosen["task"]],
+            "enough_tasks": bool(enough)}
