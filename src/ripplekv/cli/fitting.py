@@ -164,4 +164,4 @@ def fit_compresskv(
     path, errors, count = compresskv_fit.fit_compresskv(out, where, settings, chosen, bar=_bar)
     console.print(f"{len(errors)} layers from {count} calibration prompts in {time.perf_counter() - start:.1f} s; "
                   f"errors {min(errors):.4f} to {max(errors):.4f}")
-    _say_written(console, [path])
+    _say_written(console, [path, path.with_suffix(".json")])

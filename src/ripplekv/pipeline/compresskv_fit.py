@@ -63,4 +63,19 @@ def fit_compresskv(out: str | Path, model: ModelChoice, settings: LayerErrorSett
             if advance is not None:
                 advance(index)
     errors = [total / len(prompts) for total in totals]
-    return write_profile(out, errors), errors, len(prompts)
+    written = write_profile(out, errors)
+    write_provenance(written, settings, calibration, prompts)
+    return written, errors, len(prompts)
+
+
+def write_provenance(profile: Path, settings: LayerErrorSettings, calibration: Calibration, prompts) -> Path:
+    """PROFILE.json beside the CSV: which calibration prompts it was measured on (a study's calibration table
+    matches every calibrated method's prompts by their ids)."""
+    from ripplekv.runs.safeio import write_json
+    from ripplekv.tasks.calibration import calibration_hash
+
+    path = profile.with_suffix(".json")
+    write_json(path, {"budget": settings.budget, "window": settings.window, "target_tokens": calibration.target_tokens,
+                      **calibration.record(), "calibration_ids": [p.sample_id for p in prompts],
+                      "calibration_hash": calibration_hash(prompts)})
+    return path
