@@ -221,6 +221,9 @@ def context_only_lines(out: Path) -> list[str]:
             _blank(board[columns]).to_markdown(index=False, floatfmt=".4g", missingval="–")]
 
 
+NEEDLE_CELL_SAMPLES = 10  # below this many samples a cell, the heatmap is labelled illustrative
+
+
 def needle_lines(out: Path) -> list[str]:
     """The needle heatmap (OUT/needle, `ripplekv needle`), when the run made it: its figure and samples per cell."""
     grid_path = out / "needle" / "needle.csv"
@@ -230,8 +233,11 @@ def needle_lines(out: Path) -> list[str]:
     figures = sorted(p.name for p in (out / "needle").glob("needle_b*.png"))
     full = grid[grid["budget"].isna()]
     by_length = full.groupby("length").agg(samples=("n", "sum"), accuracy=("accuracy", "mean")).reset_index()
-    return ["", "## Needle by depth and length", "",
-            f"RULER's niah_single_2 with the needle at each depth in turn, {int(full['n'].sum())} samples over "
+    fewest = int(full["n"].min()) if len(full) else 0
+    illustrative = (f"**Illustrative only:** {fewest} sample(s) a cell, fewer than the {NEEDLE_CELL_SAMPLES} a cell "
+                    "needs before one cell may be read against another. " if fewest < NEEDLE_CELL_SAMPLES else "")
+    return ["", "## Needle by depth and length" + (" (illustrative)" if illustrative else ""), "",
+            f"{illustrative}RULER's niah_single_2 with the needle at each depth in turn, {int(full['n'].sum())} samples over "
             f"{len(by_length)} lengths; accuracy (top) and KL to the full cache (bottom) per method, a cell per "
             "depth and target length (blank: no sample). Grid: `needle/needle.csv`. Full cache by length:", "",
             by_length.to_markdown(index=False, floatfmt=".4g"), "",
