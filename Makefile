@@ -6,7 +6,7 @@ STAMP   := .venv/.installed
 # `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
 REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
-.PHONY: install browser test test-explore reproduce reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
+.PHONY: install browser test test-explore reproduce study reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
 
 install: $(STAMP) browser
 
@@ -52,6 +52,10 @@ test-explore: install
 # runs/.staging/ and moved into place only when all succeeded; rerun the same target to resume.
 reproduce: install
 	$(RKV) reproduce configs/reproduce.toml
+
+# The study behind results/study (`ripplekv study`, configs/study.toml): hours on 2 cores, resumable (rerun to resume).
+study: install
+	$(RKV) study configs/study.toml
 
 reproduce-quick: install
 	$(RKV) reproduce configs/quick.toml

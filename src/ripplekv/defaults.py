@@ -49,6 +49,10 @@ PIPELINE_FED = {"depthkv": ("allocation", "allocate-depthkv", ()),
                 "compresskv": ("profile", "compresskv-profile", ("errors",)),
                 "routed": ("route", "route", ()), "routed-ripplekv": ("route", "route", ())}
 PIPELINE_CURVES = "lukv"  # `ripplekv reproduce`'s lukv-profile stage profiles this preset's head-budget curves
+# `ripplekv study` (pipeline.study): the allocations a study may cross with scorers and head splits as they are, and
+# the calibrated ones with the file option their fitted file reaches them by (fitted per draw on the same prompts).
+STUDY_FIXED_ALLOCATIONS = ("snapkv", "pyramidkv", "cake")
+STUDY_CALIBRATED = {"ripplekv": "allocation", "lukv": "curve", "compresskv": "profile"}
 # The results page (analysis.results_page): methods compared head to head when a run holds both (GraceKV against its
 # earlier reading, each against SnapKV); the method of DepthKV's headline ratio and what its paper compares it with;
 # the pruner an eviction profile names when it predates recording one.

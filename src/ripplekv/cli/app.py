@@ -20,7 +20,7 @@ from ripplekv.cli.listing import budgets, methods_command, tasks_command
 from ripplekv.cli.lm_eval import LM_EVAL_SETTINGS, lm_eval_command
 from ripplekv.cli.needle import needle_command
 from ripplekv.cli.options import flag
-from ripplekv.cli.reproducing import reproduce_command
+from ripplekv.cli.reproducing import reproduce_command, study_command
 from ripplekv.cli.screen import screen_command
 from ripplekv.cli.stages import allocate, profile, route_command, tune
 from ripplekv.errors import Notice, UserError
@@ -64,6 +64,7 @@ app.command("needle")(needle_command)
 app.command("screen")(screen_command)
 app.command("inspect")(inspect_command)
 app.command("reproduce")(reproduce_command)
+app.command("study")(study_command)
 app.command("lm-eval", **LM_EVAL_SETTINGS)(lm_eval_command)
 app.command("methods")(methods_command)
 app.command("tasks")(tasks_command)

@@ -1,4 +1,5 @@
-"""`ripplekv reproduce CONFIG`: the whole pipeline of `make reproduce` from one config (configs/NAME.toml)."""
+"""`ripplekv reproduce CONFIG` and `ripplekv study CONFIG`: the pipelines of `make reproduce` and `make study`, each
+from one config (configs/NAME.toml)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,34 @@ def reproduce_command(
 
     try:
         reproduce(str(config), check_only=check_only, page_only=page_only)
+    except UserError as err:
+        raise UserError(f"{config}: {err}") from None
+    except StageFailed as failed:
+        print(f"== {failed.stage} failed (exit {failed.code}); finished stages are kept: rerun the same command to "
+              "resume", flush=True)
+        sys.exit(failed.code)
+
+
+def study_command(
+    config: Annotated[Path, typer.Argument(help="The study's config, e.g. configs/study.toml (each setting explained "
+                                                "there).")] = Path("configs/study.toml"),
+    check_only: Annotated[bool, typer.Option("--check-only", help="Read and check the config alone; nothing runs.")]
+    = False,
+    page_only: Annotated[bool, typer.Option("--page-only", help="Rewrite OUT/README.md from the finished study in "
+                                            "OUT; no stage runs.")] = False,
+) -> None:
+    """A controlled, powered study: screen -> calibration per draw -> pilot and n -> factorial eval -> draws ->
+    second model -> OUT/README.md (hours on 2 cores).
+
+    Builds in runs/.staging/NAME and replaces OUT only when every stage succeeded; rerun the same command to
+    resume (finished stages are skipped, evals resume where they stopped).
+    """
+    from ripplekv.errors import UserError
+    from ripplekv.pipeline.staged import StageFailed
+    from ripplekv.pipeline.study import study
+
+    try:
+        study(str(config), check_only=check_only, page_only=page_only)
     except UserError as err:
         raise UserError(f"{config}: {err}") from None
     except StageFailed as failed:

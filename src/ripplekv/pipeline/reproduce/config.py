@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ripplekv.errors import UserError
 
-# Kinds: count (an integer >= 1), count0 (>= 0), number, text, names (a list of strings), grids (of `tune`), budgets and ints
+# Kinds: count (an integer >= 1), count0 (>= 0), number, text, names (a list of strings), texts (of one word each,
+# commas allowed), grids (of `tune`), budgets and ints
 # (lists of positive integers), budget (one), ratios (a list of numbers >= 1).
 KINDS = {
     "model": "text", "out": "text", "draws": "count", "draw_budgets": "budgets",
@@ -169,6 +170,10 @@ def parse(name: str, value, kind: str):
     if kind == "grids":  # `ripplekv tune`'s grids, each one word (commas inside)
         if not all(isinstance(v, str) and v.strip() and not any(c.isspace() for c in v.strip()) for v in items):
             raise UserError(f"{name} = {_shown(value)} must list grids in quotes, each without spaces")
+        return tuple(v.strip() for v in items)
+    if kind == "texts":  # a list of one-word items that may hold commas (`ruler:vt,cwe`)
+        if not all(isinstance(v, str) and v.strip() and not any(c.isspace() for c in v.strip()) for v in items):
+            raise UserError(f"{name} = {_shown(value)} must list items in quotes, each without spaces")
         return tuple(v.strip() for v in items)
     if kind == "names":
         if not all(isinstance(v, str) and v.strip() and "," not in v for v in items):

@@ -1,0 +1,139 @@
+"""results/study/README.md: what the study measured, its design, the verdict, and every table it rests on.
+
+Read from what the study's stages wrote (the eval in OUT, design.json, power.json, the screen, each draw's
+calibration records, draws.csv, the second model's eval); every number on the page is recomputed here from
+predictions, never copied from a stage's printout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from ripplekv.analysis import factorial, study_page
+from ripplekv.defaults import PIPELINE_CURVES, STUDY_CALIBRATED
+from ripplekv.analysis.results_page import recorded_stages, scope_lines, shell_line
+
+QUESTION = "does spending the cache budget by layer sensitivity beat the rivals at the same memory?"
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _nested(summary: Path) -> str:
+    """An eval's summary.md under this page: its title dropped, its sections one level down, images left out."""
+    if not summary.is_file():
+        return "(not run yet)\n"
+    return "\n".join(("#" + line if line.startswith("## ") else line) for line in summary.read_text().splitlines()
+                     if not line.startswith("# ") and not line.startswith("![")) + "\n"
+
+
+def ids_hash(ids: list[str]) -> str:
+    """A short fingerprint of the calibration prompts' ids, in order: equal hashes, the same prompts."""
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:12]
+
+
+def calibration_table(out: Path) -> pd.DataFrame:
+    """One row per calibrated method and draw: the prompt-id hash, prompts, tokens (prompts x target) and the
+    seconds its stages took (stages.csv)."""
+    seconds = pd.read_csv(out / "stages.csv") if (out / "stages.csv").is_file() else pd.DataFrame(columns=["stage", "seconds"])
+    took = seconds.groupby("stage")["seconds"].sum().to_dict()
+    rows = []
+    for folder in sorted((out / "calibration").glob("d*"), key=lambda p: int(p.name[1:])):
+        draw, tag = int(folder.name[1:]), f"-{folder.name}"
+        records = []
+        for name, option in STUDY_CALIBRATED.items():  # where each fitter records its prompts
+            if option == "allocation":
+                records.append((f"{name} (profile + ratio)", folder / "profile" / "profile.json", ("profile", "allocate")))
+            elif name == PIPELINE_CURVES:
+                records += [(f"{name} ({path.stem.removeprefix('curve-')} curve)", path, (f"fit-{name}",))
+                            for path in sorted((folder / name).glob("curve-*.json"))]
+            else:
+                records.append((name, folder / f"{name}{tag}.json", (f"fit-{name}",)))
+        for method, path, stages in records:
+            record = _read(path)
+            if not record:
+                continue
+            ids = list(record.get("calibration_ids", []))
+            target = record.get("target_tokens") or record.get("calibration", {}).get("target_tokens")
+            rows.append({"method": method, "draw": draw, "ids_hash": ids_hash(ids), "prompts": len(ids),
+                         "tokens": len(ids) * int(target) if target else None,
+                         "seconds": float(sum(took.get(f"{stage}{tag}", 0) for stage in stages))})
+    return pd.DataFrame(rows, columns=["method", "draw", "ids_hash", "prompts", "tokens", "seconds"])
+
+
+def study_effects(out: Path, design: dict) -> pd.DataFrame:
+    """The factorial effects with their row ids (`F-B-i`), recomputed from OUT/predictions.jsonl."""
+    from ripplekv.analysis.report import load_predictions
+
+    frame = load_predictions(out)
+    cells = pd.DataFrame(design["cells"], columns=["method", *factorial.FACTORS])
+    first, second = design["pair"]
+    table = factorial.effects(frame, cells, pair=(first, second), measure="kl", meaningful=design["meaningful"],
+                              reference=design["reference"])
+    return study_page.with_ids(table)
+
+
+def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
+    first, second = design["pair"]
+    cells = pd.DataFrame(design["cells"])
+    levels = {f: sorted(set(cells[f])) if len(cells) else [] for f in factorial.FACTORS}
+    capped = (" - capped: at this n the meaningful effect is still out of reach, and the page says `underpowered`"
+              if power.get("capped") else "")
+    return [
+        "## Design (fixed in configs/study.toml before the run)", "",
+        f"- **Question:** {QUESTION}",
+        f"- **Screen** (calibration prompts only): {choice.get('rule', '')}. Chosen: `{design['model']}`, suite "
+        f"`{design['suite']}` at {design['target_tokens']} tokens, tasks {', '.join(design['tasks'])}.",
+        f"- **Factorial:** allocation {levels['allocation']} x scorer {levels['scorer']} x head split "
+        f"{levels['split']}, at budgets {design['budgets']}; every calibrated allocation fitted on the same "
+        "calibration prompts in each draw (the calibration table).",
+        f"- **Primary comparison**, one per budget, named before the run: `{second} - {first}` (KL, the pair's "
+        "difference averaged over the scorer x split cells), Holm-adjusted over the budgets. Everything else is "
+        "secondary: each budget's factorial table is one Holm family.",
+        f"- **Meaningful effect:** a KL difference of {design['meaningful']}. **n:** {power.get('limit')} per task "
+        f"({power.get('rule', '')}){capped}.",
+        "- Intervals: stratified t for KL; accuracies get Wilson intervals and paired differences Tango's score "
+        "interval (the nested eval summary), so none leaves [0, 100]; p-values from sign-flip tests (exact up to "
+        "32 nonzero differences).", ""]
+
+
+def write_study_page(out: Path, final: str) -> Path:
+    """OUT/README.md (see the module docstring); returns its path."""
+    design, power = _read(out / "design.json"), _read(out / "power.json")
+    choice = _read(out / "screen" / "screen.choice.json")
+    effects = study_effects(out, design)
+    first, second = design["pair"]
+    primary = study_page.primary(effects, f"{second} - {first}",
+                                 {int(b): design["meaningful"] for b in design["budgets"]})
+    lines = [f"# The study: {QUESTION}", "", *scope_lines(out)[1:], "",
+             "## Verdict", "", study_page.verdict_paragraph(primary, effects),
+             *design_lines(design, power, choice),
+             "## Primary comparison", "", study_page.primary_markdown(primary),
+             "## Factorial effects (KL; lower is closer to the full cache)", "", study_page.factorial_markdown(effects),
+             "## Calibration (the same prompts for every calibrated method in a draw)", "",
+             study_page.calibration_markdown(calibration_table(out))]
+    spread_path = out / "calibration_spread.csv"
+    if spread_path.is_file():
+        from ripplekv.analysis.calibration_spread import spread_markdown
+
+        lines += ["## Spread across calibration draws", "", spread_markdown(pd.read_csv(spread_path))]
+    lines += ["## Every row: fidelity, scores, informative tasks", "", _nested(out / "summary.md")]
+    if (out / "screen" / "screen.csv").is_file():
+        screen = pd.read_csv(out / "screen" / "screen.csv")
+        lines += ["## The screen (full cache vs the best constant answer, calibration prompts)", "",
+                  screen.to_markdown(index=False, floatfmt=".1f"), ""]
+    second_model = design.get("second_model")
+    lines += [f"## The second model: `{second_model}`" if second_model else "## The second model", ""]
+    lines += [_nested(out / "second" / "summary.md") if second_model else
+              "No other screened model had an informative task: there is no second model's run.\n"]
+    lines += ["## Commands", "", "Each stage as it ran (`stages.csv` has their times):", "", "```",
+              *[shell_line((out / f".{stage}.cmd").read_text()) for stage in recorded_stages(out)], "```", "",
+              f"Written by `ripplekv study {design.get('config', 'configs/study.toml')}` into `{final}`."]
+    page = out / "README.md"
+    page.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return page
