@@ -170,11 +170,11 @@ def test_the_study_p_values_match_an_independent_exact_sign_flip_and_holm():
 
 def write_study_folder(out: Path) -> None:
     frame, cells = grid_frame(samples=6)
-    out.mkdir(parents=True)
-    with (out / "predictions.jsonl").open("w") as handle:
+    (out / "eval").mkdir(parents=True)
+    with (out / "eval" / "predictions.jsonl").open("w") as handle:
         for row in frame.to_dict("records"):
             handle.write(json.dumps(row) + "\n")
-    (out / "config.json").write_text(json.dumps({"suite": "ruler", "model_label": "smollm2-135m",
+    (out / "eval" / "config.json").write_text(json.dumps({"suite": "ruler", "model_label": "smollm2-135m",
                                                  "samples": {"t1": [f"t1-{i}" for i in range(6)],
                                                              "t2": [f"t2-{i}" for i in range(6)]}}))
     (out / "design.json").write_text(json.dumps({
@@ -271,7 +271,8 @@ def test_the_study_runs_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, mon
     assert len([c for c in design["cells"] if c["allocation"] != "lukv" or c["split"] != "curve"]) == 16
     power = json.loads((out / "power.json").read_text())
     assert 2 <= power["limit"] <= 3
-    frame = pd.read_json(out / "predictions.jsonl", lines=True)
+    frame = pd.read_json(out / "predictions.jsonl", lines=True)  # the eval's, linked at the top
+    assert (out / "predictions.jsonl").resolve() == (out / "eval" / "predictions.jsonl").resolve()
     assert frame.groupby("task")["id"].nunique().eq(power["limit"]).all()
     table = calibration_table(out)
     # every calibrated method of a draw on the same prompts; the two draws on different ones

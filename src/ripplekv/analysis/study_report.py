@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from ripplekv.analysis import factorial, study_page
-from ripplekv.defaults import PIPELINE_CURVES, STUDY_CALIBRATED
 from ripplekv.analysis.results_page import recorded_stages, scope_lines, shell_line
+from ripplekv.defaults import PIPELINE_CURVES, STUDY_CALIBRATED
 
 QUESTION = "does spending the cache budget by layer sensitivity beat the rivals at the same memory?"
 
@@ -70,7 +70,7 @@ def study_effects(out: Path, design: dict) -> pd.DataFrame:
     """The factorial effects with their row ids (`F-B-i`), recomputed from OUT/predictions.jsonl."""
     from ripplekv.analysis.report import load_predictions
 
-    frame = load_predictions(out)
+    frame = load_predictions(out / "eval")
     cells = pd.DataFrame(design["cells"], columns=["method", *factorial.FACTORS])
     first, second = design["pair"]
     table = factorial.effects(frame, cells, pair=(first, second), measure="kl", meaningful=design["meaningful"],
@@ -80,8 +80,8 @@ def study_effects(out: Path, design: dict) -> pd.DataFrame:
 
 def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
     first, second = design["pair"]
-    cells = pd.DataFrame(design["cells"])
-    levels = {f: sorted(set(cells[f])) if len(cells) else [] for f in factorial.FACTORS}
+    grid = factorial.complete_grid(pd.DataFrame(design["cells"], columns=["method", *factorial.FACTORS]))
+    levels = {f: list(dict.fromkeys(grid[f])) for f in factorial.FACTORS}  # the grid's levels (extra rows apart)
     capped = (" - capped: at this n the meaningful effect is still out of reach, and the page says `underpowered`"
               if power.get("capped") else "")
     return [
@@ -89,9 +89,10 @@ def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
         f"- **Question:** {QUESTION}",
         f"- **Screen** (calibration prompts only): {choice.get('rule', '')}. Chosen: `{design['model']}`, suite "
         f"`{design['suite']}` at {design['target_tokens']} tokens, tasks {', '.join(design['tasks'])}.",
-        f"- **Factorial:** allocation {levels['allocation']} x scorer {levels['scorer']} x head split "
-        f"{levels['split']}, at budgets {design['budgets']}; every calibrated allocation fitted on the same "
-        "calibration prompts in each draw (the calibration table).",
+        f"- **Factorial:** allocation {', '.join(levels['allocation'])} x scorer {', '.join(levels['scorer'])} x head "
+        f"split {', '.join(levels['split'])}, at budgets {design['budgets']}; the rows outside the grid (the full "
+        "cache, LU-KV as published, ...) are in the leaderboard below. Every calibrated allocation is fitted on the "
+        "same calibration prompts in each draw (the calibration table).",
         f"- **Primary comparison**, one per budget, named before the run: `{second} - {first}` (KL, the pair's "
         "difference averaged over the scorer x split cells), Holm-adjusted over the budgets. Everything else is "
         "secondary: each budget's factorial table is one Holm family.",
@@ -110,7 +111,7 @@ def write_study_page(out: Path, final: str) -> Path:
     first, second = design["pair"]
     primary = study_page.primary(effects, f"{second} - {first}",
                                  {int(b): design["meaningful"] for b in design["budgets"]})
-    lines = [f"# The study: {QUESTION}", "", *scope_lines(out)[1:], "",
+    lines = [f"# The study: {QUESTION}", "", *scope_lines(out / "eval")[1:], "",
              "## Verdict", "", study_page.verdict_paragraph(primary, effects),
              *design_lines(design, power, choice),
              "## Primary comparison", "", study_page.primary_markdown(primary),
@@ -122,7 +123,7 @@ def write_study_page(out: Path, final: str) -> Path:
         from ripplekv.analysis.calibration_spread import spread_markdown
 
         lines += ["## Spread across calibration draws", "", spread_markdown(pd.read_csv(spread_path))]
-    lines += ["## Every row: fidelity, scores, informative tasks", "", _nested(out / "summary.md")]
+    lines += ["## Every row: fidelity, scores, informative tasks", "", _nested(out / "eval" / "summary.md")]
     if (out / "screen" / "screen.csv").is_file():
         screen = pd.read_csv(out / "screen" / "screen.csv")
         lines += ["## The screen (full cache vs the best constant answer, calibration prompts)", "",

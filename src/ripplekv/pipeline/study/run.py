@@ -25,7 +25,8 @@ from ripplekv.pipeline.staged import StagedRun, ripplekv_command
 from ripplekv.pipeline.study import plan
 from ripplekv.pipeline.study.config import StudyConfig, load_study_config
 
-PILOT, DRAWS_EVAL, SECOND = "pilot", "eval-draws", "second"
+PILOT, EVAL, DRAWS_EVAL, SECOND = "pilot", "eval", "eval-draws", "second"
+LINKED = ("predictions.jsonl", "informative.csv")  # the eval's files also reachable at the study's top
 POWER_JSON, DRAWS_CSV, DESIGN_JSON = "power.json", "draws.csv", "design.json"
 
 
@@ -85,7 +86,7 @@ def write_spread(out: Path) -> None:
     from ripplekv.analysis.report import load_predictions
     from ripplekv.runs.safeio import write_csv
 
-    first, further = load_predictions(out), load_predictions(out / DRAWS_EVAL)
+    first, further = load_predictions(out / EVAL), load_predictions(out / DRAWS_EVAL)
     frame = pd.concat([first, further[~further["method"].isin(set(first["method"]))]], ignore_index=True)
     summary, per_draw = spread(frame, pd.read_csv(out / DRAWS_CSV))
     write_csv(out / "calibration_spread.csv", summary, float_format="%.6g")
@@ -94,17 +95,17 @@ def write_spread(out: Path) -> None:
 
 def second_model(run: StagedRun, config: StudyConfig, other: plan.Choice) -> None:
     """The other screened model: its own RippleKV profile and ratio (draw 0), then second_methods at its budgets."""
-    folder = run.path(SECOND)
+    folder, fitted = run.path(SECOND), run.path(f"{SECOND}-calibration")  # an eval's folder holds the eval alone
     same = ["--model", other.model, "--calib-tasks", other.calib_tasks, "--calib-samples", str(config.calib_samples),
             "--target-tokens", str(other.target_tokens)]
-    run.stage("second-profile", f"{folder}/calibration/profile/sensitivity.csv", ripplekv_command(
+    run.stage("second-profile", f"{fitted}/profile/sensitivity.csv", ripplekv_command(
         "profile", *same, "--seeds", str(config.seeds), "--eta", repr(config.eta), "--probe-tokens",
-        str(config.probe_tokens), "--out", f"{folder}/calibration/profile"))
-    allocation = f"{folder}/calibration/allocation-second.csv"
+        str(config.probe_tokens), "--out", f"{fitted}/profile"))
+    allocation = f"{fitted}/allocation-second.csv"
     ratios = [word for ratio in config.ratios for word in ("--ratio", str(ratio))]
     sweep = ["--budget", str(config.sweep_budget)] if len(set(config.ratios)) > 1 else []
     run.stage("second-allocate", allocation, ripplekv_command(
-        "allocate", f"{folder}/calibration/profile/sensitivity.csv", *same, *ratios, *sweep, "--out", allocation))
+        "allocate", f"{fitted}/profile/sensitivity.csv", *same, *ratios, *sweep, "--out", allocation))
     methods = [f"{name}:allocation={allocation}" if plan.STUDY_CALIBRATED.get(name) == "allocation" else name
                for name in config.second_methods]
     run.always("eval-second", f"the second model ({other.model})",
@@ -116,7 +117,7 @@ def write_design(run: StagedRun, config: StudyConfig, choice: plan.Choice, other
     from ripplekv.methods.factors import REFERENCE_ALLOCATION, design
     from ripplekv.runs.safeio import write_json
 
-    specs = json.loads(Path(run.path("config.json")).read_text(encoding="utf-8"))["method_specs"]
+    specs = json.loads(Path(run.path(EVAL, "config.json")).read_text(encoding="utf-8"))["method_specs"]
     write_json(Path(run.path(DESIGN_JSON)), {
         "cells": [dict(zip(("method", "allocation", "scorer", "split"), row)) for row in design(specs)],
         "pair": list(config.pair), "reference": REFERENCE_ALLOCATION, "meaningful": config.meaningful, "budgets": list(config.budgets),
@@ -171,7 +172,11 @@ def study(config_path: str, check_only: bool = False, page_only: bool = False) -
     limit = json.loads(Path(run.path(POWER_JSON)).read_text())["limit"]
     methods = plan.grid_specs(config, files) + plan.extra_specs(config, files)
     run.always("eval", f"the factorial eval ({len(methods)} rows, {limit} samples a task)",
-               plan.eval_command(choice, methods, config.budgets, limit, run.out))
+               plan.eval_command(choice, methods, config.budgets, limit, run.path(EVAL)))
+    for name in LINKED:  # relative links: the study's predictions at its top, one copy in git
+        link = Path(run.path(name))
+        if not link.is_symlink():
+            link.symlink_to(f"{EVAL}/{name}")
     further = write_draws_table(run, config)
     if further:
         run.always(DRAWS_EVAL, f"the further draws ({config.draws - 1}) on {config.draws_limit} samples a task",
