@@ -1,1 +1,1 @@
-.venv/bin/ripplekv allocate results/draws/d1/profile/sensitivity.csv --ratio 2 --ratio 4 --ratio 8 --budget 128 --calib-samples 4 --calib-draw 1 --calib-draws 3 --target-tokens 1200 --out results/draws/d1/allocation-d1.csv 
+ripplekv allocate results/draws/d1/profile/sensitivity.csv --ratio 2 --ratio 4 --ratio 8 --budget 128 --calib-samples 4 --calib-draw 1 --calib-draws 3 --target-tokens 1200 --out results/draws/d1/allocation-d1.csv

@@ -1,1 +1,1 @@
-.venv/bin/ripplekv allocate results/draws/d2/profile/sensitivity.csv --ratio 2 --ratio 4 --ratio 8 --budget 128 --calib-samples 4 --calib-draw 2 --calib-draws 3 --target-tokens 1200 --out results/draws/d2/allocation-d2.csv 
+ripplekv allocate results/draws/d2/profile/sensitivity.csv --ratio 2 --ratio 4 --ratio 8 --budget 128 --calib-samples 4 --calib-draw 2 --calib-draws 3 --target-tokens 1200 --out results/draws/d2/allocation-d2.csv

@@ -1,1 +1,1 @@
-.venv/bin/ripplekv eval --suite offline --tasks hotpotqa\,niah --budget 480 --methods full\,h2o\,snapkv\,depthkv:allocation=results/depthkv.csv --limit 5 --target-tokens 1200 --allocation results/allocation.csv --out results/eval-headline 
+ripplekv eval --suite offline --tasks hotpotqa,niah --budget 480 --methods full,h2o,snapkv,depthkv:allocation=results/depthkv.csv --limit 5 --target-tokens 1200 --allocation results/allocation.csv --out results/eval-headline

@@ -1,1 +1,1 @@
-.venv/bin/ripplekv profile --calib-samples 4 --calib-draw 1 --calib-draws 3 --seeds 1 --eta 0.3 --probe-tokens 16 --target-tokens 1200 --out results/draws/d1/profile 
+ripplekv profile --calib-samples 4 --calib-draw 1 --calib-draws 3 --seeds 1 --eta 0.3 --probe-tokens 16 --target-tokens 1200 --out results/draws/d1/profile

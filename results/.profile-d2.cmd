@@ -1,1 +1,1 @@
-.venv/bin/ripplekv profile --calib-samples 4 --calib-draw 2 --calib-draws 3 --seeds 1 --eta 0.3 --probe-tokens 16 --target-tokens 1200 --out results/draws/d2/profile 
+ripplekv profile --calib-samples 4 --calib-draw 2 --calib-draws 3 --seeds 1 --eta 0.3 --probe-tokens 16 --target-tokens 1200 --out results/draws/d2/profile

@@ -1,1 +1,1 @@
-.venv/bin/ripplekv tune cake:tau1=0.5\,1\,2:tau2=0.5\,1\,2 pyramidkv:beta=5\,10\,20\,40 squeezeattention:scorer=snapkv:p=0.1\,0.2\,0.38\,0.7\,1 --budget 128 --calib-samples 4 --calib-draw 0 --calib-draws 3 --target-tokens 1200 --out results/tune.json 
+ripplekv tune cake:tau1=0.5,1,2:tau2=0.5,1,2 pyramidkv:beta=5,10,20,40 squeezeattention:scorer=snapkv:p=0.1,0.2,0.38,0.7,1 --budget 128 --calib-samples 4 --calib-draw 0 --calib-draws 3 --target-tokens 1200 --out results/tune.json
