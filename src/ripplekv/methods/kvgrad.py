@@ -22,7 +22,7 @@ parameter gradient is formed, the model is unchanged), in the model's dtype with
 its attention over the prompt, not the prompt's; the scores then come from each layer's replay queries in blocks
 of 128 rows (`continuation.causal_attention_rows`), no map over the whole prompt. The prompt's K/V is read per
 layer as the replay attends (transformers' sdpa, which copies it to the query heads). Its cost is its own phase in
-`engine.timings` (`GRADIENT_PASS`); docs/methods.md gives it in prefills as measured.
+`engine.timings` (`GRADIENT_PASS`); scripts/bench_replay_passes.py prints it in prefills beside KVzip's pass.
 """
 
 from __future__ import annotations
