@@ -24,6 +24,7 @@ against optimum-quanto's affine group quantizer at 2 and 4 bits (`check_referenc
 Last line: `reference parity: N/M methods >= 0.99`.
 
 Run: `make check-references` or `bash scripts/check_references.sh [--prompts 4] [--budgets 128,512]`.
+`--only finch,kvgrad` compares those pairs alone (the allocator, schedule and quantizer lines left out).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 import numpy as np
 from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
 from check_references_quant import compare_quantizers, save_kv
+from check_references_special import SIMLAYERKV_THRESHOLD
 from check_references_worker import KERNEL, WINDOW
 from reference_venv import check_venv_path, default_venv, ensure_venv, one_line
 
@@ -61,6 +63,9 @@ PAIRS = {
     "pyramidkv:schedule=kvpress": (f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress", "pyramidkv"),
     "lukv": ("lukv:rounding=kvpress", "lukv"),
     **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
+    "finch": ("finch", "finch"),  # its question part: the task's own split (check_references_special)
+    "simlayerkv:reading=threshold": (f"simlayerkv:reading=threshold:lazy_threshold={SIMLAYERKV_THRESHOLD}", "simlayerkv"),
+    "kvgrad": ("kvgrad:granularity=entry:skip_template=1:window=0", "kvgrad"),
 }
 LEARNED = {"lukv", *KVZAP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
@@ -177,22 +182,28 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
     from ripplekv.engine.recorders import SampleContext
     from ripplekv.methods import make_method
     from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+    from ripplekv.tasks.prompts import question_start
 
     model, tokenizer, _ = load_model(None, device="cpu", dtype="float32")
     budgets = [int(b) for b in args.budgets.split(",")]
     pairs = {name: spec for name, (spec, _) in {**PAIRS, **EARLIER}.items() if name not in LEARNED or name in args.learned}
+    pairs = {name: spec for name, spec in pairs.items() if args.only is None or name in args.only}
     methods = {name: make_method(spec) for name, spec in pairs.items()}
-    methods["cake"] = make_method("cake")
-    methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
+    if args.only is None:
+        methods["cake"] = make_method("cake")
+        methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
     needs = Requirements.of_all(methods.values())
-    lengths = []
+    lengths, cuts = [], {}
     for index, task in enumerate(get_tasks("offline")[: args.prompts]):
         record = load_samples(task, tokenizer, limit=1, target_tokens=args.target_tokens)[0]
         ids = build_prompt_ids(task, record, tokenizer, 7500)
         np.save(out / f"prompt_{index}.npy", np.asarray(ids, dtype=np.int64))
-        state = prefill_for(model, ids, needs, context=SampleContext(tokenizer=tokenizer))
+        cuts[f"prompt_{index}"] = question_start(task, record, tokenizer, 7500)  # Finch's question part
+        (out / "questions.json").write_text(json.dumps(cuts))
+        state = prefill_for(model, ids, needs, context=SampleContext(tokenizer=tokenizer, question_at=cuts[f"prompt_{index}"]))
         lengths.append(state.length)
-        save_kv(state, out, index)  # for optimum-quanto's quantize-dequantize (check_references_quant)
+        if args.only is None:
+            save_kv(state, out, index)  # for optimum-quanto's quantize-dequantize (check_references_quant)
         arrays = {}
         with torch.no_grad():
             for name, method in methods.items():
@@ -236,11 +247,23 @@ def tied_swap(scores: np.ndarray | None, head: int, kept: set[int], theirs: set[
     return sorted(row[sorted(kept)].tolist()) == sorted(row[sorted(theirs)].tolist())
 
 
-def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> list[tuple[str, bool, str]]:
+def lazy_note(ours_files, name: str, budget: int) -> str:
+    """How many layers SimLayerKV found lazy on each prompt (a lazy layer keeps less than the prompt)."""
+    counts = []
+    for path in ours_files:
+        ours = np.load(path)
+        length = int(json.loads(str(ours["meta"]))["tokens"])
+        counts.append(int((ours[f"{name}/{budget}/counts"].max(1) < length).sum()))
+    return f"; lazy layers per prompt {counts} (threshold {SIMLAYERKV_THRESHOLD})"
+
+
+def compare(out: Path, layers: int, lengths: list[int], budgets: list[int], only=None) -> list[tuple[str, bool, str]]:
     lines = []
     ours_files = sorted(out.glob("ours_prompt_*.npz"))
     first = np.load(ours_files[0])
-    pairs = {name: pair for name, pair in {**PAIRS, **EARLIER}.items() if f"{name}/{budgets[0]}/positions" in first.files}
+    pairs = {name: pair for name, pair in {**PAIRS, **EARLIER}.items() if f"{name}/{budgets[0]}/positions" in first.files
+             and (only is None or name in only)}
+    partial = only is not None or f"cake/{budgets[0]}/counts" not in first.files  # a run with --only
     stats = {name: [] for name in pairs}
     own_round_agree = []
     cake_diffs = []
@@ -264,7 +287,7 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
                         union = kept | theirs[head]
                         stats[name].append((kept == theirs[head], len(kept & theirs[head]) / max(len(union), 1),
                                             kept == theirs[head] or tied_swap(scores, head, kept, theirs[head])))
-        for budget in budgets:
+        for budget in budgets if not partial else ():
             length = int(json.loads(str(ours["meta"]))["tokens"])
             cake_ref = cakekv_budgets(ref["cake_prefs"], budget, WINDOW, length)
             cake_ours = ours[f"cake/{budget}/counts"][:, 0]
@@ -276,6 +299,7 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
         tied = np.mean([v[2] for v in values])
         extra = f"; FFY0's own per-head round gives the same counts in {np.mean(own_round_agree):.3f} of heads" if name == "adakv" else ""
         extra += lukv_drift(ours_files, layers, budgets) if name == "lukv" else ""
+        extra += lazy_note(ours_files, name, budgets[0]) if name.startswith("simlayerkv") else ""
         extra += f" (B = {','.join(map(str, budgets_of(name, budgets)))})" if budgets_of(name, budgets) != budgets else ""
         if name in EARLIER:
             lines.append((name, None, f"  (not the reference's setting) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))
@@ -283,6 +307,8 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
         ties = f"; identical up to tied scores {tied:.4f}" if tied > same else ""
         lines.append((name, max(same, tied) >= 0.99, f"{name:<14} identical kept sets {same:.4f} of {len(values)} (layer, KV head, "
                       f"prompt, budget){ties}; mean Jaccard {jaccard:.4f}{extra}"))
+    if partial:
+        return lines
     worst = max(d[0] for d in cake_diffs)
     lines.append(("cake", worst <= 1 and all(d[1] for d in cake_diffs),
                   f"{'cake':<14} layer budgets vs cakekv's formula on the reference attention: max |diff| {worst} entries "
@@ -317,6 +343,9 @@ def main() -> None:
     parser.add_argument("--venv", default=default_venv(),
                         help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/check-references")
+    parser.add_argument("--only", help="compare only these pairs, comma-separated names as printed (e.g. finch,kvgrad); "
+                                       "the allocator, schedule and quantizer lines are left out")
+    parser.add_argument("--keys", help=argparse.SUPPRESS)  # the worker's share of --only: the reference keys
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -328,6 +357,19 @@ def main() -> None:
     one_line(lambda: check_and_compare(args))
 
 
+def parse_only(text: str | None) -> set[str] | None:
+    """--only as a set of pair names; one line naming any that is not a pair."""
+    from ripplekv.errors import UserError
+
+    if text is None:
+        return None
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - set(PAIRS) - set(EARLIER))
+    if unknown or not names:
+        raise UserError(f"--only takes pair names ({', '.join(PAIRS)}), got {', '.join(unknown) or 'nothing'}")
+    return names
+
+
 def check_and_compare(args) -> None:
     """Every option (budgets, prompts, the venv's path, the output folder) before anything is made, then the run."""
     from ripplekv.errors import UserError
@@ -335,6 +377,7 @@ def check_and_compare(args) -> None:
 
     budgets = parse_reference_budgets(args.budgets)
     args.budgets = ",".join(map(str, budgets))
+    args.only = parse_only(args.only)
     if args.prompts < 1 or args.target_tokens < 1:
         raise UserError(f"--prompts and --target-tokens must be at least 1, got {args.prompts} and {args.target_tokens}")
     if args.target_tokens < PYRAMID_BUDGET + 64:
@@ -352,13 +395,14 @@ def check_and_compare(args) -> None:
     has_curve, surrogates = shipped_curve(out), shipped_surrogates(out)
     args.learned = ({"lukv"} if has_curve else set()) | set(surrogates)
     layers, lengths = our_side(args, out)
+    keys = [] if args.only is None else ["--keys", ",".join(sorted({PAIRS.get(n, EARLIER.get(n, ("", "")))[1] for n in args.only}))]
     subprocess.run([str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir, "--out", str(out),
-                    "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets)))], check=True,
+                    "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets))), *keys], check=True,
                    env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1",
                         "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
-    lines = compare(out, layers, lengths, budgets)
+    lines = compare(out, layers, lengths, budgets, args.only)
     versions = json.loads((out / "reference_versions.json").read_text())
-    lines += compare_quantizers(out, versions["optimum-quanto"])
+    lines += compare_quantizers(out, versions["optimum-quanto"]) if args.only is None else []
     for big in [*out.glob("kv_prompt_*.npy"), *out.glob("quanto_prompt_*.npz")]:
         big.unlink()  # the full K/V and its dequantized copies (hundreds of MB a prompt)
     print(f"reference code: kvpress {versions['kvpress']}, optimum-quanto {versions['optimum-quanto']}, "

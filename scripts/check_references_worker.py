@@ -13,6 +13,8 @@ Three passes over each prompt with the bundled model's dequantized weights, each
   `masked_key_indices`.
 - KVzip: `KVzipPress` as kvpress runs it (prefill under the press, then its own chunked reconstruction pass
   through the cache), its final selection (`compress_post`) made once per budget from the one scoring.
+FinchPress (its window from our side's question split), SimLayerKVPress and KVgradPress as
+`check_references_special` says.
 Kept sets are written as `[H, most kept]` position arrays padded with -1, one per (press, budget, layer).
 Last, optimum-quanto quantize-dequantizes the K/V our side saved (`check_references_quant`).
 """
@@ -106,7 +108,7 @@ def ratio(name: str, budget: int, n: int, entries: int) -> float:
     `entries` = L x H_kv x n over the whole cache): each press turns the ratio into counts its own way."""
     if name in ("lukv", "pyramidkv"):
         return 1 - budget / n  # LU-KV reads its curve's row at the ratio; PyramidKV's layers average B
-    if name == "kvzip":
+    if name in ("kvzip", "kvgrad"):
         return 1 - (entries * budget / n - 0.5) / entries  # int(entries x ratio) prunes all but L x H x B
     return 1 - (budget + 0.5) / n  # int(n x (1 - ratio)) == budget
 
@@ -119,7 +121,8 @@ def worker(args) -> None:
     import transformers
     from check_references_allocators import signals as allocator_signals
     from check_references_quant import reference_dequantized
-    from kvpress import KVzipPress
+    from check_references_special import questions, special_presses
+    from kvpress import KVgradPress, KVzipPress
     from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -129,24 +132,38 @@ def worker(args) -> None:
     out = Path(args.out)
     curve = out / "lukv_curve.npy"
     eager, sdpa = build_presses(model, curve if curve.exists() else None, out)
+    wanted = set(args.keys.split(",")) if args.keys else None  # --only: the reference keys of the pairs asked for
+    if wanted is not None:
+        eager = {name: press for name, press in eager.items() if name in wanted}
+        sdpa = {name: press for name, press in sdpa.items() if name in wanted}
+    special = special_presses(wanted if wanted is not None else {"finch", "simlayerkv", "kvgrad"})
+    if "finch" in special:
+        eager["finch"] = special.pop("finch")
+        eager["finch"].post_init_from_model(model)
+    cuts = questions(out)
     budgets = [int(b) for b in args.budgets.split(",")]
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     for ids_path in sorted(out.glob("prompt_*.npy")):
         ids = torch.as_tensor(np.load(ids_path), dtype=torch.long)[None]
-        record = hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache)
-        record.update(kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache))
+        if "finch" in eager:  # what its delimiter hook would set: the question part, as our side cut it
+            eager["finch"].window_size = ids.shape[1] - cuts[ids_path.stem]
+        record = hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache, special)
+        for name, press_class in (("kvzip", KVzipPress), ("kvgrad", KVgradPress)):
+            if wanted is None or name in wanted:
+                record.update(kvzip_kept(model, ids, budgets, layers, heads, press_class, DynamicCache, name))
         np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
         print(f"reference: {ids_path.stem} ({ids.shape[1]} tokens) done", file=sys.stderr)
     model.set_attn_implementation("eager")
-    reference_dequantized(out)  # optimum-quanto's quantize-dequantize of our prefill's K/V (check_references_quant)
+    if wanted is None:
+        reference_dequantized(out)  # optimum-quanto's quantize-dequantize of our prefill's K/V (check_references_quant)
     (out / "reference_versions.json").write_text(json.dumps(
         {"kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": transformers.__version__,
          "torch": torch.__version__, "optimum-quanto": metadata.version("optimum-quanto")}))
 
 
-def kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache) -> dict[str, np.ndarray]:
+def kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache, name="kvzip") -> dict[str, np.ndarray]:
     """KVzipPress's kept sets at every budget from its one reconstruction pass (under sdpa, as it requires), and
-    its scores (to tell tied entries apart)."""
+    its scores (to tell tied entries apart); `KVzipPress` may be its subclass KVgradPress (`name` kvgrad)."""
     import torch
 
     n = ids.shape[1]
@@ -156,25 +173,27 @@ def kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache) -> 
 
     def every_budget(model_):
         for budget in budgets:
-            press.compression_ratio = ratio("kvzip", budget, n, layers * heads * n)
+            press.compression_ratio = ratio(name, budget, n, layers * heads * n)
             own_post(model_)
             for layer in model_.model.layers:
-                record[f"kvzip/{budget}/{layer.self_attn.layer_idx}"] = kept_by_mask(layer.self_attn, heads, n)
+                record[f"{name}/{budget}/{layer.self_attn.layer_idx}"] = kept_by_mask(layer.self_attn, heads, n)
         for layer in range(layers):
-            record[f"kvzip_scores/{layer}"] = press.score_val[layer, 0].float().numpy()
+            record[f"{name}_scores/{layer}"] = press.score_val[layer, 0].float().detach().numpy()
 
     press.compress_post = every_budget
-    press.compression_ratio = ratio("kvzip", budgets[0], n, layers * heads * n)
+    press.compression_ratio = ratio(name, budgets[0], n, layers * heads * n)
     model.set_attn_implementation("sdpa")
     with torch.no_grad(), press(model):
         model.model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
     return record
 
 
-def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache) -> dict[str, np.ndarray]:
+def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache,
+                  special=None) -> dict[str, np.ndarray]:
     """One eager forward (the scorer presses, the signals the rules re-implemented on our side read) and one sdpa
     forward (the masking presses) over the prompt `ids`, each press choosing in a hook on every attention layer."""
     import torch
+    from check_references_special import simlayerkv_kept
 
     n = ids.shape[1]
     record: dict[str, np.ndarray] = {}
@@ -190,10 +209,15 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
                 press.compression_ratio = ratio(name, budget, n, 0)
                 record[f"{name}/{budget}/{layer}"] = kept_by_compress(press, module, hidden, keys, values, attentions, kwargs)
         record[f"knorm_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
-        for name in ("expected", "keydiff"):
-            record[f"{name}_scores/{layer}"] = eager[name].score(module, hidden, keys, values, attentions, kwargs)[0].float().numpy()
-        snap = eager["snapkv"].score(module, hidden, keys, values, attentions, kwargs)
-        record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
+        for name in ("expected", "keydiff", "finch"):
+            if name in eager:
+                record[f"{name}_scores/{layer}"] = eager[name].score(module, hidden, keys, values, attentions, kwargs)[0].float().numpy()
+        if "snapkv" in eager:
+            snap = eager["snapkv"].score(module, hidden, keys, values, attentions, kwargs)
+            record[f"snapkv_scores/{layer}"] = snap[0, :, : n - WINDOW].float().numpy()
+        if special and "simlayerkv" in special:  # one kept set per layer, whatever the budget
+            kept = simlayerkv_kept(special["simlayerkv"], module, hidden, keys, attentions, kwargs, padded)
+            record.update({f"simlayerkv/{budget}/{layer}": kept for budget in budgets})
         window = attentions[0, :, -WINDOW:, : n - WINDOW].float()
         entropy = float(-(window * torch.log(window + 1e-10)).sum())  # cakekv's calculate_entropy
         variance = float(torch.var(window, dim=-2).sum())

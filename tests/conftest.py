@@ -275,15 +275,21 @@ class StubTokenizer:
 
 def satisfy(state, tokenizer=None):
     """Give a prefilled state what the answer-aware and request-phrasing scorers need (oracle, KVzip), as the
-    engine records them: a question [3] read after the prompt, then the full cache's answer [7, 8, 9]."""
+    engine records them: a question [3] read after the prompt, then the full cache's answer [7, 8, 9]; and, where
+    the prompt had no question part of its own, Finch's question queries: those of its last 8 tokens."""
     from ripplekv.engine.prefill import Requirements
-    from ripplekv.engine.recorders import SampleContext, record_context, record_reference
+    from ripplekv.engine.recorders import WINDOW_QUERIES, SampleContext, record_context, record_reference
+    from ripplekv.methods.finch import QUESTION_QUERIES
     from ripplekv.methods.kvzip import TOKENIZER
     from ripplekv.methods.oracle import REFERENCE_ANSWER
 
     needs = Requirements(signals={TOKENIZER, REFERENCE_ANSWER})
     record_context(state, needs, SampleContext(tokenizer or StubTokenizer(), (3,)))
     record_reference(state, [7, 8, 9])
+    queries = state.signals.get(WINDOW_QUERIES)
+    if QUESTION_QUERIES not in state.signals and queries and state.length > 1:  # Finch: the last 8 tokens as the question
+        width = min(8, state.length - 1, queries[0].shape[1])
+        state.signals[QUESTION_QUERIES] = [layer[:, layer.shape[1] - width:] for layer in queries]
     if "hidden_states" not in state.signals:  # a state built without a prefill: attention inputs of every_method's width
         generator = torch.Generator().manual_seed(0)
         state.signals["hidden_states"] = [torch.randn(state.length, HIDDEN, generator=generator)

@@ -227,7 +227,8 @@ def compress(model, tokenizer, prompt, method: str = "ripplekv", budget: int = 1
     chosen = list(_methods(model, [method], allocation, options).values())[-1]
     budget = check_budget(int(budget) if isinstance(budget, Integral) and not isinstance(budget, bool) else budget)
     ids = _token_ids(tokenizer, prompt, chat, _vocabulary(model))
-    state = prefill_for(model, ids, chosen.requirements(), context=SampleContext(tokenizer))
+    inside = prompt.question_start if isinstance(prompt, Prompt) and 0 < prompt.question_start < len(ids) else None
+    state = prefill_for(model, ids, chosen.requirements(), context=SampleContext(tokenizer, question_at=inside))
     built = build(state, Variant(chosen.label, budget, chosen))
     counts = entry_counts(built)
     cache = build_cache(state, [built])

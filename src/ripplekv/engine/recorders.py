@@ -4,7 +4,7 @@ The prefill runs the model's own attention (sdpa). `ripplekv_attention` hands ea
 values (post-RoPE) to the recorders passed as `ripplekv_recorders=` and returns sdpa's output unchanged, so
 no method's signal changes what another method, or the full-cache reference, sees. A signal that is not
 attention is a recorder too (`FromSample`): what a sample brings beside its tokens (`SampleContext`: the
-tokenizer, the question read after the prompt), kept only when a method declared it.
+tokenizer, the question read after the prompt or where it starts inside it), kept only when a method declared it.
 
 A method declares the signals it reads by name (`Requirements.signals`); the recorder of each is registered
 under that name in `RECORDERS` (`register_recorder`), beside the method that needs it in `methods/`, and
@@ -29,6 +29,9 @@ class SampleContext:
 
     tokenizer: object = None  # the prompt's tokenizer
     question: tuple[int, ...] = ()  # tokens read after the compressed prompt before the answer (context-only)
+    # where the part after the context (the question, the instructions after it) begins inside the compressed
+    # prompt: the task's own context/question split (with-question); None where the prompt holds no such part
+    question_at: int | None = None
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,11 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
     decoding = settings.decoding_for(task)
     timings.declare(timings.PREFILL, timings.REFERENCE_DECODE, *decoding.phases)
     ids, question = prompt_parts(task, record, tokenizer, settings)
+    sample = SampleContext(tokenizer, tuple(question), None if question else question_inside(task, record, tokenizer,
+                                                                                          settings, len(ids)))
     with timings.phase(timings.PREFILL):  # its recorders count apart (`engine.timings`)
         state = prefill(model, ids, Requirements.of_all(methods.values()),
-                        reserve=len(question) + task.max_new_tokens, context=SampleContext(tokenizer, tuple(question)))
+                        reserve=len(question) + task.max_new_tokens, context=sample)
     report("prefill", state.length)
     stops = engine_decode.stop_tokens(model, tokenizer, task.stop_at_newline)
     with timings.phase(timings.REFERENCE_DECODE):
@@ -151,6 +153,17 @@ def prompt_parts(task, record: dict, tokenizer, settings: SampleSettings) -> tup
 
     cut = question_start(task, record, tokenizer, settings.max_length)
     return ids[:cut], list(ids[cut:])
+
+
+def question_inside(task, record: dict, tokenizer, settings: SampleSettings, length: int) -> int | None:
+    """Where the question part begins in a prompt compressed with its question (the task's own split, as
+    context-only cuts it); None when the task's prompt has nothing after its context."""
+    if settings.protocol == "context-only":
+        return None
+    from ripplekv.tasks.prompts import question_start
+
+    cut = question_start(task, record, tokenizer, settings.max_length)
+    return cut if 0 < cut < length else None
 
 
 def prefill(model, ids, needs: Requirements, reserve: int = 0, context: SampleContext | None = None):

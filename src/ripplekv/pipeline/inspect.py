@@ -32,7 +32,8 @@ def inspect_into(folder: Path, chosen, budget: int, model: ModelChoice, prompt: 
     prompt = prompt.build(tokenizer)
     ids, question, answers, label = prompt.ids, prompt.question_start, prompt.answers, prompt.label
     loaded, _, source = model.load()
-    state = prefill_for(loaded, ids, Requirements.of_all([chosen]), context=SampleContext(tokenizer))
+    inside = question if 0 < question < len(ids) else None  # the task's context/question split, if any
+    state = prefill_for(loaded, ids, Requirements.of_all([chosen]), context=SampleContext(tokenizer, question_at=inside))
     built = chosen.compress(state, budget)
     notes = chosen.build_notes(state, budget) if hasattr(chosen, "build_notes") else None  # e.g. GraceKV's split kinds
     decoded = None
