@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from check_references_chunks import CHUNK_EARLIER, CHUNK_PAIRS
 from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
 from check_references_quant import compare_quantizers, save_kv
 from check_references_worker import KERNEL, WINDOW
@@ -61,6 +62,7 @@ PAIRS = {
     "pyramidkv:schedule=kvpress": (f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress", "pyramidkv"),
     "lukv": ("lukv:rounding=kvpress", "lukv"),
     **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
+    **CHUNK_PAIRS,
 }
 LEARNED = {"lukv", *KVZAP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
@@ -74,6 +76,7 @@ EARLIER = {
     "expected-attention (window 32)": ("expected-attention", "expected"),
     "kvzip (our default)": ("kvzip", "kvzip"),
     "criticaladakv (FFY0 split)": (f"criticaladakv:kernel={KERNEL}:pooling=avg", "criticaladakv"),
+    **CHUNK_EARLIER,
 }
 
 
