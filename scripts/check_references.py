@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from check_references_chunks import CHUNK_EARLIER, CHUNK_PAIRS
 from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
 from check_references_quant import compare_quantizers, save_kv
 from check_references_special import SIMLAYERKV_THRESHOLD
@@ -66,6 +67,7 @@ PAIRS = {
     "finch": ("finch", "finch"),  # its question part: the task's own split (check_references_special)
     "simlayerkv:reading=threshold": (f"simlayerkv:reading=threshold:lazy_threshold={SIMLAYERKV_THRESHOLD}", "simlayerkv"),
     "kvgrad": ("kvgrad:granularity=entry:skip_template=1:window=0", "kvgrad"),
+    **CHUNK_PAIRS,
 }
 LEARNED = {"lukv", *KVZAP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
@@ -79,6 +81,7 @@ EARLIER = {
     "expected-attention (window 32)": ("expected-attention", "expected"),
     "kvzip (our default)": ("kvzip", "kvzip"),
     "criticaladakv (FFY0 split)": (f"criticaladakv:kernel={KERNEL}:pooling=avg", "criticaladakv"),
+    **CHUNK_EARLIER,
 }
 
 

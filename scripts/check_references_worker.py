@@ -67,6 +67,7 @@ def kept_by_mask(module, heads: int, n: int) -> np.ndarray:
 
 def build_presses(model, curve_path: Path | None, out: Path):
     """(eager presses, sdpa presses): each name the comparison reads, configured as its pair on our side."""
+    from check_references_chunks import chunk_presses
     from check_references_learned import kvzap_presses
     from kvpress import (
         AdaKVPress,
@@ -90,6 +91,7 @@ def build_presses(model, curve_path: Path | None, out: Path):
              "observed": ObservedAttentionPress(), "expected": ExpectedAttentionPress(), "keydiff": KeyDiffPress(),
              "criticalkv": CriticalKVPress(snap()), "pyramidkv": PyramidKVPress(window_size=WINDOW, kernel_size=KERNEL)}
     sdpa = {"adakvpress": AdaKVPress(snap()), "criticaladakv": CriticalAdaKVPress(snap())}
+    eager.update(chunk_presses())  # ChunkKV, its entropy gate, ChunkPress, LagKV (check_references_chunks)
     if curve_path is not None:
         lukv = LUKVPress(ExpectedAttentionPress(epsilon=2e-2), sink=4, window=1)
         lukv._budget_curves = np.load(curve_path)  # our curve, in place of the one it would download
@@ -106,6 +108,10 @@ def build_presses(model, curve_path: Path | None, out: Path):
 def ratio(name: str, budget: int, n: int, entries: int) -> float:
     """The compression_ratio at which press `name` keeps `budget` entries per head of an `n`-token prompt (KVzip:
     `entries` = L x H_kv x n over the whole cache): each press turns the ratio into counts its own way."""
+    from check_references_chunks import chunk_ratio
+
+    if chunk_ratio(name, budget, n) is not None:
+        return chunk_ratio(name, budget, n)
     if name in ("lukv", "pyramidkv"):
         return 1 - budget / n  # LU-KV reads its curve's row at the ratio; PyramidKV's layers average B
     if name in ("kvzip", "kvgrad"):
@@ -194,6 +200,7 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
     forward (the masking presses) over the prompt `ids`, each press choosing in a hook on every attention layer."""
     import torch
     from check_references_special import simlayerkv_kept
+    from check_references_chunks import chunk_scores, kept_by_chunk_press
 
     n = ids.shape[1]
     record: dict[str, np.ndarray] = {}
@@ -207,7 +214,9 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         for name, press in eager.items():
             for budget in budgets:
                 press.compression_ratio = ratio(name, budget, n, 0)
-                record[f"{name}/{budget}/{layer}"] = kept_by_compress(press, module, hidden, keys, values, attentions, kwargs)
+                record[f"{name}/{budget}/{layer}"] = kept_by_chunk_press(name, press, module, hidden, keys, values,
+                                                                         attentions, kwargs)
+        record.update(chunk_scores(eager, module, hidden, keys, values, kwargs, layer))
         record[f"knorm_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
         for name in ("expected", "keydiff", "finch"):
             if name in eager:

@@ -109,12 +109,17 @@ COMPOSITION_HELP = """compositions: layer allocator x head split x scorer, in on
     pyramidkv:split=adakv:scorer=expected-attention
     cake:split=adakv:scorer=keydiff             CAKE layer budgets x AdaKV heads x KeyDiff scores
     snapkv:allocator=global:scorer=criticalkv   every layer and head compete (Layer-DefensiveKV's level)
+    expected-attention:chunk_length=20          whole 20-token chunks by a scorer's scores (ChunkKV; with
+                                                gate=entropy: kvpress's entropy-gated ChunkKV; segment_length=N:
+                                                each N-token segment keeps its share, kvpress's ChunkPress)
   oracle is a ceiling (answer-aware, eval only), not a method: reports mark it and leave it out of ranks, and
   so is any composition that uses its scorer (snapkv:scorer=oracle:split=adakv, a route with an oracle layer)."""
 
 
 def methods_command() -> None:
     """List every method: its allocator, its scorer and their options with defaults."""
+    from dataclasses import fields
+
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -126,7 +131,8 @@ def methods_command() -> None:
 
     def options(component, preset=()) -> str:
         chosen = defaults_of(component)
-        chosen.update({k: v for k, v in preset if k in chosen})  # a preset's own defaults (defensivekv: alpha=0)
+        # a preset's own defaults (defensivekv: alpha=0), composition options too (chunkkv: chunk_length=20)
+        chosen.update({k: v for k, v in preset if k in chosen or k in {f.name for f in fields(component)}})
         return ", ".join(f"{k}={v}" for k, v in chosen.items()) or "-"
 
     table = Table(title="ripplekv methods (spec: name[:option=value...])", box=box.SIMPLE_HEAD)

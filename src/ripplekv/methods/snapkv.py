@@ -16,7 +16,8 @@ zero padding at the two edges (`count_include_pad=True`), as the original code a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,16 @@ import torch.nn.functional as F
 from ripplekv.defaults import POOLINGS
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.core.base import Scorer, check_positive, per_head, recent_mask, register_scorer, top_scored_mask
+from ripplekv.methods.core.base import (
+    COMPOSITION,
+    Scorer,
+    check_positive,
+    per_head,
+    recent_mask,
+    register_scorer,
+    top_scored_mask,
+)
+from ripplekv.methods.core.chunks import check_chunking, chunked_keep
 
 
 def check_pooling(pooling: str) -> None:
@@ -84,11 +94,44 @@ def pooled_window_mass(state: PrefillState, layer: int, window: int, kernel: int
     return pooled(mass[:, : length - window], kernel, pooling)
 
 
+def _then_check_chunks(post_init):
+    @functools.wraps(post_init)
+    def checked(self):
+        post_init(self)
+        WindowScorer.__post_init__(self)
+
+    return checked
+
+
 @dataclass(frozen=True)
 class WindowScorer(Scorer):
-    """A scorer that always keeps the last `window` tokens and ranks the prefix before them."""
+    """A scorer that always keeps the last `window` tokens and ranks the prefix before them.
+
+    Each takes chunk-level selection as options (`methods.core.chunks`): `chunk_length=` keeps whole chunks by
+    their scores summed over the layer's heads (ChunkKV), with `gate=entropy` (and `spiky_keep=`) thinning spiky
+    chunks, or `segment_length=` gives each segment of the prompt its share (kvpress's ChunkPress);
+    `chunk_rounding=kvpress` keeps kvpress's counts instead of exactly the budget. A subclass that selects in its
+    own way (overrides `keep`) refuses them."""
 
     window: int = 32
+    chunk_length: int | None = field(default=None, kw_only=True, metadata=COMPOSITION)
+    segment_length: int | None = field(default=None, kw_only=True, metadata=COMPOSITION)
+    gate: str | None = field(default=None, kw_only=True, metadata=COMPOSITION)
+    spiky_keep: int | None = field(default=None, kw_only=True, metadata=COMPOSITION)
+    chunk_rounding: str | None = field(default=None, kw_only=True, metadata=COMPOSITION)
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's own `__post_init__` checks the chunk options too (few of them call their parent's)."""
+        super().__init_subclass__(**kwargs)
+        if "__post_init__" in cls.__dict__:
+            cls.__post_init__ = _then_check_chunks(cls.__dict__["__post_init__"])
+
+    def __post_init__(self):
+        check_chunking(self, type(self).keep is not WindowScorer.keep)
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_length is not None or self.segment_length is not None
 
     def floor(self) -> int:
         return self.window
@@ -109,6 +152,9 @@ class WindowScorer(Scorer):
                 return recent_mask(state.num_kv_heads, state.length, count, state.device)[heads]
             if scores is None:
                 scores = self.scores(state, layer)
+            if self.chunked:
+                start = state.held_from(layer) if hasattr(state, "held_from") else 0
+                return chunked_keep(self, scores, heads, state.length, window, start, count)
             return top_scored_mask(scores[heads], state.length, window, count)
 
         return per_head(counts, build)
@@ -133,8 +179,8 @@ class SnapKVScorer(WindowScorer):
     def decode_policy(self, every: int):
         from ripplekv.methods.core.decoding import Rescored
 
-        if type(self) is not SnapKVScorer:  # a subclass (CriticalKV) scores differently: it must say how itself
-            return None
+        if type(self) is not SnapKVScorer or self.chunked:  # a subclass (CriticalKV) scores differently, chunks
+            return None  # select differently: each must say how itself
         return Rescored(self.window, self.kernel, self.pooling, every)
 
     def scores(self, state, layer):

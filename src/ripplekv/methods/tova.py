@@ -49,7 +49,7 @@ class TOVAScorer(WindowScorer):
     def decode_policy(self, every: int):
         from ripplekv.methods.core.decoding import CurrentQuery
 
-        return CurrentQuery(self.window, self.heads)
+        return None if self.chunked else CurrentQuery(self.window, self.heads)  # its decoding evicts entry by entry
 
     def scores(self, state, layer):
         attention = last_query_attention(state, layer)
