@@ -199,8 +199,8 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
     """One eager forward (the scorer presses, the signals the rules re-implemented on our side read) and one sdpa
     forward (the masking presses) over the prompt `ids`, each press choosing in a hook on every attention layer."""
     import torch
-    from check_references_special import simlayerkv_kept
     from check_references_chunks import chunk_scores, kept_by_chunk_press
+    from check_references_special import simlayerkv_kept
 
     n = ids.shape[1]
     record: dict[str, np.ndarray] = {}
