@@ -23,6 +23,10 @@ totals) on kvpress's SnapKV scores. The KIVI quantizer's quantize-dequantize of 
 against optimum-quanto's affine group quantizer at 2 and 4 bits (`check_references_quant`).
 Last line: `reference parity: N/M methods >= 0.99`.
 
+The options that rewrite what a method keeps (`think=`, `merge=`, `rerotate=1`) are held against ThinKPress,
+MergingPress, CAMPress and KeyRerotationPress (`check_references_axes`). `--only NAME,...` runs only those
+pairs (their names as printed), without the budget rules and the quantizer.
+
 Run: `make check-references` or `bash scripts/check_references.sh [--prompts 4] [--budgets 128,512]`.
 """
 
@@ -36,6 +40,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from check_references_axes import AXES, compare_axes, save_ours
 from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
 from check_references_quant import compare_quantizers, save_kv
 from check_references_worker import KERNEL, WINDOW
@@ -162,6 +167,19 @@ def cakekv_budgets(prefs: np.ndarray, budget: int, window: int, length: int, tau
 # --------------------------------------------------------------------------- our side and the comparison
 
 
+def chosen_names(text: str) -> set[str] | None:
+    """--only as a set of pair names (None: every check); an unknown name is one line listing the known."""
+    from ripplekv.errors import UserError
+
+    if not text:
+        return None
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - set(PAIRS) - set(AXES))
+    if unknown:
+        raise UserError(f"--only: unknown {', '.join(unknown)}; known: {', '.join([*PAIRS, *AXES])}")
+    return names
+
+
 def budgets_of(name: str, budgets: list[int]) -> list[int]:
     """The budgets a pair is compared at: kvpress's pyramid also at PYRAMID_BUDGET, where it is one."""
     return budgets + [PYRAMID_BUDGET] if name == "pyramidkv:schedule=kvpress" and PYRAMID_BUDGET not in budgets else budgets
@@ -180,11 +198,15 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
 
     model, tokenizer, _ = load_model(None, device="cpu", dtype="float32")
     budgets = [int(b) for b in args.budgets.split(",")]
+    chosen = chosen_names(args.only)
     pairs = {name: spec for name, (spec, _) in {**PAIRS, **EARLIER}.items() if name not in LEARNED or name in args.learned}
+    pairs = {name: spec for name, spec in pairs.items() if chosen is None or name in chosen}
+    axes = [name for name in AXES if chosen is None or name in chosen]
     methods = {name: make_method(spec) for name, spec in pairs.items()}
-    methods["cake"] = make_method("cake")
-    methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
-    needs = Requirements.of_all(methods.values())
+    if chosen is None:
+        methods["cake"] = make_method("cake")
+        methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
+    needs = Requirements.of_all([*methods.values(), *(make_method(AXES[name]) for name in axes)])
     lengths = []
     for index, task in enumerate(get_tasks("offline")[: args.prompts]):
         record = load_samples(task, tokenizer, limit=1, target_tokens=args.target_tokens)[0]
@@ -192,7 +214,10 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
         np.save(out / f"prompt_{index}.npy", np.asarray(ids, dtype=np.int64))
         state = prefill_for(model, ids, needs, context=SampleContext(tokenizer=tokenizer))
         lengths.append(state.length)
-        save_kv(state, out, index)  # for optimum-quanto's quantize-dequantize (check_references_quant)
+        if chosen is None:
+            save_kv(state, out, index)  # for optimum-quanto's quantize-dequantize (check_references_quant)
+        if axes:
+            save_ours(state, out, index, budgets, axes)
         arrays = {}
         with torch.no_grad():
             for name, method in methods.items():
@@ -236,11 +261,13 @@ def tied_swap(scores: np.ndarray | None, head: int, kept: set[int], theirs: set[
     return sorted(row[sorted(kept)].tolist()) == sorted(row[sorted(theirs)].tolist())
 
 
-def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> list[tuple[str, bool, str]]:
+def compare(out: Path, layers: int, lengths: list[int], budgets: list[int], chosen=None) -> list[tuple[str, bool, str]]:
     lines = []
     ours_files = sorted(out.glob("ours_prompt_*.npz"))
     first = np.load(ours_files[0])
     pairs = {name: pair for name, pair in {**PAIRS, **EARLIER}.items() if f"{name}/{budgets[0]}/positions" in first.files}
+    if not pairs:
+        return []
     stats = {name: [] for name in pairs}
     own_round_agree = []
     cake_diffs = []
@@ -264,7 +291,7 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
                         union = kept | theirs[head]
                         stats[name].append((kept == theirs[head], len(kept & theirs[head]) / max(len(union), 1),
                                             kept == theirs[head] or tied_swap(scores, head, kept, theirs[head])))
-        for budget in budgets:
+        for budget in budgets if chosen is None else []:  # the budget rules run with every check only
             length = int(json.loads(str(ours["meta"]))["tokens"])
             cake_ref = cakekv_budgets(ref["cake_prefs"], budget, WINDOW, length)
             cake_ours = ours[f"cake/{budget}/counts"][:, 0]
@@ -283,6 +310,8 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int]) -> l
         ties = f"; identical up to tied scores {tied:.4f}" if tied > same else ""
         lines.append((name, max(same, tied) >= 0.99, f"{name:<14} identical kept sets {same:.4f} of {len(values)} (layer, KV head, "
                       f"prompt, budget){ties}; mean Jaccard {jaccard:.4f}{extra}"))
+    if chosen is not None:
+        return lines
     worst = max(d[0] for d in cake_diffs)
     lines.append(("cake", worst <= 1 and all(d[1] for d in cake_diffs),
                   f"{'cake':<14} layer budgets vs cakekv's formula on the reference attention: max |diff| {worst} entries "
@@ -317,6 +346,7 @@ def main() -> None:
     parser.add_argument("--venv", default=default_venv(),
                         help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/check-references")
+    parser.add_argument("--only", default="", help="only these pairs, comma-separated (default: every check)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -335,6 +365,7 @@ def check_and_compare(args) -> None:
 
     budgets = parse_reference_budgets(args.budgets)
     args.budgets = ",".join(map(str, budgets))
+    chosen = chosen_names(args.only)
     if args.prompts < 1 or args.target_tokens < 1:
         raise UserError(f"--prompts and --target-tokens must be at least 1, got {args.prompts} and {args.target_tokens}")
     if args.target_tokens < PYRAMID_BUDGET + 64:
@@ -353,12 +384,14 @@ def check_and_compare(args) -> None:
     args.learned = ({"lukv"} if has_curve else set()) | set(surrogates)
     layers, lengths = our_side(args, out)
     subprocess.run([str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir, "--out", str(out),
-                    "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets)))], check=True,
+                    "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets))),
+                    "--only", args.only], check=True,
                    env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1",
                         "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
-    lines = compare(out, layers, lengths, budgets)
+    lines = compare(out, layers, lengths, budgets, chosen) + compare_axes(out, layers, budgets)
     versions = json.loads((out / "reference_versions.json").read_text())
-    lines += compare_quantizers(out, versions["optimum-quanto"])
+    if chosen is None:
+        lines += compare_quantizers(out, versions["optimum-quanto"])
     for big in [*out.glob("kv_prompt_*.npy"), *out.glob("quanto_prompt_*.npz")]:
         big.unlink()  # the full K/V and its dequantized copies (hundreds of MB a prompt)
     print(f"reference code: kvpress {versions['kvpress']}, optimum-quanto {versions['optimum-quanto']}, "

@@ -14,7 +14,9 @@ Three passes over each prompt with the bundled model's dequantized weights, each
 - KVzip: `KVzipPress` as kvpress runs it (prefill under the press, then its own chunked reconstruction pass
   through the cache), its final selection (`compress_post`) made once per budget from the one scoring.
 Kept sets are written as `[H, most kept]` position arrays padded with -1, one per (press, budget, layer).
-Last, optimum-quanto quantize-dequantizes the K/V our side saved (`check_references_quant`).
+Last, optimum-quanto quantize-dequantizes the K/V our side saved (`check_references_quant`), and the presses that
+rewrite kept entries run in a pass of their own (`check_references_axes`). With `--only` naming only those, the
+passes above are skipped.
 """
 
 from __future__ import annotations
@@ -118,10 +120,13 @@ def worker(args) -> None:
     import torch
     import transformers
     from check_references_allocators import signals as allocator_signals
+    from check_references_axes import AXES, reference_axes
     from check_references_quant import reference_dequantized
     from kvpress import KVzipPress
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    chosen = {name for name in args.only.split(",") if name}
+    standard = not chosen or bool(chosen - set(AXES))  # a kept-set pair is asked for: the usual passes run
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     for layer in model.model.layers:
@@ -132,13 +137,18 @@ def worker(args) -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     for ids_path in sorted(out.glob("prompt_*.npy")):
+        index = int(ids_path.stem.split("_")[1])
         ids = torch.as_tensor(np.load(ids_path), dtype=torch.long)[None]
-        record = hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache)
-        record.update(kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache))
-        np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
+        if standard:
+            record = hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache)
+            record.update(kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache))
+            np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
+        if (out / f"axes_ours_{index}.npz").exists():
+            reference_axes(model, ids, out, index)
         print(f"reference: {ids_path.stem} ({ids.shape[1]} tokens) done", file=sys.stderr)
     model.set_attn_implementation("eager")
-    reference_dequantized(out)  # optimum-quanto's quantize-dequantize of our prefill's K/V (check_references_quant)
+    if not chosen:
+        reference_dequantized(out)  # optimum-quanto's quantize-dequantize of our prefill's K/V (check_references_quant)
     (out / "reference_versions.json").write_text(json.dumps(
         {"kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": transformers.__version__,
          "torch": torch.__version__, "optimum-quanto": metadata.version("optimum-quanto")}))
