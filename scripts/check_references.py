@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from check_references_axes import AXES, compare_axes, save_ours
 from check_references_chunks import CHUNK_EARLIER, CHUNK_PAIRS
 from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
 from check_references_quant import compare_quantizers, save_kv
@@ -191,11 +192,12 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
     budgets = [int(b) for b in args.budgets.split(",")]
     pairs = {name: spec for name, (spec, _) in {**PAIRS, **EARLIER}.items() if name not in LEARNED or name in args.learned}
     pairs = {name: spec for name, spec in pairs.items() if args.only is None or name in args.only}
+    axes = [name for name in AXES if args.only is None or name in args.only]  # check_references_axes' own pass
     methods = {name: make_method(spec) for name, spec in pairs.items()}
     if args.only is None:
         methods["cake"] = make_method("cake")
         methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
-    needs = Requirements.of_all(methods.values())
+    needs = Requirements.of_all([*methods.values(), *(make_method(AXES[name]) for name in axes)])
     lengths, cuts = [], {}
     for index, task in enumerate(get_tasks("offline")[: args.prompts]):
         record = load_samples(task, tokenizer, limit=1, target_tokens=args.target_tokens)[0]
@@ -207,6 +209,8 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
         lengths.append(state.length)
         if args.only is None:
             save_kv(state, out, index)  # for optimum-quanto's quantize-dequantize (check_references_quant)
+        if axes:
+            save_ours(state, out, index, budgets, axes)
         arrays = {}
         with torch.no_grad():
             for name, method in methods.items():
@@ -367,9 +371,9 @@ def parse_only(text: str | None) -> set[str] | None:
     if text is None:
         return None
     names = {name.strip() for name in text.split(",") if name.strip()}
-    unknown = sorted(names - set(PAIRS) - set(EARLIER))
+    unknown = sorted(names - set(PAIRS) - set(EARLIER) - set(AXES))
     if unknown or not names:
-        raise UserError(f"--only takes pair names ({', '.join(PAIRS)}), got {', '.join(unknown) or 'nothing'}")
+        raise UserError(f"--only takes pair names ({', '.join([*PAIRS, *AXES])}), got {', '.join(unknown) or 'nothing'}")
     return names
 
 
@@ -398,12 +402,13 @@ def check_and_compare(args) -> None:
     has_curve, surrogates = shipped_curve(out), shipped_surrogates(out)
     args.learned = ({"lukv"} if has_curve else set()) | set(surrogates)
     layers, lengths = our_side(args, out)
-    keys = [] if args.only is None else ["--keys", ",".join(sorted({PAIRS.get(n, EARLIER.get(n, ("", "")))[1] for n in args.only}))]
+    asked = sorted({{**PAIRS, **EARLIER}[n][1] for n in args.only or () if n in PAIRS or n in EARLIER})
+    keys = [] if args.only is None else ["--keys", ",".join(asked) or "none"]  # "none": the axes' pass alone
     subprocess.run([str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir, "--out", str(out),
                     "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets))), *keys], check=True,
                    env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1",
                         "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
-    lines = compare(out, layers, lengths, budgets, args.only)
+    lines = compare(out, layers, lengths, budgets, args.only) + compare_axes(out, layers, budgets)
     versions = json.loads((out / "reference_versions.json").read_text())
     lines += compare_quantizers(out, versions["optimum-quanto"]) if args.only is None else []
     for big in [*out.glob("kv_prompt_*.npy"), *out.glob("quanto_prompt_*.npz")]:

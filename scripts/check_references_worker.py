@@ -126,6 +126,7 @@ def worker(args) -> None:
     import torch
     import transformers
     from check_references_allocators import signals as allocator_signals
+    from check_references_axes import reference_axes
     from check_references_quant import reference_dequantized
     from check_references_special import questions, special_presses
     from kvpress import KVgradPress, KVzipPress
@@ -150,6 +151,7 @@ def worker(args) -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     for ids_path in sorted(out.glob("prompt_*.npy")):
+        index = int(ids_path.stem.split("_")[1])
         ids = torch.as_tensor(np.load(ids_path), dtype=torch.long)[None]
         if "finch" in eager:  # what its delimiter hook would set: the question part, as our side cut it
             eager["finch"].window_size = ids.shape[1] - cuts[ids_path.stem]
@@ -158,6 +160,8 @@ def worker(args) -> None:
             if wanted is None or name in wanted:
                 record.update(kvzip_kept(model, ids, budgets, layers, heads, press_class, DynamicCache, name))
         np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
+        if (out / f"axes_ours_{index}.npz").exists():  # think, merge, rerotate: a pass of their own
+            reference_axes(model, ids, out, index)
         print(f"reference: {ids_path.stem} ({ids.shape[1]} tokens) done", file=sys.stderr)
     model.set_attn_implementation("eager")
     if wanted is None:

@@ -126,7 +126,7 @@ def test_every_method_keeps_exactly_the_matched_total(name, num_layers, kv_heads
 
 def check_bytes(method, state, budget: int) -> None:
     """A quantized method: refused in one line where its bytes cannot fit, else never over the budget's bytes."""
-    from ripplekv.methods.core.quantized import budget_bytes, kept_bytes
+    from ripplekv.methods.core.quantized import budget_bytes, kept_bytes, stored_as
 
     if method.infeasible(state, budget):
         with pytest.raises(UserError, match="over budget"):
@@ -134,7 +134,7 @@ def check_bytes(method, state, budget: int) -> None:
         return
     counts = method.budgets(state, budget)
     assert [layer.counts.tolist() for layer in method.compress(state, budget)] == counts.tolist()
-    assert kept_bytes(state, counts, method.quantizer) <= budget_bytes(state, budget)
+    assert kept_bytes(state, counts, stored_as(method, state, budget)) <= budget_bytes(state, budget)
 
 
 def test_pyramidkv_decreases_with_depth_and_matches_uniform_total():

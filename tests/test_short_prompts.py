@@ -80,7 +80,7 @@ def check_bytes_or_refused(method, state, budget: int) -> None:
     """Quantized: budget B is bytes, not entries (tests/test_memory_axis.py). Refused in one line where it cannot
     fit (a prompt shorter than KIVI's full-precision residual, under a budget below the prompt); else within the
     budget's bytes, and the whole prompt kept where the prompt is no longer than the budget."""
-    from ripplekv.methods.core.quantized import budget_bytes, kept_bytes
+    from ripplekv.methods.core.quantized import budget_bytes, kept_bytes, stored_as
 
     if method.infeasible(state, budget):
         with pytest.raises(UserError, match="over budget"):
@@ -88,7 +88,7 @@ def check_bytes_or_refused(method, state, budget: int) -> None:
         return
     counts = torch.as_tensor(method.budgets(state, budget))
     assert [layer.counts.tolist() for layer in method.compress(state, budget)] == counts.tolist()
-    assert kept_bytes(state, counts.numpy(), method.quantizer) <= budget_bytes(state, budget)
+    assert kept_bytes(state, counts.numpy(), stored_as(method, state, budget)) <= budget_bytes(state, budget)
     if state.length <= budget:
         assert int(counts.min()) == state.length
 

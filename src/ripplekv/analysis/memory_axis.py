@@ -1,10 +1,11 @@
 """The memory-axis table: at each budget (a number of bytes), every way of spending it side by side.
 
-Eviction keeps fewer entries at full precision, a quantizer keeps every entry at fewer bits, and a method
-with a quantizer does both (`methods.core.quantized`). The table puts each variant's bytes (mean over samples,
+Eviction keeps fewer entries at full precision, a quantizer keeps every entry at fewer bits, key-channel pruning
+(ThinK) keeps fewer channels of each key, and a method may combine them (`methods.core.quantized`). The table puts each variant's bytes (mean over samples,
 and as a share of the budget's), entries and bits beside its KL to the full cache with the leaderboard's
 interval and paired comparison, and its `n` (samples); a variant that did not fit its budget on some prompt is
-listed as infeasible there, with no numbers, and one with fewer samples than the table's n is listed apart. Written only when the run has a quantized variant.
+listed as infeasible there, with no numbers, and one with fewer samples than the table's n is listed apart. Written only when the run has a
+quantized or key-channel-pruned variant.
 """
 
 from __future__ import annotations
@@ -22,9 +23,21 @@ HEADER = ["| budget | method | n | bits | entries | bytes (share) | KL [95% CI] 
           "|---|---|---|---|---|---|---|---|---|"]
 
 
+def stored_otherwise(spec: dict) -> bool:
+    """Whether a variant spends its bytes on something besides fewer full-precision entries."""
+    return "quantizer" in spec or "key_channels" in spec
+
+
 def bits_of(spec: dict) -> int | str:
     """The bits a variant stores its quantized entries at (16: full precision, no quantizer); `K4/V2` when keys
-    and values differ, `profile` (with its average, if it evicts) when layers differ."""
+    and values differ, `profile` (with its average, if it evicts) when layers differ; `, keys x0.5 ch` when a
+    share of each key's channels is pruned."""
+    bits = _bits(spec)
+    channels = spec.get("key_channels")
+    return bits if channels is None else f"{bits}, keys x{1 - channels['ratio']:g} ch"
+
+
+def _bits(spec: dict) -> int | str:
     quantizer = spec.get("quantizer", {})
     bits = quantizer.get("bits", FULL_PRECISION_BITS)
     if "key_bits" in quantizer:
@@ -38,7 +51,7 @@ def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,
                  refused: pd.DataFrame | None = None) -> pd.DataFrame | None:
     """memory_axis.csv from the predictions (`frame`), the leaderboard, the run's resolved specs and the lines of
     variants that did not fit (`refused`); None when no variant is quantized."""
-    if not any("quantizer" in spec for spec in specs.values()) or "kv_bytes" not in frame.columns:
+    if not any(stored_otherwise(spec) for spec in specs.values()) or "kv_bytes" not in frame.columns:
         return None
     lines = frame[frame["method"] != REFERENCE]
     rows = []
@@ -65,7 +78,7 @@ def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,
 
 def memory_markdown(table: pd.DataFrame) -> str:
     """The table as markdown: per budget, each variant's bytes (share of the budget), entries, bits and KL [95% CI]."""
-    lines = ["## Memory axis: eviction, quantization and both at matched bytes", "",
+    lines = ["## Memory axis: eviction, quantization, key channels and their mixes at matched bytes", "",
              "Budget B is the bytes of B full-precision K/V entries per layer and KV head; each variant spends at "
              "most that (bytes: mean over samples; share: of the budget's). Quantized entries are dequantized "
              "before attention: memory is accounted, not saved, on this engine.", "",

@@ -126,8 +126,10 @@ def methods_command() -> None:
 
     from ripplekv.methods import ALLOCATORS, PRESETS, SCORERS
     from ripplekv.methods.core.base import layer_allocators
+    from ripplekv.methods.core.key_channels import THINK_HELP
     from ripplekv.methods.core.quant_options import QUANT_HELP
     from ripplekv.methods.core.spec import component_names, defaults_of
+    from ripplekv.methods.core.wrapped import ENTRY_HELP
 
     def options(component, preset=()) -> str:
         chosen = defaults_of(component)
@@ -153,6 +155,8 @@ def methods_command() -> None:
     console.print(f"allocators: {', '.join(sorted(ALLOCATORS))}; scorers: {', '.join(sorted(SCORERS))} "
                   "(swap one with allocator=NAME or scorer=NAME)")
     console.print(QUANT_HELP)
+    console.print(THINK_HELP)
+    console.print(ENTRY_HELP)
     console.print(COMPOSITION_HELP.format(layers=", ".join(layer_allocators())))
 
 

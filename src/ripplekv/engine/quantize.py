@@ -17,13 +17,17 @@ Keys and values may take different bits (`key_bits`, `value_bits`; `bits` sets b
 finds keys more sensitive than values, so `kivi:kbits=4:vbits=2` is its simple baseline. 16 bits keeps that
 tensor at the model's own precision (no groups, no minimum or scale), which per-layer bit allocation needs.
 
+Key channels (ThinK, Xu et al. 2024): a spec may store only `key_channels` of each key's channels (the pruned
+ones read as zero); the bytes count those channels, quantized or not, plus each head's channel mask (one bit a
+channel). Values keep every channel.
+
 This engine dequantizes at once and attends to the dequantized values: memory is *accounted*, not saved.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -47,6 +51,7 @@ class QuantSpec:
     residual: int = 128  # KIVI's LongBench setting
     key_bits: int | None = None  # None: `bits`
     value_bits: int | None = None  # None: `bits`
+    key_channels: int | None = None  # None: every channel of a key is stored; else this many (ThinK's pruning)
 
     def __post_init__(self):
         if self.key_axis not in KEY_AXES:
@@ -65,15 +70,29 @@ class QuantSpec:
             minimum = 1 if key == "group" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise UserError(f"option {key} must be an integer >= {minimum}, got {value!r}")
+        if self.key_channels is not None and (isinstance(self.key_channels, bool) or not isinstance(self.key_channels, int)
+                                              or self.key_channels < 1):
+            raise UserError(f"key_channels must be a positive integer, got {self.key_channels!r}")
+
+    @property
+    def is_full_precision(self) -> bool:
+        """Keys and values at the model's dtype: nothing to quantize (only key channels may be pruned)."""
+        return self.key_bits == FULL_PRECISION and self.value_bits == FULL_PRECISION
 
     def at(self, bits: int) -> QuantSpec:
         """The same scheme with keys and values at `bits` (a layer's share under per-layer bits)."""
-        return QuantSpec(self.key_axis, bits, self.group, self.residual)
+        return QuantSpec(self.key_axis, bits, self.group, self.residual, key_channels=self.key_channels)
+
+    def with_key_channels(self, channels: int | None) -> QuantSpec:
+        """The same storage with only `channels` key channels kept (None: all)."""
+        return replace(self, bits=None, key_channels=channels)
 
     def describe(self) -> dict:
-        """Its options for config.json: `bits` when keys and values share it (as before key/value bits), else both."""
+        """Its options for config.json: `bits` when keys and values share it (as before key/value bits), else both;
+        `key_channels` only when keys are pruned."""
         described = asdict(self)
         drop = ("key_bits", "value_bits") if self.bits is not None else ("bits",)
+        drop += () if self.key_channels is not None else ("key_channels",)
         return {key: value for key, value in described.items() if key not in drop}
 
     def bits_text(self) -> str:
@@ -149,17 +168,18 @@ def tensor_bytes(numbers: int, groups: int, bits: int, element_bytes: int) -> in
 def head_bytes(entries: int, head_dim: int, element_bytes: int, spec: QuantSpec | None) -> int:
     """Bytes one (layer, KV head) holding `entries` K/V entries takes: keys and values each at their bits
     (`tensor_bytes`), and the full-precision residual; without a quantizer, `entries` full-precision keys and
-    values."""
+    values. Keys count only their stored channels (`key_channels`), plus the head's channel mask."""
     if spec is None:
         return 2 * entries * head_dim * element_bytes
+    channels = head_dim if spec.key_channels is None else min(spec.key_channels, head_dim)
+    mask = math.ceil(head_dim / 8) if channels < head_dim and entries else 0  # which channels the head kept
     residual = min(entries, spec.residual)
     quantized = entries - residual
     if spec.key_axis == "channel":
-        key_groups = head_dim * math.ceil(quantized / spec.group)
+        key_groups = channels * math.ceil(quantized / spec.group)
     else:
-        key_groups = quantized * math.ceil(head_dim / spec.group)
+        key_groups = quantized * math.ceil(channels / spec.group)
     value_groups = quantized * math.ceil(head_dim / spec.group)
-    numbers = quantized * head_dim
-    return (tensor_bytes(numbers, key_groups, spec.key_bits, element_bytes)
-            + tensor_bytes(numbers, value_groups, spec.value_bits, element_bytes)
-            + 2 * residual * head_dim * element_bytes)
+    return (tensor_bytes(quantized * channels, key_groups, spec.key_bits, element_bytes)
+            + tensor_bytes(quantized * head_dim, value_groups, spec.value_bits, element_bytes)
+            + residual * (channels + head_dim) * element_bytes + mask)

@@ -6,7 +6,9 @@ preset is the full cache with `quant=kivi`. Its options: `bits=N` (2, 4 or 8) st
 2 (KVTuner's keys-more-than-values baseline is `kivi:kbits=4:vbits=2`); `bits=profile` takes each layer's bits
 from the sensitivity profile of an allocation file (`methods.core.bit_allocation`: the spec's `allocation=`, else
 the command's --allocation, found as for `ripplekv`), with `avgbits=` (default 4) when the method also evicts;
-`group=` and `residual=` as KIVI's.
+`group=` and `residual=` as KIVI's. Key-channel pruning (`think=`, `methods.core.key_channels`) goes in the same
+wrapper, with or without a quantizer: it spends the same bytes another way; the `think` preset is the full cache
+with pruned keys, as `kivi` is with quantized entries.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from pathlib import Path
 
 from ripplekv.engine.quantize import BITS, FULL_PRECISION, QuantSpec
 from ripplekv.errors import UserError
+from ripplekv.methods.core import key_channels
 from ripplekv.methods.core.bit_allocation import DEFAULT_AVERAGE_BITS, BitProfile, read_sensitivity
 from ripplekv.methods.core.quantized import Quantized
 
 QUANT_OPTIONS = ("bits", "kbits", "vbits", "avgbits", "group", "residual")  # `quant=` names the scheme
 # quant= -> how keys are grouped: KIVI's per channel, or FlexGen's per token (values are per token in both)
 SCHEMES = {"kivi": "channel", "token": "token"}
+STORED_ALONE = ("kivi", "think")  # presets that are the full cache stored another way
+FULL_PRECISION_STORAGE = QuantSpec(bits=FULL_PRECISION, residual=0)  # key channels pruned, nothing quantized
 PROFILE = "profile"
 PROFILE_FILE = "allocation"  # the file `bits=profile` reads its sensitivity from
 SPEC_FIELDS = {"bits": "bits", "kbits": "key_bits", "vbits": "value_bits", "group": "group", "residual": "residual"}
@@ -68,8 +73,12 @@ def _quant_spec(scheme: str, own: dict, spec: str) -> QuantSpec:
 def quantized_method(name: str, given: dict, spec: str, shared: dict | None, build: Callable[[str], object],
                      takes_allocation: Callable[[str], bool]) -> Quantized | None:
     """A spec with a quantizer (`kivi`, `METHOD:quant=kivi:bits=4`): `build` makes the method without it (from
-    its spec), wrapped; None for every other spec. Pops the quantizer's options from `given`."""
+    its spec), wrapped; None for every other spec. Pops the quantizer's and the key channels' options from `given`."""
     scheme = given.pop("quant", None)
+    channels = key_channels.parse(given, spec, preset=name == "think")
+    if name == "think" and scheme is not None:
+        raise UserError(f"method spec {spec!r}: think is key-channel pruning alone; write kivi:think=0.5 to quantize "
+                        "the pruned cache too, or snapkv:think=0.5:quant=kivi to evict as well")
     if name == "kivi":
         if scheme is not None:
             raise UserError(f"method spec {spec!r}: kivi is the quantizer alone; write snapkv:quant=kivi:bits=4 "
@@ -82,8 +91,9 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
         if own:
             raise UserError(f"method spec {spec!r}: option {', '.join(own)} needs a quantizer: add quant=kivi "
                             "(or quant=token)")
-        return None
-    inner_name = "full" if name == "kivi" else name
+        if channels is None:
+            return None
+    inner_name = "full" if name in STORED_ALONE else name
     profile = reads_profile(own)
     if profile and {"kbits", "vbits"} & set(own):
         raise UserError(f"method spec {spec!r}: bits=profile sets keys and values alike; drop kbits/vbits")
@@ -100,10 +110,15 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
             own_file = file
     if name == "kivi" and given:
         raise UserError(f"method spec {spec!r}: kivi takes only bits, kbits, vbits, group and residual (and "
-                        f"allocation with bits=profile; got {', '.join(given)})")
+                        f"allocation with bits=profile, think=; got {', '.join(given)})")
+    if name == "think" and given:
+        raise UserError(f"method spec {spec!r}: think takes only ratio and window (got {', '.join(given)})")
     inner = build(inner_spec())
     numbers = {key: value for key, value in own.items() if key != "avgbits"}
-    quantizer = _quant_spec(scheme, {**numbers, "bits": "2"} if profile else numbers, spec)
+    if scheme is None:
+        quantizer = FULL_PRECISION_STORAGE
+    else:
+        quantizer = _quant_spec(scheme, {**numbers, "bits": "2"} if profile else numbers, spec)
     bit_profile = None
     if "avgbits" in own and not (profile and not inner.is_full):
         raise UserError(f"method spec {spec!r}: avgbits sets the average bits of bits=profile on a method that evicts "
@@ -118,12 +133,14 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
                             "file and none was given: run `ripplekv profile` and `ripplekv allocate`, then pass "
                             "its CSV as {allocation} (or allocation=FILE in the spec)", "allocation")
         bit_profile = BitProfile(str(file), read_sensitivity(file), None if inner.is_full else average)
-    label = name + inner.label[len(inner_name):] + (f":quant={scheme}" if name != "kivi" else "")
+    label = name + inner.label[len(inner_name):] + (f":quant={scheme}" if name != "kivi" and scheme else "")
     shown = {**own, **({PROFILE_FILE: Path(own_file).name} if own_file else {})}
     if "avgbits" in shown:
         shown["avgbits"] = _text(bit_profile.average_bits)
     label += "".join(f":{key}={_canonical(key, shown[key])}" for key in sorted(shown))
-    return Quantized(label, name, inner, quantizer, bit_profile)
+    if channels is not None:
+        label += channels.label(preset=name == "think")
+    return Quantized(label, name, inner, quantizer, bit_profile, channels)
 
 
 def _text(number: float) -> str:

@@ -16,6 +16,10 @@ Per-layer bits (`bits=profile`, `methods.core.bit_allocation`): the greedy picks
 bytes when every entry is kept, from `avgbits` when the method also evicts), then the same bisection finds B'
 under those bits; bytes are counted layer by layer at each layer's bits (`kept_bytes`), within the same rounding.
 
+Key channels (`think=`, `methods.core.key_channels`) are a third way to spend the bytes: `channels` prunes each
+head's keys to fewer channels, and the storage specs count only those (`QuantSpec.key_channels`), so the same
+bisection finds how many entries they buy; `snapkv:think=0.5` alone is stored at full precision otherwise.
+
 The entries attention reads are dequantized (`engine.quantize`): memory is accounted, not saved, here.
 """
 
@@ -26,12 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ripplekv.engine import entries as kv_entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.engine.quantize import QuantSpec, head_bytes, quantize_head
 from ripplekv.errors import UserError
 from ripplekv.methods.core.bit_allocation import BitProfile
+from ripplekv.methods.core.key_channels import KeyChannels
 
 
 def element_bytes(state: PrefillState) -> int:
@@ -73,6 +79,7 @@ class Quantized:
     inner: object  # a Method
     quantizer: QuantSpec  # under `profile`, the scheme (axis, group, residual); the bits are per layer
     profile: BitProfile | None = None
+    channels: KeyChannels | None = None  # key channels pruned (ThinK); the quantizer may then be full precision
     _plans: dict = field(default_factory=dict, compare=False, repr=False)  # (B, what) -> specs or B', one prefill
 
     @property
@@ -105,17 +112,21 @@ class Quantized:
         quantizer = self.quantizer.describe()
         if self.profile is not None:
             quantizer = {**{k: v for k, v in quantizer.items() if k != "bits"}, **self.profile.describe()}
-        return {"preset": self.preset, **inner, "quantizer": quantizer}
+        stored = {} if self.quantizer.is_full_precision else {"quantizer": quantizer}
+        if self.channels is not None:
+            stored["key_channels"] = self.channels.describe()
+        return {"preset": self.preset, **inner, **stored}
 
     def requirements(self) -> Requirements:
-        return self.inner.requirements()
+        own = self.channels.requirements() if self.channels is not None else Requirements()
+        return self.inner.requirements().union(own)
 
     def degenerate(self, budget: int) -> str | None:
         """At B <= residual, a method giving every layer and head B entries keeps them all in the full-precision
         residual (one quantized entry more would cost more than B's bytes): it is the method without quantization."""
         allocator = getattr(self.inner, "allocator", None)
         uniform = allocator is not None and allocator.same_budget_every_layer and not allocator.splits_heads
-        if self.evicts and uniform and budget <= self.quantizer.residual:
+        if self.evicts and uniform and self.channels is None and budget <= self.quantizer.residual:
             return (f"every kept entry is in the {self.quantizer.residual}-entry full-precision residual: this is "
                     f"{self.inner.label} unquantized (raise the budget or lower residual=)")
         return self.inner.degenerate(budget)
@@ -141,18 +152,24 @@ class Quantized:
 
     def _layer_specs(self, state: PrefillState, budget: int) -> tuple[QuantSpec, ...] | None:
         """Each layer's storage: the one spec, or the profile's bits (None: not even 2 bits everywhere fits)."""
+        quantizer = self.quantizer
+        if self.channels is not None:
+            quantizer = quantizer.with_key_channels(self._key_channels(state))
         if self.profile is None:
-            return (self.quantizer,) * state.num_layers
+            return (quantizer,) * state.num_layers
         if self.evicts:
-            return tuple(self.quantizer.at(bits) for bits in self.profile.bits_for_average(state.num_layers))
+            return tuple(quantizer.at(bits) for bits in self.profile.bits_for_average(state.num_layers))
         self.profile.check_layers(state.num_layers)
         counts = self.inner.budgets(state, 1)  # every entry
 
         def layer_bytes(layer: int, bits: int) -> int:
-            return kept_bytes(state, counts[layer:layer + 1], self.quantizer.at(bits))
+            return kept_bytes(state, counts[layer:layer + 1], quantizer.at(bits))
 
         chosen = self.profile.bits_for_bytes(layer_bytes, budget_bytes(state, budget))
-        return None if chosen is None else tuple(self.quantizer.at(bits) for bits in chosen)
+        return None if chosen is None else tuple(quantizer.at(bits) for bits in chosen)
+
+    def _key_channels(self, state: PrefillState) -> int | None:
+        return None if self.channels is None else self.channels.kept(head_dim(state))
 
     def layer_specs(self, state: PrefillState, budget: int) -> tuple[QuantSpec, ...] | None:
         """How each layer stores its entries on this prompt at budget B (None: infeasible)."""
@@ -184,9 +201,13 @@ class Quantized:
             return None
         specs = self.layer_specs(state, budget)
         if specs is None:  # the profile's fewest bits
-            specs, how = (self.quantizer.at(2),) * state.num_layers, "2 bits in every layer (bits=profile's fewest)"
+            fewest = self.quantizer.at(2).with_key_channels(self._key_channels(state))
+            specs, how = (fewest,) * state.num_layers, "2 bits in every layer (bits=profile's fewest)"
         else:
             how = self.quantizer.bits_text() if self.profile is None else "the profile's bits"
+            if self.channels is not None:
+                kept = f"{specs[0].key_channels} of {head_dim(state)} key channels"
+                how = kept if self.quantizer.is_full_precision else f"{how} and {kept}"
         needed = kept_bytes(state, self.inner.budgets(state, 1), specs)
         what = "every entry" if not self.evicts else "the fewest entries it keeps"
         return f"{what} at {how} takes {needed} bytes, over budget {budget}'s {budget_bytes(state, budget)}"
@@ -203,7 +224,11 @@ class Quantized:
         """The wrapped method's entries at B', every head's quantize-dequantized (its last `residual` untouched)."""
         self.budgets(state, budget)
         built = self.inner.compress(state, self.entry_budget(state, budget))
-        return [quantize_layer(layer, spec) for layer, spec in zip(built, self.layer_specs(state, budget))]
+        specs = self.layer_specs(state, budget)
+        if self.channels is None:
+            return [quantize_layer(layer, spec) for layer, spec in zip(built, specs)]
+        return [store_layer(entries, self.channels.choose(state, layer, entries), spec)
+                for layer, (entries, spec) in enumerate(zip(built, specs))]
 
 
 def quantize_layer(layer: kv_entries.LayerEntries, spec: QuantSpec) -> kv_entries.LayerEntries:
@@ -221,3 +246,15 @@ def quantize_layer(layer: kv_entries.LayerEntries, spec: QuantSpec) -> kv_entrie
         keys[head, order] = k
         values[head, order] = v
     return kv_entries.LayerEntries(keys, values, layer.positions, layer.counts, layer.log_weights, layer.spans)
+
+
+def store_layer(built: kv_entries.LayerEntries, channels: torch.Tensor, spec: QuantSpec) -> kv_entries.LayerEntries:
+    """A layer's entries with only `channels` [H_kv, c] of each key stored (the rest zero), those and the values
+    quantize-dequantized by `spec` (the kept channels alone form its groups); new tensors, the prefill's untouched."""
+    index = channels[:, None, :].expand(-1, built.capacity, -1)
+    compact = kv_entries.LayerEntries(built.keys.gather(-1, index), built.values, built.positions, built.counts,
+                                      built.log_weights, built.spans)
+    if not spec.is_full_precision:
+        compact = quantize_layer(compact, spec)
+    keys = torch.zeros_like(built.keys).scatter(-1, index, compact.keys)
+    return kv_entries.LayerEntries(keys, compact.values, built.positions, built.counts, built.log_weights, built.spans)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import ALLOCATORS, SCORERS, Method
+from ripplekv.methods.core.entry_options import entry_options
 from ripplekv.methods.core.presets import PRESETS, Preset, method_names  # noqa: F401 - found here as before
 from ripplekv.methods.core.quant_options import PROFILE_FILE, quantized_method, reads_profile
 from ripplekv.methods.core.registry import METHOD_CLASSES
@@ -106,6 +107,9 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     quantized = _with_quantizer(name, given, spec, shared, options)
     if quantized is not None:
         return quantized
+    rewritten = entry_options(name, given, spec, lambda inner: make_method(inner, shared, **options))
+    if rewritten is not None:
+        return rewritten
     chosen = PRESETS[name]
     raw = dict(given)
     files = file_options()

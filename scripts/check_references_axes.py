@@ -1,0 +1,182 @@
+"""check-references for the options that rewrite what a method keeps (key channels, merging, re-rotation), both
+halves: what ours stores (`save_ours`, in the project's venv) and what kvpress's press returns on the same prompt
+and weights (`reference_axes`, in the reference venv, one eager forward of its own), then `compare_axes`.
+
+- `think`: our `snapkv:kernel=5:pooling=avg:think=0.5` at budget B keeps SnapKV's entries at the larger entry
+  budget B' its bytes buy; kvpress's `SnapKVPress(32, 5)` at B' then `ThinKPress(0.5, window_size=32)` on what it
+  kept (its `ComposedPress` order) zeroes channels: the kept channel sets per (layer, KV head) are compared.
+- `merge=kvpress`: `MergingPress(SnapKVPress(32, 5))`'s merged values against ours at the same kept positions.
+- `merge=cam`: `CAMPress(TOVAPress(), merge_budget=32)`'s `compress` (its eviction is one set per layer by the heads'
+  mean, so the pair is `tova:merge=cam`, whose TOVA scores are the same in every head), given ours as its
+  accumulated attention (the last 32 queries' attention, summed, averaged over the group), every evicted entry
+  a merge candidate, and its Bernoulli draw replaced by its probability (ours merges in expectation).
+- `rerotate`: `KeyRerotationPress(SnapKVPress(32, 5))`'s keys, at 0..c-1, rotated on by n - c with its own
+  `_rerotate_cos_sin` (ours end at the prompt's last position), against ours.
+Values and keys count as identical within 1e-4 relative (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+WINDOW = 32
+KERNEL = 5
+# name in the output -> our spec (the reference press is named in the module's docstring)
+AXES = {
+    "think": f"snapkv:kernel={KERNEL}:pooling=avg:think=0.5",
+    "merge=kvpress": f"snapkv:kernel={KERNEL}:pooling=avg:merge=kvpress",
+    "merge=cam": "tova:merge=cam",
+    "rerotate": f"snapkv:kernel={KERNEL}:pooling=avg:rerotate=1",
+}
+TOLERANCE = 1e-4
+
+
+def save_ours(state, out: Path, index: int, budgets: list[int], names) -> None:
+    """What our specs store at each budget: think's kept channels (and B'), merged values, re-rotated keys."""
+    import torch
+
+    from ripplekv.methods import make_method
+
+    arrays, meta = {}, {"entry_budgets": {}, "tokens": state.length, "budgets": budgets}
+    with torch.no_grad():
+        for name in names:
+            method = make_method(AXES[name])
+            for budget in budgets:
+                if name == "think":
+                    chosen = method.entry_budget(state, budget)
+                    meta["entry_budgets"][str(budget)] = chosen
+                    for layer, entries in enumerate(method.inner.compress(state, chosen)):
+                        arrays[f"{name}/{budget}/{layer}/channels"] = method.channels.choose(state, layer, entries).numpy()
+                    continue
+                for layer, entries in enumerate(method.compress(state, budget)):
+                    arrays[f"{name}/{budget}/{layer}/positions"] = entries.positions.numpy()
+                    tensor = entries.keys if name == "rerotate" else entries.values
+                    arrays[f"{name}/{budget}/{layer}/tensor"] = tensor.float().numpy()
+    np.savez_compressed(out / f"axes_ours_{index}.npz", **arrays, meta=json.dumps({**meta, "names": list(names)}))
+
+
+def reference_axes(model, ids, out: Path, index: int) -> None:
+    """kvpress's presses on prompt `index` (the reference venv): one eager forward, each press in a hook."""
+    from unittest import mock
+
+    import torch
+    from check_references_worker import ratio
+    from kvpress import CAMPress, KeyRerotationPress, MergingPress, SnapKVPress, ThinKPress, TOVAPress
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    meta = json.loads(str(np.load(out / f"axes_ours_{index}.npz")["meta"]))
+    names, budgets, n = meta["names"], meta["budgets"], ids.shape[1]
+    record = {}
+
+    def snap():
+        press = SnapKVPress(window_size=WINDOW, kernel_size=KERNEL)
+        press.post_init_from_model(model)
+        return press
+
+    def hook(module, inputs, kwargs, output):
+        layer = module.layer_idx
+        cache = kwargs["past_key_values"].layers[layer]
+        keys, values, hidden, attentions = cache.keys, cache.values, kwargs["hidden_states"], output[1]
+        heads = keys.shape[1]
+        for budget in budgets:
+            key = f"{budget}/{layer}"
+            if "think" in names:
+                press = snap()
+                press.compression_ratio = ratio("snapkv", meta["entry_budgets"][str(budget)], n, 0)
+                kept_keys, kept_values = press.compress(module, hidden, keys, values, attentions, kwargs)
+                pruned, _ = ThinKPress(0.5, window_size=WINDOW).compress(module, hidden, kept_keys.clone(), kept_values,
+                                                                        attentions, kwargs)
+                record[f"think/{key}/kept"] = pruned[0].abs().sum(1).gt(0).numpy()  # [H, d]
+            if "merge=kvpress" in names:
+                press = MergingPress(press=snap())
+                press.compression_ratio = ratio("snapkv", budget, n, 0)
+                order = press.press.score(module, hidden, keys, values, attentions, kwargs).topk(budget, dim=-1).indices
+                _, merged = press.compress(module, hidden, keys, values, attentions, kwargs)
+                record[f"merge=kvpress/{key}/positions"] = order[0].numpy()
+                record[f"merge=kvpress/{key}/tensor"] = merged[0].float().numpy()
+            if "merge=cam" in names:
+                press = CAMPress(base_press=TOVAPress(), target_size=budget, merge_budget=32)
+                press.post_init_from_model(model)
+                group = attentions.shape[1] // heads
+                mass = attentions[0, :, -WINDOW:, :].sum(1).view(heads, group, n).mean(1)[None]  # ours, as CaM's A
+                press.layer_step_counts[layer] = n  # every evicted entry a merge candidate
+                press._running_attn_sum[layer] = mass.clone()
+                with mock.patch.object(torch, "bernoulli", lambda p: p):  # the draw's expectation, as ours
+                    _, merged = press.compress(module, hidden, keys, values.clone(), mass, kwargs)
+                mean = TOVAPress().score(module, hidden, keys, values, None, kwargs).mean(1)
+                kept = mean.topk(budget, dim=-1).indices.sort(-1).values  # CAMPress's own kept set
+                record[f"merge=cam/{key}/positions"] = kept.expand(heads, -1).numpy()
+                record[f"merge=cam/{key}/tensor"] = merged[0].float().numpy()
+            if "rerotate" in names:
+                press = KeyRerotationPress(press=snap())
+                press.compression_ratio = ratio("snapkv", budget, n, 0)
+                order = press.press.score(module, hidden, keys, values, attentions, kwargs).topk(budget, dim=-1)
+                positions = order.indices.sort(dim=2).values
+                rotated, _ = press.compress(module, hidden, keys, values, attentions, kwargs)
+                shift = (torch.arange(budget) - (n - budget)).expand(1, heads, budget)  # from 0..c-1 to n-c..n-1
+                cos, sin = KeyRerotationPress._rerotate_cos_sin(rotated, module.rotary_emb.inv_freq, shift)
+                record[f"rerotate/{key}/positions"] = positions[0].numpy()
+                record[f"rerotate/{key}/tensor"] = (rotated * cos + rotate_half(rotated) * sin)[0].float().numpy()
+        return output
+
+    model.set_attn_implementation("eager")
+    hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, past_key_values=DynamicCache(config=model.config))
+    finally:
+        for handle in hooks:
+            handle.remove()
+    np.savez_compressed(out / f"axes_reference_{index}.npz", **record)
+
+
+def compare_axes(out: Path, layers: int, budgets: list[int]) -> list[tuple[str, bool, str]]:
+    """One line per option: the share of (layer, KV head, prompt, budget) where ours is kvpress's."""
+    found = sorted(out.glob("axes_ours_*.npz"))
+    if not found:
+        return []
+    names = json.loads(str(np.load(found[0])["meta"]))["names"]
+    lines = []
+    for name in names:
+        same, worst, total, entry_budgets = 0, 0.0, 0, set()
+        for path in found:
+            ours, theirs = np.load(path), np.load(out / path.name.replace("axes_ours_", "axes_reference_"))
+            meta = json.loads(str(ours["meta"]))
+            for budget in budgets:
+                for layer in range(layers):
+                    key = f"{name}/{budget}/{layer}"
+                    if name == "think":
+                        entry_budgets.add(meta["entry_budgets"][str(budget)])
+                        for head, kept in enumerate(theirs[f"{key}/kept"]):
+                            same += set(np.flatnonzero(kept).tolist()) == set(ours[f"{key}/channels"][head].tolist())
+                            total += 1
+                        continue
+                    for head in range(ours[f"{key}/positions"].shape[0]):
+                        match, gap = _same_head(ours, theirs, key, head)
+                        same, worst, total = same + match, max(worst, gap), total + 1
+        extra = (f" at the entry budgets its bytes buy (B' = {','.join(map(str, sorted(entry_budgets)))})" if name == "think"
+                 else f"; largest difference {worst:.2e} of the largest value")
+        what = "identical kept key channels" if name == "think" else "identical kept sets and tensors"
+        lines.append((name, same / max(total, 1) >= 0.99,
+                      f"{name:<14} ({AXES[name]}) {what} {same / max(total, 1):.4f} of {total} (layer, KV head, "
+                      f"prompt, budget){extra}"))
+    return lines
+
+
+def _same_head(ours, theirs, key: str, head: int) -> tuple[bool, float]:
+    """Whether one head kept the same positions with the same tensor rows (within TOLERANCE of its largest)."""
+    mine = ours[f"{key}/positions"][head]
+    count = int((mine >= 0).sum())
+    mine = mine[:count]
+    other = theirs[f"{key}/positions"][head]
+    if sorted(mine.tolist()) != sorted(other.tolist()):
+        return False, 0.0
+    a = ours[f"{key}/tensor"][head][:count][np.argsort(mine)]
+    b = theirs[f"{key}/tensor"][head][np.argsort(other)]
+    scale = max(float(np.abs(b).max()), 1e-12)
+    gap = float(np.abs(a - b).max()) / scale
+    return gap <= TOLERANCE, gap

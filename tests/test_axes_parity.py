@@ -1,0 +1,86 @@
+"""check-references' comparison for key channels, merging and re-rotation (scripts/check_references_axes.py): our
+stored arrays against the reference's, on a tiny model's prefill; the reference venv itself is not part of the
+tests, so its side is written here from ours, then perturbed to show the check fails."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from check_references_axes import AXES, compare_axes, save_ours  # noqa: E402
+
+from ripplekv.engine.prefill import Requirements, prefill_for  # noqa: E402
+from ripplekv.methods import make_method  # noqa: E402
+from tests.conftest import tiny_llama  # noqa: E402
+
+BUDGETS = [40]
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    out = tmp_path_factory.mktemp("axes")
+    needs = Requirements.of_all(make_method(spec) for spec in AXES.values())
+    state = prefill_for(tiny_llama(num_key_value_heads=2), torch.arange(150) % 91 + 4, needs)
+    save_ours(state, out, 0, BUDGETS, list(AXES))
+    return out, state.num_layers
+
+
+def as_reference(out: Path, change=None) -> None:
+    """The reference's file written from ours (its layout: kept channel masks; positions and rows unpadded, in
+    another order), `change(name, array)` applied to each array first."""
+    saved = np.load(out / "axes_ours_0.npz")
+    d = next(saved[key].shape[-1] for key in saved.files if key.endswith("/tensor"))
+    record = {}
+    for key in saved.files:
+        if key == "meta":
+            continue
+        name, rest = key.split("/", 1)
+        array = saved[key]
+        if key.endswith("/channels"):
+            mask = np.zeros((array.shape[0], d), dtype=bool)
+            np.put_along_axis(mask, array, True, axis=1)
+            record[key.replace("/channels", "/kept")] = mask
+            continue
+        if key.endswith("/positions"):
+            record[key] = array[:, ::-1].copy()  # another order: the comparison sorts by position
+            continue
+        record[key] = array[:, ::-1].copy()
+    for key in list(record):
+        if change is not None:
+            record[key] = change(key, record[key])
+    np.savez(out / "axes_reference_0.npz", **record)
+
+
+def test_the_comparison_passes_on_the_same_arrays_and_fails_on_perturbed_ones(ours):
+    out, layers = ours
+    meta = json.loads(str(np.load(out / "axes_ours_0.npz")["meta"]))
+    assert meta["names"] == list(AXES) and meta["entry_budgets"]["40"] > 40  # think's bytes bought entries
+    as_reference(out)
+    lines = compare_axes(out, layers, BUDGETS)
+    assert [name for name, _, _ in lines] == list(AXES)
+    assert all(ok for _, ok, _ in lines), lines
+    assert all(" 1.0000 of " in text for _, _, text in lines)
+
+    def shaken(key, array):
+        if key.endswith("/tensor"):
+            return array * 1.01  # one percent off: beyond the tolerance
+        if key.endswith("/kept"):
+            return np.roll(array, 1, axis=1)  # other channels
+        return array
+
+    as_reference(out, shaken)
+    assert not any(ok for _, ok, _ in compare_axes(out, layers, BUDGETS))
+
+
+def test_only_refuses_a_name_no_check_knows_before_making_anything(tmp_path, monkeypatch, capsys):
+    from tests.conftest import script_refusal
+
+    err = script_refusal("check_references", "--only", "think,thinkk", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert err.startswith("error: --only: unknown thinkk; known: ") and "merge=cam" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
