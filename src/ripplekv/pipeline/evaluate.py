@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
-from ripplekv.defaults import EVAL_BATCH_SIZE
+from ripplekv.defaults import EVAL_BATCH_SIZE, MULTI_QUESTION_PROTOCOLS
 from ripplekv.engine import decode as engine_decode
 from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
@@ -51,7 +51,8 @@ class SampleSettings:
     `protocol`: "with-question" compresses the whole prompt (SnapKV's and KVCache-Factory's protocol);
     "context-only" prefills and compresses the context alone (its observation window is the end of the
     context; budgets count the context) and then reads the question through each compressed cache, as a
-    cache reused across questions would (kvpress's default). Both come from one prefill.
+    cache reused across questions would (kvpress's default). Both come from one prefill. "multi-question" and
+    "multi-question-first" ask one compressed context each of a sample's questions (`pipeline.multi_question`).
     `decoding`, `decode_budget`, `compress_every`, `batch_size`: how the variants decode (`schedule.Decoding`);
     under a total decode budget every line records `decode_budget` and `peak_entries` (the most entries a head
     held after a step, averaged over layers and KV heads).
@@ -98,6 +99,11 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
     `progress(kind, units)` is called after the prefill ("prefill", prompt tokens) and after each decode
     ("decode", variants x max new tokens), for an ETA from work done.
     """
+    if settings.protocol in MULTI_QUESTION_PROTOCOLS:  # one context, several questions: `pipeline.multi_question`
+        from ripplekv.pipeline.multi_question import evaluate_questions
+
+        return evaluate_questions(model, tokenizer, task, record, methods, budgets, settings, sid=sid, wanted=wanted,
+                                  progress=progress)
     report = progress or (lambda kind, units: None)
     memory = SampleMemory(model, settings.memory_budget)  # its meter starts before the prefill
     decoding = settings.decoding_for(task)
