@@ -3,10 +3,11 @@
     nice -n 19 .venv/bin/python scripts/bench_questions.py [--target-tokens 3000] [--budget 128] [--repeats 2]
 
 One niah_multiquestion sample (three questions over one haystack), its context prefilled once. Side by side, in
-alternation, best of --repeats: the prefill of the context; answering the first question alone (the full cache's
-answer, then every variant compressed once and decoded, `engine.questions`); answering all its questions from that
-one compression. An extra question costs (all - first) / (questions - 1); printed as a fraction of the prefill,
-beside what asking it by prefilling the context again would cost (1 prefill + one question's answers).
+alternation, best of --repeats, in CPU seconds of this process (`timed`): the prefill of the context; answering
+the first question alone (the full cache's answer, then every variant compressed once and decoded,
+`engine.questions`); answering all its questions from that one compression. An extra question costs
+(all - first) / (questions - 1); printed as a fraction of the prefill, beside what asking it by prefilling the
+context again would cost (1 prefill + one question's answers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from ripplekv.engine.decode import stop_tokens
 from ripplekv.engine.models import load_model
 from ripplekv.engine.prefill import Requirements, prefill_for
 from ripplekv.engine.questions import decode_questions, question_references
@@ -26,9 +28,11 @@ from ripplekv.tasks import get_tasks, load_samples
 
 
 def timed(run) -> float:
-    start = time.perf_counter()
+    """CPU seconds of this process (every torch thread) spent in `run()`: on a machine other jobs share, the wall
+    clock measures them too, the process's CPU time only this work."""
+    start = time.process_time()
     run()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def main() -> None:
@@ -45,11 +49,12 @@ def main() -> None:
     variants = [Variant(name, args.budget, make_method(name)) for name in args.methods.split(",")]
     needs = Requirements.of_all(variant.method for variant in variants)
     decoding = Decoding(task.max_new_tokens)
+    stops = stop_tokens(model, tokenizer, task.stop_at_newline)  # answers end where eval's do
     state = prefill_for(model, ids, needs)
 
     def answer(asked) -> None:
-        references = question_references(model, state, asked, task.max_new_tokens)
-        decode_questions(model, state, references, asked, variants, decoding, SampleMemory(model))
+        references = question_references(model, state, asked, task.max_new_tokens, stops)
+        decode_questions(model, state, references, asked, variants, decoding, SampleMemory(model), stops)
 
     best = {"prefill": float("inf"), "first": float("inf"), "all": float("inf")}
     for _ in range(args.repeats):
@@ -62,9 +67,9 @@ def main() -> None:
     print(f"context {state.length} tokens, {len(questions)} questions ({', '.join(str(len(q)) for q in questions)} "
           f"tokens), {len(variants)} variants at B={args.budget}, torch threads {torch.get_num_threads()}, "
           f"best of {args.repeats}")
-    print(f"prefill {best['prefill']:.2f} s  first question {best['first']:.2f} s  all {len(questions)} "
-          f"{best['all']:.2f} s")
-    print(f"an extra question: {extra:.2f} s = {extra / best['prefill']:.3f} of a prefill "
+    print(f"CPU seconds: prefill {best['prefill']:.2f}  first question {best['first']:.2f}  all {len(questions)} "
+          f"{best['all']:.2f}")
+    print(f"an extra question: {extra:.2f} CPU s = {extra / best['prefill']:.3f} of a prefill "
           f"(prefilling again for it: {(best['prefill'] + best['first']) / best['prefill']:.2f} prefills)")
 
 

@@ -123,11 +123,11 @@ def eval_args(model_dir, out, *extra):
 
 
 def test_eval_writes_a_line_per_question_and_the_drop_table(tiny_model_dir, tmp_path, run_cli, monkeypatch):
-    from ripplekv.pipeline import evaluate
+    from ripplekv.pipeline import multi_question
 
     prefills = []
-    real = evaluate.prefill
-    monkeypatch.setattr(evaluate, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    real = multi_question.prefill
+    monkeypatch.setattr(multi_question, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
     out = tmp_path / "run"
     code, _, err = run_cli(*eval_args(tiny_model_dir, out))
     assert code == 0, err

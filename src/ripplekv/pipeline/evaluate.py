@@ -25,10 +25,18 @@ from ripplekv.engine import decode as engine_decode
 from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
-from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY, Decoding, SampleMemory, Variant, decode_variants
+from ripplekv.engine.schedule import (
+    DEFAULT_COMPRESS_EVERY,
+    Decoding,
+    SampleMemory,
+    Variant,
+    decode_variants,
+    infeasible_variants,
+)
 from ripplekv.errors import UserError
 from ripplekv.methods.core.quantized import stored_as
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
+from ripplekv.pipeline.multi_question import evaluate_questions
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.sample_lines import SampleLines
 from ripplekv.pipeline.samples import check_eval_sliding, check_eval_window, check_sliding_layers
@@ -100,8 +108,6 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
     ("decode", variants x max new tokens), for an ETA from work done.
     """
     if settings.protocol in MULTI_QUESTION_PROTOCOLS:  # one context, several questions: `pipeline.multi_question`
-        from ripplekv.pipeline.multi_question import evaluate_questions
-
         return evaluate_questions(model, tokenizer, task, record, methods, budgets, settings, sid=sid, wanted=wanted,
                                   progress=progress)
     report = progress or (lambda kind, units: None)
@@ -131,18 +137,6 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
         lines.line(one.variant.label, one.variant.budget, one.tokens, one.counts, one.fidelity.kl,
                    one.fidelity.agreement, one.capacity, stored_as(one.variant.method, state, one.variant.budget))
         for one in decoded] + [lines.infeasible(label, budget, why) for (label, budget), why in refused.items()]
-
-
-def infeasible_variants(variants: Sequence[Variant], state) -> dict[tuple[str, int], str]:
-    """(method, budget) -> why, for the variants whose bytes cannot fit their budget on this prompt (a method
-    that stores its entries quantized says so through `infeasible`; eviction always fits)."""
-    refused = {}
-    for one in variants:
-        check = getattr(one.method, "infeasible", None)
-        why = check(state, one.budget) if check is not None else None
-        if why:
-            refused[(one.label, one.budget)] = why
-    return refused
 
 
 def prompt_parts(task, record: dict, tokenizer, settings: SampleSettings) -> tuple[list[int], list[int]]:

@@ -22,7 +22,7 @@ from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.questions import decode_questions, question_references
 from ripplekv.engine.recorders import SampleContext
-from ripplekv.engine.schedule import SampleMemory, Variant
+from ripplekv.engine.schedule import SampleMemory, Variant, infeasible_variants
 from ripplekv.errors import UserError
 from ripplekv.methods.core.quantized import stored_as
 from ripplekv.pipeline.sample_lines import SampleLines
@@ -66,19 +66,24 @@ def question_parts(task, record: dict, tokenizer, max_length: int, protocol: str
     return context, tails, records
 
 
+def prefill(model, ids, needs: Requirements, reserve: int = 0, context: SampleContext | None = None):
+    """The engine's prefill of a shared context (a module-level name, as `evaluate.prefill`, so tests can count it)."""
+    from ripplekv.engine.prefill import prefill_for
+
+    return prefill_for(model, ids, needs, reserve=reserve, context=context)
+
+
 def evaluate_questions(model, tokenizer, task, record: dict, methods: dict, budgets: Sequence[int], settings, *,
                        sid: str, wanted, progress=None) -> list[dict]:
     """Result rows of one multi-question sample: per question, full first, then every other method at every budget,
     from ONE prefill and one compression per variant (`evaluate.evaluate_sample`'s contract otherwise)."""
-    from ripplekv.pipeline import evaluate
-
     report = progress or (lambda kind, units: None)
     memory = SampleMemory(model, settings.memory_budget)
     decoding = settings.decoding_for(task)
     timings.declare(timings.PREFILL, timings.REFERENCE_DECODE, *decoding.phases)
     ids, questions, records = question_parts(task, record, tokenizer, settings.max_length, settings.protocol)
     with timings.phase(timings.PREFILL):
-        state = evaluate.prefill(model, ids, Requirements.of_all(methods.values()),
+        state = prefill(model, ids, Requirements.of_all(methods.values()),
                                  reserve=max(map(len, questions)) + task.max_new_tokens,
                                  context=SampleContext(tokenizer, ()))
     report("prefill", state.length)
@@ -88,7 +93,7 @@ def evaluate_questions(model, tokenizer, task, record: dict, methods: dict, budg
     chosen_pairs = None if wanted.variants is None else set(wanted.variants)
     chosen = [Variant(label, budget, method) for label, method in methods.items() if label != REFERENCE
               for budget in budgets if chosen_pairs is None or (label, budget) in chosen_pairs]
-    refused = evaluate.infeasible_variants(chosen, state)
+    refused = infeasible_variants(chosen, state)
     chosen = [one for one in chosen if (one.label, one.budget) not in refused]
     answered = decode_questions(model, state, references, questions, chosen, decoding, memory, stops)
     report("decode", len(chosen) * len(questions) * task.max_new_tokens)
