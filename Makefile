@@ -6,7 +6,7 @@ STAMP   := .venv/.installed
 # `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
 REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
-.PHONY: install browser test test-explore reproduce study reproduce-quick reproduce-full reproduce-gemma bench clean check-references bench-peer
+.PHONY: install browser test test-explore reproduce study reproduce-quick reproduce-full reproduce-gemma bench clean check-references check-references-questions bench-peer
 
 install: $(STAMP) browser
 
@@ -75,6 +75,11 @@ check-references: install
 	# in a second venv (REFVENV, made when missing);
 	# REFARGS sizes the run, e.g. REFARGS="--prompts 2 --target-tokens 1000" on a busy machine.
 	bash scripts/check_references.sh --venv $(REFVENV) $(REFARGS)
+
+check-references-questions: install
+	# The question-agnostic multi-question protocol against kvpress 0.5.5's pipeline with questions=[...] (one
+	# compression, every question answered from it), same ids and weights, in the check-references venv.
+	PYTHONPATH=src HF_HUB_OFFLINE=1 $(PY) scripts/check_references_questions.py --venv $(REFVENV) $(REFQARGS)
 
 bench-peer: install
 	# kvpress 0.5.5's own loop (each press x budget: prefill + greedy decode, batch 1) against `ripplekv eval`,

@@ -187,7 +187,7 @@ def test_tasks_command(tmp_path):
     assert f"LongBench data: not found in {tmp_path / 'none'}" in missing.stdout
     bad = subprocess.run([str(exe), "tasks", "--suite", "nope"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: Invalid value for '--suite': 'nope' is not one of 'offline', 'ruler', 'longbench', 'longbench-e', 'longbench-v2'."
+    assert bad.stderr.strip() == "error: Invalid value for '--suite': 'nope' is not one of 'offline', 'ruler', 'longbench', 'longbench-e', 'longbench-v2', 'scbench'."
 
 
 @pytest.mark.parametrize("offline", [True, False])

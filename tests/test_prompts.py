@@ -23,7 +23,7 @@ OFFICIAL_MAXLEN = {"narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "mu
 
 
 def test_suites_and_sizes():
-    assert list_suites() == ["offline", "ruler", "longbench", "longbench-e", "longbench-v2"]
+    assert list_suites() == ["offline", "ruler", "longbench", "longbench-e", "longbench-v2", "scbench"]
     assert len(get_tasks("ruler")) == 13 and [t.name for t in get_tasks("longbench-v2")] == ["longbench_v2"]
     assert len(get_tasks("longbench")) == 21
     e_tasks = get_tasks("longbench-e")

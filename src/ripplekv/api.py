@@ -282,8 +282,9 @@ def generate(model, tokenizer, context: str, question: str | None = None,
     how many entries it kept and its KL/agreement to the full cache's answer; with `answers`, its score.
     `memory_budget` ('40GiB', '500MB' or bytes) bounds what the sample holds, as eval's --memory-budget.
     """
+    from ripplekv.defaults import SINGLE_QUESTION_PROTOCOLS as PROTOCOLS
     from ripplekv.methods.core.budgets import check_budget
-    from ripplekv.pipeline.eval_plan import PROTOCOLS, parse_budgets, parse_names
+    from ripplekv.pipeline.eval_plan import parse_budgets, parse_names
     from ripplekv.pipeline.evaluate import SampleSettings, evaluate_sample
 
     _check_model(model)

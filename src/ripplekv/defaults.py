@@ -20,8 +20,12 @@ EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prun
 CEILINGS = ("oracle", "answer-allocation", "allocation-ceiling")
 # The fixed sets of values an option takes: the CLI declares them as choices (so --help shows them and a
 # wrong value fails while parsing), and the libraries check the same tuples when called directly.
-PROTOCOLS = ("with-question", "context-only")  # `eval --protocol`, ripplekv.generate(protocol=)
-SUITES = ("offline", "ruler", "longbench", "longbench-e", "longbench-v2")  # `--suite`
+# `eval --protocol`; ripplekv.generate(protocol=) takes the single-question ones. The multi-question protocols ask one
+# compressed context several questions: compressed without any question, or with the first in the window.
+MULTI_QUESTION_PROTOCOLS = ("multi-question", "multi-question-first")
+SINGLE_QUESTION_PROTOCOLS = ("with-question", "context-only")
+PROTOCOLS = (*SINGLE_QUESTION_PROTOCOLS, *MULTI_QUESTION_PROTOCOLS)
+SUITES = ("offline", "ruler", "longbench", "longbench-e", "longbench-v2", "scbench")  # `--suite`
 GENERATED_SUITES = ("offline", "ruler")  # built here from a seed and --target-tokens (the others are read from files)
 NEEDLE_TASK = "niah_depths"  # `needle --task`: RULER's niah_single_2 with the needle at each depth in turn
 NEEDLE_LENGTHS = (1024, 2048, 4096)  # `needle --lengths`

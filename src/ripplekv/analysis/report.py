@@ -19,6 +19,14 @@ import pandas as pd
 from ripplekv.analysis import inference, stats
 from ripplekv.analysis.allocation import allocation_headline, allocation_markdown, allocation_parts, method_specs
 from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plot_score_vs_budget
+from ripplekv.analysis.follow_ups import (
+    best_markdown,
+    best_on_follow_ups,
+    follow_up_markdown,
+    follow_up_table,
+    has_follow_ups,
+    run_protocol,
+)
 from ripplekv.analysis.footprint import add_footprint
 from ripplekv.analysis.forest import plot_forest
 from ripplekv.analysis.headline import closest_pairs
@@ -152,7 +160,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
            seed: int = stats.SEED, plots: bool = True, html: bool = True, notes: dict | None = None) -> dict[str, pd.DataFrame]:
     """Write scores.csv, informative.csv, leaderboard.csv, headline.csv, leaderboard_wide.csv, ranks.csv,
     lengths.csv (when samples have a prompt length), allocation_only.csv and .md (when several methods share
-    the uniform baseline's scorer), the plots, summary.md and report.json (the settings) into `run_dir`; with
+    the uniform baseline's scorer), follow_ups.csv and .md (a multi-question run: `analysis.follow_ups`), the plots, summary.md and report.json (the settings) into `run_dir`; with
     the run's timings.csv, where the time went (`analysis.time_spent`) closes summary.md and is returned as
     "time". Without `plots`, FIGURES are not drawn and any left from an earlier render are removed (they would
     no longer match the tables). With `html`, index.html (`analysis.html_page`; `notes`: what each method is) is
@@ -181,6 +189,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     if parts is not None:
         headline = pd.concat([headline, allocation_headline(parts, seed)], ignore_index=True)
     memory = memory_table(frame, board, method_specs(run_dir), loaded.attrs.get("infeasible"))
+    follow = follow_up_table(frame) if has_follow_ups(frame) else None  # the multi-question protocols
     spent = time_table(run_dir)
     board = add_footprint(board)  # the critical KV footprint (`analysis.footprint`), on every row of a method
     settings = {"rouge": rouge, "resamples": resamples, "seed": seed, "confidence": inference.CONFIDENCE,
@@ -208,6 +217,14 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         if memory is not None:  # the memory axis (`analysis.memory_axis`)
             write_csv(run_dir / "memory_axis.csv", memory, float_format=FLOAT_FORMAT)
             write_text(run_dir / "memory_axis.md", memory_markdown(memory))
+        follow_text = None if follow is None else (follow_up_markdown(follow, run_protocol(run_dir))
+                                                   + best_markdown(best_on_follow_ups(frame)))
+        for name, written in (("follow_ups.csv", follow), ("follow_ups.md", follow_text)):
+            if written is None:
+                (run_dir / name).unlink(missing_ok=True)
+        if follow is not None:
+            write_csv(run_dir / "follow_ups.csv", follow, float_format=FLOAT_FORMAT)
+            write_text(run_dir / "follow_ups.md", follow_text)
         write_text(run_dir / "report.json", json.dumps(settings, indent=2) + "\n")
         styles = series_styles(m for m in dict.fromkeys(frame["method"]) if m != REFERENCE)  # the run's order
         # A run of the full cache alone (a task screen) has no compressed variant to draw
@@ -228,6 +245,8 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
         text = summary_markdown(frame, board, wide, run_dir, ranks, lengths, settings, ceilings, headline, informative)
         if memory is not None:
             text += "\n" + memory_markdown(memory)
+        if follow_text is not None:
+            text += "\n" + follow_text
         if spent is not None:
             text += "\n" + time_markdown(spent, samples_timed(run_dir))
         write_text(run_dir / "summary.md", text)
@@ -238,7 +257,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     except OSError as err:
         raise UserError(f"cannot write the report into {run_dir}: {err.strerror or err}") from None
     return {"scores": scores, "leaderboard": board, "leaderboard_wide": wide, "ranks": ranks, "lengths": lengths,
-            "allocation": allocation, "memory": memory, "time": spent, "headline": headline, "informative": informative}
+            "allocation": allocation, "memory": memory, "follow_ups": follow, "time": spent, "headline": headline, "informative": informative}
 
 
 def run_headline(frame: pd.DataFrame, board: pd.DataFrame, ceilings, counted: list[str], seed: int) -> pd.DataFrame:

@@ -79,7 +79,10 @@ WORKERS_HELP = "Ray workers, each loading the model once (one GPU each on CUDA, 
 RAY_ADDRESS_HELP = "Join a running Ray cluster (`ray start --head`) instead of starting a local one."
 ROUGE_HELP = "ROUGE-L for summarization tasks: official (LongBench parity) or rouge-score (Google's, as HELM)."
 PROTOCOL_HELP = ("with-question: compress the whole prompt (as the LongBench papers); context-only: compress the "
-                 "context, then read the question through the compressed cache (a cache reused across questions).")
+                 "context, then read the question through the compressed cache (a cache reused across questions); "
+                 "multi-question: compress the context once and ask it each of its questions (tasks with several: "
+                 "niah_multiquestion, squad_multiquestion, SCBench's); multi-question-first: the same, the first "
+                 "question in the observation window.")
 
 SuiteName = Literal[SUITES]
 

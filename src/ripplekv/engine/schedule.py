@@ -106,6 +106,18 @@ class SampleMemory:
         return self.meter.peak()
 
 
+def infeasible_variants(variants: Sequence[Variant], state) -> dict[tuple[str, int], str]:
+    """(method, budget) -> why, for the variants whose bytes cannot fit their budget on this prompt (a method
+    that stores its entries quantized says so through `infeasible`; eviction always fits)."""
+    refused = {}
+    for one in variants:
+        check = getattr(one.method, "infeasible", None)
+        why = check(state, one.budget) if check is not None else None
+        if why:
+            refused[(one.label, one.budget)] = why
+    return refused
+
+
 def build(state: PrefillState, variant: Variant, counts: np.ndarray | None = None) -> list:
     """A variant's entries per layer (timed as its build); `counts`, when given, must be what they hold."""
     with timings.phase(timings.BUILD, variant.label):

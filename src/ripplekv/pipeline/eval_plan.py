@@ -19,6 +19,7 @@ from ripplekv.defaults import (
     EVAL_BATCH_SIZE,
     GENERATED_SUITES,
     LAST_ALLOCATION,
+    MULTI_QUESTION_PROTOCOLS,
     PROTOCOLS,
 )
 from ripplekv.engine.prefill import Requirements, captured_window
@@ -142,6 +143,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     from ripplekv.methods.core.catalog import build_methods
     from ripplekv.methods.core.spec import reads_allocation
     from ripplekv.tasks import get_tasks
+    from ripplekv.tasks.registry import multi_question_tasks
 
     for budget in settings.budgets:
         check_budget(budget)
@@ -178,7 +180,10 @@ def plan_eval(settings: EvalSettings) -> Plan:
     decoding = check_decode_budget(settings, methods.values())
     built = list(methods.values())
     names = tuple(methods)
-    tasks = get_tasks(settings.suite, list(settings.tasks) or None)
+    multi = settings.protocol in MULTI_QUESTION_PROTOCOLS
+    tasks = (multi_question_tasks if multi else get_tasks)(settings.suite, list(settings.tasks) or None)
+    if multi:
+        check_multi_question(settings, methods)
     source = resolve_model(settings.model)
     device, dtype = resolve_device_dtype(settings.device, settings.dtype)
     allocation = settings.allocation if any(reads_allocation(m.describe()) for m in built) else None
@@ -244,6 +249,15 @@ def check_decode_budget(settings: EvalSettings, methods) -> dict:
     return {"decode_budget": "total", "compress_every": every}
 
 
+def check_multi_question(settings: EvalSettings, methods: dict) -> None:
+    """What the multi-question protocols cannot run, refused before any model work: a method that reads the full
+    cache's answer (several questions have several answers, and the context is compressed once)."""
+    knowing = [label for label, method in methods.items() if method.knows_answer]
+    if knowing:
+        raise UserError(f"{', '.join(knowing)} read(s) the full cache's answer, but --protocol {settings.protocol} "
+                        "compresses the context once for several answers: drop it from --methods")
+
+
 def check_prompts_fit(plan: Plan, work, tokenizer, config) -> None:
     """Every prompt plus its answer within the model's positions (`config`: the model's), before any weights load
     or line is written: else one line naming the --max-length that makes every prompt fit (measured through the
@@ -288,11 +302,12 @@ class Job:
     with_full: bool
     prompt_tokens: int
     old_prompt_tokens: int | None
+    questions: int = 1  # asked of the one prefilled context (the multi-question protocols)
 
     @property
     def decode_units(self) -> int:
         # The full cache is decoded again even when its row exists: it is the fidelity reference.
-        return (1 + len(self.variants)) * self.task.max_new_tokens
+        return (1 + len(self.variants)) * self.task.max_new_tokens * self.questions
 
 
 def plan_jobs(plan: Plan, config: dict, work, have: dict, tokenizer) -> list[Job]:
@@ -307,5 +322,6 @@ def plan_jobs(plan: Plan, config: dict, work, have: dict, tokenizer) -> list[Job
         with_full = (REFERENCE, None) not in entry["variants"]
         if missing or with_full:
             n = len(build_prompt_ids(task, record, tokenizer, plan.settings.max_length))
-            jobs.append(Job(task, sid, record, missing, with_full, n, entry["prompt_tokens"]))
+            asked = len(record.get("questions") or ()) if plan.settings.protocol in MULTI_QUESTION_PROTOCOLS else 1
+            jobs.append(Job(task, sid, record, missing, with_full, n, entry["prompt_tokens"], max(asked, 1)))
     return jobs

@@ -20,15 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
-from ripplekv.defaults import EVAL_BATCH_SIZE
+from ripplekv.defaults import EVAL_BATCH_SIZE, MULTI_QUESTION_PROTOCOLS
 from ripplekv.engine import decode as engine_decode
 from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
-from ripplekv.engine.schedule import DEFAULT_COMPRESS_EVERY, Decoding, SampleMemory, Variant, decode_variants
+from ripplekv.engine.schedule import (
+    DEFAULT_COMPRESS_EVERY,
+    Decoding,
+    SampleMemory,
+    Variant,
+    decode_variants,
+    infeasible_variants,
+)
 from ripplekv.errors import UserError
 from ripplekv.methods.core.quantized import stored_as
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
+from ripplekv.pipeline.multi_question import evaluate_questions
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
 from ripplekv.pipeline.sample_lines import SampleLines
 from ripplekv.pipeline.samples import check_eval_sliding, check_eval_window, check_sliding_layers
@@ -51,7 +59,8 @@ class SampleSettings:
     `protocol`: "with-question" compresses the whole prompt (SnapKV's and KVCache-Factory's protocol);
     "context-only" prefills and compresses the context alone (its observation window is the end of the
     context; budgets count the context) and then reads the question through each compressed cache, as a
-    cache reused across questions would (kvpress's default). Both come from one prefill.
+    cache reused across questions would (kvpress's default). Both come from one prefill. "multi-question" and
+    "multi-question-first" ask one compressed context each of a sample's questions (`pipeline.multi_question`).
     `decoding`, `decode_budget`, `compress_every`, `batch_size`: how the variants decode (`schedule.Decoding`);
     under a total decode budget every line records `decode_budget` and `peak_entries` (the most entries a head
     held after a step, averaged over layers and KV heads).
@@ -98,6 +107,9 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
     `progress(kind, units)` is called after the prefill ("prefill", prompt tokens) and after each decode
     ("decode", variants x max new tokens), for an ETA from work done.
     """
+    if settings.protocol in MULTI_QUESTION_PROTOCOLS:  # one context, several questions: `pipeline.multi_question`
+        return evaluate_questions(model, tokenizer, task, record, methods, budgets, settings, sid=sid, wanted=wanted,
+                                  progress=progress)
     report = progress or (lambda kind, units: None)
     memory = SampleMemory(model, settings.memory_budget)  # its meter starts before the prefill
     decoding = settings.decoding_for(task)
@@ -127,18 +139,6 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
         lines.line(one.variant.label, one.variant.budget, one.tokens, one.counts, one.fidelity.kl,
                    one.fidelity.agreement, one.capacity, stored_as(one.variant.method, state, one.variant.budget))
         for one in decoded] + [lines.infeasible(label, budget, why) for (label, budget), why in refused.items()]
-
-
-def infeasible_variants(variants: Sequence[Variant], state) -> dict[tuple[str, int], str]:
-    """(method, budget) -> why, for the variants whose bytes cannot fit their budget on this prompt (a method
-    that stores its entries quantized says so through `infeasible`; eviction always fits)."""
-    refused = {}
-    for one in variants:
-        check = getattr(one.method, "infeasible", None)
-        why = check(state, one.budget) if check is not None else None
-        if why:
-            refused[(one.label, one.budget)] = why
-    return refused
 
 
 def prompt_parts(task, record: dict, tokenizer, settings: SampleSettings) -> tuple[list[int], list[int]]:

@@ -39,10 +39,11 @@ def run_ceilings(config) -> frozenset[str] | None:
 REPORT_FILES = ("scores.csv", "informative.csv", "leaderboard.csv", "headline.csv", "leaderboard_wide.csv", "ranks.csv",
                 "lengths.csv", "allocation_only.csv",
                 "allocation_only.md", "memory_axis.csv", "memory_axis.md", "score_vs_budget.png", "kl_vs_budget.png", "layer_budgets.png", "kl_forest.png",
-                "score_forest.png", "memory_axis.png", "summary.md", "report.json", "index.html")
+                "score_forest.png", "memory_axis.png", "follow_ups.csv", "follow_ups.md", "summary.md", "report.json",
+                "index.html")
 # written only when the run holds what they show (samples with a prompt length; several allocators with one scorer)
 OPTIONAL_REPORT_FILES = ("lengths.csv", "allocation_only.csv", "allocation_only.md", "memory_axis.csv", "memory_axis.md",
-                         "memory_axis.png")
+                         "memory_axis.png", "follow_ups.csv", "follow_ups.md")
 TIMINGS = "timings.csv"  # seconds per sample and phase, appended as samples finish (`runs.timings`)
 EVAL_FILES = (PREDICTIONS, CONFIG, TIMINGS, *REPORT_FILES)
 SAMPLES_LOG = "samples.jsonl"  # one fsynced line per finished calibration sample: what a rerun resumes from
@@ -88,17 +89,24 @@ def read_lines(path: Path) -> tuple[list[dict], bool]:
     return lines.objects, bool(lines.torn)
 
 
+def sample_of(row: dict) -> str:
+    """The sample a result line belongs to: its `id`, or the `context_id` its questions share when one context is
+    asked several questions (`--protocol multi-question`: a line per question, `<context>#q<k>`)."""
+    return row.get("context_id") or row.get("id")
+
+
 def without_torn_sample(path: Path, rows: list[dict], torn: bytes, say=None) -> list[dict]:
     """`rows` less the sample the torn line belongs to (its readable `task`/`id`, else the last whole
     line's sample, as `eval` cuts it when it resumes); says which through `say(text)` (default: a line on
     stderr, as the commands speak; the Python API passes a warning)."""
     import sys
 
-    found = torn_fields(torn)
+    found = torn_fields(torn, ("task", "id", "context_id", "method", "budget"))
     last = rows[-1] if rows else {}
-    task, sid = found.get("task", last.get("task") if "id" not in found else None), found.get("id", last.get("id"))
+    task = found.get("task", last.get("task") if "id" not in found else None)
+    sid = (found.get("context_id") or found["id"]) if "id" in found else sample_of(last)
     variant = f"{found['method']}@{found.get('budget')}" if "method" in found else "not readable"
-    kept = [r for r in rows if not (r.get("id") == sid and (task is None or r.get("task") == task))]
+    kept = [r for r in rows if not (sample_of(r) == sid and (task is None or r.get("task") == task))]
     sample = f"{task}/{sid}" if task is not None else str(sid)
     text = (f"note: {path} ends in a torn line (a kill mid-write; variant {variant}, sample {sample}): "
             f"{len(rows) - len(kept)} lines of that sample are left out of this report; rerun `ripplekv eval` "

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ripplekv.errors import UserError
-from ripplekv.runs.files import PREDICTIONS, REFERENCE, read_lines
+from ripplekv.runs.files import PREDICTIONS, REFERENCE, read_lines, sample_of
 from ripplekv.runs.safeio import append_bytes, cut_to
 
 
@@ -23,7 +23,8 @@ def variant_keys(config: dict) -> set[tuple[str, int | None]]:
 
 
 def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
-    """Per (task, id): the (method, budget) pairs already written and the prompt length they saw.
+    """Per (task, sample): the (method, budget) pairs already written and the prompt length they saw (a sample
+    asked several questions writes a line per question and variant, all under its `context_id`: `files.sample_of`).
 
     Every complete line is a finished result and is kept, except after a kill mid-write (a trailing
     partial line): then the lines of the last sample written are cut off with it, so that sample is
@@ -38,14 +39,14 @@ def existing_lines(out: Path) -> dict[tuple[str, str], dict]:
     if partial:
         data = path.read_bytes()
         keep = data[: data.rfind(b"\n") + 1]
-        last = (rows[-1]["task"], rows[-1]["id"]) if rows else None
-        while rows and (rows[-1]["task"], rows[-1]["id"]) == last:
+        last = (rows[-1]["task"], sample_of(rows[-1])) if rows else None
+        while rows and (rows[-1]["task"], sample_of(rows[-1])) == last:
             rows.pop()
             keep = keep[: keep.rstrip(b"\n").rfind(b"\n") + 1]
         cut_to(path, len(keep))
     have: dict[tuple[str, str], dict] = {}
     for row in rows:
-        entry = have.setdefault((row["task"], row["id"]), {"variants": set(), "prompt_tokens": row.get("prompt_tokens")})
+        entry = have.setdefault((row["task"], sample_of(row)), {"variants": set(), "prompt_tokens": row.get("prompt_tokens")})
         entry["variants"].add((row["method"], row["budget"]))
     return have
 

@@ -38,7 +38,8 @@ def official_max_new_tokens() -> dict[str, int]:
 # text would be false here (our paragraphs come from essays, not Wikipedia; the count of paragraphs varies).
 # hotpotqa, squad and code_completion borrow LongBench's own templates unchanged (squad takes the
 # single-document QA prompt of multifieldqa_en).
-OFFLINE_BORROWED = {"hotpotqa": "hotpotqa", "squad": "multifieldqa_en", "code_completion": "lcc"}
+OFFLINE_BORROWED = {"hotpotqa": "hotpotqa", "squad": "multifieldqa_en", "squad_multiquestion": "multifieldqa_en",
+                    "code_completion": "lcc"}
 OFFLINE_PROMPTS = {
     "passage_retrieval": (
         "Here are some paragraphs from essays, along with an abstract. Please determine which paragraph "
@@ -59,7 +60,7 @@ OFFLINE_PROMPTS = {
         "words.\nAnswer:"
     ),
 }
-OFFLINE_PROMPTS["niah_multikey"] = OFFLINE_PROMPTS["niah"]
+OFFLINE_PROMPTS["niah_multikey"] = OFFLINE_PROMPTS["niah_multiquestion"] = OFFLINE_PROMPTS["niah"]
 OFFLINE_PROMPTS["paragraph_recall"] = (
     "Below are paragraphs from essays. After them you are given the first words of one paragraph; repeat "
     "that whole paragraph exactly, word for word, from its first word to its last.\n\n{context}\n\n"

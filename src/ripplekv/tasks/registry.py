@@ -37,6 +37,7 @@ class Task:
     answer_prefix: bool = False  # records carry text the model reads after the chat template's assistant turn (RULER)
     fields: tuple[str, ...] = ()  # record fields every prediction line keeps (a needle's depth, a question's difficulty)
     score_by: tuple[str, ...] = ()  # of those, the ones `ripplekv score` reports the score by (LongBench v2)
+    multi_question: bool = False  # its records ask their context several questions (`eval --protocol multi-question`)
     # offline tasks: builds `n` samples from an `offline_fit._Builder`; LongBench tasks are read from files
     builder: Callable | None = field(default=None, compare=False, repr=False)
 
@@ -98,6 +99,14 @@ OFFLINE_OPT_IN_TASKS = {
 }
 
 
+# Offline tasks with several questions per context (`tasks.offline_multi`): named on request, and the tasks
+# `--protocol multi-question` runs by default.
+OFFLINE_MULTI_QUESTION_TASKS = {
+    "niah_multiquestion": ("Synthetic", "string_match", 32, "niah_multiquestion"),
+    "squad_multiquestion": ("Single-Doc QA", "qa_f1", 32, "squad_multiquestion"),
+}
+
+
 def _longbench_task(dataset: str, suite: str) -> Task:
     category, metric = LONGBENCH_DATASETS[dataset]
     return Task(
@@ -116,7 +125,10 @@ def _longbench_task(dataset: str, suite: str) -> Task:
 def _offline_task(name: str) -> Task:
     from ripplekv.tasks import offline  # the builders (a large module, imported when a task is made)
 
-    category, metric, max_new, builder = {**OFFLINE_TASKS, **OFFLINE_OPT_IN_TASKS}[name]
+    multi = name in OFFLINE_MULTI_QUESTION_TASKS
+    category, metric, max_new, builder = {**OFFLINE_TASKS, **OFFLINE_OPT_IN_TASKS, **OFFLINE_MULTI_QUESTION_TASKS}[name]
+    if multi:
+        from ripplekv.tasks import offline_multi as offline
     return Task(
         name=name,
         suite="offline",
@@ -126,6 +138,7 @@ def _offline_task(name: str) -> Task:
         prompt_template=prompts.offline_prompt(name),
         chat_template=name != "code_completion",  # lcc-style, like LongBench's lcc
         stop_at_newline=False,
+        multi_question=multi,
         builder=offline.BUILDERS[builder],
     )
 
@@ -165,6 +178,14 @@ def _longbench_v2_task() -> Task:
     )
 
 
+def _scbench_task(name: str) -> Task:
+    from ripplekv.tasks import scbench
+
+    category, metric, max_new = scbench.TASKS[name]
+    return Task(name=name, suite=scbench.SUITE, category=category, metric=metric, max_new_tokens=max_new,
+                prompt_template=scbench.PROMPT, chat_template=True, stop_at_newline=False, multi_question=True)
+
+
 def _suite_tasks(suite: str) -> list[Task]:
     if suite == "offline":
         return [_offline_task(name) for name in OFFLINE_TASKS]
@@ -174,6 +195,10 @@ def _suite_tasks(suite: str) -> list[Task]:
         return [_ruler_task(name) for name in ruler.task_names()]
     if suite == "longbench-v2":
         return [_longbench_v2_task()]
+    if suite == "scbench":
+        from ripplekv.tasks import scbench
+
+        return [_scbench_task(name) for name in scbench.task_names()]
     if suite == "longbench":
         return [_longbench_task(name, suite) for name in LONGBENCH_DATASETS]
     if suite == "longbench-e":
@@ -184,7 +209,7 @@ def _suite_tasks(suite: str) -> list[Task]:
 def _opt_in_tasks(suite: str) -> list[Task]:
     """Tasks a suite builds only when named (`--tasks`): not in its default list."""
     if suite == "offline":
-        return [_offline_task(name) for name in OFFLINE_OPT_IN_TASKS]
+        return [_offline_task(name) for name in [*OFFLINE_OPT_IN_TASKS, *OFFLINE_MULTI_QUESTION_TASKS]]
     if suite == "ruler":
         from ripplekv.tasks import ruler
 
@@ -248,6 +273,24 @@ def get_tasks(suite: str, names: list[str] | None = None) -> list[Task]:
     return chosen
 
 
+def multi_question_tasks(suite: str, names: list[str] | None = None) -> list[Task]:
+    """The tasks `--protocol multi-question` runs: the named ones, each with several questions per context, or
+    every such task of `suite`; one line when there are none."""
+    pool = _suite_tasks(suite) + _opt_in_tasks(suite)
+    known = ", ".join(task.name for task in pool if task.multi_question)
+    if names:
+        chosen = get_tasks(suite, names)
+        single = [task.name for task in chosen if not task.multi_question]
+        if single:
+            raise UserError(f"{', '.join(single)} ask(s) one question per context; --protocol multi-question runs "
+                            f"tasks with several: {known or 'none in suite ' + suite} (or use --suite offline)")
+        return chosen
+    if not known:
+        raise UserError(f"suite {suite} has no task with several questions per context; --protocol multi-question "
+                        "runs --suite offline (niah_multiquestion, squad_multiquestion) or --suite scbench")
+    return [task for task in pool if task.multi_question]
+
+
 def default_suite(data_dir: str | None = None) -> str:
     """`longbench` when the official files are on disk (data_dir, $RIPPLEKV_LONGBENCH_DIR or the
     default folder), else the bundled `offline` suite. Never touches the network."""
@@ -289,6 +332,13 @@ def load_samples(
         from ripplekv.tasks import ruler
 
         return ruler.build_samples(task, tokenizer, split=split, limit=limit, target_tokens=target_tokens, seed=seed)
+    if task.suite == "scbench":
+        from ripplekv.tasks import scbench
+
+        if split == "calibration":
+            raise UserError(f"SCBench ({task.name}) has no calibration split; calibrate on the offline suite instead")
+        records = scbench.read_records(task.name, data_dir)
+        return records if limit is None else records[:limit]
     if split == "calibration":
         raise UserError(
             f"LongBench ({task.name}) has no calibration split; calibrate on the offline suite "
@@ -314,7 +364,12 @@ def task_rows(suite: str | None = None, data_dir: str | None = None) -> list[dic
             if task.suite in ("offline", ruler.SUITE):
                 sizes = offline.DEFAULT_SIZES if task.suite == "offline" else ruler.DEFAULT_SIZES
                 size = f"{sizes['eval']} (+{sizes['calibration']} cal)"
-                size += " opt-in: --tasks" if task in opt_in else ""
+                size += " opt-in: --tasks" if task in opt_in and not task.multi_question else ""
+                size += " multi-question" if task.multi_question else ""
+            elif task.suite == "scbench":
+                from ripplekv.tasks import scbench
+
+                size = "local, multi-question" if scbench.is_local(task.name, data_dir) else "not on disk, multi-question"
             elif task.suite == longbench_v2.SUITE:
                 local = longbench_v2.local_record_count(data_dir)
                 size = f"{local} local" if local is not None else f"{longbench_v2.OFFICIAL_SIZE} official"
