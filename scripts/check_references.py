@@ -61,6 +61,12 @@ PAIRS = {
     "pyramidkv:schedule=kvpress": (f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress", "pyramidkv"),
     "lukv": ("lukv:rounding=kvpress", "lukv"),
     **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
+    "leverage": ("leverage:window=0", "leverage"),
+    "noncausal": ("noncausal:window=0", "noncausal"),
+    "compactor": ("compactor:window=0", "compactor"),
+    "cur": ("cur:window=0", "cur"),
+    "capkv": ("capkv:window=0", "capkv"),
+    "kvcompose": ("kvcompose:window=0", "kvcompose"),
 }
 LEARNED = {"lukv", *KVZAP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
@@ -167,6 +173,12 @@ def budgets_of(name: str, budgets: list[int]) -> list[int]:
     return budgets + [PYRAMID_BUDGET] if name == "pyramidkv:schedule=kvpress" and PYRAMID_BUDGET not in budgets else budgets
 
 
+def selected(args) -> dict[str, tuple[str, str]]:
+    """The pairs (and earlier defaults) --only names, all of them without it."""
+    every = {**PAIRS, **EARLIER}
+    return every if not args.only else {name: every[name] for name in args.only}
+
+
 def our_side(args, out: Path) -> tuple[int, list[int]]:
     """Prompts' ids (prompt_*.npy) and our kept sets (ours_*.npz, inspect's kept.npz layout); (layers, lengths)."""
     import torch
@@ -180,7 +192,7 @@ def our_side(args, out: Path) -> tuple[int, list[int]]:
 
     model, tokenizer, _ = load_model(None, device="cpu", dtype="float32")
     budgets = [int(b) for b in args.budgets.split(",")]
-    pairs = {name: spec for name, (spec, _) in {**PAIRS, **EARLIER}.items() if name not in LEARNED or name in args.learned}
+    pairs = {name: spec for name, (spec, _) in selected(args).items() if name not in LEARNED or name in args.learned}
     methods = {name: make_method(spec) for name, spec in pairs.items()}
     methods["cake"] = make_method("cake")
     methods.update({name: make_method(name) for name in ("dynamickv", "lava")})  # check_references_allocators
@@ -317,6 +329,9 @@ def main() -> None:
     parser.add_argument("--venv", default=default_venv(),
                         help="the reference venv (default: .refvenv in the project, or RIPPLEKV_REFVENV); made when missing")
     parser.add_argument("--out", default="runs/check-references")
+    parser.add_argument("--only", help="comma-separated pair names to check (default: every pair); the allocators' "
+                                       "and quantizers' lines are always checked")
+    parser.add_argument("--keys", help=argparse.SUPPRESS)  # the worker's presses for --only
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -334,6 +349,11 @@ def check_and_compare(args) -> None:
     from ripplekv.runs.safeio import check_output
 
     budgets = parse_reference_budgets(args.budgets)
+    if args.only:
+        args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = sorted(set(args.only) - set(PAIRS) - set(EARLIER))
+        if unknown or not args.only:
+            raise UserError(f"--only: unknown pair {', '.join(unknown) or '(none given)'}; choose from {', '.join(PAIRS)}")
     args.budgets = ",".join(map(str, budgets))
     if args.prompts < 1 or args.target_tokens < 1:
         raise UserError(f"--prompts and --target-tokens must be at least 1, got {args.prompts} and {args.target_tokens}")
@@ -352,8 +372,9 @@ def check_and_compare(args) -> None:
     has_curve, surrogates = shipped_curve(out), shipped_surrogates(out)
     args.learned = ({"lukv"} if has_curve else set()) | set(surrogates)
     layers, lengths = our_side(args, out)
+    keys = ["--keys", ",".join(sorted({key for _, key in selected(args).values()}))] if args.only else []
     subprocess.run([str(python), os.path.abspath(__file__), "--worker", "--model-dir", model_dir, "--out", str(out),
-                    "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets)))], check=True,
+                    "--budgets", ",".join(map(str, budgets_of("pyramidkv:schedule=kvpress", budgets))), *keys], check=True,
                    env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1",
                         "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
     lines = compare(out, layers, lengths, budgets)
