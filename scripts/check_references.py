@@ -80,6 +80,8 @@ EARLIER = {
     "expected-attention (window 32)": ("expected-attention", "expected"),
     "kvzip (our default)": ("kvzip", "kvzip"),
     "criticaladakv (FFY0 split)": (f"criticaladakv:kernel={KERNEL}:pooling=avg", "criticaladakv"),
+    "leverage:seed=1:window=0": ("leverage:seed=1:window=0", "leverage"),  # another sketch than kvpress's seeded one
+    "compactor (window 32)": ("compactor", "compactor"),
 }
 
 
