@@ -69,6 +69,12 @@ PAIRS = {
     "simlayerkv:reading=threshold": (f"simlayerkv:reading=threshold:lazy_threshold={SIMLAYERKV_THRESHOLD}", "simlayerkv"),
     "kvgrad": ("kvgrad:granularity=entry:skip_template=1:window=0", "kvgrad"),
     **CHUNK_PAIRS,
+    "leverage": ("leverage:window=0", "leverage"),
+    "noncausal": ("noncausal:window=0", "noncausal"),
+    "compactor": ("compactor:window=0", "compactor"),
+    "cur": ("cur:window=0", "cur"),
+    "capkv": ("capkv:window=0", "capkv"),
+    "kvcompose": ("kvcompose:window=0", "kvcompose"),
 }
 LEARNED = {"lukv", *KVZAP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
@@ -83,6 +89,8 @@ EARLIER = {
     "kvzip (our default)": ("kvzip", "kvzip"),
     "criticaladakv (FFY0 split)": (f"criticaladakv:kernel={KERNEL}:pooling=avg", "criticaladakv"),
     **CHUNK_EARLIER,
+    "leverage:seed=1:window=0": ("leverage:seed=1:window=0", "leverage"),  # another sketch than kvpress's seeded one
+    "compactor (window 32)": ("compactor", "compactor"),
 }
 
 
@@ -174,6 +182,12 @@ def cakekv_budgets(prefs: np.ndarray, budget: int, window: int, length: int, tau
 def budgets_of(name: str, budgets: list[int]) -> list[int]:
     """The budgets a pair is compared at: kvpress's pyramid also at PYRAMID_BUDGET, where it is one."""
     return budgets + [PYRAMID_BUDGET] if name == "pyramidkv:schedule=kvpress" and PYRAMID_BUDGET not in budgets else budgets
+
+
+def selected(args) -> dict[str, tuple[str, str]]:
+    """The pairs (and earlier defaults) --only names, all of them without it."""
+    every = {**PAIRS, **EARLIER}
+    return every if not args.only else {name: every[name] for name in args.only}
 
 
 def our_side(args, out: Path) -> tuple[int, list[int]]:
@@ -383,6 +397,11 @@ def check_and_compare(args) -> None:
     from ripplekv.runs.safeio import check_output
 
     budgets = parse_reference_budgets(args.budgets)
+    if args.only:
+        args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = sorted(set(args.only) - set(PAIRS) - set(EARLIER))
+        if unknown or not args.only:
+            raise UserError(f"--only: unknown pair {', '.join(unknown) or '(none given)'}; choose from {', '.join(PAIRS)}")
     args.budgets = ",".join(map(str, budgets))
     args.only = parse_only(args.only)
     if args.prompts < 1 or args.target_tokens < 1:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 WINDOW = 32  # SnapKV's observation window, CAKE's window
+SEEDED = ("leverage", "compactor")  # presses that draw a random sketch, or blend at the compression ratio (`seeded`)
 KERNEL = 5  # kvpress's SnapKV pools with avg_pool1d; ours is asked for the same
 
 
@@ -89,7 +90,8 @@ def build_presses(model, curve_path: Path | None, out: Path):
 
     eager = {"snapkv": snap(), "streamingllm": StreamingLLMPress(n_sink=4), "tova": TOVAPress(), "knorm": KnormPress(),
              "observed": ObservedAttentionPress(), "expected": ExpectedAttentionPress(), "keydiff": KeyDiffPress(),
-             "criticalkv": CriticalKVPress(snap()), "pyramidkv": PyramidKVPress(window_size=WINDOW, kernel_size=KERNEL)}
+             "criticalkv": CriticalKVPress(snap()), "pyramidkv": PyramidKVPress(window_size=WINDOW, kernel_size=KERNEL),
+             **scorer_presses()}
     sdpa = {"adakvpress": AdaKVPress(snap()), "criticaladakv": CriticalAdaKVPress(snap())}
     eager.update(chunk_presses())  # ChunkKV, its entropy gate, ChunkPress, LagKV (check_references_chunks)
     if curve_path is not None:
@@ -103,6 +105,14 @@ def build_presses(model, curve_path: Path | None, out: Path):
     # prefill runs, so the hidden states they read are the same numbers on both sides
     sdpa.update(kvzap_presses(out))
     return eager, sdpa
+
+
+def scorer_presses() -> dict:
+    """kvpress 0.5.5's training-free scorer presses added by issue 63, at their defaults."""
+    import kvpress
+
+    return {"leverage": kvpress.LeverageScorePress(), "noncausal": kvpress.NonCausalAttnPress(),
+            "compactor": kvpress.CompactorPress(), "cur": kvpress.CURPress(), "capkv": kvpress.CapPress()}
 
 
 def ratio(name: str, budget: int, n: int, entries: int) -> float:
@@ -159,6 +169,8 @@ def worker(args) -> None:
         for name, press_class in (("kvzip", KVzipPress), ("kvgrad", KVgradPress)):
             if wanted is None or name in wanted:
                 record.update(kvzip_kept(model, ids, budgets, layers, heads, press_class, DynamicCache, name))
+        if wanted is None or "kvcompose" in wanted:
+            record.update(kvcompose_kept(model, ids, budgets, layers, DynamicCache))
         np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)
         if (out / f"axes_ours_{index}.npz").exists():  # think, merge, rerotate: a pass of their own
             reference_axes(model, ids, out, index)
@@ -169,6 +181,32 @@ def worker(args) -> None:
     (out / "reference_versions.json").write_text(json.dumps(
         {"kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": transformers.__version__,
          "torch": torch.__version__, "optimum-quanto": metadata.version("optimum-quanto")}))
+
+
+def kvcompose_kept(model, ids, budgets, layers, DynamicCache) -> dict[str, np.ndarray]:
+    """KVComposePress's kept sets at every budget, as it runs (prefill, then the prompt read again through the cache
+    under eager attention): its masks made once per budget from the one reading, before it compresses the cache."""
+    import kvpress
+    import torch
+
+    n = ids.shape[1]
+    record = {}
+    press = kvpress.KVComposePress()
+    own_compress = press.compress_cache
+
+    def every_budget(model_):
+        for budget in budgets:
+            press.compression_ratio = 1 - (layers * budget + 0.5) / (layers * n)  # int(L n (1 - ratio)) == L x B
+            press.prepare_important_masks()
+            for layer in range(layers):
+                masks = press.important_mask_per_kv_head[layer]
+                record[f"kvcompose/{budget}/{layer}"] = padded([np.flatnonzero(mask.cpu().numpy()) for mask in masks])
+        own_compress(model_)
+
+    press.compress_cache = every_budget
+    with torch.no_grad(), press(model):
+        model(ids, past_key_values=DynamicCache(config=model.config))
+    return record
 
 
 def kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache, name="kvzip") -> dict[str, np.ndarray]:
@@ -198,6 +236,17 @@ def kvzip_kept(model, ids, budgets, layers, heads, KVzipPress, DynamicCache, nam
     return record
 
 
+def seeded(press, name: str, budget: int, n: int, layer: int) -> None:
+    """Set what our side fixes where kvpress leaves it open: the global generator seeded with 0 + layer, from which
+    our side draws layer `layer`'s Gaussian sketch (kvpress draws from it unseeded); Compactor's blending at
+    1 - B / n, the compression ratio our side blends at (kvpress's default is its ratio, here 1 - (B + 0.5) / n)."""
+    import torch
+
+    torch.manual_seed(layer)
+    if name == "compactor":
+        press.blending = 1 - budget / n
+
+
 def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache,
                   special=None) -> dict[str, np.ndarray]:
     """One eager forward (the scorer presses, the signals the rules re-implemented on our side read) and one sdpa
@@ -218,6 +267,8 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         for name, press in eager.items():
             for budget in budgets:
                 press.compression_ratio = ratio(name, budget, n, 0)
+                if name in SEEDED:
+                    seeded(press, name, budget, n, layer)
                 record[f"{name}/{budget}/{layer}"] = kept_by_chunk_press(name, press, module, hidden, keys, values,
                                                                          attentions, kwargs)
         record.update(chunk_scores(eager, module, hidden, keys, values, kwargs, layer))

@@ -10,9 +10,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ripplekv.engine.prefill import PrefillState
-from ripplekv.engine.recorders import WINDOW_QUERIES
+from ripplekv.engine.recorders import RECORDERS, WINDOW_QUERIES, SampleContext, Setup
 from ripplekv.errors import UserError
 from ripplekv.methods import make_method, method_names
+from ripplekv.methods.compactor import NonCausalAttention
 from ripplekv.methods.core.budgets import integer_budgets
 from ripplekv.methods.signals.column_sums import COLUMN_SUMS
 from ripplekv.methods.signals.query_statistics import QUERY_STATISTICS, query_statistics
@@ -48,11 +49,25 @@ def fake_state(num_layers: int, length: int, kv_heads: int = 2, query_heads: int
     model = rope_model(query_heads, kv_heads, dim, num_layers)
     statistics = [query_statistics(torch.randn(query_heads, length, dim, generator=gen), *rope_at_length(length, dim))
                   for _ in range(num_layers)]
-    return PrefillState(
+    state = PrefillState(
         input_ids=torch.zeros(length, dtype=torch.long), keys=keys, values=values, last_logits=torch.zeros(10),
         scaling=dim**-0.5, model=model,
         signals={COLUMN_SUMS: accumulated, WINDOW_QUERIES: queries, QUERY_STATISTICS: statistics},
     )
+    return with_noncausal_attention(state, query_heads, seed)
+
+
+def with_noncausal_attention(state, query_heads: int, seed: int):
+    """The state with every chunking registered so far of Compactor's non-causal attention, over random queries."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, recorder in RECORDERS.items():
+        if issubclass(recorder, NonCausalAttention):
+            made = recorder(Setup(state.model, state.length, 0, SampleContext()))
+            for layer, keys in enumerate(state.keys):
+                queries = torch.randn(query_heads, *keys.shape[1:], generator=gen)
+                made.layer(layer, queries[None], keys[None], state.values[layer][None], None, state.scaling)
+            state.signals[name] = made.result(state.num_layers)
+    return state
 
 
 def rope_at_length(length: int, dim: int):
