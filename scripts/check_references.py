@@ -184,12 +184,6 @@ def budgets_of(name: str, budgets: list[int]) -> list[int]:
     return budgets + [PYRAMID_BUDGET] if name == "pyramidkv:schedule=kvpress" and PYRAMID_BUDGET not in budgets else budgets
 
 
-def selected(args) -> dict[str, tuple[str, str]]:
-    """The pairs (and earlier defaults) --only names, all of them without it."""
-    every = {**PAIRS, **EARLIER}
-    return every if not args.only else {name: every[name] for name in args.only}
-
-
 def our_side(args, out: Path) -> tuple[int, list[int]]:
     """Prompts' ids (prompt_*.npy) and our kept sets (ours_*.npz, inspect's kept.npz layout); (layers, lengths)."""
     import torch
@@ -397,11 +391,6 @@ def check_and_compare(args) -> None:
     from ripplekv.runs.safeio import check_output
 
     budgets = parse_reference_budgets(args.budgets)
-    if args.only:
-        args.only = [name.strip() for name in args.only.split(",") if name.strip()]
-        unknown = sorted(set(args.only) - set(PAIRS) - set(EARLIER))
-        if unknown or not args.only:
-            raise UserError(f"--only: unknown pair {', '.join(unknown) or '(none given)'}; choose from {', '.join(PAIRS)}")
     args.budgets = ",".join(map(str, budgets))
     args.only = parse_only(args.only)
     if args.prompts < 1 or args.target_tokens < 1:
