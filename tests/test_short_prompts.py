@@ -116,7 +116,7 @@ def test_every_listed_method_is_covered(run_cli):
     listed = {m.group(1) for m in re.finditer(r"^  ([a-z0-9][a-z0-9-]*)\s", table, re.MULTILINE)}
     assert listed == set(method_names())
     # and every allocator and scorer the listing names is composed
-    names = re.search(r"allocators: (.+?); scorers: (.+?) \(swap", out.replace("\n", " "))
+    names = re.search(r"allocators: (.+?);\s+scorers: (.+?)\s+\(swap", out.replace("\n", " "))
     assert {n.strip() for n in names.group(1).split(",")} - set(NOT_COMPOSED) == {
         spec.split("=")[1] for spec in COMPOSITIONS if ":scorer=" not in spec}
     assert {n.strip() for n in names.group(2).split(",")} == {
