@@ -50,6 +50,15 @@ LONGBENCH_COMMAND = ("ripplekv eval --model YOUR_MODEL --suite longbench --data-
                      "--methods snapkv,pyramidkv,ripplekv,cake,adakv --allocation YOUR_ALLOCATION.csv")
 
 
+def nested_summary(path: Path) -> str:
+    """An eval's summary.md nested under another page: its title dropped, its sections one level down, its images
+    left out (the page links them itself); "" when there is none."""
+    if not path.is_file():
+        return ""
+    return "\n".join(("#" + line if line.startswith("## ") else line) for line in path.read_text().splitlines()
+                     if not line.startswith("# ") and not line.startswith("!["))
+
+
 def scope_lines(eval_dir: Path) -> list[str]:
     """What the page measured, said first: the model and its file, the suite and where its texts come from, the
     prompt lengths, n per task, and the command that runs the comparison on LongBench instead."""
@@ -84,13 +93,7 @@ def write_results_page(out: Path, config: str, final: str | None = None,
     profile = json.loads((out / "profile" / "profile.json").read_text())
     choice_path = out / "allocation.choice.json"
     choice = json.loads(choice_path.read_text()) if choice_path.is_file() else None
-    summary = (out / "eval" / "summary.md").read_text() if (out / "eval" / "summary.md").is_file() else ""
-    # Nest the eval summary under this page: drop its title and its images (linked again below).
-    summary = "\n".join(
-        ("#" + line if line.startswith("## ") else line)
-        for line in summary.splitlines()
-        if not line.startswith("# ") and not line.startswith("![")
-    )
+    summary = nested_summary(out / "eval" / "summary.md")
     commands = [shell_line((out / f".{stage}.cmd").read_text()) for stage in recorded_stages(out)]
     rho = profile.get("split_half_spearman")
     target = TARGETS.get(Path(config).name, f"ripplekv reproduce {config}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from ripplekv.analysis import factorial, study_page
-from ripplekv.analysis.results_page import recorded_stages, scope_lines, shell_line
+from ripplekv.analysis.results_page import nested_summary, recorded_stages, scope_lines, shell_line
 from ripplekv.defaults import PIPELINE_CURVES, STUDY_CALIBRATED
 
 QUESTION = "does spending the cache budget by layer sensitivity beat the rivals at the same memory?"
@@ -24,12 +24,8 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def _nested(summary: Path) -> str:
-    """An eval's summary.md under this page: its title dropped, its sections one level down, images left out."""
-    if not summary.is_file():
-        return "(not run yet)\n"
-    return "\n".join(("#" + line if line.startswith("## ") else line) for line in summary.read_text().splitlines()
-                     if not line.startswith("# ") and not line.startswith("![")) + "\n"
+def _summary(eval_dir: Path) -> str:
+    return (nested_summary(eval_dir / "summary.md") or "(not run yet)") + "\n"
 
 
 def ids_hash(ids: list[str]) -> str:
@@ -123,14 +119,14 @@ def write_study_page(out: Path, final: str) -> Path:
         from ripplekv.analysis.calibration_spread import spread_markdown
 
         lines += ["## Spread across calibration draws", "", spread_markdown(pd.read_csv(spread_path))]
-    lines += ["## Every row: fidelity, scores, informative tasks", "", _nested(out / "eval" / "summary.md")]
+    lines += ["## Every row: fidelity, scores, informative tasks", "", _summary(out / "eval")]
     if (out / "screen" / "screen.csv").is_file():
         screen = pd.read_csv(out / "screen" / "screen.csv")
         lines += ["## The screen (full cache vs the best constant answer, calibration prompts)", "",
                   screen.to_markdown(index=False, floatfmt=".1f"), ""]
     second_model = design.get("second_model")
     lines += [f"## The second model: `{second_model}`" if second_model else "## The second model", ""]
-    lines += [_nested(out / "second" / "summary.md") if second_model else
+    lines += [_summary(out / "second") if second_model else
               "No other screened model had an informative task: there is no second model's run.\n"]
     lines += ["## Commands", "", "Each stage as it ran (`stages.csv` has their times):", "", "```",
               *[shell_line((out / f".{stage}.cmd").read_text()) for stage in recorded_stages(out)], "```", "",

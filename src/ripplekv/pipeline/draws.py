@@ -75,3 +75,18 @@ def draw_variants(methods: str, root: str | Path, draws: int, shared: dict[str, 
             extra.append(spec)
             rows.append({"method": label, "draw": draw, "variant": make_method(spec, shared=options).label})
     return extra, pd.DataFrame(rows, columns=TABLE_COLUMNS)
+
+
+def write_spread(out: Path) -> None:
+    """Each calibrated method's spread across draws (OUT/calibration_spread.csv and _per_draw.csv), from draw 0's eval
+    (OUT/eval), the further draws' (OUT/eval-draws) and OUT/draws.csv; only samples every draw ran are compared."""
+    from ripplekv.analysis.calibration_spread import spread, spread_markdown
+    from ripplekv.analysis.report import load_predictions
+    from ripplekv.runs.safeio import write_csv
+
+    first, further = load_predictions(out / "eval"), load_predictions(out / "eval-draws")
+    frame = pd.concat([first, further[~further["method"].isin(set(first["method"]))]], ignore_index=True)
+    summary, per_draw = spread(frame, pd.read_csv(out / "draws.csv"))
+    write_csv(out / "calibration_spread.csv", summary, float_format="%.6g")
+    write_csv(out / "calibration_spread_per_draw.csv", per_draw, float_format="%.6g")
+    print(spread_markdown(summary) if not summary.empty else "no method ran on two or more draws")

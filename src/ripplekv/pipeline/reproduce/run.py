@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from ripplekv.errors import UserError
+from ripplekv.pipeline.draws import write_spread
 from ripplekv.pipeline.reproduce.calibration import calibration_stages, lukv_stage, tune_stage
 from ripplekv.pipeline.reproduce.checks import check_config, stage_files
 from ripplekv.pipeline.reproduce.config import ReproduceConfig, load_config
@@ -48,22 +49,6 @@ def write_draws_table(run: StagedRun, config: ReproduceConfig, methods: str, rou
                                  {"allocation": run.path("allocation.csv"), "route": route})
     write_csv(Path(run.path("draws.csv")), table)
     return ",".join(extra)
-
-
-def write_spread(out: Path) -> None:
-    """Each calibrated method's spread across draws (OUT/calibration_spread.csv and _per_draw.csv)."""
-    import pandas as pd
-
-    from ripplekv.analysis.calibration_spread import spread, spread_markdown
-    from ripplekv.analysis.report import load_predictions
-    from ripplekv.runs.safeio import write_csv
-
-    first, further = load_predictions(out / "eval"), load_predictions(out / "eval-draws")
-    frame = pd.concat([first, further[~further["method"].isin(set(first["method"]))]], ignore_index=True)
-    summary, per_draw = spread(frame, pd.read_csv(out / "draws.csv"))
-    write_csv(out / "calibration_spread.csv", summary, float_format="%.6g")
-    write_csv(out / "calibration_spread_per_draw.csv", per_draw, float_format="%.6g")
-    print(spread_markdown(summary) if not summary.empty else "no method ran on two or more draws")
 
 
 def calibrate(run: StagedRun, config: ReproduceConfig) -> None:

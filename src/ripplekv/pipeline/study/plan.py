@@ -98,20 +98,26 @@ def fitted_files(config: StudyConfig, out: str, draw: int) -> dict[str, str]:
     return files
 
 
+def sensitivity_stages(config: StudyConfig, folder: str, tag: str, calibration: list[str],
+                       allocation: str | None) -> list[Stage]:
+    """RippleKV's profile into FOLDER/profile and, given `allocation`, its allocation there (the ratio chosen among
+    `ratios` on the same calibration prompts)."""
+    sweep = ["--budget", text(config.sweep_budget)] if len(set(config.ratios)) > 1 else []
+    ratios = [word for ratio in config.ratios for word in ("--ratio", text(ratio))]
+    profile = Stage(f"profile{tag}", f"{folder}/profile/sensitivity.csv", ripplekv_command(
+        "profile", *calibration, "--seeds", text(config.seeds), "--eta", text(config.eta), "--probe-tokens",
+        text(config.probe_tokens), "--out", f"{folder}/profile"))
+    if allocation is None:
+        return [profile]
+    return [profile, Stage(f"allocate{tag}", allocation, ripplekv_command(
+        "allocate", f"{folder}/profile/sensitivity.csv", *calibration, *ratios, *sweep, "--out", allocation))]
+
+
 def calibration_stages(config: StudyConfig, choice: Choice, out: str, draw: int) -> list[Stage]:
     """Draw `draw`'s stages: every calibrated allocation fitted on the same prompts."""
     folder, tag, same = draw_folder(out, draw), f"-d{draw}", _calibration(config, choice, draw)
     files = fitted_files(config, out, draw)
-    sweep = ["--budget", text(config.sweep_budget)] if len(set(config.ratios)) > 1 else []
-    stages = [
-        Stage(f"profile{tag}", f"{folder}/profile/sensitivity.csv", ripplekv_command(
-            "profile", *same, "--seeds", text(config.seeds), "--eta", text(config.eta), "--probe-tokens",
-            text(config.probe_tokens), "--out", f"{folder}/profile")),
-        Stage(f"allocate{tag}", files[ALLOCATION_FITTED], ripplekv_command(
-            "allocate", f"{folder}/profile/sensitivity.csv", *same,
-            *[word for ratio in config.ratios for word in ("--ratio", text(ratio))], *sweep,
-            "--out", files[ALLOCATION_FITTED])) if ALLOCATION_FITTED in files else None,
-    ]
+    stages = sensitivity_stages(config, folder, tag, same, files.get(ALLOCATION_FITTED))
     if any(key.startswith(f"{PIPELINE_CURVES}@") for key in files):
         specs = curve_specs(config)
         stages.append(Stage(f"fit-lukv{tag}", f"{folder}/lukv/curve-{curve_name(specs[-1])}.json", ripplekv_command(
@@ -119,7 +125,7 @@ def calibration_stages(config: StudyConfig, choice: Choice, out: str, draw: int)
     if PROFILE_FITTED in files:
         stages.append(Stage(f"fit-{PROFILE_FITTED}{tag}", files[PROFILE_FITTED], ripplekv_command(
             "fit", PROFILE_FITTED, *same, "--budget", text(config.sweep_budget), "--out", files[PROFILE_FITTED])))
-    return [stage for stage in stages if stage is not None]
+    return stages
 
 
 def curve_copies(config: StudyConfig, out: str, draw: int) -> list[tuple[Path, Path]]:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pandas as pd
 
 from ripplekv.errors import UserError
-from ripplekv.pipeline.staged import StagedRun, ripplekv_command
+from ripplekv.pipeline.draws import write_spread
+from ripplekv.pipeline.staged import StagedRun
 from ripplekv.pipeline.study import plan
 from ripplekv.pipeline.study.config import StudyConfig, load_study_config
 
@@ -80,33 +81,16 @@ def write_draws_table(run: StagedRun, config: StudyConfig) -> list[str]:
     return further
 
 
-def write_spread(out: Path) -> None:
-    """Each calibrated row's spread across draws (OUT/calibration_spread.csv), on the samples every draw ran."""
-    from ripplekv.analysis.calibration_spread import spread
-    from ripplekv.analysis.report import load_predictions
-    from ripplekv.runs.safeio import write_csv
-
-    first, further = load_predictions(out / EVAL), load_predictions(out / DRAWS_EVAL)
-    frame = pd.concat([first, further[~further["method"].isin(set(first["method"]))]], ignore_index=True)
-    summary, per_draw = spread(frame, pd.read_csv(out / DRAWS_CSV))
-    write_csv(out / "calibration_spread.csv", summary, float_format="%.6g")
-    write_csv(out / "calibration_spread_per_draw.csv", per_draw, float_format="%.6g")
-
-
 def second_model(run: StagedRun, config: StudyConfig, other: plan.Choice) -> None:
-    """The other screened model: its own RippleKV profile and ratio (draw 0), then second_methods at its budgets."""
+    """The other screened model: its own RippleKV profile and ratio (on its own tasks' calibration split), then
+    second_methods at its budgets."""
     folder, fitted = run.path(SECOND), run.path(f"{SECOND}-calibration")  # an eval's folder holds the eval alone
     same = ["--model", other.model, "--calib-tasks", other.calib_tasks, "--calib-samples", str(config.calib_samples),
             "--target-tokens", str(other.target_tokens)]
-    run.stage("second-profile", f"{fitted}/profile/sensitivity.csv", ripplekv_command(
-        "profile", *same, "--seeds", str(config.seeds), "--eta", repr(config.eta), "--probe-tokens",
-        str(config.probe_tokens), "--out", f"{fitted}/profile"))
-    allocation = f"{fitted}/allocation-second.csv"
-    ratios = [word for ratio in config.ratios for word in ("--ratio", str(ratio))]
-    sweep = ["--budget", str(config.sweep_budget)] if len(set(config.ratios)) > 1 else []
-    run.stage("second-allocate", allocation, ripplekv_command(
-        "allocate", f"{fitted}/profile/sensitivity.csv", *same, *ratios, *sweep, "--out", allocation))
-    methods = [f"{name}:allocation={allocation}" if plan.STUDY_CALIBRATED.get(name) == "allocation" else name
+    allocation = f"{fitted}/allocation-{SECOND}.csv"
+    for stage in plan.sensitivity_stages(config, fitted, f"-{SECOND}", same, allocation):
+        run.stage(stage.name, stage.marker, stage.command)
+    methods = [f"{name}:allocation={allocation}" if name == plan.ALLOCATION_FITTED else name
                for name in config.second_methods]
     run.always("eval-second", f"the second model ({other.model})",
                plan.eval_command(other, methods, config.second_budgets, config.second_limit, folder))
