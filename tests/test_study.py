@@ -70,6 +70,7 @@ def test_the_grid_crosses_every_allocation_scorer_and_split_with_each_draws_file
     ('pair = ["lukv", "h2o"]', "must name two of allocations"),
     ('allocations = ["snapkv", "h2o"]', "h2o cannot be a study allocation"),
     ("min_limit = 80", "min_limit (80) is above max_limit"),
+    ("max_tasks = 2", "min_tasks (3) is above max_tasks (2)"),
     ("draws = 1", "at least 2 draws"),
     ("budgets = [0]", "is not a positive integer"),
     ("bogus = 1", "unknown setting 'bogus'"),
@@ -81,6 +82,25 @@ def test_a_bad_study_config_is_one_line(tmp_path, change, message):
     path.write_text("\n".join([*lines, change]) + "\n")
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_study_config(path)
+
+
+def test_the_study_keeps_its_max_tasks_widest_margin_tasks_and_its_page_says_so(tmp_path):
+    entry = {"suite": "ruler", "target_tokens": 2048, "tasks": ["ruler:niah_single_1", "ruler:vt", "ruler:fwe",
+                                                                 "ruler:cwe"], "enough_tasks": True}
+    other = {"suite": "offline", "target_tokens": 1024, "tasks": ["offline:niah", "offline:squad"],
+             "enough_tasks": False}
+    path = tmp_path / "screen.choice.json"
+    path.write_text(json.dumps({"rule": "r", "model": "a", **entry, "per_model": {"a": entry, "b": other}}))
+    main, second = plan.read_choices(path, 3)
+    assert main.tasks == ("niah_single_1", "vt", "fwe") and second.tasks == ("niah", "squad")
+    out = tmp_path / "study"
+    write_study_folder(out)
+    (out / "screen").mkdir()
+    (out / "screen" / "screen.choice.json").write_text(json.dumps({"rule": "r", "tasks": ["x:t1", "x:t2", "x:t3"]}))
+    design = json.loads((out / "design.json").read_text())
+    (out / "design.json").write_text(json.dumps({**design, "max_tasks": 2}))
+    page = write_study_page(out, "results/study").read_text()
+    assert "tasks t1, t2 (the 2 widest-margin of the 3 informative ones: max_tasks = 2" in page
 
 
 def test_n_per_task_is_the_smallest_whose_detectable_difference_is_meaningful():
@@ -220,6 +240,7 @@ screen_suites = ["offline:niah,hotpotqa"]
 screen_lengths = [300]
 screen_limit = 2
 min_tasks = 1
+max_tasks = 2
 draws = 2
 calib_samples = 2
 seeds = 1

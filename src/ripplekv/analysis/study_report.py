@@ -74,6 +74,15 @@ def study_effects(out: Path, design: dict) -> pd.DataFrame:
     return study_page.with_ids(table)
 
 
+def _task_cap(design: dict, choice: dict) -> str:
+    """How many informative tasks the screen found, where the study kept fewer (its max_tasks, set for cost)."""
+    found = len(choice.get("tasks", ()))
+    if "max_tasks" not in design or found <= len(design["tasks"]):
+        return ""
+    return (f" (the {len(design['tasks'])} widest-margin of the {found} informative ones: max_tasks = "
+            f"{design['max_tasks']}, fixed before the screen ended, for the run's cost)")
+
+
 def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
     first, second = design["pair"]
     grid = factorial.complete_grid(pd.DataFrame(design["cells"], columns=["method", *factorial.FACTORS]))
@@ -84,7 +93,8 @@ def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
         "## Design (fixed in configs/study.toml before the run)", "",
         f"- **Question:** {QUESTION}",
         f"- **Screen** (calibration prompts only): {choice.get('rule', '')}. Chosen: `{design['model']}`, suite "
-        f"`{design['suite']}` at {design['target_tokens']} tokens, tasks {', '.join(design['tasks'])}.",
+        f"`{design['suite']}` at {design['target_tokens']} tokens, tasks {', '.join(design['tasks'])}"
+        f"{_task_cap(design, choice)}.",
         f"- **Factorial:** allocation {', '.join(levels['allocation'])} x scorer {', '.join(levels['scorer'])} x head "
         f"split {', '.join(levels['split'])}, at budgets {design['budgets']}; the rows outside the grid (the full "
         "cache, LU-KV as published, ...) are in the leaderboard below. Every calibrated allocation is fitted on the "

@@ -17,7 +17,7 @@ from ripplekv.pipeline.reproduce.config import read_settings
 GUIDE = "configs/study.toml"
 KINDS = {
     "out": "text", "screen_models": "names", "screen_suites": "texts", "screen_lengths": "ints",
-    "screen_limit": "count", "min_tasks": "count",
+    "screen_limit": "count", "min_tasks": "count", "max_tasks": "count",
     "draws": "count", "calib_samples": "count", "seeds": "count", "eta": "number", "probe_tokens": "count",
     "ratios": "ratios", "sweep_budget": "budget",
     "allocations": "names", "scorers": "names", "splits": "names", "extra_methods": "names", "pair": "names",
@@ -39,6 +39,7 @@ class StudyConfig:
     screen_lengths: tuple
     screen_limit: int
     min_tasks: int
+    max_tasks: int
     draws: int
     calib_samples: int
     seeds: int
@@ -73,6 +74,8 @@ def load_study_config(path: str | Path) -> StudyConfig:
                         f"{', '.join(allowed)}")
     if len(config.pair) != 2 or not set(config.pair) <= set(config.allocations):
         raise UserError(f"pair = {list(config.pair)} must name two of allocations ({', '.join(config.allocations)})")
+    if config.min_tasks > config.max_tasks:
+        raise UserError(f"min_tasks ({config.min_tasks}) is above max_tasks ({config.max_tasks})")
     if config.min_limit > config.max_limit:
         raise UserError(f"min_limit ({config.min_limit}) is above max_limit ({config.max_limit})")
     if config.draws < 2:

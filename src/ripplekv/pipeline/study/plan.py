@@ -47,13 +47,14 @@ def screen_command(config: StudyConfig, out: str) -> Command:
                             text(config.min_tasks), "--out", out)
 
 
-def read_choices(path: str | Path) -> tuple[Choice, Choice | None]:
-    """(the study's model, the other model with at least one informative task or None) from screen.choice.json."""
+def read_choices(path: str | Path, max_tasks: int) -> tuple[Choice, Choice | None]:
+    """(the study's model, the other model with at least one informative task or None) from screen.choice.json,
+    each keeping its `max_tasks` widest-margin informative tasks (the screen lists them widest first)."""
     choice = json.loads(Path(path).read_text(encoding="utf-8"))
 
     def one(model: str, entry: dict) -> Choice:
         return Choice(model, entry["suite"], int(entry["target_tokens"]),
-                      tuple(task.split(":", 1)[1] for task in entry["tasks"]))
+                      tuple(task.split(":", 1)[1] for task in entry["tasks"][:max_tasks]))
 
     main = one(choice["model"], choice)
     if not main.tasks:

@@ -106,7 +106,7 @@ def write_design(run: StagedRun, config: StudyConfig, choice: plan.Choice, other
         "cells": [dict(zip(("method", "allocation", "scorer", "split"), row)) for row in design(specs)],
         "pair": list(config.pair), "reference": REFERENCE_ALLOCATION, "meaningful": config.meaningful, "budgets": list(config.budgets),
         "model": choice.model, "suite": choice.suite, "target_tokens": choice.target_tokens,
-        "tasks": list(choice.tasks), "second_model": other.model if other else None, "config": config.path})
+        "tasks": list(choice.tasks), "max_tasks": config.max_tasks, "second_model": other.model if other else None, "config": config.path})
 
 
 def check_methods(config: StudyConfig) -> None:
@@ -142,7 +142,7 @@ def study(config_path: str, check_only: bool = False, page_only: bool = False) -
     run.begin()
     screen = run.path("screen")
     run.stage("screen", f"{screen}/screen.choice.json", plan.screen_command(config, screen))
-    choice, other = plan.read_choices(f"{screen}/screen.choice.json")
+    choice, other = plan.read_choices(f"{screen}/screen.choice.json", config.max_tasks)
     print(f"== the screen chose {choice.model}, {choice.suite} at {choice.target_tokens} tokens: "
           f"{', '.join(choice.tasks)}", flush=True)
     calibrate(run, config, choice)
