@@ -230,6 +230,7 @@ def test_the_page_says_what_it_measured_first_and_its_verdict_rests_on_table_row
     for row_id in {*__import__("re").findall(r"\((F-\d+-\d+)\)", verdict)}:
         assert f"| {row_id} |" in page
     assert "| ripplekv (profile + ratio) | 0 |" in page
+    assert "**Time:** the stages took 0 h 2 min on this machine" in page  # 3 draws x (10 + 5 + 30 + 7) s
 
 
 def tiny_config(tmp_path: Path, model: str) -> Path:

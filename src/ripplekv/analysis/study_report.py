@@ -109,6 +109,15 @@ def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
         "32 nonzero differences).", ""]
 
 
+def run_time_line(out: Path) -> str:
+    """The study's cost in hours, from stages.csv (a stage counts the sitting that finished it)."""
+    times = out / "stages.csv"
+    seconds = int(pd.read_csv(times)["seconds"].sum()) if times.is_file() else 0
+    return (f"**Time:** the stages took {seconds // 3600} h {seconds % 3600 // 60} min on this machine "
+            "(`stages.csv`; a stage interrupted and resumed counts the sitting that finished it; each eval's "
+            "`timings.csv` has every sample's seconds).")
+
+
 def write_study_page(out: Path, final: str) -> Path:
     """OUT/README.md (see the module docstring); returns its path."""
     design, power = _read(out / "design.json"), _read(out / "power.json")
@@ -138,7 +147,7 @@ def write_study_page(out: Path, final: str) -> Path:
     lines += [f"## The second model: `{second_model}`" if second_model else "## The second model", ""]
     lines += [_summary(out / "second") if second_model else
               "No other screened model had an informative task: there is no second model's run.\n"]
-    lines += ["## Commands", "", "Each stage as it ran (`stages.csv` has their times):", "", "```",
+    lines += ["## Commands", "", f"{run_time_line(out)} Each stage as it ran:", "", "```",
               *[shell_line((out / f".{stage}.cmd").read_text()) for stage in recorded_stages(out)], "```", "",
               f"Written by `ripplekv study {design.get('config', 'configs/study.toml')}` into `{final}`."]
     page = out / "README.md"
