@@ -18,6 +18,9 @@ EVICTION_METHOD = "h2o"  # `profile --signal evict --evict-method`: DepthKV prun
 # Answer-aware variants (they read the full cache's answer): reported beside the methods, never ranked; not all are
 # bounds (`answer-allocation` is beaten by learned allocators).
 CEILINGS = ("oracle", "answer-allocation", "allocation-ceiling")
+# The option (`METHOD:threshold=TAU`) and the value of SimLayerKV's `reading=` that keep what scores above a
+# threshold: a resolved spec with either spends memory that varies per prompt, so it is at no budget and never ranked.
+THRESHOLD = "threshold"
 # The fixed sets of values an option takes: the CLI declares them as choices (so --help shows them and a
 # wrong value fails while parsing), and the libraries check the same tuples when called directly.
 # `eval --protocol`; ripplekv.generate(protocol=) takes the single-question ones. The multi-question protocols ask one

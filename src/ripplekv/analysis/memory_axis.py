@@ -4,21 +4,29 @@ Eviction keeps fewer entries at full precision, a quantizer keeps every entry at
 (ThinK) keeps fewer channels of each key, and a method may combine them (`methods.core.quantized`). The table puts each variant's bytes (mean over samples,
 and as a share of the budget's), entries and bits beside its KL to the full cache with the leaderboard's
 interval and paired comparison, and its `n` (samples); a variant that did not fit its budget on some prompt is
-listed as infeasible there, with no numbers, and one with fewer samples than the table's n is listed apart. Written only when the run has a
-quantized or key-channel-pruned variant.
+listed as infeasible there, with no numbers, and one with fewer samples than the table's n is listed apart.
+
+A threshold variant (`methods.core.thresholded`: what scores above tau, so a number of entries that varies per
+prompt) is at no budget: it gets one row with no budget, at the bytes it spent (mean, and the range over samples
+in `kv_bytes_min` / `kv_bytes_max`, which every row has), its KL and interval, never a ratio to a budget's
+baseline, a verdict or a place in the figure, listed after the matched-byte rows. Written only when the run has a
+quantized, key-channel-pruned or threshold variant.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from ripplekv.analysis.over_budget import spends_by_threshold
 from ripplekv.analysis.tables import fewer_samples
 from ripplekv.runs.files import REFERENCE
 
 FULL_PRECISION_BITS = 16
 COLUMNS = ["budget", "method", "n", "fewer_samples", "bits", "entries", "kv_bytes", "bytes_share", "kl", "kl_ci_low",
-           "kl_ci_high", "kl_ratio_vs_uniform", "kl_ratio_ci_low", "kl_ratio_ci_high", "kl_verdict", "infeasible"]
+           "kl_ci_high", "kl_ratio_vs_uniform", "kl_ratio_ci_low", "kl_ratio_ci_high", "kl_verdict", "infeasible",
+           "kv_bytes_min", "kv_bytes_max", "threshold"]
 COPIED = COLUMNS[8:15]  # from the leaderboard
+AT_NO_BUDGET = COLUMNS[8:11]  # what a threshold row copies: its KL and interval (nothing judged against a budget)
 HEADER = ["| budget | method | n | bits | entries | bytes (share) | KL [95% CI] | KL / baseline [95% CI] | verdict |",
           "|---|---|---|---|---|---|---|---|---|"]
 
@@ -51,18 +59,28 @@ def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,
                  refused: pd.DataFrame | None = None) -> pd.DataFrame | None:
     """memory_axis.csv from the predictions (`frame`), the leaderboard, the run's resolved specs and the lines of
     variants that did not fit (`refused`); None when no variant is quantized."""
-    if not any(stored_otherwise(spec) for spec in specs.values()) or "kv_bytes" not in frame.columns:
+    def placed(spec) -> bool:
+        return stored_otherwise(spec) or spends_by_threshold(spec)
+
+    if not any(placed(spec) for spec in specs.values()) or "kv_bytes" not in frame.columns:
         return None
     lines = frame[frame["method"] != REFERENCE]
+    by_threshold = {label for label, spec in specs.items() if spends_by_threshold(spec)}
     rows = []
     for (method, budget), group in lines.groupby(["method", "budget"], sort=False):
-        row = {"budget": budget, "method": method, "bits": bits_of(specs.get(method, {})),
+        threshold = method in by_threshold
+        if threshold and budget != lines.loc[lines["method"] == method, "budget"].min():
+            continue  # B plays no part: one row, from the lines at its smallest budget (every budget's are the same)
+        row = {"budget": None if threshold else budget, "method": method, "bits": bits_of(specs.get(method, {})),
                "entries": group["kept_entries"].mean(), "kv_bytes": group["kv_bytes"].mean(),
-               "bytes_share": (group["kv_bytes"] / group["kv_budget_bytes"]).mean()
-               if "kv_budget_bytes" in group else float("nan"), "n": group[["task", "id"]].drop_duplicates().shape[0]}
+               "kv_bytes_min": group["kv_bytes"].min(), "kv_bytes_max": group["kv_bytes"].max(), "threshold": threshold,
+               "bytes_share": float("nan") if threshold or "kv_budget_bytes" not in group
+               else (group["kv_bytes"] / group["kv_budget_bytes"]).mean(),
+               "n": group[["task", "id"]].drop_duplicates().shape[0]}
         found = board[(board["method"] == method) & (board["budget"] == budget)]
         if len(found):
-            row.update({name: found.iloc[0][name] for name in COPIED if name in found.columns})
+            row.update({name: found.iloc[0][name] for name in (AT_NO_BUDGET if threshold else COPIED)
+                        if name in found.columns})
         rows.append(row)
     if refused is not None and len(refused):
         for (method, budget), group in refused.groupby(["method", "budget"], sort=False):
@@ -71,13 +89,17 @@ def memory_table(frame: pd.DataFrame, board: pd.DataFrame, specs: dict,
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
     table["budget"] = table["budget"].astype("Int64")
     table["n"] = table["n"].astype("Int64")
+    table["threshold"] = table["threshold"].fillna(False).astype(bool)
     table["fewer_samples"] = fewer_samples(table["n"]) & table["infeasible"].isna()
-    # Within a budget: the rows on the table's n by KL, then those with fewer samples (never ranked among them).
+    # Within a budget: the rows on the table's n by KL, then those with fewer samples (never ranked among them);
+    # the threshold rows (no budget) last.
     return table.sort_values(["budget", "fewer_samples", "kl"], kind="stable", na_position="last").reset_index(drop=True)
 
 
 def memory_markdown(table: pd.DataFrame) -> str:
     """The table as markdown: per budget, each variant's bytes (share of the budget), entries, bits and KL [95% CI]."""
+    threshold = table["threshold"].astype(bool) if "threshold" in table else table["method"].isna()
+    at_no_budget, table = table[threshold], table[~threshold]
     lines = ["## Memory axis: eviction, quantization, key channels and their mixes at matched bytes", "",
              "Budget B is the bytes of B full-precision K/V entries per layer and KV head; each variant spends at "
              "most that (bytes: mean over samples; share: of the budget's). Quantized entries are dequantized "
@@ -88,7 +110,21 @@ def memory_markdown(table: pd.DataFrame) -> str:
     if apart.any():
         lines += ["", f"Rows with fewer samples than the table's n ({int(table['n'].max())}), not ranked:", "",
                   *HEADER, *(_memory_line(row) for row in table[apart].itertuples(index=False))]
+    if len(at_no_budget):
+        lines += ["", "Threshold variants: each keeps what scores above its threshold, so its memory varies per prompt "
+                  "and it is at no budget: placed at the bytes it spent (mean over samples, [min, max]) beside the "
+                  "rows above, never ranked or judged against them.", "",
+                  "| method | n | entries | bytes mean [min, max] | KL [95% CI] |", "|---|---|---|---|---|",
+                  *(_threshold_line(row) for row in at_no_budget.itertuples(index=False))]
     return "\n".join(lines) + "\n"
+
+
+def _threshold_line(row) -> str:
+    """A threshold variant's markdown row: what it spent, and its KL."""
+    interval = "" if pd.isna(row.kl_ci_low) else f" [{row.kl_ci_low:.3g}, {row.kl_ci_high:.3g}]"
+    kl = "" if pd.isna(row.kl) else f"{row.kl:.4g}{interval}"
+    return (f"| {row.method} | {row.n} | {row.entries:.0f} | {row.kv_bytes:.0f} [{row.kv_bytes_min:.0f}, "
+            f"{row.kv_bytes_max:.0f}] | {kl} |")
 
 
 def _memory_line(row) -> str:

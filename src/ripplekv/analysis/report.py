@@ -34,7 +34,7 @@ from ripplekv.analysis.html_page import PAGE, write_run_page
 from ripplekv.analysis.informative import counted_tasks, informative_tasks
 from ripplekv.analysis.memory_axis import memory_markdown, memory_table, plot_memory_axis
 from ripplekv.analysis.over_budget import flag as flag_over_budget
-from ripplekv.analysis.over_budget import over_budget
+from ripplekv.analysis.over_budget import over_budget, thresholded
 from ripplekv.analysis.plots import series_styles
 from ripplekv.analysis.proportions import accuracy_tasks
 from ripplekv.analysis.summary import summary_markdown
@@ -175,20 +175,21 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     counted = counted_tasks(informative)
     scores = task_scores(frame, informative)
     ceilings = ceilings_of(run_dir, frame)
-    over = over_budget(frame)
-    unranked = ceilings | over  # answer-aware ceilings and variants over their budget: never ranked (`over_budget`)
+    specs = method_specs(run_dir)
+    over, thresholds = over_budget(frame), thresholded(specs)
+    unranked = ceilings | over | thresholds  # answer-aware ceilings, variants over or at no budget: never ranked
     declared = declared_baseline(run_dir)
     board, ranks = add_uncertainty(frame, leaderboard(scores, unranked, counted), resamples, seed, unranked, counted,
                                    declared)
-    board = flag_over_budget(board, over)
+    board = flag_over_budget(board, over, thresholds)
     headline = run_headline(frame, board, unranked, counted, seed)
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
-    parts = allocation_parts(frame[~frame["method"].isin(over)], method_specs(run_dir), ceilings, counted, seed, declared)
+    parts = allocation_parts(frame[~frame["method"].isin(over | thresholds)], specs, ceilings, counted, seed, declared)
     allocation = None if parts is None else parts[0]
     if parts is not None:
         headline = pd.concat([headline, allocation_headline(parts, seed)], ignore_index=True)
-    memory = memory_table(frame, board, method_specs(run_dir), loaded.attrs.get("infeasible"))
+    memory = memory_table(frame, board, specs, loaded.attrs.get("infeasible"))
     follow = follow_up_table(frame) if has_follow_ups(frame) else None  # the multi-question protocols
     spent = time_table(run_dir)
     board = add_footprint(board)  # the critical KV footprint (`analysis.footprint`), on every row of a method

@@ -13,6 +13,7 @@ import pandas as pd
 from ripplekv.analysis import inference, stats
 from ripplekv.analysis.headline import headline_markdown
 from ripplekv.analysis.over_budget import COLUMN as OVER_BUDGET
+from ripplekv.analysis.over_budget import THRESHOLD_COLUMN as THRESHOLD
 from ripplekv.analysis.over_budget import note as over_budget_note
 from ripplekv.analysis.over_budget import shown as with_over_budget
 from ripplekv.analysis.tables import KL_RATIO, KL_TEST, SCORE_TEST
@@ -194,7 +195,9 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
                   f"{'they are' if len(marked) > 1 else 'it is'} left out of ranks and verdicts; "
                   "none is a bound on what a method can reach.", ""]
     if OVER_BUDGET in board:  # the variants kept over their budget (`analysis.over_budget`)
-        lines += over_budget_note(board.loc[board[OVER_BUDGET].astype(bool), "method"], board["method"])
+        flagged = board[OVER_BUDGET].astype(bool)
+        by_threshold = board[THRESHOLD].astype(bool) if THRESHOLD in board else flagged & False
+        lines += over_budget_note(board.loc[flagged, "method"], board["method"], set(board.loc[by_threshold, "method"]))
     if ranks is not None:
         lines += [
             "## Differences to the uniform baseline",

@@ -136,6 +136,9 @@ class WindowScorer(Scorer):
     def floor(self) -> int:
         return self.window
 
+    def keeps_top_scores(self) -> bool:
+        return type(self).keep is WindowScorer.keep and not self.chunked
+
     def degenerate(self, budget: int) -> str | None:
         if self.window >= budget:
             return (f"its window ({self.window}) is at least the budget, so every layer keeps only its {budget} "

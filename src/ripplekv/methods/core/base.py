@@ -110,6 +110,11 @@ class Scorer:
         """Entries a layer keeps before any scoring (SnapKV's window); no layer is allocated fewer."""
         return 1
 
+    def keeps_top_scores(self) -> bool:
+        """Whether `keep` is the top `count` of `scores` plus the last `window` entries, so a threshold on the
+        scores means something (`methods.core.thresholded`); a scorer with its own rule says False."""
+        return False
+
     def requirements(self) -> Requirements:
         """What the prefill must record for this scorer (nothing by default; window scorers override)."""
         return Requirements()

@@ -21,6 +21,7 @@ from ripplekv.errors import UserError
 from ripplekv.methods.core import key_channels
 from ripplekv.methods.core.bit_allocation import DEFAULT_AVERAGE_BITS, BitProfile, read_sensitivity
 from ripplekv.methods.core.quantized import Quantized
+from ripplekv.methods.core.thresholded import OPTION as THRESHOLD
 
 QUANT_OPTIONS = ("bits", "kbits", "vbits", "avgbits", "group", "residual")  # `quant=` names the scheme
 # quant= -> how keys are grouped: KIVI's per channel, or FlexGen's per token (values are per token in both)
@@ -93,6 +94,9 @@ def quantized_method(name: str, given: dict, spec: str, shared: dict | None, bui
                             "(or quant=token)")
         if channels is None:
             return None
+    if THRESHOLD in given:
+        raise UserError(f"method spec {spec!r}: threshold= keeps a number of entries that varies per prompt, and a "
+                        "quantizer or key channels fit a method to B's bytes: use one or the other")
     inner_name = "full" if name in STORED_ALONE else name
     profile = reads_profile(own)
     if profile and {"kbits", "vbits"} & set(own):

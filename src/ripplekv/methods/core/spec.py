@@ -26,6 +26,7 @@ from ripplekv.methods.core.entry_options import entry_options
 from ripplekv.methods.core.presets import PRESETS, Preset, method_names  # noqa: F401 - found here as before
 from ripplekv.methods.core.quant_options import PROFILE_FILE, quantized_method, reads_profile
 from ripplekv.methods.core.registry import METHOD_CLASSES
+from ripplekv.methods.core.thresholded import threshold_option
 
 
 def file_options() -> set[str]:
@@ -110,6 +111,9 @@ def make_method(spec: str, shared: dict | None = None, **options) -> Method:
     rewritten = entry_options(name, given, spec, lambda inner: make_method(inner, shared, **options))
     if rewritten is not None:
         return rewritten
+    thresholded = threshold_option(name, given, spec, lambda inner: make_method(inner, shared, **options))
+    if thresholded is not None:
+        return thresholded
     chosen = PRESETS[name]
     raw = dict(given)
     files = file_options()
