@@ -39,7 +39,15 @@ from pathlib import Path
 import numpy as np
 from check_references_axes import AXES, compare_axes, save_ours
 from check_references_chunks import CHUNK_EARLIER, CHUNK_PAIRS
-from check_references_learned import KVZAP_PAIRS, lukv_drift, missing_lines, shipped_curve, shipped_surrogates
+from check_references_learned import (
+    KVZAP_PAIRS,
+    THRESHOLD_PAIRS,
+    lukv_drift,
+    missing_lines,
+    shipped_curve,
+    shipped_surrogates,
+    threshold_note,
+)
 from check_references_quant import compare_quantizers, save_kv
 from check_references_special import SIMLAYERKV_THRESHOLD
 from check_references_worker import KERNEL, WINDOW
@@ -65,6 +73,7 @@ PAIRS = {
     "pyramidkv:schedule=kvpress": (f"pyramidkv:kernel={KERNEL}:pooling=avg:schedule=kvpress", "pyramidkv"),
     "lukv": ("lukv:rounding=kvpress", "lukv"),
     **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
+    **THRESHOLD_PAIRS,  # DMSPress(KVzapPress): KVzap's threshold mode
     "finch": ("finch", "finch"),  # its question part: the task's own split (check_references_special)
     "simlayerkv:reading=threshold": (f"simlayerkv:reading=threshold:lazy_threshold={SIMLAYERKV_THRESHOLD}", "simlayerkv"),
     "kvgrad": ("kvgrad:granularity=entry:skip_template=1:window=0", "kvgrad"),
@@ -76,7 +85,7 @@ PAIRS = {
     "capkv": ("capkv:window=0", "capkv"),
     "kvcompose": ("kvcompose:window=0", "kvcompose"),
 }
-LEARNED = {"lukv", *KVZAP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
+LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
 EARLIER = {
     "tova:heads=kv": ("tova:heads=kv", "tova"),
@@ -315,6 +324,7 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int], only
         extra = f"; FFY0's own per-head round gives the same counts in {np.mean(own_round_agree):.3f} of heads" if name == "adakv" else ""
         extra += lukv_drift(ours_files, layers, budgets) if name == "lukv" else ""
         extra += lazy_note(ours_files, name, budgets[0]) if name.startswith("simlayerkv") else ""
+        extra += threshold_note(ours_files, name, budgets[0]) if name in THRESHOLD_PAIRS else ""
         extra += f" (B = {','.join(map(str, budgets_of(name, budgets)))})" if budgets_of(name, budgets) != budgets else ""
         if name in EARLIER:
             lines.append((name, None, f"  (not the reference's setting) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))

@@ -4,6 +4,8 @@ kvpress's `LUKVPress` reads a budget curve and `KVzapPress` a surrogate from the
 models; here each gets the one we profiled or fitted for the bundled model on calibration prompts
 (`src/ripplekv/data/lukv/`, `src/ripplekv/data/kvzap/`), copied into the run folder for the worker (which
 imports no ripplekv). A method whose artefact is not shipped is left out of the check, with one line saying so.
+KVzap's threshold mode is `DMSPress` over `KVzapPress` holding our MLP surrogate (its own forward hook in the
+worker's sdpa pass, at its default sliding window of 128), against `kvzap:threshold=TAU:window=128`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ SHIPPED_CURVE = "lukv"  # the bundled model's LU-KV curve (Expected Attention, e
 # check name -> (our spec reproducing the press, the worker's press key, the surrogate kind it loads)
 KVZAP_PAIRS = {"kvzap": ("kvzap:window=0", "kvzap", "mlp"),
                "kvzap:model=linear": ("kvzap:model=linear:window=0", "kvzap-linear", "linear")}
+# KVzap's threshold mode: tau in our surrogate's log-score units (-5 keeps about 40% of a 1k-token offline prompt's
+# entries with the shipped MLP), and DMSPress's default sliding window; check name -> (our spec, worker key)
+DMS_TAU, DMS_WINDOW = -5.0, 128
+THRESHOLD_PAIRS = {f"kvzap:threshold={DMS_TAU:g}": (f"kvzap:threshold={DMS_TAU:g}:window={DMS_WINDOW}", "kvzap-dms")}
+THRESHOLD_KEYS = {key for _, key in THRESHOLD_PAIRS.values()}
 
 
 def shipped_curve(out: Path) -> bool:
@@ -44,7 +51,7 @@ def shipped_surrogates(out: Path) -> list[str]:
             shutil.copyfile(path, out / f"{key}.safetensors")
             shutil.copyfile(path.with_suffix(".json"), out / f"{key}.json")
             found.append(name)
-    return found
+    return found + (list(THRESHOLD_PAIRS) if "kvzap" in found else [])  # DMSPress wraps the MLP one
 
 
 def missing_lines(has_curve: bool, surrogates: list[str]) -> list[str]:
@@ -69,6 +76,16 @@ def lukv_drift(ours_files, layers: int, budgets: list[int]) -> str:
             f"(`lukv`, exact, keeps it)")
 
 
+def threshold_note(ours_files, name: str, budget: int) -> str:
+    """The share of each prompt's entries a threshold pair kept (whatever the budget: B plays no part)."""
+    shares = []
+    for path in ours_files:
+        ours = np.load(path)
+        counts = ours[f"{name}/{budget}/counts"]
+        shares.append(float(counts.sum()) / (counts.size * int(json.loads(str(ours["meta"]))["tokens"])))
+    return f"; kept {', '.join(f'{s:.1%}' for s in shares)} of each prompt's entries (one kept set whatever B)"
+
+
 def kvzap_presses(out: Path) -> dict:
     """(worker side, reference venv) worker key -> kvpress `KVzapPress` holding our surrogate from `out`, in place
     of the hub model its `post_init_from_model` would download."""
@@ -89,4 +106,11 @@ def kvzap_presses(out: Path) -> dict:
         press = KVzapPress(model_type=kind)
         press.kvzap_model = surrogate.eval()
         presses[key] = press
+    if "kvzap" in presses:
+        from kvpress import DMSPress
+
+        scorer = KVzapPress(model_type="mlp")
+        scorer.kvzap_model = presses["kvzap"].kvzap_model
+        for key in THRESHOLD_KEYS:
+            presses[key] = DMSPress(scorer, threshold=DMS_TAU, sliding_window_size=DMS_WINDOW)
     return presses

@@ -7,7 +7,8 @@ Three passes over each prompt with the bundled model's dequantized weights, each
   alone. It also records what the rules re-implemented on our side read (SnapKV scores, CAKE's and the
   allocators' signals, key norms and each scorer's scores to tell tied entries apart).
 - sdpa: KVzapPress holding our surrogate for the bundled model (`check_references_learned`), not the hub's,
-  its `compress` as in the eager hook (sdpa is what our prefill runs, so the hidden states are ours); and the
+  its `compress` as in the eager hook (sdpa is what our prefill runs, so the hidden states are ours), and
+  DMSPress over it (KVzap's threshold mode) through its own forward hook, kept = what it left unmasked; and the
   presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV with our
   curve set on it) run their `compress` in the same kind of hook; kept = every position not in the press's
   `masked_key_indices`.
@@ -253,6 +254,7 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
     forward (the masking presses) over the prompt `ids`, each press choosing in a hook on every attention layer."""
     import torch
     from check_references_chunks import chunk_scores, kept_by_chunk_press
+    from check_references_learned import THRESHOLD_KEYS
     from check_references_special import simlayerkv_kept
 
     n = ids.shape[1]
@@ -294,6 +296,12 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         cache_layer = kwargs["past_key_values"].layers[layer]
         keys, values, hidden = cache_layer.keys, cache_layer.values, kwargs["hidden_states"]
         for name, press in sdpa.items():
+            if name in THRESHOLD_KEYS:  # DMSPress: its own forward hook masks what scores below tau, whatever B
+                module.masked_key_indices = None
+                press.forward_hook(module, inputs, kwargs, output)
+                kept = kept_by_mask(module, heads, n)
+                record.update({f"{name}/{budget}/{layer}": kept for budget in budgets})
+                continue
             scorer = name.startswith("kvzap")  # a scorer press (top-k), not a masking one
             for budget in budgets:
                 press.compression_ratio = ratio(name, budget, n, 0)

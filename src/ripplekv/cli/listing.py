@@ -129,6 +129,7 @@ def methods_command() -> None:
     from ripplekv.methods.core.key_channels import THINK_HELP
     from ripplekv.methods.core.quant_options import QUANT_HELP
     from ripplekv.methods.core.spec import component_names, defaults_of
+    from ripplekv.methods.core.thresholded import THRESHOLD_HELP
     from ripplekv.methods.core.wrapped import ENTRY_HELP
 
     def options(component, preset=()) -> str:
@@ -157,6 +158,7 @@ def methods_command() -> None:
     console.print(QUANT_HELP)
     console.print(THINK_HELP)
     console.print(ENTRY_HELP)
+    console.print(THRESHOLD_HELP)
     console.print(COMPOSITION_HELP.format(layers=", ".join(layer_allocators())))
 
 
