@@ -156,6 +156,16 @@ def test_simlayerkvs_threshold_reading_is_flagged_whatever_it_kept(tmp_path):
     assert thresholded(specs) == {spec}
 
 
+def test_a_threshold_variant_has_no_cell_in_a_factorial_design():
+    """`kvzap:threshold=-5` resolves to kvzap's allocator and scorer: read as a cell it would stand beside (and be
+    averaged with) the budgeted `snapkv:scorer=kvzap`, at no budget."""
+    from ripplekv.methods.factors import design
+
+    labels = ("snapkv", "snapkv:threshold=0.01", "simlayerkv:reading=threshold", "kvzap:threshold=-5")
+    cells = design({label: make_method(label).describe() for label in labels})
+    assert [cell[0] for cell in cells] == ["snapkv"]
+
+
 @pytest.mark.slow  # a whole eval command, end to end
 def test_eval_records_what_a_threshold_variant_spent_and_reports_it_apart(tiny_model_dir, tmp_path, run_cli):
     """`eval --methods snapkv,kvzap,kvzap:threshold=0` at B=32 and 64: the exact methods keep L x H_kv x B

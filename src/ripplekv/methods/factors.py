@@ -7,6 +7,8 @@ named by its method (`ripplekv`, `depthkv`): the allocator is the same, the file
 
 from __future__ import annotations
 
+from ripplekv.defaults import THRESHOLD
+
 REFERENCE_ALLOCATION = "uniform"  # the allocation a main effect of allocation is measured from
 ALLOCATION_NAMES = {"uniform": REFERENCE_ALLOCATION, "pyramid": "pyramidkv"}  # the rest: the allocator's name
 FILE_ALLOCATOR = "file"
@@ -15,9 +17,12 @@ EVEN_SPLIT = "even"
 
 
 def cell_of(label: str, spec: dict) -> tuple[str, str, str] | None:
-    """(allocation, scorer, split) of one resolved method; None for one without both parts (full, kivi, ...)."""
+    """(allocation, scorer, split) of one resolved method; None for one without both parts (full, kivi, ...) and for
+    a threshold variant (`methods.core.thresholded`: at no budget, so in no cell beside the budgeted ones)."""
     allocator, scorer = spec.get("allocator"), spec.get("scorer")
     if not isinstance(allocator, dict) or not isinstance(scorer, dict) or not allocator.get("name"):
+        return None
+    if THRESHOLD in spec or allocator.get("reading") == THRESHOLD:
         return None
     name = allocator["name"]
     allocation = label.split(":", 1)[0] if name == FILE_ALLOCATOR else ALLOCATION_NAMES.get(name, name)
