@@ -89,9 +89,18 @@ def test_a_threshold_where_it_means_nothing_is_one_line(spec, words):
         make_method(spec)
 
 
-def test_a_threshold_variant_has_no_budget_of_its_own():
+def test_a_threshold_variant_has_no_budget_of_its_own_and_composes_with_entry_options(state):
+    tau = float(make_method("snapkv").scorer.scores(state, 1).median())  # SnapKV's pooled window attention
+    method = make_method(f"snapkv:threshold={tau!r}")
     with pytest.raises(UserError, match="depend on each prompt"):
-        make_method("snapkv:threshold=0.01").layer_budgets(4, 32, 200)
+        method.layer_budgets(4, 32, 200)
+    assert method.decode_policy(4) is None  # evicts once after the prefill: --decode-budget total refuses it
+    counts = method.budgets(state, 40)
+    assert 0 < counts.sum() < state.num_layers * state.num_kv_heads * N
+    for spec in (f"snapkv:threshold={tau!r}:merge=kvpress", f"snapkv:threshold={tau!r}:rerotate=1"):
+        wrapped = make_method(spec)
+        built = wrapped.compress(state, 40)
+        assert [layer.counts.tolist() for layer in built] == counts.tolist() and "threshold" in wrapped.describe()
 
 
 THRESHOLD = "snapkv:threshold=0.5"
