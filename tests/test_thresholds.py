@@ -207,3 +207,19 @@ def test_eval_records_what_a_threshold_variant_spent_and_reports_it_apart(tiny_m
     placed = memory[memory["method"] == threshold].iloc[0]
     kept = [line["kv_bytes"] for (_, budget), line in spent.items() if budget == 32]
     assert placed["kv_bytes"] == pytest.approx(np.mean(kept)) and placed["kv_bytes_max"] == max(kept)
+
+
+def test_a_sliding_layer_keeps_only_what_it_holds_whatever_tau():
+    """Gemma 2's sliding layers hold the last 16 tokens: a threshold every score passes keeps exactly each layer's
+    capacity (the sliding window there, the whole prompt in global layers), as the full cache holds."""
+    from tests.conftest import HYBRID_WINDOW, tiny_gemma2
+
+    model = tiny_gemma2()
+    ids = torch.randint(0, 101, (80,), generator=torch.Generator().manual_seed(1))
+    method = make_method("snapkv:window=8:threshold=-1000000")
+    state = prefill_for(model, ids, method.requirements())
+    counts = method.budgets(state, 40)
+    assert [int(c) for c in counts[:, 0]] == state.capacities and min(state.capacities) <= HYBRID_WINDOW < 80
+    for layer, entries in enumerate(method.compress(state, 40)):
+        assert int(entries.counts.min()) == state.capacities[layer]
+        assert int(entries.positions[:, : int(entries.counts[0])].min()) == state.held_from(layer)

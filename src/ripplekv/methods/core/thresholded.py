@@ -86,7 +86,7 @@ class Thresholded(Wrapped):
 
     def mask(self, state: PrefillState, layer: int) -> torch.Tensor:
         """Bool [H_kv, n]: the entries at or above tau, and the last `window` (those a layer holds)."""
-        return state.memo((Thresholded.mask, self.label, layer), lambda: self._mask(state, layer))
+        return state.memo((Thresholded.mask, self.inner.scorer, self.tau, layer), lambda: self._mask(state, layer))
 
     def _mask(self, state: PrefillState, layer: int) -> torch.Tensor:
         scores = self.inner.scorer.scores(state, layer)  # [H_kv, m]: the candidates before the window
