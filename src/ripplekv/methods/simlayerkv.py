@@ -14,9 +14,9 @@ Two readings of what a lazy layer keeps:
   SnapKV's scores (`window`, `kernel`, `pooling` as for `snapkv`). With no lazy layer it is `snapkv`; with every
   layer lazy, or other layers unable to hold the rest, every layer gets B and the lazy ones keep sinks + recent.
 - `reading=threshold` (kvpress's): a lazy layer keeps n_initial sinks and the last n_recent - n_last entries,
-  every other layer keeps the whole prompt; B is not used, so the memory varies per prompt (reports flag a
-  variant that keeps more than its budget as over budget and leave it out of ranks). It is the reading make
-  check-references holds against SimLayerKVPress.
+  every other layer keeps the whole prompt; B is not used, so the memory varies per prompt (reports flag it
+  `threshold` whatever it kept, leave it out of ranks and place it on the memory axis at its bytes, as for
+  `METHOD:threshold=TAU`). It is the reading make check-references holds against SimLayerKVPress.
 
 Default threshold: kvpress's is 1.0, which makes no layer lazy (SimLayerKVPress then compresses nothing); its
 docstring recommends 0.9 for Llama 3, 0.65 for Llama 2, 0.8 for Mistral and 0.85 for Qwen. We default to 0.9, the
