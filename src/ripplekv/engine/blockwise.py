@@ -76,6 +76,7 @@ def blockwise_prefill(model, input_ids, method, budget: int, block: int, needs: 
     return BlockwiseResult(kept, logits, peak, len(bounds))
 
 
+@torch.inference_mode()
 def read_block(model, tokens: torch.Tensor, kept: list[LayerEntries], start: int,
                window: int) -> tuple[PrefillState, list[torch.Tensor]]:
     """The block `tokens` (prompt positions start..) read through a cache of the `kept` entries: a state whose
