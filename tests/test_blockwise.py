@@ -81,6 +81,26 @@ def test_a_block_read_through_every_kept_entry_is_the_prefill_of_the_whole_promp
         assert positions[layer].tolist() == [list(range(N))] * 2
 
 
+def test_a_block_read_after_evicted_entries_sees_each_kept_entry_and_the_block_causally(model, ids):
+    """After an eviction (kept positions no longer 0..m-1) the block reads what the engine's compressed cache gives
+    for the same entries (`decode.forward_tokens`, which the context-only protocol reads its question with)."""
+    from ripplekv.engine.cache import CompressedCache, CompressedLayer
+    from ripplekv.engine.decode import forward_tokens
+
+    first = prefill_for(model, ids[:200], Requirements())
+    chosen = torch.zeros(2, 200, dtype=torch.bool)
+    chosen[0, ::3], chosen[1, 1::3] = True, True  # 67 of 200 in each head, different ones
+    kept = [entries.gather(first.keys[layer], first.values[layer], chosen) for layer in range(first.num_layers)]
+    read, positions = read_block(model, ids[200:264], kept, 200, 16)
+    cache = CompressedCache([CompressedLayer(e.keys[None], e.values[None], None, 200) for e in kept], 1)
+    logits = forward_tokens(model, cache, ids[200:264][None], 200)
+    assert torch.allclose(read.last_logits, logits[0, -1], atol=1e-4)
+    for layer, entry in enumerate(kept):
+        assert torch.allclose(read.keys[layer][:, 67:], cache.layers[layer].keys[0], atol=1e-5)
+        assert positions[layer][:, :67].tolist() == entry.positions.tolist()
+        assert positions[layer][:, 67:].tolist() == [list(range(200, 264))] * 2
+
+
 def test_streamingllm_keeps_the_same_positions_block_by_block_as_from_the_whole_prompt(model, ids):
     method = make_method("streamingllm")
     done = blockwise_prefill(model, ids, method, BUDGET, BLOCK, method.requirements())

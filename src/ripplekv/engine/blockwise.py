@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from ripplekv.engine import adapter, timings
-from ripplekv.engine.cache import CompressedCache, CompressedLayer
 from ripplekv.engine.entries import LayerEntries
 from ripplekv.engine.prefill import PrefillState, Requirements, captured_window, prefill_for
 from ripplekv.engine.recorders import WINDOW_QUERIES, SampleContext, Setup, WindowQueries, keep
@@ -79,33 +79,31 @@ def blockwise_prefill(model, input_ids, method, budget: int, block: int, needs: 
 @torch.inference_mode()
 def read_block(model, tokens: torch.Tensor, kept: list[LayerEntries], start: int,
                window: int) -> tuple[PrefillState, list[torch.Tensor]]:
-    """The block `tokens` (prompt positions start..) read through a cache of the `kept` entries: a state whose
-    layers hold the kept entries then the block's (each head in prompt order), and per layer the prompt position
-    of every index [H_kv, m]. The state's `input_ids` are -1: the entries of one index come from different
-    tokens in different heads."""
-    layers = [CompressedLayer(entry.keys[None], entry.values[None], _unsqueeze(entry.bias()), start)
-              for entry in kept]
-    cache = CompressedCache(layers, 1)
+    """The block `tokens` (prompt positions start..) read after the `kept` entries: a state whose layers hold the
+    kept entries then the block's (each head in prompt order), and per layer the prompt position of every index
+    [H_kv, m]. Every head of a layer keeps as many entries, so they make a plain cache: the block's queries see
+    every kept entry and the block causally, through the model's own attention (as the whole prompt's prefill), at
+    their prompt positions. The state's `input_ids` are -1: one index holds different tokens in different heads."""
+    cache = DynamicCache()
+    for index, entry in enumerate(kept):
+        if int(entry.counts.min()) != entry.capacity or entry.log_weights is not None:
+            raise ValueError(f"block-wise prefill keeps the same count of tokens in every head of a layer; layer "
+                             f"{index} holds {entry.counts.tolist()}")
+        cache.update(entry.keys[None], entry.values[None], index)
+    held = kept[0].capacity
+    if any(entry.capacity != held for entry in kept):
+        raise ValueError("block-wise prefill keeps the same count in every layer; the layers' counts differ")
     recorder = WindowQueries(Setup(model, len(tokens), min(window, len(tokens)), SampleContext()))
     where = torch.arange(start, start + len(tokens), device=tokens.device)
-    out = model(input_ids=tokens[None], position_ids=where[None], cache=cache, use_cache=True, ripplekv_cache=cache,
-                ripplekv_recorders=[recorder], logits_to_keep=1)
-    keys, values, positions = [], [], []
-    for index, (entry, layer) in enumerate(zip(kept, cache.layers)):
-        if int(entry.counts.min()) != entry.capacity:
-            raise ValueError(f"block-wise prefill keeps the same count in every head of a layer; layer {index} "
-                             f"holds {entry.counts.tolist()}")
-        keys.append(torch.cat([entry.keys, layer.keys[0]], dim=1))
-        values.append(torch.cat([entry.values, layer.values[0]], dim=1))
-        positions.append(torch.cat([entry.positions, where.expand(entry.num_heads, -1)], dim=1))
-        layer.prompt_keys = layer.prompt_values = layer.keys = layer.values = None
-    length = int(keys[0].shape[1])
-    if any(int(layer_keys.shape[1]) != length for layer_keys in keys):
-        raise ValueError("block-wise prefill keeps the same count in every layer; the layers' counts differ")
-    state = PrefillState(input_ids=torch.full((length,), -1, dtype=torch.long, device=tokens.device), keys=keys,
-                         values=values, last_logits=out.logits[0, -1].float(),
-                         scaling=adapter.attention_scaling(model), model=model)
-    keep(state, WINDOW_QUERIES, recorder.result(len(keys)))
+    out = model(input_ids=tokens[None], position_ids=where[None], cache_position=held + where - start, cache=cache,
+                use_cache=True, logits_to_keep=1, ripplekv_recorders=[recorder])
+    dyn = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    layers = range(len(kept))
+    positions = [torch.cat([kept[i].positions, where.expand(kept[i].num_heads, -1)], dim=1) for i in layers]
+    state = PrefillState(input_ids=torch.full((held + len(tokens),), -1, dtype=torch.long, device=tokens.device),
+                         keys=[dyn.layers[i].keys[0] for i in layers], values=[dyn.layers[i].values[0] for i in layers],
+                         last_logits=out.logits[0, -1].float(), scaling=adapter.attention_scaling(model), model=model)
+    keep(state, WINDOW_QUERIES, recorder.result(len(kept)))
     return state, positions
 
 
@@ -121,10 +119,6 @@ def _compressed(state: PrefillState, method, budget: int, positions: list[torch.
         prompt = where.gather(1, entry.positions.clamp_min(0)).masked_fill(~held, -1)
         mapped.append(LayerEntries(entry.keys, entry.values, prompt, entry.counts, entry.log_weights, entry.spans))
     return mapped
-
-
-def _unsqueeze(bias):
-    return None if bias is None else bias[None]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def blockwise_refusal(method) -> str | None:
         return (f"its allocator ({allocator.name}{', split=' + allocator.split if allocator.splits_heads else ''}) "
                 "spreads the budget over layers or heads by the whole prompt; block by block every layer and head keeps B")
     if scorer.name not in PER_BLOCK_SCORERS or SCORERS.get(scorer.name) is not type(scorer):
-        return f"its scorer ({scorer.name}) reads the whole prompt or prompt positions, which no block has"
+        return (f"its scorer ({scorer.name}) is not one that ranks a block's entries from keys, values and the "
+                "block's window alone (it reads the whole prompt, prompt positions or more)")
     if getattr(scorer, "chunked", False):
         return "chunked selection groups prompt positions, which a block's kept entries no longer are"
     return None
