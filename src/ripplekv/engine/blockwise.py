@@ -64,14 +64,14 @@ def blockwise_prefill(model, input_ids, method, budget: int, block: int, needs: 
     adapter.check_length(model.config, len(ids), reserve)
     bounds = block_bounds(len(ids), budget, block)
     state = prefill_for(model, ids[: bounds[0][1]], needs)
-    kept, logits, peak = _compressed(state, method, budget, None), state.last_logits, state.length
+    kept, logits, peak = compress_read(state, method, budget, None), state.last_logits, state.length
     del state
     window = captured_window(needs)
     for start, end in bounds[1:]:
         state, positions = read_block(model, ids[start:end], kept, start, window)
         del kept
         peak = max(peak, max(int(keys.shape[1]) for keys in state.keys))
-        kept, logits = _compressed(state, method, budget, positions), state.last_logits
+        kept, logits = compress_read(state, method, budget, positions), state.last_logits
         del state, positions
     return BlockwiseResult(kept, logits, peak, len(bounds))
 
@@ -107,9 +107,10 @@ def read_block(model, tokens: torch.Tensor, kept: list[LayerEntries], start: int
     return state, positions
 
 
-def _compressed(state: PrefillState, method, budget: int, positions: list[torch.Tensor] | None) -> list[LayerEntries]:
-    """`method`'s entries of `state` at `budget`, their positions mapped to the prompt's (`positions`: each index's
-    prompt position per layer; None when the state is the prompt's start itself)."""
+def compress_read(state: PrefillState, method, budget: int, positions: list[torch.Tensor] | None) -> list[LayerEntries]:
+    """`method`'s entries of one read's `state` at `budget`, their positions mapped to the prompt's (`positions`:
+    each index's prompt position per layer; None when the state is the prompt's start itself). The one eviction step
+    of the protocol (`scripts/check_references_axes.py` runs it on kvpress's blocks)."""
     built = method.compress(state, budget)
     if positions is None:
         return built
