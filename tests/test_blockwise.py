@@ -151,6 +151,10 @@ def test_eval_blockwise_writes_exact_budgets_and_the_prefill_peak(tiny_model_dir
         assert row["protocol"] == "blockwise" and row["kept_entries"] == 4 * 2 * 32
         assert row["block_tokens"] == 64 and row["prefill_peak_entries"] == 32 + 64 and row["prefill_reads"] > 1
     assert 0 <= rows[1]["kl"] and rows[0]["kl"] == 0
+    code, _, err = run_cli(*eval_args(tiny_model_dir, out, "--protocol", "blockwise", "--block-tokens", "64"))
+    assert code == 0 and "already done" in err  # resumed: nothing run again
+    code, _, err = run_cli(*eval_args(tiny_model_dir, out, "--protocol", "blockwise", "--block-tokens", "128"))
+    assert code == 2 and "block_tokens" in err and "Traceback" not in err  # another block size is another run
 
 
 def test_eval_refuses_a_method_and_a_stray_block_size_in_one_line(tiny_model_dir, tmp_path, run_cli):
@@ -158,3 +162,26 @@ def test_eval_refuses_a_method_and_a_stray_block_size_in_one_line(tiny_model_dir
     assert code == 2 and "adakv cannot run under --protocol blockwise" in err and "Traceback" not in err
     code, _, err = run_cli(*eval_args(tiny_model_dir, tmp_path / "b", "--block-tokens", "64"))
     assert code == 2 and "--block-tokens applies only with --protocol blockwise" in err
+
+
+def test_eval_with_one_block_gives_with_question_lines(tiny_model_dir, tokenizer):
+    """A block as long as the prompt: each variant's one read is the with-question prefill and compression, so its
+    line is with-question's (its answer, counts and fidelity), from a prefill of its own."""
+    from ripplekv.engine.models import load_model
+    from ripplekv.methods.core.catalog import build_methods
+    from ripplekv.pipeline.evaluate import SampleSettings, evaluate_sample
+    from ripplekv.tasks import get_tasks, load_samples
+
+    model, _, _ = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    (task,) = get_tasks("offline", ["niah"])
+    (record,) = load_samples(task, tokenizer, limit=1, target_tokens=300)
+    methods = build_methods(("snapkv", "keydiff"), {"allocation": None, "route": None})
+    lines = {protocol: evaluate_sample(model, tokenizer, task, record, methods, (32,),
+                                       SampleSettings(batch_size=4, protocol=protocol, block_tokens=4096), sid="s")
+             for protocol in ("with-question", "blockwise")}
+    for whole, blocks in zip(*lines.values(), strict=True):
+        assert (whole["method"], whole["prediction"], whole["kept_entries"]) == \
+            (blocks["method"], blocks["prediction"], blocks["kept_entries"])
+        assert blocks["kl"] == pytest.approx(whole["kl"], abs=1e-5)
+        if blocks["method"] != "full":
+            assert blocks["prefill_reads"] == 1 and blocks["prefill_peak_entries"] == blocks["compressed_tokens"]
