@@ -26,6 +26,7 @@ MULTI_QUESTION_PROTOCOLS = ("multi-question", "multi-question-first")
 SINGLE_QUESTION_PROTOCOLS = ("with-question", "context-only")
 # Block-wise prefill: the prompt read in blocks, each variant evicting after every block (one prefill per variant).
 BLOCKWISE_PROTOCOL = "blockwise"
+DEFAULT_BLOCK_TOKENS = 512  # `eval --block-tokens`: kvpress's BlockPress takes 128; a longer block, fewer reads
 PROTOCOLS = (*SINGLE_QUESTION_PROTOCOLS, *MULTI_QUESTION_PROTOCOLS, BLOCKWISE_PROTOCOL)
 SUITES = ("offline", "ruler", "longbench", "longbench-e", "longbench-v2", "scbench")  # `--suite`
 GENERATED_SUITES = ("offline", "ruler")  # built here from a seed and --target-tokens (the others are read from files)

@@ -18,6 +18,7 @@ import typer
 
 from ripplekv.defaults import (
     DECODE_BUDGETS,
+    DEFAULT_BLOCK_TOKENS,
     DTYPES,
     LAST_ALLOCATION,
     POOLINGS,
@@ -87,7 +88,7 @@ PROTOCOL_HELP = ("with-question: compress the whole prompt (as the LongBench pap
                  "prefill never holds more than budget + block entries per head: a protocol, not a method (compare "
                  "methods under one protocol at a time), and it costs one prefill per variant, not per sample.")
 BLOCK_TOKENS_HELP = ("With --protocol blockwise: tokens per block (at least a method's observation window). Default: "
-                     "512.")
+                     f"{DEFAULT_BLOCK_TOKENS}.")
 
 SuiteName = Literal[SUITES]
 

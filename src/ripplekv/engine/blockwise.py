@@ -29,8 +29,6 @@ from ripplekv.engine.entries import LayerEntries
 from ripplekv.engine.prefill import PrefillState, Requirements, captured_window, prefill_for
 from ripplekv.engine.recorders import WINDOW_QUERIES, SampleContext, Setup, WindowQueries, keep
 
-DEFAULT_BLOCK_TOKENS = 512
-
 
 def block_bounds(length: int, budget: int, block: int) -> list[tuple[int, int]]:
     """(start, end) of each read of a `length`-token prompt: the first B + 1 to B + b tokens (all of them when

@@ -16,6 +16,7 @@ from pathlib import Path
 from ripplekv.defaults import (
     BLOCKWISE_PROTOCOL,
     DECODE_BUDGETS,
+    DEFAULT_BLOCK_TOKENS,
     DEFAULT_EVAL_METHODS,
     EVAL_BATCH_SIZE,
     GENERATED_SUITES,
@@ -256,7 +257,6 @@ def check_decode_budget(settings: EvalSettings, methods) -> dict:
 def check_block_tokens(settings: EvalSettings, methods: dict) -> dict:
     """--block-tokens only with --protocol blockwise, which runs only the methods that can evict block by block
     (`methods.core.blockwise`); returns what config.json records (nothing under the other protocols)."""
-    from ripplekv.engine.blockwise import DEFAULT_BLOCK_TOKENS
     from ripplekv.methods.core.blockwise import check_blockwise
 
     if settings.protocol != BLOCKWISE_PROTOCOL:

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
-from ripplekv.defaults import BLOCKWISE_PROTOCOL, EVAL_BATCH_SIZE, MULTI_QUESTION_PROTOCOLS
+from ripplekv.defaults import BLOCKWISE_PROTOCOL, DEFAULT_BLOCK_TOKENS, EVAL_BATCH_SIZE, MULTI_QUESTION_PROTOCOLS
 from ripplekv.engine import decode as engine_decode
 from ripplekv.engine import timings
-from ripplekv.engine.blockwise import DEFAULT_BLOCK_TOKENS
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import SampleContext, record_reference
 from ripplekv.engine.schedule import (
