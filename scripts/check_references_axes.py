@@ -16,7 +16,8 @@ and weights (`reference_axes`, in the reference venv, one eager forward of its o
   `compress_read`, `keydiff:window=0`) on kvpress's own blocks of one full-attention prefill (the first B tokens
   kept, then blocks of 64 from there): the kept positions and keys. Our protocol reads each block through what was
   kept and counts blocks from the prompt's end (so the last is never shorter than a window); kvpress scores blocks
-  of one prefill, which is what is compared here.
+  of one prefill, which is what is compared here. KeyDiff reads keys alone; kvpress's SnapKV under BlockPress
+  rotates each block's window queries with the RoPE of the prompt's last positions, so it has no pair here.
 Values and keys count as identical within 1e-4 relative (float32 on both sides).
 """
 
