@@ -11,6 +11,17 @@ what building every variant at once would hold (their padded entries alone), `pe
 16k/8k ratio of everything but the weights.
 
     PYTHONPATH=src python scripts/bench_memory.py [--tokens 8192,16384] [--memory-budget 3GiB] [--layers 2]
+
+`--protocol blockwise` measures the prefill alone instead (`eval --protocol blockwise`, `engine.blockwise`), on the
+same model and prompts, each in a fresh process: one method (`--method snapkv`, `--budget 2048`) compressing the
+whole prompt once after its prefill, and compressing block by block (`--block-tokens 512`), at each length; the
+bound is the first at a prompt of budget + block tokens (what reading and compressing B + b tokens at once takes,
+which is also a block-wise prefill's first read). A prefill's memory is its peak
+resident set less the resident set just before it ran (interpreter, libraries, weights, the prompt). It prints each
+against the bound and the most entries one (layer, KV head) held (B + b at most block by block, n whole); PASS when
+every block-wise prefill is within the bound and the whole-prompt prefill of the longest prompt is over it.
+
+    PYTHONPATH=src python scripts/bench_memory.py --protocol blockwise --tokens 16384 [--budget 2048] [--block-tokens 512]
 """
 
 from __future__ import annotations
@@ -18,11 +29,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
 
 BUDGET = 2048
+# The blockwise children's glibc hands every freed block over 1 MiB back at once (eval's 16 MiB would leave a
+# block-wise prefill's many smaller blocks resident as heap), so a resident set follows what is alive.
+LIVE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**20), "MALLOC_TRIM_THRESHOLD_": str(2**20)}
 
 
 def specs() -> list[str]:
@@ -95,6 +110,71 @@ def one_length(args) -> dict:
     return figures
 
 
+def one_prefill(args) -> dict:
+    """One prefill in this process: `args.prefill` "whole" or "blockwise", of a prompt of `args.one` tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ripplekv.engine.blockwise import blockwise_prefill
+    from ripplekv.engine.malloc import allow_keeping
+    from ripplekv.engine.memory import PeakMemory, format_bytes
+    from ripplekv.engine.models import load_tokenizer
+    from ripplekv.engine.prefill import prefill_for
+    from ripplekv.methods import make_method
+    from ripplekv.tasks import build_prompt_ids, get_tasks, load_samples
+
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer()
+    task = get_tasks("offline", ["niah"])[0]
+    record = load_samples(task, tokenizer, limit=1, target_tokens=args.one + args.one // 4)[0]
+    ids = torch.tensor(build_prompt_ids(task, record, tokenizer, 4 * args.one)[: args.one])  # exactly args.one
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=4 * args.one, rope_theta=500000.0)
+    model = LlamaForCausalLM(config).eval()
+    method = make_method(args.method)
+    allow_keeping(False)  # as eval's sample under a memory budget: no freed block kept for reuse
+    meter = PeakMemory(torch.device("cpu"))  # its origin: the resident set now (interpreter, libraries, weights)
+    if args.prefill == "whole":
+        state = prefill_for(model, ids, method.requirements())
+        method.compress(state, args.budget)  # with-question's eviction, once after the whole prompt
+        held = state.length
+    else:
+        done = blockwise_prefill(model, ids, method, args.budget, args.block_tokens, method.requirements())
+        held = done.peak_entries
+    figures = {"kind": args.prefill, "tokens": len(ids), "memory": meter.peak() - meter.origin, "held": held}
+    print(f"  {args.prefill} prefill of {len(ids)} tokens: {format_bytes(figures['memory'])}, at most {held} "
+          "entries per (layer, KV head)", file=sys.stderr)
+    return figures
+
+
+def blockwise_main(args) -> None:
+    """`--protocol blockwise`: the bound, then the whole-prompt and block-wise prefill at each length (see above)."""
+    def child(kind: str, tokens: int) -> dict:
+        command = [sys.executable, __file__, "--one", str(tokens), "--prefill", kind, "--layers", str(args.layers),
+                   "--hidden", str(args.hidden), "--threads", str(args.threads), "--method", args.method,
+                   "--budget", str(args.budget), "--block-tokens", str(args.block_tokens)]
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, env={**os.environ, **LIVE_MALLOC})
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    bound = child("whole", args.budget + args.block_tokens)["memory"]
+    print(f"bound: the whole-prompt prefill and compression of budget + block = {args.budget + args.block_tokens} tokens, "
+          f"{bound / 2**20:.1f} MiB ({args.method}, B={args.budget}, block {args.block_tokens}, {args.layers} layers)")
+    lengths = [int(t) for t in args.tokens.split(",")]
+    within, over = True, False
+    for tokens in lengths:
+        whole, blocks = child("whole", tokens), child("blockwise", tokens)
+        within = within and blocks["memory"] <= bound and blocks["held"] <= args.budget + args.block_tokens
+        over = whole["memory"] > bound
+        print(f"{tokens} tokens: whole-prompt prefill {whole['memory'] / 2**20:.1f} MiB (peak/bound "
+              f"{whole['memory'] / bound:.3f}, {whole['held']} entries per head); block-wise "
+              f"{blocks['memory'] / 2**20:.1f} MiB (peak/bound {blocks['memory'] / bound:.3f}, at most "
+              f"{blocks['held']} entries per head)")
+    print(f"{'PASS' if within and over else 'FAIL'}: block-wise within the bound at every length, the whole-prompt "
+          f"prefill of {lengths[-1]} tokens over it")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192,16384")
@@ -103,8 +183,21 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--protocol", choices=("eval", "blockwise"), default="eval",
+                        help="eval: the sample loop's peak under --memory-budget; blockwise: the prefill alone, "
+                             "whole-prompt vs block-wise against the bound (one prefill per variant block-wise)")
+    parser.add_argument("--method", default="snapkv", help="with --protocol blockwise: the method evicting per block")
+    parser.add_argument("--budget", type=int, default=BUDGET, help="with --protocol blockwise: B")
+    parser.add_argument("--block-tokens", type=int, default=512, help="with --protocol blockwise: tokens per block")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child process: one length
+    parser.add_argument("--prefill", default=None, help=argparse.SUPPRESS)  # a blockwise child: whole or blockwise
     args = parser.parse_args()
+    if args.one is not None and args.prefill is not None:
+        print(json.dumps(one_prefill(args)))
+        return
+    if args.protocol == "blockwise":
+        blockwise_main(args)
+        return
     if args.one is not None:
         print(json.dumps(one_length(args)))
         return

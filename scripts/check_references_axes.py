@@ -12,6 +12,12 @@ and weights (`reference_axes`, in the reference venv, one eager forward of its o
   a merge candidate, and its Bernoulli draw replaced by its probability (ours merges in expectation).
 - `rerotate`: `KeyRerotationPress(SnapKVPress(32, 5))`'s keys, at 0..c-1, rotated on by n - c with its own
   `_rerotate_cos_sin` (ours end at the prompt's last position), against ours.
+- `blockwise`: `BlockPress(KeyDiffPress(), block_size=64)` against our per-block eviction (`engine.blockwise`'s
+  `compress_read`, `keydiff:window=0`) on kvpress's own blocks of one full-attention prefill (the first B tokens
+  kept, then blocks of 64 from there): the kept positions and keys. Our protocol reads each block through what was
+  kept and counts blocks from the prompt's end (so the last is never shorter than a window); kvpress scores blocks
+  of one prefill, which is what is compared here. KeyDiff reads keys alone; kvpress's SnapKV under BlockPress
+  rotates each block's window queries with the RoPE of the prompt's last positions, so it has no pair here.
 Values and keys count as identical within 1e-4 relative (float32 on both sides).
 """
 
@@ -30,7 +36,9 @@ AXES = {
     "merge=kvpress": f"snapkv:kernel={KERNEL}:pooling=avg:merge=kvpress",
     "merge=cam": "tova:merge=cam",
     "rerotate": f"snapkv:kernel={KERNEL}:pooling=avg:rerotate=1",
+    "blockwise": "keydiff:window=0",
 }
+BLOCK = 64  # BlockPress's block_size in the blockwise pair
 TOLERANCE = 1e-4
 
 
@@ -51,11 +59,37 @@ def save_ours(state, out: Path, index: int, budgets: list[int], names) -> None:
                     for layer, entries in enumerate(method.inner.compress(state, chosen)):
                         arrays[f"{name}/{budget}/{layer}/channels"] = method.channels.choose(state, layer, entries).numpy()
                     continue
-                for layer, entries in enumerate(method.compress(state, budget)):
+                built = kvpress_blocks(state, method, budget) if name == "blockwise" else method.compress(state, budget)
+                for layer, entries in enumerate(built):
                     arrays[f"{name}/{budget}/{layer}/positions"] = entries.positions.numpy()
-                    tensor = entries.keys if name == "rerotate" else entries.values
+                    tensor = entries.keys if name in ("rerotate", "blockwise") else entries.values
                     arrays[f"{name}/{budget}/{layer}/tensor"] = tensor.float().numpy()
     np.savez_compressed(out / f"axes_ours_{index}.npz", **arrays, meta=json.dumps({**meta, "names": list(names)}))
+
+
+def kvpress_blocks(state, method, budget: int) -> list:
+    """Our per-block eviction (`engine.blockwise.compress_read`) on BlockPress's blocks of the one prefill in `state`:
+    the first `budget` tokens kept, then blocks of BLOCK tokens from there, each compressed with what was kept."""
+    import torch
+
+    from ripplekv.engine import entries
+    from ripplekv.engine.blockwise import compress_read
+    from ripplekv.engine.prefill import PrefillState
+
+    heads, n = state.num_kv_heads, state.length
+    kept = [entries.full(state.keys[layer][:, :budget], state.values[layer][:, :budget])
+            for layer in range(state.num_layers)]
+    for start in range(budget, n, BLOCK):
+        block = torch.arange(start, min(start + BLOCK, n)).expand(heads, -1)
+        positions = [torch.cat([entry.positions, block], dim=1) for entry in kept]
+        width = state.keys[0].shape[-1]
+        index = [where[..., None].expand(-1, -1, width) for where in positions]
+        read = PrefillState(input_ids=torch.full((positions[0].shape[1],), -1), scaling=state.scaling,
+                            keys=[state.keys[layer].gather(1, at) for layer, at in enumerate(index)],
+                            values=[state.values[layer].gather(1, at) for layer, at in enumerate(index)],
+                            last_logits=state.last_logits, model=state.model)
+        kept = compress_read(read, method, budget, positions)
+    return kept
 
 
 def reference_axes(model, ids, out: Path, index: int) -> None:
@@ -64,7 +98,16 @@ def reference_axes(model, ids, out: Path, index: int) -> None:
 
     import torch
     from check_references_worker import ratio
-    from kvpress import CAMPress, KeyRerotationPress, MergingPress, SnapKVPress, ThinKPress, TOVAPress
+    from kvpress import (
+        BlockPress,
+        CAMPress,
+        KeyDiffPress,
+        KeyRerotationPress,
+        MergingPress,
+        SnapKVPress,
+        ThinKPress,
+        TOVAPress,
+    )
     from transformers import DynamicCache
     from transformers.models.llama.modeling_llama import rotate_half
 
@@ -121,6 +164,13 @@ def reference_axes(model, ids, out: Path, index: int) -> None:
                 cos, sin = KeyRerotationPress._rerotate_cos_sin(rotated, module.rotary_emb.inv_freq, shift)
                 record[f"rerotate/{key}/positions"] = positions[0].numpy()
                 record[f"rerotate/{key}/tensor"] = (rotated * cos + rotate_half(rotated) * sin)[0].float().numpy()
+            if "blockwise" in names:
+                press = BlockPress(press=KeyDiffPress(), block_size=BLOCK)
+                press.compression_ratio = ratio("keydiff", budget, n, 0)
+                where = torch.arange(n, dtype=torch.float64)[None, None, :, None].expand_as(values)  # as values: the kept
+                kept_keys, kept_at = press.compress(module, hidden, keys, where.contiguous(), None, kwargs)
+                record[f"blockwise/{key}/positions"] = kept_at[0, :, :, 0].round().long().numpy()
+                record[f"blockwise/{key}/tensor"] = kept_keys[0].float().numpy()
         return output
 
     model.set_attn_implementation("eager")

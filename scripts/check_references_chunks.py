@@ -86,10 +86,11 @@ def kept_by_chunk_press(name, press, module, hidden, keys, values, attentions, k
 
 
 def chunk_scores(presses: dict, module, hidden, keys, values, kwargs, layer: int) -> dict:
-    """The scores that tell tied entries apart: LagKV's ranks, KNorm's under ChunkPress (none when --only leaves
-    LagKV out)."""
-    if "lagkv" not in presses:
-        return {}
-    scores = presses["lagkv"].score(module, hidden, keys, values, None, kwargs)
-    return {f"lagkv_scores/{layer}": scores[0].float().numpy(),
-            f"chunkpress_scores/{layer}": -keys[0].float().norm(dim=-1).numpy()}
+    """The scores that tell tied entries apart: LagKV's ranks, KNorm's under ChunkPress (each only when its press
+    runs: `--only` may leave them out)."""
+    found = {}
+    if "lagkv" in presses:
+        found[f"lagkv_scores/{layer}"] = presses["lagkv"].score(module, hidden, keys, values, None, kwargs)[0].float().numpy()
+    if "chunkpress" in presses:
+        found[f"chunkpress_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()
+    return found

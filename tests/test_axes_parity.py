@@ -85,3 +85,13 @@ def test_only_refuses_a_name_no_check_knows_before_making_anything(tmp_path, mon
     assert err.startswith("error: --only takes pair names (") and err.rstrip().endswith("got thinkk")
     assert "merge=cam" in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_axis_checked_alone_needs_no_chunk_press():
+    """`check_references.py --only blockwise` (an axis alone) runs the worker with no press of the chunk pairs: the
+    scores that tell their ties apart are recorded only for the presses that run (a KeyError before)."""
+    from check_references_chunks import chunk_scores
+
+    keys = torch.randn(1, 2, 10, 8)
+    assert chunk_scores({}, None, None, keys, None, {}, 0) == {}
+    assert list(chunk_scores({"chunkpress": object()}, None, None, keys, None, {}, 3)) == ["chunkpress_scores/3"]

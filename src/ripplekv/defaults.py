@@ -27,7 +27,10 @@ THRESHOLD = "threshold"
 # compressed context several questions: compressed without any question, or with the first in the window.
 MULTI_QUESTION_PROTOCOLS = ("multi-question", "multi-question-first")
 SINGLE_QUESTION_PROTOCOLS = ("with-question", "context-only")
-PROTOCOLS = (*SINGLE_QUESTION_PROTOCOLS, *MULTI_QUESTION_PROTOCOLS)
+# Block-wise prefill: the prompt read in blocks, each variant evicting after every block (one prefill per variant).
+BLOCKWISE_PROTOCOL = "blockwise"
+DEFAULT_BLOCK_TOKENS = 512  # `eval --block-tokens`: kvpress's BlockPress takes 128; a longer block, fewer reads
+PROTOCOLS = (*SINGLE_QUESTION_PROTOCOLS, *MULTI_QUESTION_PROTOCOLS, BLOCKWISE_PROTOCOL)
 SUITES = ("offline", "ruler", "longbench", "longbench-e", "longbench-v2", "scbench")  # `--suite`
 GENERATED_SUITES = ("offline", "ruler")  # built here from a seed and --target-tokens (the others are read from files)
 NEEDLE_TASK = "niah_depths"  # `needle --task`: RULER's niah_single_2 with the needle at each depth in turn

@@ -18,6 +18,7 @@ import typer
 
 from ripplekv.defaults import (
     DECODE_BUDGETS,
+    DEFAULT_BLOCK_TOKENS,
     DTYPES,
     LAST_ALLOCATION,
     POOLINGS,
@@ -82,7 +83,12 @@ PROTOCOL_HELP = ("with-question: compress the whole prompt (as the LongBench pap
                  "context, then read the question through the compressed cache (a cache reused across questions); "
                  "multi-question: compress the context once and ask it each of its questions (tasks with several: "
                  "niah_multiquestion, squad_multiquestion, SCBench's); multi-question-first: the same, the first "
-                 "question in the observation window.")
+                 "question in the observation window; blockwise: read the whole prompt in blocks of --block-tokens, "
+                 "each method evicting to its budget after every block (KeyDiff's setting, kvpress BlockPress), so its "
+                 "prefill never holds more than budget + block entries per head: a protocol, not a method (compare "
+                 "methods under one protocol at a time), and it costs one prefill per variant, not per sample.")
+BLOCK_TOKENS_HELP = ("With --protocol blockwise: tokens per block (at least a method's observation window). Default: "
+                     f"{DEFAULT_BLOCK_TOKENS}.")
 
 SuiteName = Literal[SUITES]
 
@@ -121,6 +127,7 @@ Workers = Annotated[int, typer.Option("--workers", metavar="N", help=WORKERS_HEL
 RayAddress = Annotated[str | None, typer.Option("--ray-address", metavar="HOST:PORT", help=RAY_ADDRESS_HELP)]
 Rouge = Annotated[Literal[ROUGE_CHOICES], typer.Option("--rouge", help=ROUGE_HELP)]
 Protocol = Annotated[Literal[PROTOCOLS], typer.Option("--protocol", help=PROTOCOL_HELP)]
+BlockTokens = Annotated[int | None, typer.Option("--block-tokens", metavar="N", help=BLOCK_TOKENS_HELP)]
 
 # Option defaults that several commands share.
 TARGET_TOKENS = 3500

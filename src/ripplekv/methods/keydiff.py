@@ -5,8 +5,9 @@ KeyDiffPress scores it (read, not copied): the anchor is the mean of a head's un
 prompt entries, post-RoPE as stored), and an entry's score is minus its key's cosine similarity to the
 anchor. It needs no queries, so it is question-agnostic. kvpress compresses the context alone and has
 no window; our with-question protocol compresses the question too, so the last `window` tokens are always
-kept (32, as for SnapKV; `keydiff:window=0` is kvpress's `KeyDiffPress`, make check-references). The paper's
-block-wise eviction is not modelled: one scoring after the prefill, as kvpress does by default.
+kept (32, as for SnapKV; `keydiff:window=0` is kvpress's `KeyDiffPress`, make check-references). One scoring
+after the prefill, as kvpress does by default; the paper's block-wise eviction is `eval --protocol blockwise`
+(`engine.blockwise`).
 """
 
 from __future__ import annotations

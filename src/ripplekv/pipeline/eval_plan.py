@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ripplekv.defaults import (
+    BLOCKWISE_PROTOCOL,
     DECODE_BUDGETS,
+    DEFAULT_BLOCK_TOKENS,
     DEFAULT_EVAL_METHODS,
     EVAL_BATCH_SIZE,
     GENERATED_SUITES,
@@ -57,6 +59,7 @@ class EvalSettings:
     device: str = "auto"
     dtype: str = "auto"
     protocol: str = "with-question"
+    block_tokens: int | None = None  # --protocol blockwise: tokens per block (None: DEFAULT_BLOCK_TOKENS)
     decode_budget: str = "prompt"
     compress_every: int | None = None  # None: DEFAULT_COMPRESS_EVERY under a total budget
     # Bytes a sample may hold (None: `engine.memory.default_budget`); it never changes results, so config.json
@@ -184,6 +187,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
     tasks = (multi_question_tasks if multi else get_tasks)(settings.suite, list(settings.tasks) or None)
     if multi:
         check_multi_question(settings, methods)
+    blockwise = check_block_tokens(settings, methods)
     source = resolve_model(settings.model)
     device, dtype = resolve_device_dtype(settings.device, settings.dtype)
     allocation = settings.allocation if any(reads_allocation(m.describe()) for m in built) else None
@@ -217,6 +221,7 @@ def plan_eval(settings: EvalSettings) -> Plan:
         "device": device,
         "dtype": dtype,
         "protocol": settings.protocol,
+        **blockwise,
         **decoding,
         **runtime_info(device),
         "ripplekv_version": __version__,
@@ -247,6 +252,20 @@ def check_decode_budget(settings: EvalSettings, methods) -> dict:
             raise UserError(f"{method.label} cannot compress while decoding (no decoding-phase eviction): "
                             "drop it from --methods or use --decode-budget prompt")
     return {"decode_budget": "total", "compress_every": every}
+
+
+def check_block_tokens(settings: EvalSettings, methods: dict) -> dict:
+    """--block-tokens only with --protocol blockwise, which runs only the methods that can evict block by block
+    (`methods.core.blockwise`); returns what config.json records (nothing under the other protocols)."""
+    from ripplekv.methods.core.blockwise import check_blockwise
+
+    if settings.protocol != BLOCKWISE_PROTOCOL:
+        if settings.block_tokens is not None:
+            raise UserError("--block-tokens applies only with --protocol blockwise")
+        return {}
+    block = DEFAULT_BLOCK_TOKENS if settings.block_tokens is None else settings.block_tokens
+    check_blockwise({label: method for label, method in methods.items() if label != REFERENCE}, block)
+    return {"block_tokens": block}
 
 
 def check_multi_question(settings: EvalSettings, methods: dict) -> None:

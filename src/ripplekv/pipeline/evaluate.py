@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
-from ripplekv.defaults import EVAL_BATCH_SIZE, MULTI_QUESTION_PROTOCOLS
+from ripplekv.defaults import BLOCKWISE_PROTOCOL, DEFAULT_BLOCK_TOKENS, EVAL_BATCH_SIZE, MULTI_QUESTION_PROTOCOLS
 from ripplekv.engine import decode as engine_decode
 from ripplekv.engine import timings
 from ripplekv.engine.prefill import Requirements
@@ -35,6 +35,7 @@ from ripplekv.engine.schedule import (
 )
 from ripplekv.errors import UserError
 from ripplekv.methods.core.quantized import stored_as
+from ripplekv.pipeline.blockwise import blockwise_variants, check_blockwise_model
 from ripplekv.pipeline.eval_plan import EvalSettings, Job, Plan, check_prompts_fit, plan_eval, plan_jobs
 from ripplekv.pipeline.multi_question import evaluate_questions
 from ripplekv.pipeline.run_config import check_run_dir, merge_config
@@ -60,7 +61,8 @@ class SampleSettings:
     "context-only" prefills and compresses the context alone (its observation window is the end of the
     context; budgets count the context) and then reads the question through each compressed cache, as a
     cache reused across questions would (kvpress's default). Both come from one prefill. "multi-question" and
-    "multi-question-first" ask one compressed context each of a sample's questions (`pipeline.multi_question`).
+    "multi-question-first" ask one compressed context each of a sample's questions (`pipeline.multi_question`);
+    "blockwise" prefills each variant block by block, `block_tokens` a block (`pipeline.blockwise`).
     `decoding`, `decode_budget`, `compress_every`, `batch_size`: how the variants decode (`schedule.Decoding`);
     under a total decode budget every line records `decode_budget` and `peak_entries` (the most entries a head
     held after a step, averaged over layers and KV heads).
@@ -75,12 +77,14 @@ class SampleSettings:
     decode_budget: str = "prompt"
     compress_every: int = DEFAULT_COMPRESS_EVERY
     memory_budget: int | None = None
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     @classmethod
     def of(cls, settings: EvalSettings) -> SampleSettings:
         return cls(max_length=settings.max_length, batch_size=settings.batch_size, protocol=settings.protocol,
                    decode_budget=settings.decode_budget, memory_budget=settings.memory_budget,
-                   compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY)
+                   compress_every=settings.compress_every or DEFAULT_COMPRESS_EVERY,
+                   block_tokens=settings.block_tokens or DEFAULT_BLOCK_TOKENS)
 
     def decoding_for(self, task) -> Decoding:
         return Decoding(task.max_new_tokens, self.batch_size, self.decoding, self.decode_budget, self.compress_every)
@@ -131,14 +135,18 @@ def evaluate_sample(model, tokenizer, task, record: dict, methods: dict, budgets
               for budget in budgets if chosen_pairs is None or (label, budget) in chosen_pairs]
     refused = infeasible_variants(chosen, state)  # the memory axis: over its bytes on this prompt, never decoded
     chosen = [one for one in chosen if (one.label, one.budget) not in refused]
-    decoded = decode_variants(model, state, reference, chosen, decoding, memory, stops, question)
+    if settings.protocol == BLOCKWISE_PROTOCOL:  # one block-wise prefill per variant
+        decoded, extra = blockwise_variants(model, ids, state, reference, chosen, decoding, memory, stops,
+                                            settings.block_tokens)
+    else:
+        decoded, extra = decode_variants(model, state, reference, chosen, decoding, memory, stops, question), {}
     report("decode", len(chosen) * task.max_new_tokens)
     lines = SampleLines.of(task, record, tokenizer, sid, state, question, settings.protocol, memory.peak(),
                            settings.decode_budget)
     return ([lines.full(reference.tokens)] if wanted.with_full else []) + [
         lines.line(one.variant.label, one.variant.budget, one.tokens, one.counts, one.fidelity.kl,
                    one.fidelity.agreement, one.capacity, stored_as(one.variant.method, state, one.variant.budget))
-        for one in decoded] + [lines.infeasible(label, budget, why) for (label, budget), why in refused.items()]
+        | extra.get((one.variant.label, one.variant.budget), {}) for one in decoded] + [lines.infeasible(label, budget, why) for (label, budget), why in refused.items()]
 
 
 def prompt_parts(task, record: dict, tokenizer, settings: SampleSettings) -> tuple[list[int], list[int]]:
@@ -206,6 +214,7 @@ def check_model_fits(plan: Plan, config) -> None:
 
     layers = config.num_hidden_layers
     check_sliding_layers(config, {}, plan.settings.decode_budget)  # the methods once the prompts are known
+    check_blockwise_model(config, plan.settings.protocol)
     check_fitted(plan.methods.values(), config, bundled=plan.settings.model in (None, "", DEFAULT_MODEL))
     for method in plan.methods.values():
         if not method.prompt_dependent:
