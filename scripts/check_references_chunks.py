@@ -86,7 +86,11 @@ def kept_by_chunk_press(name, press, module, hidden, keys, values, attentions, k
 
 
 def chunk_scores(presses: dict, module, hidden, keys, values, kwargs, layer: int) -> dict:
-    """The scores that tell tied entries apart: LagKV's ranks, KNorm's under ChunkPress."""
-    scores = presses["lagkv"].score(module, hidden, keys, values, None, kwargs)
-    return {f"lagkv_scores/{layer}": scores[0].float().numpy(),
-            f"chunkpress_scores/{layer}": -keys[0].float().norm(dim=-1).numpy()}
+    """The scores that tell tied entries apart: LagKV's ranks, KNorm's under ChunkPress; of those among `presses`
+    (`--only` runs some of them alone)."""
+    record = {}
+    if "lagkv" in presses:
+        record[f"lagkv_scores/{layer}"] = presses["lagkv"].score(module, hidden, keys, values, None, kwargs)[0].float().numpy()
+    if "chunkpress" in presses:
+        record[f"chunkpress_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()
+    return record
