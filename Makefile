@@ -83,7 +83,8 @@ check-references-questions: install
 
 bench-peer: install
 	# kvpress 0.5.5's own loop (each press x budget: prefill + greedy decode, batch 1) against `ripplekv eval`,
-	# kvpress in the check-references venv; PEERARGS sizes it, e.g. PEERARGS="--prompts 1 --methods snapkv,tova".
+	# kvpress in the check-references venv; PEERARGS sizes it, e.g. PEERARGS="--prompts 1 --methods snapkv,tova";
+	# issue 63's presses are a set of their own, run when named: PEERARGS='--sets "issue 63 presses"'.
 	PYTHONPATH=src HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) scripts/bench_peer.py --venv $(REFVENV) $(PEERARGS)
 
 clean:

@@ -18,6 +18,12 @@ Method sets (each at every budget, 2 by default):
   (ExpectedAttentionPress), keydiff (KeyDiffPress), criticalkv (CriticalKVPress over SnapKV), adakv
   (AdaKVPress over SnapKV), kvzip (KVzipPress), h2o:norm=mean:recent=0 (ObservedAttentionPress).
 - "8 cheap variants": streamingllm, snapkv, pyramidkv, tova (the issue's 4 x 2).
+- "issue 63 presses" (26 variants, not run unless `--sets` or `--methods` names them): chunkkv, eg-chunkkv,
+  chunkpress, lagkv, leverage, noncausal, compactor, cur, capkv, kvcompose, finch, kvgrad and
+  simlayerkv:reading=threshold against their presses, each spec and press set up as make check-references
+  pairs them (`PRESSES_63`, `set_up`): Finch is told the question part (the task's split) in place of a
+  delimiter token and keeps its keys at their positions (`rerotate_keys=False`, as ours); the sketches of
+  Leverage and Compactor are seeded per layer; SimLayerKV's threshold reading keeps the same at every budget.
 - the curve (`--curve`, default 1, 2, 4, 8, 16, 22): ours timed again on the first N variants (methods in
   the order above, each at every budget; 8 is the cheap set and 22 the whole one, whose runs are reused), each
   against kvpress's runs of the same variants, for the speedup against the number of variants (*_curve.csv).
@@ -60,12 +66,36 @@ METHODS = {
     "kvzip:granularity=entry:skip_template=1:window=0": ("KVzipPress", {}),
     "h2o:norm=mean:recent=0": ("ObservedAttentionPress", {}),
 }
+# issue 63's presses, each spec its make check-references pair (Finch told the question part in place of a delimiter
+# token, its keys not re-rotated, as ours; SimLayerKV's threshold reading keeps what its threshold gives at any budget)
+PRESSES_63 = {
+    f"chunkkv:kernel={KERNEL}:pooling=avg:chunk_rounding=kvpress": ("ChunkKVPress", {"press": SNAP, "chunk_length": 20}),
+    "eg-chunkkv:scorer=expected-attention:window=0": ("EntropyGatedChunkKVPress", {"press": ("ExpectedAttentionPress", {})}),
+    "chunkpress:scorer=knorm:chunk_rounding=kvpress": ("ChunkPress", {"press": ("KnormPress", {}), "chunk_length": 1024}),
+    "lagkv": ("LagKVPress", {}),
+    "leverage:window=0": ("LeverageScorePress", {}),
+    "noncausal:window=0": ("NonCausalAttnPress", {}),
+    "compactor:window=0": ("CompactorPress", {}),
+    "cur:window=0": ("CURPress", {}),
+    "capkv:window=0": ("CapPress", {}),
+    "kvcompose:window=0": ("KVComposePress", {}),
+    "finch": ("FinchPress", {"rerotate_keys": False}),
+    "kvgrad:granularity=entry:skip_template=1:window=0": ("KVgradPress", {}),
+    "simlayerkv:reading=threshold:lazy_threshold=0.9": ("SimLayerKVPress", {"lazy_threshold": 0.9}),
+}
+EVERY = {**METHODS, **PRESSES_63}  # every spec a set or --methods can name
+WHOLE_CHUNKS = ("ChunkKVPress", "ChunkPress")  # count whole chunks at ratio 1 - B/n (check_references_chunks)
+SEEDED = ("LeverageScorePress", "CompactorPress")  # draw a sketch: seeded with the layer, as ours (check_references_worker)
 CHEAP = ("streamingllm", "snapkv", "pyramidkv", "tova")
 CURVE = (1, 2, 4, 8, 16, 22)  # --curve's default points: variants timed (the first of the sets' methods x budgets)
 EAGER = ("ObservedAttentionPress",)  # presses that read the attention weights sdpa does not return
-# Methods whose answers are not expected to match, and why (left out of the overall agreement line). Every spec in
-# METHODS is the one that reproduces its press (make check-references holds their kept sets), so none today.
-UNLIKE: dict[str, str] = {}
+# Methods whose answers are not expected to match, and why (left out of the overall agreement line). Every spec is
+# the one that reproduces its press (make check-references holds their kept sets); LagKV's agree only up to ties.
+UNLIKE: dict[str, str] = {
+    "lagkv": "its scores are ranks within each partition, so entries of different partitions tie by design and which "
+             "of them a top-k keeps is unspecified (ours: the earliest); its kept sets agree with kvpress's only up to "
+             "tied scores (check-references), so its answers need not",
+}
 
 
 def base(spec: str) -> str:
@@ -73,18 +103,20 @@ def base(spec: str) -> str:
     return spec.split(":", 1)[0]
 
 
-SETS = {"22 variants": tuple(METHODS), "8 cheap variants": tuple(s for s in METHODS if base(s) in CHEAP)}
+SETS = {"22 variants": tuple(METHODS), "8 cheap variants": tuple(s for s in METHODS if base(s) in CHEAP),
+        "issue 63 presses": tuple(PRESSES_63)}
+DEFAULT_SETS = ("22 variants", "8 cheap variants")  # the headline run; the issue 63 set by --sets or --methods
 
 
 def pick(names: str) -> tuple[str, ...]:
     """Our specs for comma-separated method names (`snapkv,tova`); an unknown name is one clear line."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in {base(s) for s in METHODS}]
+    unknown = [n for n in wanted if n not in {base(s) for s in EVERY}]
     if unknown:
         from ripplekv.errors import UserError
 
-        raise UserError(f"--methods: {', '.join(unknown)} not in both (choose from {', '.join(base(s) for s in METHODS)})")
-    return tuple(s for s in METHODS if base(s) in wanted)
+        raise UserError(f"--methods: {', '.join(unknown)} not in both (choose from {', '.join(base(s) for s in EVERY)})")
+    return tuple(s for s in EVERY if base(s) in wanted)
 
 
 def variants(specs, budgets) -> list[tuple[str, int]]:
@@ -104,13 +136,17 @@ def curve_grid(count: int, specs, budgets) -> tuple[tuple[str, ...], tuple[int, 
     return (specs[:1], tuple(budgets[:part])) if part else (tuple(specs[:whole]), tuple(budgets))
 
 
-def keep_ratio(budget: int, length: int, press: str = "", entries: int = 0) -> float:
+def keep_ratio(budget: int, length: int, press: str = "", entries: int = 0, layers: int = 1) -> float:
     """kvpress's compression_ratio that keeps `budget` entries per head of a `length`-token prompt: most presses
     keep int(length * (1 - ratio)) (AdaKV on average over heads); PyramidKV averages length * (1 - ratio) over its
-    layers and KVzip keeps all but int(entries * ratio) of the `entries` = L x H_kv x n (check_references_worker)."""
-    if press == "KVzipPress":
+    layers, KVzip and KVgrad keep all but int(entries * ratio) of the `entries` = L x H_kv x n, KVCompose keeps
+    int(L n (1 - ratio)) token slots of its `layers` x n, and ChunkKV and ChunkPress count whole chunks at
+    1 - B / n, as our `chunk_rounding=kvpress` does (check_references_worker)."""
+    if press in ("KVzipPress", "KVgradPress"):
         return 1 - (entries * budget / length - 0.5) / entries
-    if press == "PyramidKVPress":
+    if press == "KVComposePress":
+        return 1 - (layers * budget + 0.5) / (layers * length)
+    if press == "PyramidKVPress" or press in WHOLE_CHUNKS:
         return 1 - budget / length
     return 1 - (budget + 0.5) / length
 
@@ -149,8 +185,9 @@ def kept_lines(directory: Path) -> list[str]:
     if not files or not list(directory.glob("reference_prompt_*.npz")):
         return [f"kept sets: no check-references files in {directory} (run make check-references, or give --kept-from)"]
     first = np.load(files[0])
-    budgets = sorted({int(key.split("/")[1]) for key in first.files if key.startswith("snapkv/")})
-    layers = first[f"snapkv/{budgets[0]}/positions"].shape[0]
+    kept = [key for key in first.files if key.endswith("/positions")]  # any pair's: an `--only` run has some
+    budgets = sorted({int(key.split("/")[-2]) for key in kept})
+    layers = first[kept[0]].shape[0]
     lengths = [int(json.loads(str(np.load(path)["meta"]))["tokens"]) for path in files]
     lines = [text for name, _, text in compare(directory, layers, lengths, budgets) if name in PAIRS]
     return [f"kept sets (check-references in {directory}: {len(files)} prompts, B = {budgets}):", *lines]
@@ -167,7 +204,31 @@ def make_press(entry):
     return getattr(kvpress, name)(**options)
 
 
-def peer_run(model, ids, press, budget, max_new_tokens, stops) -> list[int]:
+def set_up(press, budget: int, n: int, question_at: int | None, config) -> None:
+    """What the pipeline leaves to its caller, set as check-references sets it: the compression ratio for the
+    budget (SimLayerKV has none), Finch's question part (no delimiter token: its hook never fires), the sketch
+    seeded per layer and Compactor's blending at 1 - B/n."""
+    import torch
+
+    kind = type(press).__name__
+    if kind != "SimLayerKVPress":
+        layers = config.num_hidden_layers
+        press.compression_ratio = keep_ratio(budget, n, kind, layers * config.num_key_value_heads * n, layers)
+    if kind == "FinchPress":
+        press.delimiter_token_id, press.window_size = -1, n - question_at
+    if kind in SEEDED:
+        own = press.compress
+
+        def seeded(module, *args):
+            torch.manual_seed(module.layer_idx)
+            return own(module, *args)
+
+        press.compress = seeded
+    if kind == "CompactorPress":
+        press.blending = 1 - budget / n
+
+
+def peer_run(model, ids, press, budget, max_new_tokens, stops, question_at=None) -> list[int]:
     """One variant as kvpress's pipeline runs it: prefill under the press (model.model, no lm head over the
     prompt), then greedy decoding at batch 1, positions continuing after the uncompressed prompt."""
     import contextlib
@@ -179,8 +240,7 @@ def peer_run(model, ids, press, budget, max_new_tokens, stops) -> list[int]:
     cache = DynamicCache()
     with torch.no_grad():
         if press is not None:
-            entries = model.config.num_hidden_layers * model.config.num_key_value_heads * n
-            press.compression_ratio = keep_ratio(budget, n, type(press).__name__, entries)
+            set_up(press, budget, n, question_at, model.config)
         with press(model) if press is not None else contextlib.nullcontext():
             hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
         token = model.lm_head(hidden[:, -1]).argmax(-1)
@@ -210,13 +270,13 @@ def worker(model_dir: str, threads: int | None) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         ids = torch.as_tensor(np.load(job["prompt"]), dtype=torch.long)[None]
-        entry = METHODS.get(job["press"])
+        entry = EVERY.get(job["press"])
         press = None if entry is None else make_press(entry)
         eager = entry is not None and entry[0] in EAGER
         if eager:
             model.set_attn_implementation("eager")
         start = time.perf_counter()
-        tokens = peer_run(model, ids, press, job["budget"], job["max_new_tokens"], set(job["stops"]))
+        tokens = peer_run(model, ids, press, job["budget"], job["max_new_tokens"], set(job["stops"]), job.get("question_at"))
         seconds = time.perf_counter() - start
         if eager:
             model.set_attn_implementation("sdpa")
@@ -275,7 +335,8 @@ def main() -> None:
     parser.add_argument("--target-tokens", type=int, default=3500)
     parser.add_argument("--budgets", default="128,512")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--sets", default=",".join(SETS), help="method sets to time, comma-separated")
+    parser.add_argument("--sets", default=",".join(DEFAULT_SETS),
+                        help=f"method sets to time, comma-separated (of: {', '.join(SETS)})")
     parser.add_argument("--methods", help="time only these methods (names, e.g. snapkv,tova) as one set")
     parser.add_argument("--curve", default=None,
                         help="also time ours on the first N variants, comma-separated (speedup against the number of "
@@ -317,6 +378,7 @@ def run(args) -> None:
     from ripplekv.pipeline.evaluate import load_all_samples
     from ripplekv.runs.safeio import check_output
     from ripplekv.tasks import build_prompt_ids, get_tasks
+    from ripplekv.tasks.prompts import question_start
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -357,7 +419,8 @@ def run(args) -> None:
         ids = build_prompt_ids(task, record, tokenizer, any_settings.max_length)
         np.save(path, np.asarray(ids, dtype=np.int64))
         prompts.append({"task": task.name, "sid": sid, "path": str(path), "tokens": len(ids),
-                        "max_new_tokens": task.max_new_tokens, "stops": stop_tokens(model, tokenizer, task.stop_at_newline)})
+                        "max_new_tokens": task.max_new_tokens, "stops": stop_tokens(model, tokenizer, task.stop_at_newline),
+                        "question_at": question_start(task, record, tokenizer, any_settings.max_length)})  # Finch's part
     with torch.no_grad():  # our warm-up, as the worker's
         model(torch.arange(100, 164)[None])
     _, model_dir = _source_and_location(None)
@@ -374,7 +437,7 @@ def run(args) -> None:
                 answers = {}
                 for prompt in prompts:
                     for spec, budget in [("full", None), *variants(union, budgets)]:
-                        result = peer.run(prompt=prompt["path"], press=spec, budget=budget,
+                        result = peer.run(prompt=prompt["path"], press=spec, budget=budget, question_at=prompt["question_at"],
                                           max_new_tokens=prompt["max_new_tokens"], stops=prompt["stops"])
                         text = tokenizer.decode(cut_at_stop(result["tokens"], prompt["stops"]), skip_special_tokens=True)
                         answers[(prompt["sid"], spec, budget)] = (result["seconds"], text)

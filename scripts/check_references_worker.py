@@ -275,8 +275,10 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
                                                                          attentions, kwargs)
         record.update(chunk_scores(eager, module, hidden, keys, values, kwargs, layer))
         record[f"knorm_scores/{layer}"] = -keys[0].float().norm(dim=-1).numpy()  # [H, n]: to tell ties apart
-        for name in ("expected", "keydiff", "finch"):
+        for name in ("expected", "keydiff", "finch", "leverage"):  # leverage: layer 0's repeated tokens tie exactly
             if name in eager:
+                if name in SEEDED:
+                    seeded(eager[name], name, budgets[0], n, layer)  # the sketch its `compress` drew
                 record[f"{name}_scores/{layer}"] = eager[name].score(module, hidden, keys, values, attentions, kwargs)[0].float().numpy()
         if "snapkv" in eager:
             snap = eager["snapkv"].score(module, hidden, keys, values, attentions, kwargs)

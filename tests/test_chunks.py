@@ -126,6 +126,20 @@ def test_chunkkv_kvpress_rounding_keeps_its_whole_chunks(setup):
         assert kept(mask[0]) == kept(mask[1]) == expected
 
 
+@pytest.mark.parametrize("spec", ["knorm:chunk_length=16:chunk_rounding=kvpress", "chunkkv:chunk_rounding=kvpress",
+                                  "knorm:segment_length=32:chunk_rounding=kvpress"])
+def test_kvpress_rounding_budgets_are_the_counts_it_keeps(setup, spec):
+    """`budgets` is what eval allocates, sizes caches by and checks every build against: under kvpress's rounding
+    it is the number of entries kept (whole chunks, each segment's floor), not the budget."""
+    from ripplekv.engine.schedule import entry_counts
+
+    state, _ = setup
+    method = make_method(spec)
+    counts = method.budgets(state, 50)
+    assert np.array_equal(counts, entry_counts(method.compress(state, 50)))
+    assert (counts != 50).any()  # the rounding keeps another number here, so the check means something
+
+
 @pytest.mark.parametrize("spec", ["knorm:chunk_length=10:gate=entropy", "keydiff:window=0:chunk_length=12:gate=entropy:spiky_keep=3"])
 def test_the_entropy_gate_follows_kvpress_rule(setup, spec):
     state, _ = setup
@@ -286,3 +300,17 @@ def test_an_eval_of_the_chunk_methods_and_lagkv_keeps_snapkvs_entries(tiny_model
     compressed = [row for row in rows if row["method"] != "full"]
     assert {row["method"] for row in compressed} == set(specs)
     assert len({row["kept_entries"] for row in compressed}) == 1
+
+
+@pytest.mark.slow
+def test_an_eval_of_kvpress_rounding_runs_and_reports_the_entries_it_kept(tiny_model_dir, tmp_path, run_cli):
+    """Before `budgets` counted kvpress's whole chunks, eval's check of every build against its allocation failed."""
+    import json
+
+    specs = ["snapkv", "chunkkv:chunk_rounding=kvpress", "chunkpress:scorer=knorm:segment_length=64:chunk_rounding=kvpress"]
+    out = tmp_path / "run"
+    code, _, err = run_cli("eval", "--model", str(tiny_model_dir), "--suite", "offline", "--tasks", "niah", "--limit",
+                           "1", "--target-tokens", "300", "--methods", ",".join(specs), "--budget", "50", "--out", str(out))
+    assert code == 0, err
+    rows = {row["method"]: row for row in map(json.loads, (out / "predictions.jsonl").read_text().splitlines())}
+    assert rows["chunkkv:chunk_rounding=kvpress"]["kept_entries"] < rows["snapkv"]["kept_entries"]

@@ -133,6 +133,10 @@ class WindowScorer(Scorer):
     def chunked(self) -> bool:
         return self.chunk_length is not None or self.segment_length is not None
 
+    @property
+    def rounds_counts(self) -> bool:
+        return self.chunk_rounding == "kvpress"
+
     def floor(self) -> int:
         return self.window
 

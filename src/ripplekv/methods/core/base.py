@@ -3,9 +3,9 @@
 Most methods are an allocator x a scorer (`AllocatorScorer`):
 - An **allocator** decides how many entries each (layer, KV head) keeps: an `[L, H_kv]` integer matrix
   that sums exactly to `L * H_kv * B` (or keeps everything when the prompt has n <= B tokens).
-- A **scorer** decides which entries a head keeps, given its count.
-- The method gathers the tokens the scorer keeps (a subclass may merge them instead, see `compress`).
-A method that is not built from the two (GraceKV's prototype trees) implements the protocol itself.
+- A **scorer** decides which entries a head keeps, given its count (`chunk_rounding=kvpress` keeps kvpress's).
+- The method gathers the tokens the scorer keeps (a subclass may merge them instead, see `compress`); a method
+  not built from the two (GraceKV's prototype trees) implements the protocol itself.
 
 On a model with sliding-window layers a layer holds at most its window (`PrefillState.capacity`): a scorer's
 candidates before it score -inf (`held_only`, applied to every `Scorer.scores`), and an allocator's shares are
@@ -30,7 +30,7 @@ from ripplekv.engine import entries
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
 from ripplekv.methods.core.budgets import capacities_of, check_budget, fit_layers, fit_to_capacities, integer_budgets
-from ripplekv.methods.core.registry import (  # noqa: F401 - the registries, found here as before
+from ripplekv.methods.core.registry import (  # noqa: F401 - these and the selection helpers, found here as before
     ALLOCATORS,
     DEFAULT_HEAD_ALPHA,
     HEAD_SPLITS,
@@ -39,12 +39,7 @@ from ripplekv.methods.core.registry import (  # noqa: F401 - the registries, fou
     register_head_split,
     register_scorer,
 )
-from ripplekv.methods.core.selection import (  # noqa: F401 - the selection helpers, found here as before
-    per_head,
-    recent_mask,
-    top_indices,
-    top_scored_mask,
-)
+from ripplekv.methods.core.selection import per_head, recent_mask, top_indices, top_scored_mask  # noqa: F401
 
 
 def layer_allocators() -> list[str]:
@@ -100,6 +95,7 @@ class Scorer:
     knows_answer: ClassVar[bool] = False
     # True: its scores are the same in every KV head of a layer, so a head split by them is the even split
     same_for_every_head: ClassVar[bool] = False
+    rounds_counts = False  # True: `keep` keeps its own number of entries (kvpress's whole chunks), not its count
 
     def unused_options(self) -> dict[str, str]:
         """Options this scorer takes that change nothing with its other options as set: name -> why
@@ -351,7 +347,13 @@ class AllocatorScorer:
         return fit_layers(self.allocator.layer_budgets(num_layers, budget, max(caps), self.floor()), caps)
 
     def budgets(self, state: PrefillState, budget: int) -> np.ndarray:
-        """The `[L, H_kv]` entry counts for this prompt, fitted to what each layer can hold."""
+        """The `[L, H_kv]` entry counts kept: the allocation, or what is selected where the scorer `rounds_counts`."""
+        if self.scorer is not None and self.scorer.rounds_counts:
+            return self.select(state, budget).sum(-1).cpu().numpy().astype(np.int64)
+        return self.allocation(state, budget)
+
+    def allocation(self, state: PrefillState, budget: int) -> np.ndarray:
+        """The `[L, H_kv]` counts allocated for this prompt, fitted to what each layer can hold."""
         caps = state.capacities
         if self.is_full:
             return np.repeat(np.asarray(caps, dtype=np.int64)[:, None], state.num_kv_heads, axis=1)
@@ -359,14 +361,12 @@ class AllocatorScorer:
 
     def select(self, state: PrefillState, budget: int) -> torch.Tensor:
         """Bool mask [L, H_kv, n] of the tokens kept (for token-selecting methods)."""
-        counts = self.budgets(state, budget)
+        counts = self.allocation(state, budget)
         masks = []
         for layer in range(state.num_layers):
             layer_counts = torch.as_tensor(counts[layer], device=state.device)
-            if bool((layer_counts >= state.capacity(layer)).all()):
-                masks.append(held_mask(state, layer))
-            else:
-                masks.append(self.scorer.keep(state, layer, layer_counts))
+            full = bool((layer_counts >= state.capacity(layer)).all())
+            masks.append(held_mask(state, layer) if full else self.scorer.keep(state, layer, layer_counts))
         return torch.stack(masks)
 
     def compress(self, state: PrefillState, budget: int) -> list[entries.LayerEntries]:
