@@ -185,12 +185,14 @@ def forced_rows(model, state: PrefillState, cache: CompressedCache, prefixes, an
     width = max(map(len, fed))
     tokens = torch.tensor([row + [row[-1] if row else 0] * (width - len(row)) for row in fed], dtype=torch.long,
                           device=state.device)
-    read = torch.log_softmax(forward_tokens(model, cache, tokens, state.length), -1)
+    start = min(len(prefix) - 1 if prefix else 0 for prefix in prefixes)  # no answer is read before it: no logits
+    read = torch.log_softmax(forward_tokens(model, cache, tokens, state.length, logits_to_keep=width - start), -1)
     first = torch.log_softmax(state.last_logits, -1)
     out = read.new_zeros(len(fed), max(map(len, answers)), read.shape[-1])
     for row, (prefix, answer) in enumerate(zip(prefixes, answers)):
         if prefix:
-            out[row, : len(answer)] = read[row, len(prefix) - 1 : len(prefix) - 1 + len(answer)]
+            at = len(prefix) - 1 - start
+            out[row, : len(answer)] = read[row, at : at + len(answer)]
         else:  # the answer's first token comes from the prefill
             out[row, 0] = first
             out[row, 1 : len(answer)] = read[row, : len(answer) - 1]
