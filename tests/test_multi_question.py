@@ -111,8 +111,11 @@ def test_questions_are_read_together_not_one_pass_each():
     variants = variants_of(("snapkv", "streamingllm"), (24,))
     state = prefill(model, context, capture_window=32, requirements=Requirements.of_all(v.method for v in variants))
     passes = []
-    hook = model.register_forward_hook(lambda module, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
-                                       with_kwargs=True)
+
+    def note(module, args, kwargs, out):
+        passes.append(tuple(kwargs["input_ids"].shape))
+
+    hook = model.register_forward_hook(note, with_kwargs=True)
     try:
         references = engine_questions.question_references(model, state, asked, 8)
         reading = list(passes)

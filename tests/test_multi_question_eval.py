@@ -230,8 +230,9 @@ def test_the_parity_scripts_kvpress_tie_order_keeps_what_torch_topk_keeps(monkey
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
     parity = load_script("check_references_questions")
+    selections = (selection.top_mask, selection.top_indices)
     bound = {(name, attribute): value for name, module in list(sys.modules.items()) if name.startswith("ripplekv")
-             for attribute, value in vars(module).items() if value is selection.top_mask or value is selection.top_indices}
+             for attribute, value in vars(module).items() if any(value is one for one in selections)}
     original_mask, original_indices = selection.top_mask, selection.top_indices
     scores = torch.tensor([[0.5, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, -3.0]])
     try:

@@ -7,7 +7,9 @@ and one that does continues from the cache the teacher-forced pass filled: the f
 divergence are hidden from it (`CompressedLayer.hidden`), its new tokens take the positions right after its
 own answer so far, and the variants of a group still running decode on, in that same cache (never copied).
 Groups are cut by kept length within a byte bound (`memory.plan_groups`); a group's entries are built
-only when it runs (`memory.LazyVariants`), so memory holds the fixed part and one group at a time.
+only when it runs (`memory.LazyVariants`), so memory holds the fixed part and one group at a time. The rows of
+one cache may ask different questions of one context (`diverge_rows`, for `engine.questions`): each reads its own
+question, is forced along its own reference, and decodes without seeing the padding that evens it with longer rows.
 
 Greedy outputs equal plain greedy decoding (`decode.greedy_decode`) up to floating-point ties: the forced
 pass computes the shared prefix's keys in one forward instead of one token at a time.
@@ -101,7 +103,7 @@ def diverge_rows(model, state: PrefillState, cache: CompressedCache, asks, slots
     """Row r of `cache` reads `asks[r]` = (prefix, reference): its prefix, then is forced along the reference's
     answer (one forward for every row), and decodes on from its first disagreement; its tokens and fidelity go to
     `result` at `slots[r]`. Rows may ask different questions (several questions of one context in one pass):
-    each is measured against its own reference, and what another row fed past its own end is hidden from it."""
+    each is measured against its own reference, and the padding that evens a row with longer ones is hidden from it."""
     fed = [list(prefix) + list(reference.tokens[:-1]) for prefix, reference in asks]
     width = max(map(len, fed))
     with timings.phase(timings.TEACHER_FORCED):
