@@ -1,13 +1,14 @@
 """What an extra question costs a compressed context, as a fraction of the context's prefill, on the bundled model.
 
-    nice -n 19 .venv/bin/python scripts/bench_questions.py [--target-tokens 3000] [--budget 128] [--repeats 2]
+    nice -n 5 env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python scripts/bench_questions.py \
+        [--target-tokens 3000] [--budget 128] [--repeats 2]
 
 One niah_multiquestion sample (three questions over one haystack), its context prefilled once. Side by side, in
 alternation, best of --repeats, in CPU seconds of this process (`timed`): the prefill of the context; answering
 the first question alone (the full cache's answer, then every variant compressed once and decoded,
-`engine.questions`); answering all its questions from that one compression. An extra question costs
-(all - first) / (questions - 1); printed as a fraction of the prefill, beside what asking it by prefilling the
-context again would cost (1 prefill + one question's answers).
+`engine.questions`); answering all its questions from that one compression (asked together, in one batch). An
+extra question costs (all - first) / (questions - 1); printed as a fraction of the prefill, beside what asking it
+by prefilling the context again would cost (1 prefill + one question's answers).
 """
 
 from __future__ import annotations

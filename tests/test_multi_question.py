@@ -61,7 +61,10 @@ def test_every_question_from_one_compression_is_that_question_asked_alone(monkey
     assert sorted(made) == sorted((v.label, v.budget) for v in variants)  # compressed once, whatever k is
     assert len(answered) == len(asked)
     for question, reference, decoded in zip(asked, references, answered):
-        assert reference.tokens == full_reference(model, state, 8, prefix=question).tokens
+        alone_reference = full_reference(model, state, 8, prefix=question)
+        assert reference.tokens == alone_reference.tokens
+        # its log-probs, taken while decoding, are the forced pass's along the same answer up to rounding
+        torch.testing.assert_close(reference.logprobs, alone_reference.logprobs, atol=1e-5, rtol=0)
         alone = decode_variants(model, state, reference, variants, decoding, SampleMemory(model), (), question)
         assert [one.tokens for one in decoded] == [one.tokens for one in alone]
         assert [one.fidelity.kl for one in decoded] == pytest.approx([one.fidelity.kl for one in alone], abs=1e-6)
@@ -72,8 +75,10 @@ def test_every_question_from_one_compression_is_that_question_asked_alone(monkey
     assert len({tuple(reference.tokens) for reference in references}) > 1
 
 
-def test_groups_split_by_memory_give_the_same_answers(monkeypatch):
-    """A tight memory bound cuts the variants into several groups, each built once: the numbers do not move."""
+@pytest.mark.parametrize("tight", ["memory", "groups"])
+def test_groups_split_by_memory_give_the_same_answers(monkeypatch, tight):
+    """A tight memory bound cuts the variants into several groups, each built once, and reads the questions one
+    at a time; groups of one variant that still read every question together: the numbers do not move."""
     model = tiny_llama()
     context, asked = tokens(120, seed=5), [tokens(6, seed=6), tokens(6, seed=7)]
     variants = variants_of(("snapkv", "streamingllm"), (16, 32))
@@ -82,13 +87,48 @@ def test_groups_split_by_memory_give_the_same_answers(monkeypatch):
     roomy = engine_questions.decode_questions(model, state, references, asked, variants, Decoding(6, 16),
                                               SampleMemory(model))
     made = counting_builds(monkeypatch)
-    monkeypatch.setattr(engine_questions, "variant_room", lambda *args, **kwargs: 2)  # one variant a group
+    if tight == "memory":
+        monkeypatch.setattr(engine_questions, "variant_room", lambda *args, **kwargs: 2)  # one variant a group
+    else:
+        def one_each(model, state, lengths, *rest):
+            return [[index] for index in range(len(lengths))]
+
+        monkeypatch.setattr(engine_questions, "fidelity_groups", one_each)
     tight = engine_questions.decode_questions(model, state, references, asked, variants, Decoding(6, 16),
                                               SampleMemory(model))
     assert len(made) == len(variants)
     for a, b in zip(roomy, tight):
         assert [one.tokens for one in a] == [one.tokens for one in b]
         assert [one.fidelity.kl for one in a] == pytest.approx([one.fidelity.kl for one in b], abs=1e-6)
+
+
+def test_questions_are_read_together_not_one_pass_each():
+    """All questions go through one forward that reads them through the full cache, then one forced pass per group
+    of variants with a row for every (variant, question); decoding steps advance every question at once, so they
+    number the longest answer's, not the answers' sum."""
+    model = tiny_llama()
+    context, asked = tokens(140, seed=9), [tokens(9, seed=10), tokens(5, seed=11), tokens(11, seed=12)]
+    variants = variants_of(("snapkv", "streamingllm"), (24,))
+    state = prefill(model, context, capture_window=32, requirements=Requirements.of_all(v.method for v in variants))
+    passes = []
+
+    def note(module, args, kwargs, out):
+        passes.append(tuple(kwargs["input_ids"].shape))
+
+    hook = model.register_forward_hook(note, with_kwargs=True)
+    try:
+        references = engine_questions.question_references(model, state, asked, 8)
+        reading = list(passes)
+        passes.clear()
+        engine_questions.decode_questions(model, state, references, asked, variants, Decoding(8, 16),
+                                          SampleMemory(model))
+    finally:
+        hook.remove()
+    longest = max(len(reference.tokens) for reference in references)
+    assert [shape for shape in reading if shape[1] > 1] == [(3, 11)]  # the questions, read together
+    assert len(reading) == 1 + longest - 1  # then one decoding step per answer token, nothing forced
+    assert [shape for shape in passes if shape[1] > 1] == [(2 * 3, 11 + longest - 1)]  # one group, six rows
+    assert len(passes) <= longest  # the forced pass, then at most one step per answer token for every row
 
 
 def test_a_total_decode_budget_is_refused_by_the_engine():

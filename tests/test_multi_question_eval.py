@@ -207,8 +207,43 @@ def test_the_kvpress_parity_script_lays_prompts_out_as_kvpress_and_counts_same_a
     assert tokenizer.decode(context).endswith("The cat is Tom.") and len(questions) == 2
     ours = {spec: {64: [["Tom", "x"]]} for spec in parity.PRESSES}
     theirs = {name: {"64": [["Tom ", "y"]]} for name in parity.PRESSES.values()}
-    lines = parity.compare(ours, theirs)
+    lines = parity.compare(ours, theirs, ours)
     assert [ok for _, ok, _ in lines] == [False] * len(parity.PRESSES) and "identical answers 0.5000 of 2" in lines[0][2]
+    tied = {spec: {64: [["Tom", "y"]]} for spec in parity.PRESSES}  # kvpress's tie order gives its answers
+    lines = parity.compare(ours, theirs, tied)
+    assert all(ok for _, ok, _ in lines) and "0.5000 of 2 (prompt, question, budget); with kvpress's tie order 1.0000" in lines[0][2]
     err = script_refusal("check_references_questions", "--budgets", "16", cwd=tmp_path, monkeypatch=monkeypatch,
                          capsys=capsys)
     assert err.startswith("error: --budgets must exceed the window") and not any(tmp_path.iterdir())
+
+
+def test_the_parity_scripts_kvpress_tie_order_keeps_what_torch_topk_keeps(monkeypatch):
+    """The parity's second pass keeps, among scores tied at the cut, torch.topk's entries in every selection (also
+    where a method imported the selection by name), and only the tie order changes."""
+    import sys
+
+    import torch
+
+    from ripplekv.methods import snapkv
+    from ripplekv.methods.core import base, selection
+    from tests.conftest import load_script
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    parity = load_script("check_references_questions")
+    selections = (selection.top_mask, selection.top_indices)
+    bound = {(name, attribute): value for name, module in list(sys.modules.items()) if name.startswith("ripplekv")
+             for attribute, value in vars(module).items() if any(value is one for one in selections)}
+    original_mask, original_indices = selection.top_mask, selection.top_indices
+    scores = torch.tensor([[0.5, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, -3.0]])
+    try:
+        parity.kvpress_ties()
+        expected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, torch.topk(scores, 3).indices, True)
+        assert torch.equal(selection.top_mask(scores, 3), expected)
+        assert torch.equal(selection.top_indices(scores, 3), torch.topk(scores, 3).indices)
+        assert base.top_indices is selection.top_indices  # a name imported elsewhere is rebound too
+        assert torch.equal(snapkv.top_scored_mask(scores, 8, 0, 3), expected)  # which reads selection's top_mask
+        assert torch.equal(selection.top_mask(scores, 1), original_mask(scores, 1))  # no tie at the cut: same set
+    finally:
+        for (name, attribute), value in bound.items():
+            setattr(sys.modules[name], attribute, value)
+    assert selection.top_mask is original_mask and selection.top_indices is original_indices

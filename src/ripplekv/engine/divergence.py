@@ -7,7 +7,9 @@ and one that does continues from the cache the teacher-forced pass filled: the f
 divergence are hidden from it (`CompressedLayer.hidden`), its new tokens take the positions right after its
 own answer so far, and the variants of a group still running decode on, in that same cache (never copied).
 Groups are cut by kept length within a byte bound (`memory.plan_groups`); a group's entries are built
-only when it runs (`memory.LazyVariants`), so memory holds the fixed part and one group at a time.
+only when it runs (`memory.LazyVariants`), so memory holds the fixed part and one group at a time. The rows of
+one cache may ask different questions of one context (`diverge_rows`, for `engine.questions`): each reads its own
+question, is forced along its own reference, and decodes without seeing the padding that evens it with longer rows.
 
 Greedy outputs equal plain greedy decoding (`decode.greedy_decode`) up to floating-point ties: the forced
 pass computes the shared prefix's keys in one forward instead of one token at a time.
@@ -86,48 +88,69 @@ def decode_by_divergence(
     source = LazyVariants.of(variants)
     stop = {int(t) for t in stop_ids}
     prefix = list(prefix or [])
-    answer = list(reference.tokens)
-    fed = prefix + answer[:-1]  # what the forced pass reads through each variant's cache
-    base = state.length + len(prefix)  # position of the first answer token
     result = DivergenceResult(tokens=[None] * len(source), fidelity=[None] * len(source))
     for picked in _groups(model, state, source.lengths, reference, fidelity_batch, prefix, memory_bytes,
                           max_new_tokens, room_after):
         with timings.phase(timings.TEACHER_FORCED):  # the builds inside count as their methods'
             cache = build_lazily(state, (source.build(i) for i in picked), [source.lengths[i] for i in picked])
-            logprobs = _forced_logprobs(model, state, cache, fed, len(prefix))
-            for i, one in zip(picked, fidelity(reference.logprobs, logprobs, answer)):
-                result.fidelity[i] = one
-            choices = logprobs.argmax(-1).tolist()  # [V, T]
-            del logprobs
-        keep, hidden, rows, starts = [], [], [], []
-        for row, (variant, own) in enumerate(zip(picked, choices)):
-            split = _divergence(own, answer)
-            if split is None:  # agrees everywhere, so it also stops where the full answer stops
-                result.tokens[variant] = list(answer)
-                continue
-            tokens = answer[:split] + [int(own[split])]
-            result.tokens[variant] = tokens
-            if tokens[-1] in stop or len(tokens) >= max_new_tokens:
-                continue
-            keep.append(row)
-            rows.append(variant)
-            starts.append(base + split)
-            visible = torch.zeros(len(fed), dtype=torch.float32, device=state.device)
-            visible[len(prefix) + split :] = float("-inf")
-            hidden.append(visible)
-        if keep:
-            with timings.phase(timings.DIVERGENCE_DECODE):
-                if len(keep) < len(picked):  # the group's cache is its own: rows move down, never copied
-                    cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device), in_place=True)
-                _hide_after_divergence(cache, torch.stack(hidden))
-                result.decoded += len(rows)
-                result.batches += 1
-                _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop)
+        diverge_rows(model, state, cache, [(prefix, reference)] * len(picked), picked, result, max_new_tokens, stop)
         del cache
     return result
 
 
-def _hide_after_divergence(cache, mask: torch.Tensor) -> None:
+def diverge_rows(model, state: PrefillState, cache: CompressedCache, asks, slots, result: DivergenceResult,
+                 max_new_tokens: int, stop) -> None:
+    """Row r of `cache` reads `asks[r]` = (prefix, reference): its prefix, then is forced along the reference's
+    answer (one forward for every row), and decodes on from its first disagreement; its tokens and fidelity go to
+    `result` at `slots[r]`. Rows may ask different questions (several questions of one context in one pass):
+    each is measured against its own reference, and the padding that evens a row with longer ones is hidden from it."""
+    fed = [list(prefix) + list(reference.tokens[:-1]) for prefix, reference in asks]
+    width = max(map(len, fed))
+    with timings.phase(timings.TEACHER_FORCED):
+        logprobs = forced_rows(model, state, cache, [prefix for prefix, _ in asks], [r.tokens for _, r in asks])
+        for reference, rows in _rows_by_reference(asks):
+            answer = list(reference.tokens)
+            part = logprobs if len(rows) == len(asks) else logprobs[rows]
+            for row, one in zip(rows, fidelity(reference.logprobs, part[:, : len(answer)], answer)):
+                result.fidelity[slots[row]] = one
+        choices = logprobs.argmax(-1).tolist()  # [R, T]
+        del logprobs
+    keep, hidden, rows, starts = [], [], [], []
+    for row, ((prefix, reference), own) in enumerate(zip(asks, choices)):
+        answer, variant = list(reference.tokens), slots[row]
+        split = _divergence(own[: len(answer)], answer)
+        if split is None:  # agrees everywhere, so it also stops where the full answer stops
+            result.tokens[variant] = answer
+            continue
+        tokens = answer[:split] + [int(own[split])]
+        result.tokens[variant] = tokens
+        if tokens[-1] in stop or len(tokens) >= max_new_tokens:
+            continue
+        keep.append(row)
+        rows.append(variant)
+        starts.append(state.length + len(prefix) + split)
+        visible = torch.zeros(width, dtype=torch.float32, device=state.device)
+        visible[len(prefix) + split :] = float("-inf")
+        hidden.append(visible)
+    if keep:
+        with timings.phase(timings.DIVERGENCE_DECODE):
+            if len(keep) < len(asks):  # the group's cache is its own: rows move down, never copied
+                cache.select_variants(torch.tensor(keep, dtype=torch.long, device=state.device), in_place=True)
+            hide(cache, torch.stack(hidden))
+            result.decoded += len(rows)
+            result.batches += 1
+            greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop)
+
+
+def _rows_by_reference(asks):
+    """(reference, the rows forced along it), in the order each reference first appears."""
+    rows: dict[int, tuple] = {}
+    for row, (_, reference) in enumerate(asks):
+        rows.setdefault(id(reference), (reference, []))[1].append(row)
+    return list(rows.values())
+
+
+def hide(cache, mask: torch.Tensor) -> None:
     """Give every layer of `cache` the forced answer's positions each row must not see (a helper, so that no loop
     variable keeps a finished group's last layer alive into the next group's build)."""
     for layer in cache.layers:
@@ -152,22 +175,59 @@ def _groups(model, state, lengths, reference, batch_size, prefix, memory_bytes, 
             bound = room_after()
 
 
-def _forced_logprobs(model, state: PrefillState, cache: CompressedCache, fed: list[int], prefix_length: int):
-    """Log-probs [V, T, vocab] along the answer, as `decode.teacher_forced_logprobs`, filling `cache`."""
+def forced_rows(model, state: PrefillState, cache: CompressedCache, prefixes, answers) -> torch.Tensor:
+    """Log-probs [R, T, vocab] (T: the longest answer) of each row of `cache` along its answer, read after its
+    prefix, as `decode.teacher_forced_logprobs`; fills `cache` with what each row was fed (its prefix and answer
+    but the last token, right-padded to the longest: no real token sees the padding, which comes after it). A
+    row's positions past its own answer hold zeros."""
+    if len({len(p) for p in prefixes}) == 1 and len({len(a) for a in answers}) == 1:  # one shape: as ever
+        return _forced_logprobs(model, state, cache, list(prefixes[0]) + list(answers[0][:-1]), len(prefixes[0]),
+                                [list(p) + list(a[:-1]) for p, a in zip(prefixes, answers)])
+    fed = [list(p) + list(a[:-1]) for p, a in zip(prefixes, answers)]
+    width = max(map(len, fed))
+    tokens = torch.tensor([row + [row[-1] if row else 0] * (width - len(row)) for row in fed], dtype=torch.long,
+                          device=state.device)
+    start = min(len(prefix) - 1 if prefix else 0 for prefix in prefixes)  # no answer is read before it: no logits
+    read = torch.log_softmax(forward_tokens(model, cache, tokens, state.length, logits_to_keep=width - start), -1)
+    first = torch.log_softmax(state.last_logits, -1)
+    out = read.new_zeros(len(fed), max(map(len, answers)), read.shape[-1])
+    for row, (prefix, answer) in enumerate(zip(prefixes, answers)):
+        if prefix:
+            at = len(prefix) - 1 - start
+            out[row, : len(answer)] = read[row, at : at + len(answer)]
+        else:  # the answer's first token comes from the prefill
+            out[row, 0] = first
+            out[row, 1 : len(answer)] = read[row, : len(answer) - 1]
+    return out
+
+
+def _forced_logprobs(model, state: PrefillState, cache: CompressedCache, fed: list[int], prefix_length: int,
+                     rows: list[list[int]] | None = None):
+    """Log-probs [V, T, vocab] along the answer, as `decode.teacher_forced_logprobs`, filling `cache` (`rows`: what
+    each row reads, all of `fed`'s length; default `fed` in every row)."""
+    if rows is not None and all(row == fed for row in rows):
+        rows = None
     if prefix_length:
-        tokens = torch.tensor(fed, dtype=torch.long, device=state.device)
-        logits = forward_tokens(model, cache, tokens[None].expand(cache.num_variants, -1), state.length)
+        tokens = _fed(state, cache, fed, rows)
+        logits = forward_tokens(model, cache, tokens, state.length)
         return torch.log_softmax(logits[:, prefix_length - 1 :], -1)
     first = torch.log_softmax(state.last_logits, -1)[None, None].expand(cache.num_variants, 1, -1)
     if not fed:
         return first.clone()
-    tokens = torch.tensor(fed, dtype=torch.long, device=state.device)[None].expand(cache.num_variants, -1)
-    rest = torch.log_softmax(forward_tokens(model, cache, tokens, state.length), -1)
+    rest = torch.log_softmax(forward_tokens(model, cache, _fed(state, cache, fed, rows), state.length), -1)
     return torch.cat([first, rest], dim=1)
 
 
-def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> None:
-    """Decode `rows` (variant indices into result.tokens) from their last token until stop or the limit."""
+def _fed(state, cache, fed, rows):
+    """[V, P] tokens: `fed` in every row (expanded, as ever), or each row its own."""
+    if rows is None:
+        return torch.tensor(fed, dtype=torch.long, device=state.device)[None].expand(cache.num_variants, -1)
+    return torch.tensor(rows, dtype=torch.long, device=state.device)
+
+
+def greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop, record=None) -> None:
+    """Decode `rows` (variant indices into result.tokens) from their last token until stop or the limit;
+    `record(rows, logits)`, when given, sees each step's float32 logits [rows still running, vocab]."""
     device = cache.layers[0].prompt_keys.device
     active = list(rows)
     positions = torch.tensor(starts, dtype=torch.long, device=device)
@@ -175,7 +235,10 @@ def _greedy_rows(model, cache, rows, starts, result, max_new_tokens, stop) -> No
         last = torch.tensor([[result.tokens[v][-1]] for v in active], dtype=torch.long, device=device)
         out = model(input_ids=last, position_ids=positions[:, None], cache=cache, use_cache=True,
                     ripplekv_cache=cache, logits_to_keep=1)
-        chosen = out.logits[:, -1].float().argmax(-1).tolist()
+        logits = out.logits[:, -1].float()
+        if record is not None:
+            record(active, logits)
+        chosen = logits.argmax(-1).tolist()
         result.steps += 1
         still = []
         for row, (variant, token) in enumerate(zip(active, chosen)):
