@@ -231,6 +231,26 @@ def test_the_page_says_what_it_measured_first_and_its_verdict_rests_on_table_row
         assert f"| {row_id} |" in page
     assert "| ripplekv (profile + ratio) | 0 |" in page
     assert "**Time:** the stages took 0 h 2 min on this machine" in page  # 3 draws x (10 + 5 + 30 + 7) s
+    (out / "sittings.csv").write_text(f"started_utc,commit\n2026-12-06 10:00:00,{'a' * 40}\n"
+                                      f"2026-12-06 11:00:00,{'a' * 40}\n2026-12-06 12:00:00,{'b' * 40}+dirty\n")
+    page = write_study_page(out, "results/study").read_text()
+    assert f"It ran in 3 sitting(s) at commit(s) `{'a' * 12}`, `{'b' * 12}+dirty` (`sittings.csv`)." in page
+
+
+def test_a_sitting_records_the_commit_of_the_code_running_it(tmp_path):
+    import re
+
+    from ripplekv.pipeline.study.run import record_sitting, source_commit
+
+    commit = source_commit()
+    if (Path(__file__).resolve().parent.parent / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit)
+    else:  # a copy without its history
+        assert commit == "unknown"
+    record_sitting(str(tmp_path))
+    record_sitting(str(tmp_path))
+    table = pd.read_csv(tmp_path / "sittings.csv")
+    assert list(table.columns) == ["started_utc", "commit"] and list(table["commit"]) == [commit, commit]
 
 
 def tiny_config(tmp_path: Path, model: str) -> Path:
@@ -301,6 +321,7 @@ def test_the_study_runs_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, mon
     assert table.groupby("draw")["ids_hash"].nunique().eq(1).all() and table["ids_hash"].nunique() == 2
     assert set(table["method"]) == {"ripplekv (profile + ratio)", "compresskv", "lukv (snapkv curve)",
                                     "lukv (expected-attention curve)", "lukv (lukv curve)"}
+    assert len(pd.read_csv(out / "sittings.csv")) == 1
     spread = pd.read_csv(out / "calibration_spread.csv")
     assert len(spread) > 0
     assert (out / "second" / "predictions.jsonl").is_file()

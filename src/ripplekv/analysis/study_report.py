@@ -110,12 +110,17 @@ def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
 
 
 def run_time_line(out: Path) -> str:
-    """The study's cost in hours, from stages.csv (a stage counts the sitting that finished it)."""
+    """The study's cost in hours, from stages.csv (a stage counts the sitting that finished it), and the code
+    commits its sittings ran at (sittings.csv)."""
     times = out / "stages.csv"
     seconds = int(pd.read_csv(times)["seconds"].sum()) if times.is_file() else 0
+    sittings = out / "sittings.csv"
+    commits = list(dict.fromkeys(pd.read_csv(sittings)["commit"])) if sittings.is_file() else []
+    code = (f" It ran in {len(pd.read_csv(sittings))} sitting(s) at commit(s) "
+            f"{', '.join(f'`{c[:12]}{c[40:]}`' for c in commits)} (`sittings.csv`)." if commits else "")
     return (f"**Time:** the stages took {seconds // 3600} h {seconds % 3600 // 60} min on this machine "
             "(`stages.csv`; a stage interrupted and resumed counts the sitting that finished it; each eval's "
-            "`timings.csv` has every sample's seconds).")
+            f"`timings.csv` has every sample's seconds).{code}")
 
 
 def write_study_page(out: Path, final: str) -> Path:

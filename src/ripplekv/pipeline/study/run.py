@@ -31,6 +31,35 @@ LINKED = ("predictions.jsonl", "informative.csv")  # the eval's files also reach
 POWER_JSON, DRAWS_CSV, DESIGN_JSON = "power.json", "draws.csv", "design.json"
 
 
+SITTINGS_CSV = "sittings.csv"
+
+
+def source_commit() -> str:
+    """The git commit of the code running the study (`+dirty` with uncommitted changes in it), or `unknown`
+    outside a git checkout: a study spans sittings, and the code may change between them."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                               cwd=here.parents[2], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def record_sitting(out: str) -> None:
+    """Append this sitting's start (UTC) and code commit to OUT/sittings.csv (the page lists them)."""
+    from datetime import UTC, datetime
+
+    path = Path(out) / SITTINGS_CSV
+    if not path.is_file():
+        path.write_text("started_utc,commit\n")
+    with path.open("a") as handle:
+        handle.write(f"{datetime.now(UTC).strftime('%Y-%m-%d %H:%M:%S')},{source_commit()}\n")
+
+
 def labels(specs: list[str]) -> list[str]:
     """Each spec's eval label (what predictions.jsonl calls it)."""
     from ripplekv.methods import make_method
@@ -140,6 +169,7 @@ def study(config_path: str, check_only: bool = False, page_only: bool = False) -
         return
     run = StagedRun(config.out)
     run.begin()
+    record_sitting(run.out)
     screen = run.path("screen")
     run.stage("screen", f"{screen}/screen.choice.json", plan.screen_command(config, screen))
     choice, other = plan.read_choices(f"{screen}/screen.choice.json", config.max_tasks)
