@@ -37,15 +37,7 @@ from ripplekv.engine.cache import install
 from ripplekv.engine.malloc import keeping_freed_memory
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import register_scorer
-from ripplekv.methods.kvzip import (
-    FIRST_REQUEST,
-    LATER_REQUEST,
-    OVERLAP,
-    KVzipScorer,
-    assistant_opening,
-    template_opening,
-    tokenizer_of,
-)
+from ripplekv.methods.kvzip import KVzipScorer, replay_chunks
 from ripplekv.methods.signals.continuation import Handing, causal_attention_rows
 
 GRADIENT_PASS = "kvgrad gradient pass"  # the pass's phase in `engine.timings` (within its method's build)
@@ -61,18 +53,10 @@ def replay_with_gradients(state, n_sink: int, chunk: int, skip_template: int = 0
     if state.model is None:
         raise UserError("kvgrad needs the model for its replay and backward pass: prefill with the model")
     with timings.phase(GRADIENT_PASS), torch.inference_mode(False), keeping_freed_memory():
-        tokenizer = tokenizer_of(state)
-        opening = assistant_opening(tokenizer)
-        ids = state.input_ids.tolist()
-        length = len(ids)
+        length = len(state.input_ids)
         scores = torch.zeros(state.num_layers, state.num_kv_heads, length, dtype=torch.float32, device=state.device)
-        first = min(template_opening(tokenizer), length - 1) if skip_template else 0
-        for start in range(first, length, chunk):
-            stop = min(length, start + chunk)
-            request = tokenizer.encode(FIRST_REQUEST if start == first else LATER_REQUEST, add_special_tokens=False)
-            if start > first:
-                request = request + ids[max(first, start - OVERLAP):start]
-            score_chunk(state, request + opening + ids[start:stop], scores, min(n_sink, start), start, stop)
+        for tokens, start, stop in replay_chunks(state, chunk, skip_template):
+            score_chunk(state, tokens, scores, min(n_sink, start), start, stop)
         scores[..., :n_sink] = scores.max() + 1.0
     return scores
 

@@ -120,19 +120,27 @@ def reconstruct(state, n_sink: int, chunk: int, skip_template: int = 0) -> torch
         return _reconstruct(state, n_sink, chunk, skip_template)
 
 
-def _reconstruct(state, n_sink: int, chunk: int, skip_template: int) -> torch.Tensor:
+def replay_chunks(state, chunk: int, skip_template: int):
+    """KVzip's replay, chunk by chunk: (tokens, start, stop) for each `chunk`-token slice start:stop of the prompt,
+    `tokens` the repeat request (with the end of the slice before, after the first), the assistant's opening and
+    the slice. `kvgrad` replays the same way."""
     tokenizer = tokenizer_of(state)
     opening = assistant_opening(tokenizer)
     ids = state.input_ids.tolist()
     length = len(ids)
-    scores = torch.zeros(state.num_layers, state.num_kv_heads, length, dtype=torch.float32, device=state.device)
     first = min(template_opening(tokenizer), length - 1) if skip_template else 0
     for start in range(first, length, chunk):
         stop = min(length, start + chunk)
         request = tokenizer.encode(FIRST_REQUEST if start == first else LATER_REQUEST, add_special_tokens=False)
         if start > first:
             request = request + ids[max(first, start - OVERLAP):start]
-        tokens = request + opening + ids[start:stop]
+        yield request + opening + ids[start:stop], start, stop
+
+
+def _reconstruct(state, n_sink: int, chunk: int, skip_template: int) -> torch.Tensor:
+    length = len(state.input_ids)
+    scores = torch.zeros(state.num_layers, state.num_kv_heads, length, dtype=torch.float32, device=state.device)
+    for tokens, start, stop in replay_chunks(state, chunk, skip_template):
         probe_tokens(state.model, state, tokens, attend=ScoringAttention(scores, length, min(n_sink, start), start, stop))
     scores[..., :n_sink] = 1.0
     return scores
