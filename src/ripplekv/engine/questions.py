@@ -27,9 +27,9 @@ from ripplekv.engine import timings
 from ripplekv.engine.cache import build_cache, build_lazily
 from ripplekv.engine.decode import Reference, fidelity_groups, forward_tokens
 from ripplekv.engine.divergence import DivergenceResult, decode_variants, diverge_rows, greedy_rows, hide
-from ripplekv.engine.memory import StepCosts, note_prefill_over, tensor_bytes, variant_room
+from ripplekv.engine.memory import StepCosts, tensor_bytes, variant_room
 from ripplekv.engine.prefill import PrefillState
-from ripplekv.engine.schedule import Decoded, Decoding, SampleMemory, Variant, build
+from ripplekv.engine.schedule import Decoded, Decoding, SampleMemory, Variant, build, planned_counts
 
 
 @torch.inference_mode()
@@ -86,14 +86,7 @@ def decode_questions(model, state: PrefillState, references: Sequence[Reference]
     if decoding.total:
         raise ValueError("several questions from one compressed cache decode under prompt budgets only")
     questions = [list(question) for question in questions]
-    prefilled = memory.weights + max(0, memory.meter.mark() - memory.meter.origin)
-    if prefilled > memory.budget:
-        note_prefill_over(state.length, prefilled, memory.budget)
-    counts = []
-    for variant in variants:  # a method's allocation is part of its build
-        with timings.phase(timings.BUILD, variant.label):
-            counts.append(variant.method.budgets(state, variant.budget))
-    lengths = [[int(c) for c in count.max(1)] for count in counts]
+    counts, lengths = planned_counts(state, variants, memory)
     longest = max(references, key=lambda one: len(one.tokens))
     widest = max(questions, key=len)
     scorers = len({id(variant.method) for variant in variants})

@@ -133,6 +133,19 @@ def entry_counts(built: list) -> np.ndarray:
     return np.array([[int(c) for c in layer.counts.tolist()] for layer in built], dtype=np.int64)
 
 
+def planned_counts(state: PrefillState, variants: Sequence[Variant], memory: SampleMemory):
+    """(each variant's [L, H_kv] counts, each layer's entries padded across heads), after noting a prefill (and
+    reference) whose peak is over the memory budget. A method's allocation is timed as part of its build."""
+    prefilled = memory.weights + max(0, memory.meter.mark() - memory.meter.origin)  # prefill's and reference's peak
+    if prefilled > memory.budget:
+        note_prefill_over(state.length, prefilled, memory.budget)
+    counts = []
+    for variant in variants:
+        with timings.phase(timings.BUILD, variant.label):
+            counts.append(variant.method.budgets(state, variant.budget))
+    return counts, [[int(c) for c in count.max(1)] for count in counts]
+
+
 def decode_variants(model, state: PrefillState, reference: Reference, variants: Sequence[Variant], decoding: Decoding,
                     memory: SampleMemory, stops=(), question: Sequence[int] = ()) -> list[Decoded]:
     """Every variant's tokens and fidelity, from the one prefill in `state`, in `variants`' order (see above).
@@ -140,14 +153,7 @@ def decode_variants(model, state: PrefillState, reference: Reference, variants: 
     `reference`: the full cache's answer (after `question`, read through each compressed cache first).
     `memory`: the sample's budget and meter, started before the prefill."""
     question = list(question)
-    prefilled = memory.weights + max(0, memory.meter.mark() - memory.meter.origin)  # prefill's and reference's peak
-    if prefilled > memory.budget:
-        note_prefill_over(state.length, prefilled, memory.budget)
-    counts = []
-    for variant in variants:  # a method's allocation is part of its build
-        with timings.phase(timings.BUILD, variant.label):
-            counts.append(variant.method.budgets(state, variant.budget))
-    lengths = [[int(c) for c in count.max(1)] for count in counts]  # each layer's entries, padded across heads
+    counts, lengths = planned_counts(state, variants, memory)
     scorers = len({id(variant.method) for variant in variants})
     room = variant_room(model, state, reference, [str(v) for v in variants], lengths, scorers, memory.budget,
                         len(question), decoding.max_new_tokens)
