@@ -249,35 +249,47 @@ def _haystack(sentences: list[tuple[str, bool]], needles: dict[int, list[str]]) 
     return "\n\n".join(out)
 
 
-def _niah(b: _Builder, n: int, needles_per_sample: int = 1) -> list[dict]:
-    """Needles "The special magic number for <key> is: <7 digits>." in essay text; the asked one
-    sits at a depth spread over 0-100% across samples, distractor needles (multikey) anywhere."""
+def _draw_needles(b: _Builder, i: int, count: int) -> tuple[list, list[str], list[str], list[float]]:
+    """Sample i's essay sentences and `count` needles (keys, 7-digit values not in the text, depths): the first
+    needle's depth spread over 0-100% across samples, the others anywhere. `_niah` and the multi-question needle
+    task draw them alike."""
     stream = _essay_stream(b.split)
     nouns = NOUNS[0::2] if b.split == "eval" else NOUNS[1::2]
     low, high = NEEDLE_VALUES[b.split]
+    rng = b.rng(i)
+    start = rng.randrange(len(stream))
+    sentences, chars = [], 0
+    while not _enough(chars, b.target) and len(sentences) < len(stream):
+        sentences.append(stream[(start + len(sentences)) % len(stream)])
+        chars += len(sentences[-1][0])
+    text = " ".join(s for s, _ in sentences)
+    keys = rng.sample([f"{adj}-{noun}" for adj in ADJECTIVES for noun in nouns], count)
+    values: list[str] = []
+    while len(values) < count:
+        value = str(rng.randrange(low, high))
+        if value not in text and value not in values:
+            values.append(value)
+    return sentences, keys, values, [b.depth(i)] + [rng.random() for _ in range(count - 1)]
+
+
+def _needle_haystack(sentences: list, units: int, keys, values, depths) -> str:
+    """The first `units` sentences with each needle placed at its depth."""
+    placed: dict[int, list[str]] = {}
+    for key, value, depth in zip(keys, values, depths):
+        placed.setdefault(round(depth * units), []).append(f"The special magic number for {key} is: {value}.")
+    return _haystack(sentences[:units], placed)
+
+
+def _niah(b: _Builder, n: int, needles_per_sample: int = 1) -> list[dict]:
+    """Needles "The special magic number for <key> is: <7 digits>." in essay text; the asked one
+    sits at a depth spread over 0-100% across samples, distractor needles (multikey) anywhere."""
     samples = []
     for i in range(n):
-        rng = b.rng(i)
-        start = rng.randrange(len(stream))
-        sentences, chars = [], 0
-        while not _enough(chars, b.target) and len(sentences) < len(stream):
-            sentences.append(stream[(start + len(sentences)) % len(stream)])
-            chars += len(sentences[-1][0])
-        text = " ".join(s for s, _ in sentences)
-        keys = rng.sample([f"{adj}-{noun}" for adj in ADJECTIVES for noun in nouns], needles_per_sample)
-        values = []
-        while len(values) < needles_per_sample:
-            value = str(rng.randrange(low, high))
-            if value not in text and value not in values:
-                values.append(value)
-        depths = [b.depth(i)] + [rng.random() for _ in range(needles_per_sample - 1)]
+        sentences, keys, values, depths = _draw_needles(b, i, needles_per_sample)
         question = f"What is the special magic number for {keys[0]} mentioned in the provided text?"
 
         def compose(k, i=i, sentences=sentences, keys=keys, values=values, depths=depths, question=question):
-            placed: dict[int, list[str]] = {}
-            for key, value, depth in zip(keys, values, depths):
-                placed.setdefault(round(depth * k), []).append(f"The special magic number for {key} is: {value}.")
-            return b.record(i, _haystack(sentences[:k], placed), question, [values[0]])
+            return b.record(i, _needle_haystack(sentences, k, keys, values, depths), question, [values[0]])
 
         samples.append(b.fit(compose, [s + " " for s, _ in sentences]))
     return samples

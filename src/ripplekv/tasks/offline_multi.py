@@ -13,9 +13,9 @@ LongBench record for its first question plus `questions`: every question asked o
 
 from __future__ import annotations
 
-from ripplekv.tasks.offline import ADJECTIVES, NEEDLE_VALUES, NOUNS, _haystack
+from ripplekv.tasks.offline import _draw_needles, _needle_haystack
 from ripplekv.tasks.offline_fit import _Builder, _enough, _take
-from ripplekv.tasks.offline_sources import _essay_stream, _in_split, _sentences, _squad_articles
+from ripplekv.tasks.offline_sources import _in_split, _sentences, _squad_articles
 
 QUESTIONS_PER_CONTEXT = 3
 
@@ -27,33 +27,14 @@ def with_questions(record: dict, asked) -> dict:
 
 def _niah_questions(b: _Builder, n: int, k: int = QUESTIONS_PER_CONTEXT) -> list[dict]:
     """k needles "The special magic number for <key> is: <7 digits>." in essay text, each asked in turn."""
-    stream = _essay_stream(b.split)
-    nouns = NOUNS[0::2] if b.split == "eval" else NOUNS[1::2]
-    low, high = NEEDLE_VALUES[b.split]
     samples = []
     for i in range(n):
-        rng = b.rng(i)
-        start = rng.randrange(len(stream))
-        sentences, chars = [], 0
-        while not _enough(chars, b.target) and len(sentences) < len(stream):
-            sentences.append(stream[(start + len(sentences)) % len(stream)])
-            chars += len(sentences[-1][0])
-        text = " ".join(s for s, _ in sentences)
-        keys = rng.sample([f"{adj}-{noun}" for adj in ADJECTIVES for noun in nouns], k)
-        values: list[str] = []
-        while len(values) < k:
-            value = str(rng.randrange(low, high))
-            if value not in text and value not in values:
-                values.append(value)
-        depths = [b.depth(i)] + [rng.random() for _ in range(k - 1)]
+        sentences, keys, values, depths = _draw_needles(b, i, k)
         asked = [(f"What is the special magic number for {key} mentioned in the provided text?", [value])
                  for key, value in zip(keys, values)]
 
         def compose(units, i=i, sentences=sentences, keys=keys, values=values, depths=depths, asked=asked):
-            placed: dict[int, list[str]] = {}
-            for key, value, depth in zip(keys, values, depths):
-                placed.setdefault(round(depth * units), []).append(f"The special magic number for {key} is: {value}.")
-            record = b.record(i, _haystack(sentences[:units], placed), *asked[0])
+            record = b.record(i, _needle_haystack(sentences, units, keys, values, depths), *asked[0])
             return with_questions(record, asked)
 
         samples.append(b.fit(compose, [s + " " for s, _ in sentences]))
