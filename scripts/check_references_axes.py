@@ -97,7 +97,7 @@ def reference_axes(model, ids, out: Path, index: int) -> None:
     from unittest import mock
 
     import torch
-    from check_references_worker import ratio
+    from check_references_worker import forward_with_hook, ratio
     from kvpress import (
         BlockPress,
         CAMPress,
@@ -173,14 +173,7 @@ def reference_axes(model, ids, out: Path, index: int) -> None:
                 record[f"blockwise/{key}/tensor"] = kept_keys[0].float().numpy()
         return output
 
-    model.set_attn_implementation("eager")
-    hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(ids, past_key_values=DynamicCache(config=model.config))
-    finally:
-        for handle in hooks:
-            handle.remove()
+    forward_with_hook(model, ids, hook, "eager", DynamicCache)
     np.savez_compressed(out / f"axes_reference_{index}.npz", **record)
 
 

@@ -248,6 +248,21 @@ def seeded(press, name: str, budget: int, n: int, layer: int) -> None:
         press.blending = 1 - budget / n
 
 
+def forward_with_hook(model, ids, hook, implementation: str, DynamicCache) -> None:
+    """One forward of `ids` under `implementation` ("eager", "sdpa") with `hook` on every attention layer (kwargs
+    passed), the hooks removed after."""
+    import torch
+
+    model.set_attn_implementation(implementation)
+    hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, past_key_values=DynamicCache(config=model.config))
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
 def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, DynamicCache,
                   special=None) -> dict[str, np.ndarray]:
     """One eager forward (the scorer presses, the signals the rules re-implemented on our side read) and one sdpa
@@ -320,13 +335,6 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         return output
 
     for implementation, hook in (("eager", eager_hook), ("sdpa", sdpa_hook)):
-        model.set_attn_implementation(implementation)
-        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-        try:
-            with torch.no_grad():
-                model(ids, past_key_values=DynamicCache(config=model.config))
-        finally:
-            for handle in hooks:
-                handle.remove()
+        forward_with_hook(model, ids, hook, implementation, DynamicCache)
     record["cake_prefs"] = np.asarray([prefs[layer] for layer in range(len(prefs))], dtype=np.float64)
     return record
