@@ -35,7 +35,8 @@ import torch
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import PerLayer, register_recorder
 from ripplekv.errors import UserError
-from ripplekv.methods.core.base import Scorer, per_head, recent_mask, register_scorer, top_scored_mask
+from ripplekv.methods.core.base import Scorer, register_scorer
+from ripplekv.methods.core.selection import window_or_top
 
 QUESTION_QUERIES = "question_queries"  # per layer [H_q, w, d]: the queries of the prompt's question part
 ROWS = 128  # question queries per block of scores: [H_q, ROWS, n] logits at a time
@@ -117,14 +118,5 @@ class FinchScorer(Scorer):
 
     def keep(self, state, layer, counts):
         window = question_length(state)
-        scores = None
-
-        def build(heads, count):
-            nonlocal scores
-            if count <= window:
-                return recent_mask(state.num_kv_heads, state.length, count, state.device)[heads]
-            if scores is None:
-                scores = self.scores(state, layer)[:, : state.length - window]
-            return top_scored_mask(scores[heads], state.length, window, count)
-
-        return per_head(counts, build)
+        return window_or_top(state.num_kv_heads, state.length, counts, window,
+                             lambda: self.scores(state, layer)[:, : state.length - window], device=state.device)

@@ -25,16 +25,9 @@ import torch.nn.functional as F
 from ripplekv.defaults import POOLINGS
 from ripplekv.engine.prefill import PrefillState, Requirements
 from ripplekv.errors import UserError
-from ripplekv.methods.core.base import (
-    COMPOSITION,
-    Scorer,
-    check_positive,
-    per_head,
-    recent_mask,
-    register_scorer,
-    top_scored_mask,
-)
+from ripplekv.methods.core.base import COMPOSITION, Scorer, check_positive, register_scorer
 from ripplekv.methods.core.chunks import check_chunking, chunked_keep
+from ripplekv.methods.core.selection import window_or_top
 
 
 def check_pooling(pooling: str) -> None:
@@ -151,20 +144,15 @@ class WindowScorer(Scorer):
 
     def keep(self, state, layer, counts):
         window = min(self.window, state.length)
-        scores = None
+        select = None
+        if self.chunked:
+            start = state.held_from(layer) if hasattr(state, "held_from") else 0
 
-        def build(heads, count):
-            nonlocal scores
-            if count <= window:
-                return recent_mask(state.num_kv_heads, state.length, count, state.device)[heads]
-            if scores is None:
-                scores = self.scores(state, layer)
-            if self.chunked:
-                start = state.held_from(layer) if hasattr(state, "held_from") else 0
+            def select(scores, heads, count):
                 return chunked_keep(self, scores, heads, state.length, window, start, count)
-            return top_scored_mask(scores[heads], state.length, window, count)
 
-        return per_head(counts, build)
+        return window_or_top(state.num_kv_heads, state.length, counts, window, lambda: self.scores(state, layer),
+                             select, state.device)
 
 
 @register_scorer("snapkv")

@@ -57,3 +57,23 @@ def per_head(counts: torch.Tensor, build: Callable[[slice, int], torch.Tensor]) 
     if len(set(values)) == 1:
         return build(slice(None), values[0])
     return torch.cat([build(slice(h, h + 1), count) for h, count in enumerate(values)])
+
+
+def window_or_top(num_heads: int, length: int, counts: torch.Tensor, window: int,
+                  prefix_scores: Callable[[], torch.Tensor], select=None, device=None) -> torch.Tensor:
+    """Bool [H, length]: per head, only the most recent entries where its count is within `window`, else the
+    window and the top of the prefix's scores (`prefix_scores()` is computed once, on first need; `select(scores,
+    heads, count)` replaces the top-k, as chunk-level selection does)."""
+    scores = None
+
+    def build(heads, count):
+        nonlocal scores
+        if count <= window:
+            return recent_mask(num_heads, length, count, device)[heads]
+        if scores is None:
+            scores = prefix_scores()
+        if select is not None:
+            return select(scores, heads, count)
+        return top_scored_mask(scores[heads], length, window, count)
+
+    return per_head(counts, build)
