@@ -35,13 +35,12 @@ from ripplekv.errors import UserError
 from ripplekv.methods.core.base import (
     Allocator,
     check_integers,
-    per_head,
-    recent_mask,
     register_allocator,
     register_scorer,
 )
 from ripplekv.methods.core.budgets import check_budget, fit_counts, integer_budgets
 from ripplekv.methods.snapkv import SnapKVScorer, window_attention
+from ripplekv.methods.streamingllm import sinks_and_recent
 
 READINGS = ("matched", "threshold")
 
@@ -146,14 +145,7 @@ class SimLayerKVScorer(Laziness, SnapKVScorer):
     def keep(self, state, layer, counts):
         if not self.lazy(state)[layer]:
             return super().keep(state, layer, counts)
-
-        def build(heads, count):
-            sinks = min(self.n_initial, count) if state.held_from(layer) == 0 else 0
-            mask = recent_mask(state.num_kv_heads, state.length, count - sinks, state.device)[heads]
-            mask[:, :sinks] = True
-            return mask
-
-        return per_head(counts, build)
+        return sinks_and_recent(state, layer, counts, self.n_initial)
 
 
 def lazy_count(state, **options) -> int:

@@ -35,11 +35,18 @@ class SinksAndRecent(Scorer):
         return order.expand(state.num_kv_heads, -1).clone()
 
     def keep(self, state, layer, counts):
-        def build(heads, count):
-            # a sliding layer that no longer holds the first tokens has no sinks to keep (the model let them go)
-            sinks = min(self.sinks, count) if state.held_from(layer) == 0 else 0
-            mask = recent_mask(state.num_kv_heads, state.length, count - sinks, state.device)[heads]
-            mask[:, :sinks] = True
-            return mask
+        return sinks_and_recent(state, layer, counts, self.sinks)
 
-        return per_head(counts, build)
+
+def sinks_and_recent(state, layer: int, counts, sinks: int):
+    """Bool [H_kv, n]: per head, the first `sinks` entries and the most recent rest of its count (SimLayerKV's lazy
+    layers keep the same)."""
+
+    def build(heads, count):
+        # a sliding layer that no longer holds the first tokens has no sinks to keep (the model let them go)
+        kept_sinks = min(sinks, count) if state.held_from(layer) == 0 else 0
+        mask = recent_mask(state.num_kv_heads, state.length, count - kept_sinks, state.device)[heads]
+        mask[:, :kept_sinks] = True
+        return mask
+
+    return per_head(counts, build)
