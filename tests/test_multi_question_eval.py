@@ -224,7 +224,6 @@ def test_the_parity_scripts_kvpress_tie_order_keeps_what_torch_topk_keeps(monkey
 
     import torch
 
-    from ripplekv.methods import snapkv
     from ripplekv.methods.core import base, selection
     from tests.conftest import load_script
 
@@ -241,7 +240,7 @@ def test_the_parity_scripts_kvpress_tie_order_keeps_what_torch_topk_keeps(monkey
         assert torch.equal(selection.top_mask(scores, 3), expected)
         assert torch.equal(selection.top_indices(scores, 3), torch.topk(scores, 3).indices)
         assert base.top_indices is selection.top_indices  # a name imported elsewhere is rebound too
-        assert torch.equal(snapkv.top_scored_mask(scores, 8, 0, 3), expected)  # which reads selection's top_mask
+        assert torch.equal(base.top_scored_mask(scores, 8, 0, 3), expected)  # which reads selection's top_mask
         assert torch.equal(selection.top_mask(scores, 1), original_mask(scores, 1))  # no tie at the cut: same set
     finally:
         for (name, attribute), value in bound.items():
