@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -147,9 +146,7 @@ def test_no_data_and_hub_offline_gives_one_clear_error(tmp_path):
         "except UserError as err:\n"
         "    print('USERERROR', err)\n"
     )
-    start = time.time()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert time.time() - start < 60
     assert done.returncode == 0, done.stderr
     out = done.stdout.strip()
     assert out.startswith("USERERROR LongBench data not found: put the official jsonl files (or data.zip) in ")
@@ -162,14 +159,17 @@ def test_unreachable_hub_fails_fast_without_retries(tmp_path, monkeypatch):
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
 
-    def refuse(*args, **kwargs):
+    attempts = []
+
+    def refuse(address, timeout=None, *args, **kwargs):
+        attempts.append(timeout)
         raise OSError("no route to host")
 
     monkeypatch.setattr("socket.create_connection", refuse)
-    start = time.time()
     with pytest.raises(UserError, match="LongBench data not found"):
         load_samples(_task("qasper"), None)
-    assert time.time() - start < 5
+    # one short probe and no download retries (each would be another connection attempt)
+    assert len(attempts) == 1 and attempts[0] is not None and attempts[0] <= 5
 
 
 def test_tasks_command(tmp_path):
@@ -191,17 +191,22 @@ def test_tasks_command(tmp_path):
 
 
 @pytest.mark.parametrize("offline", [True, False])
-def test_a_mistyped_hub_model_fails_in_seconds(offline, monkeypatch, run_cli):
+def test_a_mistyped_hub_model_fails_without_retries(offline, monkeypatch, run_cli):
     """Offline, or the hub unreachable: one line at once, no download retries."""
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
+    attempts = []
+
+    def refuse(address, timeout=None, *args, **kwargs):
+        attempts.append(timeout)
+        raise OSError("unreachable")
+
+    monkeypatch.setattr("socket.create_connection", refuse)
     if offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    else:
-        monkeypatch.setattr("socket.create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError("unreachable")))
-    start = time.time()
     code, _, err = run_cli("budgets", "--model", "no-such-org/no-such-model-xyz")
-    assert time.time() - start < 10
+    # offline: no connection at all; unreachable: one short probe, no download retries
+    assert attempts == [] if offline else (len(attempts) == 1 and attempts[0] <= 5)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "not in the local hub cache" in err and ("switched off" if offline else "cannot be reached") in err
 
