@@ -132,6 +132,9 @@ def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
     assert len(read_allocation(path)) == load_config(None).num_hidden_layers
     assert default_allocation(["ripplekv"], bundled=model_is_bundled(str(tmp_path / "other"))) == (None, None)
     assert default_allocation(["snapkv"], bundled=True) == (None, None)  # no method takes one
+    # every method that takes one names its own file: no default, and no notice naming a file nothing reads
+    assert default_allocation(["snapkv", "ripplekv:allocation=mine.csv"], bundled=True) == (None, None)
+    assert default_allocation(["ripplekv:allocation=mine.csv", "depthkv"], bundled=True)[0] is not None
     (tmp_path / "runs" / "allocate").mkdir(parents=True)
     (tmp_path / "runs" / "allocate" / "allocation.csv").write_text("layer,multiplier\n0,1\n")
     for bundled in (True, False):  # the last allocation first, for any model

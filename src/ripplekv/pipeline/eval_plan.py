@@ -105,9 +105,11 @@ def default_allocation(specs: Sequence[str], bundled: bool) -> tuple[str | None,
     else none (the method then says how to make one). (None, None) when no method of `specs` takes one. The one
     rule for `eval`, `budgets` and the Python API."""
     from ripplekv.engine.models import DEFAULT_MODEL
-    from ripplekv.methods.core.spec import options_taken
+    from ripplekv.methods.core.spec import options_taken, parse_spec
 
-    if "allocation" not in options_taken(specs):
+    # a spec that names its own file takes no default (the notice would name a file nothing reads)
+    unset = [spec for spec in specs if "allocation" not in parse_spec(spec)[1]]
+    if "allocation" not in options_taken(unset):
         return None, None
     if LAST_ALLOCATION.is_file():
         return str(LAST_ALLOCATION), f"ripplekv: using the last allocation, {LAST_ALLOCATION}"
