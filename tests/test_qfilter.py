@@ -49,8 +49,8 @@ def test_query_sums_are_every_post_rope_query_and_change_nothing_else():
     model = tiny_llama()
     ids = torch.randint(0, 101, (90,), generator=torch.Generator().manual_seed(0))
     plain = prefill_for(model, ids, Requirements())
-    state = prefill_for(model, ids, Requirements(capture_window=90, signals={qfilters.QUERY_GRAM}))
-    for layer, sums in enumerate(state.signal(qfilters.QUERY_GRAM)):
+    state = prefill_for(model, ids, Requirements(capture_window=90, signals={qfilters.QUERY_SUMS}))
+    for layer, sums in enumerate(state.signal(qfilters.QUERY_SUMS)):
         queries = state.signal("window_queries")[layer].double()  # all 90 queries, post-RoPE, as attention saw them
         assert sums.count == 90
         torch.testing.assert_close(sums.total, queries.sum(1))

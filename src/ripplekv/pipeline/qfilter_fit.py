@@ -2,7 +2,7 @@
 
 Each calibration prompt (`ripplekv profile`'s: the offline suite's calibration split, disjoint from every evaluated
 sample) is prefilled once, recording per layer and query head the sum and the Gram matrix Q^T Q of its post-RoPE
-queries (`methods.qfilter.filters.QUERY_GRAM`, float64 on the fly, stored in float32). Each prompt's sums land in
+queries (`methods.qfilter.filters.QUERY_SUMS`, float64 on the fly, stored in float32). Each prompt's sums land in
 `samples/ID.npz` and one line of `samples.jsonl` as soon as they are done, so a killed run resumes and other
 settings are refused. The filters come from the sums over every prompt (`filters.filters_from`): `qfilter.safetensors`
 with `qfilter.json` (the model, the calibration ids and hash, the seconds each part took, and per layer the share of
@@ -33,8 +33,8 @@ def prompt_sums(model, ids: list[int]) -> dict[str, np.ndarray]:
     """One prompt's query sums: `gram` [L, H_q, d, d] and `total` [L, H_q, d] (float32), `count` (positions)."""
     from ripplekv.engine.prefill import Requirements, prefill_for
 
-    state = prefill_for(model, ids, Requirements(signals={qfilters.QUERY_GRAM}))
-    sums = state.signal(qfilters.QUERY_GRAM)
+    state = prefill_for(model, ids, Requirements(signals={qfilters.QUERY_SUMS}))
+    sums = state.signal(qfilters.QUERY_SUMS)
     return {"gram": np.stack([s.gram.numpy() for s in sums]).astype(np.float32),
             "total": np.stack([s.total.numpy() for s in sums]).astype(np.float32),
             "count": np.asarray(sums[0].count)}

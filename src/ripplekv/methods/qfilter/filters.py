@@ -13,7 +13,7 @@ The file stores -u, the sign of the published filters and of kvpress's `QFilterP
 dot product with the filter: the keys kept are those with the largest projection on u.
 
 The first right singular vector of Q is the top eigenvector of the Gram matrix Q^T Q, so each prompt only adds
-its queries' Q^T Q and sum to the statistics (`QUERY_GRAM`, recorded in the prefill): a fit is exact over every
+its queries' Q^T Q and sum to the statistics (`QUERY_SUMS`, recorded in the prefill): a fit is exact over every
 position of every calibration prompt (the authors' script samples 3,000 positions) and resumes prompt by prompt.
 """
 
@@ -29,7 +29,7 @@ import torch
 from ripplekv.engine.recorders import PerLayer, register_recorder
 from ripplekv.errors import UserError
 
-QUERY_GRAM = "query_gram"  # the signal: per layer a `QueryGram` of every prompt query, post-RoPE
+QUERY_SUMS = "qfilter_query_sums"  # the signal: per layer a `QueryGram` of every prompt query, post-RoPE
 TENSOR = "q_filters"  # the weights file's one tensor [L, H_kv, d] (kvpress's `QFilters.q_filters`)
 FIT_HINT = "fit them on calibration prompts: ripplekv fit qfilter --model M --out DIR, then pass qfilter:weights=DIR/qfilter.safetensors"
 
@@ -43,7 +43,7 @@ class QueryGram:
     gram: torch.Tensor  # [H_q, d, d]: sum of q q^T (= Q^T Q)
 
 
-@register_recorder(QUERY_GRAM)
+@register_recorder(QUERY_SUMS)
 class QueryGrams(PerLayer):
     """Each layer's `QueryGram` (the fit of `ripplekv fit qfilter` reads it; no scorer does)."""
 
