@@ -7,7 +7,8 @@ Two halves, two environments:
 - `--worker` (a separate venv, `--venv`, made when missing: the same CPU torch, kvpress 0.5.5,
   transformers 5.2.0; `check_references_worker`): load the same dequantized weights and let each kvpress
   press's own code choose: the scorer presses' `compress` in an eager hook (values replaced by their
-  positions, so the values it returns are the positions it kept; KVzap's holds our fitted surrogate), the
+  positions, so the values it returns are the positions it kept; KVzap's holds our fitted surrogate,
+  QFilterPress our fitted filters), the
   masking presses (AdaKV, CriticalAdaKV, LU-KV with our curve set on it) in an sdpa hook, and KVzipPress's
   own reconstruction pass.
 
@@ -48,6 +49,7 @@ from check_references_learned import (
     shipped_surrogates,
     threshold_note,
 )
+from check_references_qfilter import QFILTER_PAIRS, missing_line, shipped_filters
 from check_references_quant import compare_quantizers, save_kv
 from check_references_special import SIMLAYERKV_THRESHOLD
 from check_references_worker import KERNEL, WINDOW
@@ -74,6 +76,7 @@ PAIRS = {
     "lukv": ("lukv:rounding=kvpress", "lukv"),
     **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
     **THRESHOLD_PAIRS,  # DMSPress(KVzapPress): KVzap's threshold mode
+    **QFILTER_PAIRS,  # QFilterPress given our fitted filters (check_references_qfilter)
     "finch": ("finch", "finch"),  # its question part: the task's own split (check_references_special)
     "simlayerkv:reading=threshold": (f"simlayerkv:reading=threshold:lazy_threshold={SIMLAYERKV_THRESHOLD}", "simlayerkv"),
     "kvgrad": ("kvgrad:granularity=entry:skip_template=1:window=0", "kvgrad"),
@@ -85,7 +88,7 @@ PAIRS = {
     "capkv": ("capkv:window=0", "capkv"),
     "kvcompose": ("kvcompose:window=0", "kvcompose"),
 }
-LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
+LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS, *QFILTER_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
 EARLIER = {
     "tova:heads=kv": ("tova:heads=kv", "tova"),
@@ -412,13 +415,13 @@ def check_and_compare(args) -> None:
     out = check_output(args.out, kind="dir")
     python = ensure_venv(Path(args.venv))
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors")]:
+    for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors"), *out.glob("qfilter*.safetensors")]:
         old.unlink()
     from ripplekv.engine.models import _source_and_location
 
     _, model_dir = _source_and_location(None)
-    has_curve, surrogates = shipped_curve(out), shipped_surrogates(out)
-    args.learned = ({"lukv"} if has_curve else set()) | set(surrogates)
+    has_curve, surrogates, filters = shipped_curve(out), shipped_surrogates(out), shipped_filters(out)
+    args.learned = ({"lukv"} if has_curve else set()) | set(surrogates) | set(filters)
     layers, lengths = our_side(args, out)
     asked = sorted({{**PAIRS, **EARLIER}[n][1] for n in args.only or () if n in PAIRS or n in EARLIER})
     keys = [] if args.only is None else ["--keys", ",".join(asked) or "none"]  # "none": the axes' pass alone
@@ -434,7 +437,7 @@ def check_and_compare(args) -> None:
     print(f"reference code: kvpress {versions['kvpress']}, optimum-quanto {versions['optimum-quanto']}, "
           f"transformers {versions['transformers']}, torch {versions['torch']}; "
           f"{len(lengths)} prompts ({min(lengths)}-{max(lengths)} tokens), B = {args.budgets}")
-    for line in missing_lines(has_curve, surrogates):
+    for line in missing_lines(has_curve, surrogates) + missing_line(filters):
         print(line)
     for _, _, text in sorted(lines, key=lambda line: line[1] is None):
         print(text)

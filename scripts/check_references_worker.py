@@ -6,7 +6,8 @@ Three passes over each prompt with the bundled model's dequantized weights, each
   redirected to the real values (Expected Attention and CriticalKV weigh by them). The hook leaves the cache
   alone. It also records what the rules re-implemented on our side read (SnapKV scores, CAKE's and the
   allocators' signals, key norms and each scorer's scores to tell tied entries apart).
-- sdpa: KVzapPress holding our surrogate for the bundled model (`check_references_learned`), not the hub's,
+- sdpa: KVzapPress holding our surrogate and QFilterPress our filters for the bundled model
+  (`check_references_learned`, `check_references_qfilter`), not the hub's,
   its `compress` as in the eager hook (sdpa is what our prefill runs, so the hidden states are ours), and
   DMSPress over it (KVzap's threshold mode) through its own forward hook, kept = what it left unmasked; and the
   presses that hide entries behind masks and refuse eager attention (AdaKV, CriticalAdaKV, LU-KV with our
@@ -71,6 +72,7 @@ def build_presses(model, curve_path: Path | None, out: Path):
     """(eager presses, sdpa presses): each name the comparison reads, configured as its pair on our side."""
     from check_references_chunks import chunk_presses
     from check_references_learned import kvzap_presses
+    from check_references_qfilter import qfilter_presses
     from kvpress import (
         AdaKVPress,
         CriticalAdaKVPress,
@@ -105,6 +107,7 @@ def build_presses(model, curve_path: Path | None, out: Path):
     # our surrogates set on KVzapPress (its own init would download the hub's); scored under sdpa, the attention our
     # prefill runs, so the hidden states they read are the same numbers on both sides
     sdpa.update(kvzap_presses(out))
+    sdpa.update(qfilter_presses(out))  # our fitted filters set on QFilterPress (its init would download the hub's)
     return eager, sdpa
 
 
@@ -319,7 +322,7 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
                 kept = kept_by_mask(module, heads, n)
                 record.update({f"{name}/{budget}/{layer}": kept for budget in budgets})
                 continue
-            scorer = name.startswith("kvzap")  # a scorer press (top-k), not a masking one
+            scorer = name.startswith(("kvzap", "qfilter"))  # a scorer press (top-k), not a masking one
             for budget in budgets:
                 press.compression_ratio = ratio(name, budget, n, 0)
                 if scorer:

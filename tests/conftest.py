@@ -98,6 +98,7 @@ def script_refusal(name: str, *args, cwd: Path, monkeypatch, capsys) -> str:
 
 
 HIDDEN = TINY["hidden_size"]  # the attention inputs' width of the tiny models (and of states built without one)
+HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]  # the tiny models' head size (Q-filters' width)
 
 
 def tiny_llama(vocab_size: int = 101, seed: int = 0, **overrides):
@@ -297,20 +298,22 @@ def satisfy(state, tokenizer=None):
     return state
 
 
-def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 1) -> dict:
+def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int = 1, head_dim: int = HEAD_DIM) -> dict:
     """Every registered method, with the inputs the ones that need them get (`method_inputs`).
 
     Method tests loop over this, so a newly registered method is covered without touching them.
     """
     from ripplekv.methods import make_method, method_names
 
-    needs = method_inputs(num_layers, folder, kv_heads, only)
+    needs = method_inputs(num_layers, folder, kv_heads, only, head_dim)
     return {name: make_method(name, **needs.get(name, {})) for name in method_names() if only in (None, name)}
 
 
-def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None = None) -> dict[str, dict]:
-    """The options of the presets that need an input, by preset: an allocation, a route, an LU-KV curve and a
-    KVzap surrogate for `num_layers` x `kv_heads` (the files written to `folder`; `only`: that preset's alone)."""
+def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None = None,
+                  head_dim: int = HEAD_DIM) -> dict[str, dict]:
+    """The options of the presets that need an input, by preset: an allocation, a route, an LU-KV curve, a
+    KVzap surrogate and Q-filters (of `head_dim`) for `num_layers` x `kv_heads` (the files written to `folder`;
+    `only`: that preset's alone)."""
     from ripplekv.methods.lukv.method import RATIOS
     from ripplekv.pipeline.head_curves import write_curve
 
@@ -332,6 +335,12 @@ def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None =
             torch.manual_seed(0)
             layers = kvzap_surrogate.build("mlp", HIDDEN, kv_heads, num_layers)
         needs["kvzap"] = {"weights": str(kvzap_surrogate.save(Path(folder) / "kvzap.safetensors", "mlp", layers, {}))}
+    if only in (None, "qfilter"):  # random unit filters, one per (layer, KV head)
+        from ripplekv.methods.qfilter import filters as qfilters
+
+        drawn = np.random.default_rng(0).standard_normal((num_layers, kv_heads, head_dim))
+        drawn /= np.linalg.norm(drawn, axis=-1, keepdims=True)
+        needs["qfilter"] = {"weights": str(qfilters.save(Path(folder) / "qfilter.safetensors", drawn, {}))}
     return needs
 
 

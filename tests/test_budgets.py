@@ -125,7 +125,7 @@ def test_every_method_keeps_exactly_the_matched_total(name, num_layers, kv_heads
     entries built per head equal to the allocated [L, H] matrix, and no head over n."""
     state = satisfy(fake_state(num_layers, length, kv_heads=kv_heads, query_heads=2 * kv_heads))
     with tempfile.TemporaryDirectory() as folder:  # a method may read its inputs (a curve) when it allocates
-        method = every_method(num_layers, Path(folder), only=name, kv_heads=kv_heads)[name]
+        method = every_method(num_layers, Path(folder), only=name, kv_heads=kv_heads, head_dim=8)[name]  # fake_state's
         if getattr(method, "quantizer", None) is not None:  # budget B is bytes here (tests/test_memory_axis.py)
             return check_bytes(method, state, budget)
         counts = method.budgets(state, budget)

@@ -1,4 +1,4 @@
-"""`ripplekv fit lukv|kvzap|compresskv`: every method fitted on calibration prompts is a command, reading the
+"""`ripplekv fit lukv|kvzap|qfilter|compresskv`: every method fitted on calibration prompts is a command, reading the
 calibration prompts through one `Calibration`, refusing a mistake in one line before the model loads, and (for the
 long fits) resuming."""
 
@@ -16,10 +16,10 @@ from tests.conftest import invoke as run
 
 def test_the_fitting_commands_are_listed_in_help():
     top = run("--help")
-    assert top.returncode == 0 and re.search(r"\bfit +Fit lukv, kvzap or compresskv on calibration", top.stdout), top.stdout
+    assert top.returncode == 0 and re.search(r"\bfit +Fit lukv, kvzap, qfilter or compresskv on calibration", top.stdout), top.stdout
     fit = run("fit", "--help")
     assert fit.returncode == 0
-    for name in ("lukv", "kvzap", "compresskv"):
+    for name in ("lukv", "kvzap", "qfilter", "compresskv"):
         assert f"  {name} " in fit.stdout, fit.stdout
 
 

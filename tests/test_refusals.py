@@ -199,6 +199,7 @@ def test_generate_marks_ceiling_answers(loaded):
 
 LUKV_SHIPPED = "src/ripplekv/data/lukv/smollm2-135m-lukv.csv"
 KVZAP_SHIPPED = "src/ripplekv/data/kvzap/smollm2-135m-mlp.safetensors"
+QFILTER_SHIPPED = "src/ripplekv/data/qfilter/smollm2-135m-qfilter.safetensors"
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -207,6 +208,8 @@ KVZAP_SHIPPED = "src/ripplekv/data/kvzap/smollm2-135m-mlp.safetensors"
     (f"lukv:curve={LUKV_SHIPPED}", "is for 30 layers x 3 KV heads, the model has 4 x 2"),  # another model's file
     (f"kvzap:weights={KVZAP_SHIPPED}", "are for 30 layers x 3 KV heads"),
     ("snapkv:quant=kivi:bits=4,kvzap:quant=kivi:bits=4", "kvzap needs a fitted mlp surrogate"),
+    ("qfilter", "qfilter needs Q-filters fitted for this model; fit them on calibration prompts: ripplekv fit qfilter"),
+    (f"qfilter:weights={QFILTER_SHIPPED}", "are for 30 layers x 3 KV heads; the model has 4 layers x 2 KV heads"),
 ])
 @pytest.mark.parametrize("budget", [8, 64])  # 64: over the prompt, where the curve or surrogate is never read
 def test_a_method_without_its_fitted_file_is_refused_before_any_prefill(spec, message, budget, monkeypatch):

@@ -1,9 +1,9 @@
 """`ripplekv fit`: a method's learned parts fitted on calibration prompts, one subcommand per method.
 
-`fit lukv` profiles LU-KV's head-budget curves, `fit kvzap` KVzap's surrogates and `fit compresskv`
-CompressKV's layer profile; each reads the offline suite's calibration split (never the evaluated samples)
+`fit lukv` profiles LU-KV's head-budget curves, `fit kvzap` KVzap's surrogates, `fit qfilter` Q-Filters' filters
+and `fit compresskv` CompressKV's layer profile; each reads the offline suite's calibration split (never the evaluated samples)
 through one `Calibration` (--calib-samples, --calib-draw/--calib-draws, --target-tokens), shows a progress
-bar over the prompts and hands the work to ripplekv.pipeline. The long ones (lukv, kvzap) resume: the same
+bar over the prompts and hands the work to ripplekv.pipeline. The long ones (lukv, kvzap, qfilter) resume: the same
 command again computes only the prompts not yet in OUT/samples.jsonl.
 """
 
@@ -36,7 +36,7 @@ fit_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
     help="Fit a method's learned parts on calibration prompts: LU-KV's head-budget curves (lukv), KVzap's "
-         "surrogates (kvzap), CompressKV's layer profile (compresskv).",
+         "surrogates (kvzap), Q-Filters' filters (qfilter), CompressKV's layer profile (compresskv).",
 )
 
 FitDir = Annotated[str, typer.Option("--out", metavar="DIR", help="The folder for the fitted files and the resumable "
@@ -129,6 +129,42 @@ def fit_kvzap(
                       f"R^2 {fit['r2_mean']:.3f}", soft_wrap=True)
     console.print(f"fit kvzap: done in {time.perf_counter() - start:.1f} s")
     _say_written(console, [p for path, _ in written.values() for p in (path, path.with_suffix(".json"))])
+
+
+@fit_app.command("qfilter")
+def fit_qfilter(
+    out: FitDir,
+    model: Model = None,
+    calib_samples: CalibSamples = 16,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
+    target_tokens: Annotated[int, typer.Option("--target-tokens", metavar="N", help=(
+        "Length in tokens of the calibration prompts (the authors' script reads 2048-token sequences)."))] = 2000,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+) -> None:
+    """Q-Filters' filters: OUT/qfilter.safetensors (+ .json), read as qfilter:weights=FILE.
+
+    Each calibration prompt is prefilled once, summing per layer and query head its post-RoPE queries and their
+    Gram matrix; each (layer, KV head)'s filter is then the principal right singular vector of its query heads'
+    queries over every prompt, signed so the queries project positively on average, averaged over the group."""
+    from rich.console import Console
+
+    from ripplekv.pipeline.model_choice import ModelChoice
+    from ripplekv.pipeline.qfilter_fit import fit_filters
+
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, tasks=calib_tasks)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    path, provenance = fit_filters(Path(out), ModelChoice(model, device, dtype), chosen, bar=_bar,
+                                   announce=lambda: _say_out(console, "fit qfilter", out, True))
+    share = provenance["first_direction_share_per_layer"]
+    console.print(f"{path}: {provenance['layers']} layers x {provenance['kv_heads']} KV heads from "
+                  f"{provenance['positions']} query positions; the direction holds {min(share):.3f}-{max(share):.3f} "
+                  "of the queries' energy per layer", soft_wrap=True)
+    console.print(f"fit qfilter: done in {time.perf_counter() - start:.1f} s")
+    _say_written(console, [path, path.with_suffix(".json")])
 
 
 @fit_app.command("compresskv")

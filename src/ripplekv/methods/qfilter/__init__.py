@@ -1,0 +1,1 @@
+"""Q-Filters: the scorer (`method`) and its filters, fitted on calibration queries (`filters`)."""

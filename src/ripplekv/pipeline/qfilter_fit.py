@@ -1,0 +1,114 @@
+"""Q-Filters' filters fitted on calibration prompts (never evaluated ones), resumable.
+
+Each calibration prompt (`ripplekv profile`'s: the offline suite's calibration split, disjoint from every evaluated
+sample) is prefilled once, recording per layer and query head the sum and the Gram matrix Q^T Q of its post-RoPE
+queries (`methods.qfilter.filters.QUERY_SUMS`, float64 on the fly, stored in float32). Each prompt's sums land in
+`samples/ID.npz` and one line of `samples.jsonl` as soon as they are done, so a killed run resumes and other
+settings are refused. The filters come from the sums over every prompt (`filters.filters_from`): `qfilter.safetensors`
+with `qfilter.json` (the model, the calibration ids and hash, the seconds each part took, and per layer the share of
+the queries' energy along the direction and how far a KV head's query heads agree on it).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+
+from ripplekv.errors import UserError
+from ripplekv.methods.qfilter import filters as qfilters
+from ripplekv.pipeline.model_choice import ModelChoice
+from ripplekv.runs.safeio import UnitLog, atomic_write, exclusive, other_files
+from ripplekv.tasks.calibration import Calibration, calibration_hash
+
+LOG = "samples.jsonl"
+WEIGHTS = "qfilter.safetensors"
+
+
+def prompt_sums(model, ids: list[int]) -> dict[str, np.ndarray]:
+    """One prompt's query sums: `gram` [L, H_q, d, d] and `total` [L, H_q, d] (float32), `count` (positions)."""
+    from ripplekv.engine.prefill import Requirements, prefill_for
+
+    state = prefill_for(model, ids, Requirements(signals={qfilters.QUERY_SUMS}))
+    sums = state.signal(qfilters.QUERY_SUMS)
+    return {"gram": np.stack([s.gram.numpy() for s in sums]).astype(np.float32),
+            "total": np.stack([s.total.numpy() for s in sums]).astype(np.float32),
+            "count": np.asarray(sums[0].count)}
+
+
+def summed(folder: Path, names: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(gram, total, positions) summed in float64 over the prompts' files `names`."""
+    gram = total = None
+    count = 0
+    for name in names:
+        with np.load(folder / name) as data:
+            gram = data["gram"].astype(np.float64) if gram is None else gram + data["gram"]
+            total = data["total"].astype(np.float64) if total is None else total + data["total"]
+            count += int(data["count"])
+    return gram, total, count
+
+
+def fit_filters(out: Path, model: ModelChoice, calibration: Calibration, bar=None, announce=None) -> tuple[Path, dict]:
+    """Collect (or resume) the query sums of `calibration`'s prompts into `out` and write the filters; (weights file,
+    provenance with the filters' shape). `bar(total, done)` gives (context manager, advance) for a progress bar; `announce()` is called once
+    every input has been checked (so bad input stays one line)."""
+    from ripplekv.engine.models import load_tokenizer, resolve_model
+
+    calibration.check()
+    out = Path(out)
+    foreign = [name for name in other_files(out, [LOG, WEIGHTS, "qfilter.json"]) if name != "samples"]
+    if foreign:
+        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
+    model = model.resolved()
+    source = resolve_model(model.spec)
+    prompts = calibration.prompts(load_tokenizer(model.spec))
+    header = {"model": source.label, "calib_samples": calibration.samples, "target_tokens": calibration.target_tokens,
+              **calibration.record(), "calibration_ids": [p.sample_id for p in prompts],
+              "calibration_hash": calibration_hash(prompts),
+              "queries": "every position of each prompt (context + probe), after RoPE, per query head"}
+    if announce is not None:
+        announce()
+    with exclusive(out, "qfilter fit"):
+        log = UnitLog(out / LOG, header, remedy="use a new --out directory")
+        todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
+        if todo:
+            loaded, _, _ = model.load()
+            context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
+            with context:
+                for index, prompt in todo:
+                    begun = time.perf_counter()
+                    ids = prompt.context + prompt.probe
+                    data = npz_bytes(**prompt_sums(loaded, ids))
+                    name = f"samples/{prompt.sample_id}.npz"
+                    atomic_write(out / name, lambda tmp, data=data: tmp.write_bytes(data))
+                    log.append(prompt.sample_id, {"sums": name, "tokens": len(ids),
+                                                  "seconds": round(time.perf_counter() - begun, 2)})
+                    if advance is not None:
+                        advance(index)
+        done = [log.done[p.sample_id] for p in prompts]
+        begun = time.perf_counter()
+        gram, total, count = summed(out, [d["sums"] for d in done])
+        filters, fit = qfilters.filters_from(gram, total, model_kv_heads(model, gram.shape[1]))
+        provenance = {**header, "dtype": model.dtype, "positions": count, "prompt_tokens": [d["tokens"] for d in done], **fit,
+                      "collect_seconds": round(sum(d["seconds"] for d in done), 1),
+                      "fit_seconds": round(time.perf_counter() - begun, 1)}
+        path = qfilters.save(out / WEIGHTS, filters, provenance)
+    return path, json.loads(path.with_suffix(".json").read_text())  # the provenance with the filters' shape
+
+
+def model_kv_heads(model: ModelChoice, query_heads: int) -> int:
+    """The model's KV heads (from its config; a config without GQA has one per query head)."""
+    from ripplekv.engine.models import load_config
+
+    config = load_config(model.spec)
+    return int(getattr(config, "num_key_value_heads", None) or query_heads)
+
+
+def npz_bytes(**arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    return buffer.getvalue()
