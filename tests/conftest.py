@@ -332,6 +332,11 @@ def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None =
             torch.manual_seed(0)
             layers = kvzap_surrogate.build("mlp", HIDDEN, kv_heads, num_layers)
         needs["kvzap"] = {"weights": str(kvzap_surrogate.save(Path(folder) / "kvzap.safetensors", "mlp", layers, {}))}
+    if only in (None, "duoattention"):  # distinct gates, a streaming window of 2 sinks + 6 recent
+        from ripplekv.methods.duoattention.gates import write_gates
+
+        gates = np.linspace(0.05, 0.95, num_layers * kv_heads)[::-1].reshape(num_layers, kv_heads).tolist()
+        needs["duoattention"] = {"gates": str(write_gates(Path(folder) / "duo.json", gates, 2, 6, {}))}
     return needs
 
 
