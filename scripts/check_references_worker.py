@@ -105,6 +105,11 @@ def build_presses(model, curve_path: Path | None, out: Path):
     # our surrogates set on KVzapPress (its own init would download the hub's); scored under sdpa, the attention our
     # prefill runs, so the hidden states they read are the same numbers on both sides
     sdpa.update(kvzap_presses(out))
+    from check_references_learned import duo_press
+
+    duo = duo_press(out)  # our gates' order (its own init would download a hub pattern)
+    if duo is not None:
+        sdpa["duoattention"] = duo
     return eager, sdpa
 
 
@@ -269,7 +274,7 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
     forward (the masking presses) over the prompt `ids`, each press choosing in a hook on every attention layer."""
     import torch
     from check_references_chunks import chunk_scores, kept_by_chunk_press
-    from check_references_learned import THRESHOLD_KEYS
+    from check_references_learned import THRESHOLD_KEYS, duo_kept
     from check_references_special import simlayerkv_kept
 
     n = ids.shape[1]
@@ -313,6 +318,10 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         cache_layer = kwargs["past_key_values"].layers[layer]
         keys, values, hidden = cache_layer.keys, cache_layer.values, kwargs["hidden_states"]
         for name, press in sdpa.items():
+            if name == "duoattention":  # its streaming mask per budget (check_references_learned.duo_kept)
+                kept = duo_kept(press, model, module, hidden, keys, values, kwargs, budgets, heads)
+                record.update({f"{name}/{budget}/{layer}": kept[budget] for budget in budgets})
+                continue
             if name in THRESHOLD_KEYS:  # DMSPress: its own forward hook masks what scores below tau, whatever B
                 module.masked_key_indices = None
                 press.forward_hook(module, inputs, kwargs, output)

@@ -199,6 +199,7 @@ def test_generate_marks_ceiling_answers(loaded):
 
 LUKV_SHIPPED = "src/ripplekv/data/lukv/smollm2-135m-lukv.csv"
 KVZAP_SHIPPED = "src/ripplekv/data/kvzap/smollm2-135m-mlp.safetensors"
+DUO_SHIPPED = "src/ripplekv/data/duoattention/smollm2-135m.json"
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -206,6 +207,8 @@ KVZAP_SHIPPED = "src/ripplekv/data/kvzap/smollm2-135m-mlp.safetensors"
     ("kvzap", "kvzap needs a fitted mlp surrogate for this model"),
     (f"lukv:curve={LUKV_SHIPPED}", "is for 30 layers x 3 KV heads, the model has 4 x 2"),  # another model's file
     (f"kvzap:weights={KVZAP_SHIPPED}", "are for 30 layers x 3 KV heads"),
+    ("duoattention", "duoattention needs gates fitted for this model; fit them on calibration prompts: ripplekv fit"),
+    (f"duoattention:gates={DUO_SHIPPED}", "are for 30 layers x 3 KV heads; the model has 4 x 2"),
     ("snapkv:quant=kivi:bits=4,kvzap:quant=kivi:bits=4", "kvzap needs a fitted mlp surrogate"),
 ])
 @pytest.mark.parametrize("budget", [8, 64])  # 64: over the prompt, where the curve or surrogate is never read

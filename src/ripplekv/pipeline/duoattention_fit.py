@@ -86,7 +86,8 @@ def fit_gates(out: Path, model: ModelChoice, settings: GateSettings, calibration
     prompts = answer_prompts(calibration, load_tokenizer(model.spec))
     header = {"model": resolve_model(model.spec).label, **asdict(settings), "calib_samples": calibration.samples,
               "target_tokens": calibration.target_tokens, **calibration.record(),
-              "calibration_ids": [p[0] for p in prompts], "calibration_hash": _hash(calibration, prompts)}
+              "calibration_ids": [p[0] for p in prompts], "calibration_hash": _hash(calibration, prompts),
+              "prompt_tokens": [len(p[1]) for p in prompts], "answer_tokens": [p[2] for p in prompts]}
     if announce is not None:
         announce()
     with exclusive(out, "duoattention fit"):
