@@ -220,3 +220,25 @@ def test_the_fit_command_refuses_a_mistake_in_one_line(tmp_path, args, message):
     done = invoke("fit", "duoattention", "--out", tmp_path / "out", *args)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_kvpress_is_given_the_shipped_gates_order_with_ties_broken_as_ours(tmp_path, monkeypatch):
+    """check-references hands DuoAttentionPress distinct values in our order: its argsort (which leaves ties
+    unspecified) then streams the same heads as ours at every count, though two shipped gates tie at 1."""
+    from ripplekv.methods.duoattention.gates import read_gates, shipped_gates
+    from ripplekv.methods.duoattention.method import streaming_heads
+    from tests.conftest import load_script
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    learned = load_script("check_references_learned")
+    assert learned.shipped_duo_gates(tmp_path) == ["duoattention:rounding=kvpress"]
+    pattern = json.loads((tmp_path / learned.DUO_FILE).read_text())
+    order = np.asarray(pattern["order"])
+    gates = np.asarray(read_gates(shipped_gates())["gates"])
+    assert len(set(gates.ravel().tolist())) < gates.size and len(set(order.ravel().tolist())) == order.size
+    assert 0 < order.min() and order.max() < 1 and (pattern["sinks"], pattern["recent"]) == (16, 64)
+    for budget in range(81, 1000, 7):  # every streaming count from 1 to 90 on a 1000-token prompt
+        ours = streaming_heads(gates, budget, 1000, 80)
+        theirs = np.zeros(gates.size, dtype=bool)
+        theirs[np.argsort(order, axis=None)[: int(ours.sum())]] = True
+        assert (theirs.reshape(gates.shape) == ours).all()
