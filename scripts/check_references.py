@@ -41,11 +41,14 @@ import numpy as np
 from check_references_axes import AXES, compare_axes, save_ours
 from check_references_chunks import CHUNK_EARLIER, CHUNK_PAIRS
 from check_references_learned import (
+    DUO_PAIRS,
     KVZAP_PAIRS,
     THRESHOLD_PAIRS,
+    duo_note,
     lukv_drift,
     missing_lines,
     shipped_curve,
+    shipped_duo_gates,
     shipped_surrogates,
     threshold_note,
 )
@@ -87,8 +90,9 @@ PAIRS = {
     "cur": ("cur:window=0", "cur"),
     "capkv": ("capkv:window=0", "capkv"),
     "kvcompose": ("kvcompose:window=0", "kvcompose"),
+    **DUO_PAIRS,  # DuoAttentionPress given our fitted gates (check_references_learned)
 }
-LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS, *QFILTER_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
+LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS, *QFILTER_PAIRS, *DUO_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
 EARLIER = {
     "tova:heads=kv": ("tova:heads=kv", "tova"),
@@ -328,6 +332,7 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int], only
         extra += lukv_drift(ours_files, layers, budgets) if name == "lukv" else ""
         extra += lazy_note(ours_files, name, budgets[0]) if name.startswith("simlayerkv") else ""
         extra += threshold_note(ours_files, name, budgets[0]) if name in THRESHOLD_PAIRS else ""
+        extra += duo_note(ours_files, name, budgets) if name in DUO_PAIRS else ""
         extra += f" (B = {','.join(map(str, budgets_of(name, budgets)))})" if budgets_of(name, budgets) != budgets else ""
         if name in EARLIER:
             lines.append((name, None, f"  (not the reference's setting) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))
@@ -415,13 +420,15 @@ def check_and_compare(args) -> None:
     out = check_output(args.out, kind="dir")
     python = ensure_venv(Path(args.venv))
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors"), *out.glob("qfilter*.safetensors")]:
+    for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors"), *out.glob("qfilter*.safetensors"),
+                *out.glob("duoattention*.json")]:
         old.unlink()
     from ripplekv.engine.models import _source_and_location
 
     _, model_dir = _source_and_location(None)
     has_curve, surrogates, filters = shipped_curve(out), shipped_surrogates(out), shipped_filters(out)
-    args.learned = ({"lukv"} if has_curve else set()) | set(surrogates) | set(filters)
+    duo = shipped_duo_gates(out)
+    args.learned = ({"lukv"} if has_curve else set()) | set(surrogates) | set(filters) | set(duo)
     layers, lengths = our_side(args, out)
     asked = sorted({{**PAIRS, **EARLIER}[n][1] for n in args.only or () if n in PAIRS or n in EARLIER})
     keys = [] if args.only is None else ["--keys", ",".join(asked) or "none"]  # "none": the axes' pass alone
@@ -437,7 +444,7 @@ def check_and_compare(args) -> None:
     print(f"reference code: kvpress {versions['kvpress']}, optimum-quanto {versions['optimum-quanto']}, "
           f"transformers {versions['transformers']}, torch {versions['torch']}; "
           f"{len(lengths)} prompts ({min(lengths)}-{max(lengths)} tokens), B = {args.budgets}")
-    for line in missing_lines(has_curve, surrogates) + missing_line(filters):
+    for line in missing_lines(has_curve, surrogates, duo) + missing_line(filters):
         print(line)
     for _, _, text in sorted(lines, key=lambda line: line[1] is None):
         print(text)

@@ -6,6 +6,10 @@ models; here each gets the one we profiled or fitted for the bundled model on ca
 imports no ripplekv). A method whose artefact is not shipped is left out of the check, with one line saying so.
 KVzap's threshold mode is `DMSPress` over `KVzapPress` holding our MLP surrogate (its own forward hook in the
 worker's sdpa pass, at its default sliding window of 128), against `kvzap:threshold=TAU:window=128`.
+`DuoAttentionPress` is given our fitted gates (`src/ripplekv/data/duoattention/`) through the head pattern its
+`post_init_from_model` loads, and per prompt and budget the head_compression_ratio (n - B) / (n - w) that our side
+maps B to, against `duoattention:rounding=kvpress`. The press only orders the gates (an argsort, which leaves ties
+unspecified), so it gets their order as distinct values in (0, 1): ties fall as ours do (earlier layer, then head).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ KVZAP_PAIRS = {"kvzap": ("kvzap:window=0", "kvzap", "mlp"),
 DMS_TAU, DMS_WINDOW = -5.0, 128
 THRESHOLD_PAIRS = {f"kvzap:threshold={DMS_TAU:g}": (f"kvzap:threshold={DMS_TAU:g}:window={DMS_WINDOW}", "kvzap-dms")}
 THRESHOLD_KEYS = {key for _, key in THRESHOLD_PAIRS.values()}
+DUO_PAIRS = {"duoattention:rounding=kvpress": ("duoattention:rounding=kvpress", "duoattention")}
+DUO_FILE = "duoattention_pattern.json"  # what the worker sets on DuoAttentionPress: the gates' order and the window
 
 
 def shipped_curve(out: Path) -> bool:
@@ -54,10 +60,68 @@ def shipped_surrogates(out: Path) -> list[str]:
     return found + (list(THRESHOLD_PAIRS) if "kvzap" in found else [])  # DMSPress wraps the MLP one
 
 
-def missing_lines(has_curve: bool, surrogates: list[str]) -> list[str]:
+def shipped_duo_gates(out: Path) -> list[str]:
+    """The DuoAttention pair when gates are shipped for the bundled model: their order (as distinct values) and
+    window saved in `out` for the worker; [] when none are shipped."""
+    from ripplekv.methods.duoattention.gates import read_gates, shipped_gates
+
+    if not shipped_gates().is_file():
+        return []
+    read = read_gates(shipped_gates())
+    gates = np.asarray(read["gates"], dtype=np.float64)
+    ranks = np.argsort(np.argsort(gates.reshape(-1), kind="stable"), kind="stable").reshape(gates.shape)
+    (out / DUO_FILE).write_text(json.dumps({"sinks": read["sinks"], "recent": read["recent"],
+                                            "order": ((ranks + 1) / (ranks.size + 1)).tolist()}))
+    return list(DUO_PAIRS)
+
+
+def duo_note(ours_files, name: str, budgets: list[int]) -> str:
+    """How far kvpress's counts (whole prompt or the window per head) move the total from L x H x B."""
+    drifts = []
+    for path in ours_files:
+        ours = np.load(path)
+        drifts += [ours[f"{name}/{b}/counts"].mean() / b - 1 for b in budgets]
+    return (f"; kvpress's head counts keep {min(drifts):+.2%} to {max(drifts):+.2%} of L x H x B "
+            f"(`duoattention`, exact, keeps it)")
+
+
+def duo_press(out: Path):
+    """(worker side) kvpress's `DuoAttentionPress` holding our gates' order from `out` in place of the hub pattern
+    its `post_init_from_model` would download; None without them."""
+    path = out / DUO_FILE
+    if not path.is_file():
+        return None
+    from kvpress import DuoAttentionPress
+
+    pattern = json.loads(path.read_text())
+    press = DuoAttentionPress()
+    press.load_attention_pattern = lambda model: (pattern["sinks"], pattern["recent"], np.asarray(pattern["order"]))
+    return press
+
+
+def duo_kept(press, model, module, hidden, keys, values, kwargs, budgets, heads) -> dict[int, np.ndarray]:
+    """(worker side) The press's kept sets of one layer at each budget: its head_compression_ratio set to the share of
+    heads that stream at B, its streaming mask rebuilt by its own code, then its `compress` (kept = left unmasked)."""
+    from check_references_worker import kept_by_mask
+
+    n = keys.shape[2]
+    sinks, recent, _ = press.load_attention_pattern(model)
+    window, kept = sinks + recent, {}
+    for budget in budgets:
+        press.head_compression_ratio = 0.0 if budget >= n else (1.0 if n <= window else min(1.0, (n - budget) / (n - window)))
+        press.post_init_from_model(model)
+        module.masked_key_indices = None
+        press.compress(module, hidden, keys, values, None, kwargs)
+        kept[budget] = kept_by_mask(module, heads, n)
+    return kept
+
+
+def missing_lines(has_curve: bool, surrogates: list[str], duo: list[str] = ()) -> list[str]:
     """One line per learned method the check leaves out because its artefact is not shipped."""
     lines = [] if has_curve else ["lukv: no curve shipped for the bundled model (src/ripplekv/data/lukv/), so LUKVPress "
                                   "is not checked"]
+    lines += [] if duo else ["duoattention: no gates shipped for the bundled model (src/ripplekv/data/duoattention/), "
+                             "so DuoAttentionPress is not checked"]
     lines += [f"{name}: no surrogate shipped for the bundled model (src/ripplekv/data/kvzap/), so KVzapPress is not "
               "checked" for name in KVZAP_PAIRS if name not in surrogates]
     return lines

@@ -108,6 +108,11 @@ def build_presses(model, curve_path: Path | None, out: Path):
     # prefill runs, so the hidden states they read are the same numbers on both sides
     sdpa.update(kvzap_presses(out))
     sdpa.update(qfilter_presses(out))  # our fitted filters set on QFilterPress (its init would download the hub's)
+    from check_references_learned import duo_press
+
+    duo = duo_press(out)  # our gates' order (its own init would download a hub pattern)
+    if duo is not None:
+        sdpa["duoattention"] = duo
     return eager, sdpa
 
 
@@ -272,7 +277,7 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
     forward (the masking presses) over the prompt `ids`, each press choosing in a hook on every attention layer."""
     import torch
     from check_references_chunks import chunk_scores, kept_by_chunk_press
-    from check_references_learned import THRESHOLD_KEYS
+    from check_references_learned import THRESHOLD_KEYS, duo_kept
     from check_references_special import simlayerkv_kept
 
     n = ids.shape[1]
@@ -316,6 +321,10 @@ def hooked_passes(model, ids, eager, sdpa, budgets, heads, allocator_signals, Dy
         cache_layer = kwargs["past_key_values"].layers[layer]
         keys, values, hidden = cache_layer.keys, cache_layer.values, kwargs["hidden_states"]
         for name, press in sdpa.items():
+            if name == "duoattention":  # its streaming mask per budget (check_references_learned.duo_kept)
+                kept = duo_kept(press, model, module, hidden, keys, values, kwargs, budgets, heads)
+                record.update({f"{name}/{budget}/{layer}": kept[budget] for budget in budgets})
+                continue
             if name in THRESHOLD_KEYS:  # DMSPress: its own forward hook masks what scores below tau, whatever B
                 module.masked_key_indices = None
                 press.forward_hook(module, inputs, kwargs, output)

@@ -341,6 +341,11 @@ def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None =
         drawn = np.random.default_rng(0).standard_normal((num_layers, kv_heads, head_dim))
         drawn /= np.linalg.norm(drawn, axis=-1, keepdims=True)
         needs["qfilter"] = {"weights": str(qfilters.save(Path(folder) / "qfilter.safetensors", drawn, {}))}
+    if only in (None, "duoattention"):  # distinct gates, a streaming window of 2 sinks + 6 recent
+        from ripplekv.methods.duoattention.gates import write_gates
+
+        gates = np.linspace(0.05, 0.95, num_layers * kv_heads)[::-1].reshape(num_layers, kv_heads).tolist()
+        needs["duoattention"] = {"gates": str(write_gates(Path(folder) / "duo.json", gates, 2, 6, {}))}
     return needs
 
 

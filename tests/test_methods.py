@@ -342,7 +342,7 @@ def test_the_layer_allocators_are_what_each_allocator_declares():
 
     assert set(layer_allocators()) >= {"uniform", "pyramid", "file", "cake", "global", "compresskv", "dynamickv",
                                        "lava", "pyramidinfer", "squeeze"}
-    assert set(ALLOCATORS) - set(layer_allocators()) == {"adakv", "answer", "lukv"}
+    assert set(ALLOCATORS) - set(layer_allocators()) == {"adakv", "answer", "duoattention", "lukv"}
     for name in layer_allocators():
         if name not in ("file", "compresskv"):  # these read a file before they build
             make_method(f"snapkv:allocator={name}:split=adakv")
@@ -360,7 +360,7 @@ def test_file_options_are_what_each_component_declares(monkeypatch):
     from ripplekv.methods.core.spec import file_options
     from ripplekv.methods.snapkv import SnapKVScorer
 
-    assert file_options() == {"allocation", "route", "profile", "curve", "weights"}
+    assert file_options() == {"allocation", "route", "profile", "curve", "weights", "gates"}
 
     @dataclass(frozen=True)
     class TableScorer(SnapKVScorer):

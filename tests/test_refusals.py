@@ -200,6 +200,7 @@ def test_generate_marks_ceiling_answers(loaded):
 LUKV_SHIPPED = "src/ripplekv/data/lukv/smollm2-135m-lukv.csv"
 KVZAP_SHIPPED = "src/ripplekv/data/kvzap/smollm2-135m-mlp.safetensors"
 QFILTER_SHIPPED = "src/ripplekv/data/qfilter/smollm2-135m-qfilter.safetensors"
+DUO_SHIPPED = "src/ripplekv/data/duoattention/smollm2-135m.json"
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -207,6 +208,8 @@ QFILTER_SHIPPED = "src/ripplekv/data/qfilter/smollm2-135m-qfilter.safetensors"
     ("kvzap", "kvzap needs a fitted mlp surrogate for this model"),
     (f"lukv:curve={LUKV_SHIPPED}", "is for 30 layers x 3 KV heads, the model has 4 x 2"),  # another model's file
     (f"kvzap:weights={KVZAP_SHIPPED}", "are for 30 layers x 3 KV heads"),
+    ("duoattention", "duoattention needs gates fitted for this model; fit them on calibration prompts: ripplekv fit"),
+    (f"duoattention:gates={DUO_SHIPPED}", "are for 30 layers x 3 KV heads; the model has 4 x 2"),
     ("snapkv:quant=kivi:bits=4,kvzap:quant=kivi:bits=4", "kvzap needs a fitted mlp surrogate"),
     ("qfilter", "qfilter needs Q-filters fitted for this model; fit them on calibration prompts: ripplekv fit qfilter"),
     (f"qfilter:weights={QFILTER_SHIPPED}", "are for 30 layers x 3 KV heads; the model has 4 layers x 2 KV heads"),

@@ -1,10 +1,11 @@
 """`ripplekv fit`: a method's learned parts fitted on calibration prompts, one subcommand per method.
 
-`fit lukv` profiles LU-KV's head-budget curves, `fit kvzap` KVzap's surrogates, `fit qfilter` Q-Filters' filters
-and `fit compresskv` CompressKV's layer profile; each reads the offline suite's calibration split (never the evaluated samples)
-through one `Calibration` (--calib-samples, --calib-draw/--calib-draws, --target-tokens), shows a progress
-bar over the prompts and hands the work to ripplekv.pipeline. The long ones (lukv, kvzap, qfilter) resume: the same
-command again computes only the prompts not yet in OUT/samples.jsonl.
+`fit lukv` profiles LU-KV's head-budget curves, `fit kvzap` KVzap's surrogates, `fit qfilter` Q-Filters' filters,
+`fit compresskv` CompressKV's layer profile and `fit duoattention` DuoAttention's head gates; each reads the offline
+suite's calibration split (never the evaluated samples) through one `Calibration` (--calib-samples,
+--calib-draw/--calib-draws, --target-tokens), shows a progress bar and hands the work to ripplekv.pipeline. The
+long ones resume: lukv, kvzap and qfilter compute only the prompts not yet in OUT/samples.jsonl, duoattention goes
+on from its last checkpointed step.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ fit_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
     help="Fit a method's learned parts on calibration prompts: LU-KV's head-budget curves (lukv), KVzap's "
-         "surrogates (kvzap), Q-Filters' filters (qfilter), CompressKV's layer profile (compresskv).",
+         "surrogates (kvzap), Q-Filters' filters (qfilter), CompressKV's layer profile (compresskv), DuoAttention's "
+         "head gates (duoattention).",
 )
 
 FitDir = Annotated[str, typer.Option("--out", metavar="DIR", help="The folder for the fitted files and the resumable "
@@ -201,3 +203,45 @@ def fit_compresskv(
     console.print(f"{len(errors)} layers from {count} calibration prompts in {time.perf_counter() - start:.1f} s; "
                   f"errors {min(errors):.4f} to {max(errors):.4f}")
     _say_written(console, [path, path.with_suffix(".json")])
+
+
+@fit_app.command("duoattention")
+def fit_duoattention(
+    out: FitDir,
+    model: Model = None,
+    steps: int = typer.Option(40, "--steps", metavar="N", help="Optimisation steps, one calibration prompt each."),
+    sinks: int = typer.Option(16, "--sinks", metavar="N", help="A streaming head's attention sinks."),
+    recent: int = typer.Option(64, "--recent", metavar="N", help="A streaming head's recent window."),
+    l1: float = typer.Option(0.05, "--l1", metavar="W", help="The L1 penalty's weight on the gates (the paper's 0.05)."),
+    lr: float = typer.Option(0.02, "--lr", metavar="R", help="AdamW's learning rate (the paper's 0.02)."),
+    calib_samples: CalibSamples = 8,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    calib_tasks: Annotated[str | None, typer.Option("--calib-tasks", metavar="TASKS", help=(
+        "Synthetic needle tasks to distil on (default: niah,niah_multikey; SUITE:TASK for RULER's)."))] = None,
+    target_tokens: Annotated[int, typer.Option("--target-tokens", metavar="N", help=(
+        "Length in tokens of the calibration prompts (short: the fit backpropagates through the model)."))] = 600,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+) -> None:
+    """DuoAttention's gates: OUT/duoattention-gates.json, read as duoattention:gates=FILE.
+
+    Each step mixes every KV head's attention as gate x full + (1 - gate) x streaming (sinks + recent window) and
+    moves the gates so the last hidden states on a needle prompt's appended answer match the full model's, plus
+    an L1 penalty; the model stays frozen. Every step is checkpointed: rerun the same command to resume."""
+    from rich.console import Console
+
+    from ripplekv.pipeline.duoattention_fit import DEFAULT_TASKS, GateSettings, fit_gates
+    from ripplekv.pipeline.model_choice import ModelChoice
+
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, with_answer=True,
+                         tasks=calib_tasks if calib_tasks is not None else ",".join(DEFAULT_TASKS))
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    path, info = fit_gates(Path(out), ModelChoice(model, device, dtype), GateSettings(steps, sinks, recent, l1, lr),
+                           chosen, bar=lambda total, done: _progress_bar("gate steps", total, done),
+                           announce=lambda: _say_out(console, "fit duoattention", out, True))
+    console.print(f"{path}: {info['steps_done']} steps, final loss {info['final_loss']:.4g} (distillation "
+                  f"{info['final_distill']:.4g}), {info['seconds']:.1f} s of steps", soft_wrap=True)
+    console.print(f"fit duoattention: done in {time.perf_counter() - start:.1f} s")
+    _say_written(console, [path, path.parent / "checkpoint.pt"])

@@ -1,0 +1,1 @@
+"""DuoAttention: retrieval heads keep the whole prompt, streaming heads sinks + a recent window, by fitted gates."""
