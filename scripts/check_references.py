@@ -40,11 +40,13 @@ import numpy as np
 from check_references_axes import AXES, compare_axes, save_ours
 from check_references_chunks import CHUNK_EARLIER, CHUNK_PAIRS
 from check_references_learned import (
+    FASTKVZIP_PAIRS,
     KVZAP_PAIRS,
     THRESHOLD_PAIRS,
     lukv_drift,
     missing_lines,
     shipped_curve,
+    shipped_gates,
     shipped_surrogates,
     threshold_note,
 )
@@ -74,6 +76,7 @@ PAIRS = {
     "lukv": ("lukv:rounding=kvpress", "lukv"),
     **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
     **THRESHOLD_PAIRS,  # DMSPress(KVzapPress): KVzap's threshold mode
+    **FASTKVZIP_PAIRS,  # FastKVzipPress holding our gates
     "finch": ("finch", "finch"),  # its question part: the task's own split (check_references_special)
     "simlayerkv:reading=threshold": (f"simlayerkv:reading=threshold:lazy_threshold={SIMLAYERKV_THRESHOLD}", "simlayerkv"),
     "kvgrad": ("kvgrad:granularity=entry:skip_template=1:window=0", "kvgrad"),
@@ -85,7 +88,7 @@ PAIRS = {
     "capkv": ("capkv:window=0", "capkv"),
     "kvcompose": ("kvcompose:window=0", "kvcompose"),
 }
-LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
+LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS, *FASTKVZIP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
 EARLIER = {
     "tova:heads=kv": ("tova:heads=kv", "tova"),
@@ -412,12 +415,12 @@ def check_and_compare(args) -> None:
     out = check_output(args.out, kind="dir")
     python = ensure_venv(Path(args.venv))
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors")]:
+    for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors"), *out.glob("fastkvzip*.safetensors")]:
         old.unlink()
     from ripplekv.engine.models import _source_and_location
 
     _, model_dir = _source_and_location(None)
-    has_curve, surrogates = shipped_curve(out), shipped_surrogates(out)
+    has_curve, surrogates = shipped_curve(out), shipped_surrogates(out) + shipped_gates(out)
     args.learned = ({"lukv"} if has_curve else set()) | set(surrogates)
     layers, lengths = our_side(args, out)
     asked = sorted({{**PAIRS, **EARLIER}[n][1] for n in args.only or () if n in PAIRS or n in EARLIER})

@@ -6,6 +6,8 @@ models; here each gets the one we profiled or fitted for the bundled model on ca
 imports no ripplekv). A method whose artefact is not shipped is left out of the check, with one line saying so.
 KVzap's threshold mode is `DMSPress` over `KVzapPress` holding our MLP surrogate (its own forward hook in the
 worker's sdpa pass, at its default sliding window of 128), against `kvzap:threshold=TAU:window=128`.
+`FastKVzipPress` holds our gates for the bundled model (`src/ripplekv/data/fastkvzip/`) in place of the hub's and
+runs as kvpress runs it (its hooks score during the prefill under sdpa, `compress_post` selects), once per budget.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ KVZAP_PAIRS = {"kvzap": ("kvzap:window=0", "kvzap", "mlp"),
 DMS_TAU, DMS_WINDOW = -5.0, 128
 THRESHOLD_PAIRS = {f"kvzap:threshold={DMS_TAU:g}": (f"kvzap:threshold={DMS_TAU:g}:window={DMS_WINDOW}", "kvzap-dms")}
 THRESHOLD_KEYS = {key for _, key in THRESHOLD_PAIRS.values()}
+# FastKVzipPress at its defaults (non-layerwise, 4 sinks, a window of 2% of the prompt) holding our gates
+FASTKVZIP_PAIRS = {"fastkvzip": ("fastkvzip:granularity=entry:window=0:window_ratio=0.02", "fastkvzip")}
 
 
 def shipped_curve(out: Path) -> bool:
@@ -54,12 +58,27 @@ def shipped_surrogates(out: Path) -> list[str]:
     return found + (list(THRESHOLD_PAIRS) if "kvzap" in found else [])  # DMSPress wraps the MLP one
 
 
+def shipped_gates(out: Path) -> list[str]:
+    """["fastkvzip"] when the bundled model's gates are shipped, copied into `out` as fastkvzip.safetensors / .json
+    for the worker to load into kvpress's `FastKVzipGate`; [] otherwise."""
+    from ripplekv.methods.fastkvzip.method import shipped_gates as shipped
+
+    path = shipped()
+    if not (path.is_file() and path.with_suffix(".json").is_file()):
+        return []
+    shutil.copyfile(path, out / "fastkvzip.safetensors")
+    shutil.copyfile(path.with_suffix(".json"), out / "fastkvzip.json")
+    return list(FASTKVZIP_PAIRS)
+
+
 def missing_lines(has_curve: bool, surrogates: list[str]) -> list[str]:
     """One line per learned method the check leaves out because its artefact is not shipped."""
     lines = [] if has_curve else ["lukv: no curve shipped for the bundled model (src/ripplekv/data/lukv/), so LUKVPress "
                                   "is not checked"]
     lines += [f"{name}: no surrogate shipped for the bundled model (src/ripplekv/data/kvzap/), so KVzapPress is not "
               "checked" for name in KVZAP_PAIRS if name not in surrogates]
+    lines += [f"{name}: no gates shipped for the bundled model (src/ripplekv/data/fastkvzip/), so FastKVzipPress is not "
+              "checked" for name in FASTKVZIP_PAIRS if name not in surrogates]
     return lines
 
 
@@ -114,3 +133,43 @@ def kvzap_presses(out: Path) -> dict:
         for key in THRESHOLD_KEYS:
             presses[key] = DMSPress(scorer, threshold=DMS_TAU, sliding_window_size=DMS_WINDOW)
     return presses
+
+
+def fastkvzip_kept(model, ids, budgets, heads, out: Path, kept_by_mask, ratio, DynamicCache) -> dict[str, np.ndarray]:
+    """(worker side) `FastKVzipPress` holding our gates from `out`: its hooks score each layer's attention input during
+    one sdpa prefill under the press, its `compress_post` selects once per budget from those scores; its kept sets
+    and its scores (to tell tied entries apart)."""
+    import torch
+    from kvpress.presses.fastkvzip_press import FastKVzipGate, FastKVzipPress
+    from safetensors.torch import load_file
+
+    info = json.loads((out / "fastkvzip.json").read_text())
+    tensors = load_file(str(out / "fastkvzip.safetensors"))
+    gates = []
+    for layer in range(info["n_modules"]):
+        gate = FastKVzipGate(layer, info["input_dim"], info["heads"], info["group"], torch.float32, info["dim"],
+                             info["sinks"])
+        prefix = f"layers.{layer}."
+        gate.load_state_dict({k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)})
+        gates.append(gate.eval())
+    n, record = ids.shape[1], {}
+    press = FastKVzipPress()
+    press.gates = gates  # ours, in place of the hub's its `post_init_from_model` would download
+    own_post = press.compress_post
+
+    def every_budget(model_):
+        scored = list(press.score_val)  # per layer; its `compress_post` stacks them in place
+        for budget in budgets:
+            press.compression_ratio = ratio("fastkvzip", budget, n, len(gates) * heads * n)
+            press.score_val = list(scored)
+            own_post(model_)
+            for layer in model_.model.layers:
+                record[f"fastkvzip/{budget}/{layer.self_attn.layer_idx}"] = kept_by_mask(layer.self_attn, heads, n)
+        for layer in range(len(gates)):
+            record[f"fastkvzip_scores/{layer}"] = press.score_val[layer, 0].float().detach().numpy()
+
+    press.compress_post = every_budget
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), press(model):
+        model.model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+    return record
