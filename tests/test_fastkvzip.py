@@ -167,6 +167,18 @@ def test_refusals_are_one_line_and_name_the_fit_command(tmp_path):
         make_method(f"fastkvzip:weights={tiny_gates(tmp_path, layers=3)}").select(state, 40)
     with pytest.raises(UserError, match="window_ratio must be at least 0"):
         make_method("fastkvzip:window_ratio=1.5")
+    # before any prefill (eval, the API): another model has no shipped gates; the bundled model's must fit its shape
+    with pytest.raises(UserError, match="^fastkvzip has no fitted gates for this model; fit them on calibration"):
+        make_method("fastkvzip").check_fitted((4, 2, 64), bundled=False)
+    with pytest.raises(UserError, match="are for 30 layers x 3 KV heads from hidden size 576; the model has 4 x 2"):
+        make_method("fastkvzip").check_fitted((4, 2, 64), bundled=True)
+
+
+def test_the_press_window_is_two_percent_of_the_prompt_or_4096_from_32000_tokens():
+    from ripplekv.methods.fastkvzip.method import ratio_window
+
+    assert [ratio_window(n, 0.02) for n in (10, 809, 31999, 32000)] == [1, 16, 639, 4096]
+    assert ratio_window(809, 0.0) == 0
 
 
 def test_the_shipped_gates_are_where_fastkvzip_looks():

@@ -9,8 +9,9 @@ press's default, non-layerwise), so `fastkvzip` and `kvzip` differ in the scorer
 
 The press also scores its local window 1: the last max(1, int(n x 0.02)) entries below 32,000 tokens, 4,096 from
 there (the paper's chunked prefill keeps a window of 4,096). Ours keeps the last `window` (32) tokens, as our other
-scorers do; `window_ratio=0.02:window=0` is the press's window, and `fastkvzip:granularity=entry:window=0:
-window_ratio=0.02` given our gates is `FastKVzipPress` given them (make check-references).
+scorers do; `window_ratio=0.02:window=0` is the press's window, and
+`fastkvzip:granularity=entry:window=0:window_ratio=0.02` given our gates is `FastKVzipPress` given them (make
+check-references).
 
 The gates are fitted here on calibration prompts (`ripplekv fit fastkvzip`, `pipeline.fastkvzip_fit`) on our
 KVzip scorer's scores, never on evaluated prompts: the published ones are for a few 8B models on a hub we cannot
