@@ -42,6 +42,7 @@ from check_references_axes import AXES, compare_axes, save_ours
 from check_references_chunks import CHUNK_EARLIER, CHUNK_PAIRS
 from check_references_learned import (
     DUO_PAIRS,
+    FASTKVZIP_PAIRS,
     KVZAP_PAIRS,
     THRESHOLD_PAIRS,
     duo_note,
@@ -49,6 +50,7 @@ from check_references_learned import (
     missing_lines,
     shipped_curve,
     shipped_duo_gates,
+    shipped_gates,
     shipped_surrogates,
     threshold_note,
 )
@@ -80,6 +82,7 @@ PAIRS = {
     **{name: (spec, key) for name, (spec, key, _) in KVZAP_PAIRS.items()},
     **THRESHOLD_PAIRS,  # DMSPress(KVzapPress): KVzap's threshold mode
     **QFILTER_PAIRS,  # QFilterPress given our fitted filters (check_references_qfilter)
+    **FASTKVZIP_PAIRS,  # FastKVzipPress holding our gates
     "finch": ("finch", "finch"),  # its question part: the task's own split (check_references_special)
     "simlayerkv:reading=threshold": (f"simlayerkv:reading=threshold:lazy_threshold={SIMLAYERKV_THRESHOLD}", "simlayerkv"),
     "kvgrad": ("kvgrad:granularity=entry:skip_template=1:window=0", "kvgrad"),
@@ -92,7 +95,7 @@ PAIRS = {
     "kvcompose": ("kvcompose:window=0", "kvcompose"),
     **DUO_PAIRS,  # DuoAttentionPress given our fitted gates (check_references_learned)
 }
-LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS, *QFILTER_PAIRS, *DUO_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
+LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS, *QFILTER_PAIRS, *DUO_PAIRS, *FASTKVZIP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
 # Our earlier defaults against the same references: printed for information (they should not match).
 EARLIER = {
     "tova:heads=kv": ("tova:heads=kv", "tova"),
@@ -421,12 +424,12 @@ def check_and_compare(args) -> None:
     python = ensure_venv(Path(args.venv))
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("*.npz"), *out.glob("*.npy"), *out.glob("kvzap*.safetensors"), *out.glob("qfilter*.safetensors"),
-                *out.glob("duoattention*.json")]:
+                *out.glob("duoattention*.json"), *out.glob("fastkvzip*.safetensors")]:
         old.unlink()
     from ripplekv.engine.models import _source_and_location
 
     _, model_dir = _source_and_location(None)
-    has_curve, surrogates, filters = shipped_curve(out), shipped_surrogates(out), shipped_filters(out)
+    has_curve, surrogates, filters = shipped_curve(out), shipped_surrogates(out) + shipped_gates(out), shipped_filters(out)
     duo = shipped_duo_gates(out)
     args.learned = ({"lukv"} if has_curve else set()) | set(surrogates) | set(filters) | set(duo)
     layers, lengths = our_side(args, out)

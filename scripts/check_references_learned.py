@@ -10,6 +10,8 @@ worker's sdpa pass, at its default sliding window of 128), against `kvzap:thresh
 `post_init_from_model` loads, and per prompt and budget the head_compression_ratio (n - B) / (n - w) that our side
 maps B to, against `duoattention:rounding=kvpress`. The press only orders the gates (an argsort, which leaves ties
 unspecified), so it gets their order as distinct values in (0, 1): ties fall as ours do (earlier layer, then head).
+`FastKVzipPress` holds our gates for the bundled model (`src/ripplekv/data/fastkvzip/`) in place of the hub's and
+runs as kvpress runs it (its hooks score during the prefill under sdpa, `compress_post` selects), once per budget.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ THRESHOLD_PAIRS = {f"kvzap:threshold={DMS_TAU:g}": (f"kvzap:threshold={DMS_TAU:g
 THRESHOLD_KEYS = {key for _, key in THRESHOLD_PAIRS.values()}
 DUO_PAIRS = {"duoattention:rounding=kvpress": ("duoattention:rounding=kvpress", "duoattention")}
 DUO_FILE = "duoattention_pattern.json"  # what the worker sets on DuoAttentionPress: the gates' order and the window
+# FastKVzipPress at its defaults (non-layerwise, 4 sinks, a window of 2% of the prompt) holding our gates
+FASTKVZIP_PAIRS = {"fastkvzip": ("fastkvzip:granularity=entry:window=0:window_ratio=0.02", "fastkvzip")}
 
 
 def shipped_curve(out: Path) -> bool:
@@ -116,6 +120,19 @@ def duo_kept(press, model, module, hidden, keys, values, kwargs, budgets, heads)
     return kept
 
 
+def shipped_gates(out: Path) -> list[str]:
+    """["fastkvzip"] when the bundled model's gates are shipped, copied into `out` as fastkvzip.safetensors / .json
+    for the worker to load into kvpress's `FastKVzipGate`; [] otherwise."""
+    from ripplekv.methods.fastkvzip.method import shipped_gates as shipped
+
+    path = shipped()
+    if not (path.is_file() and path.with_suffix(".json").is_file()):
+        return []
+    shutil.copyfile(path, out / "fastkvzip.safetensors")
+    shutil.copyfile(path.with_suffix(".json"), out / "fastkvzip.json")
+    return list(FASTKVZIP_PAIRS)
+
+
 def missing_lines(has_curve: bool, surrogates: list[str], duo: list[str] = ()) -> list[str]:
     """One line per learned method the check leaves out because its artefact is not shipped."""
     lines = [] if has_curve else ["lukv: no curve shipped for the bundled model (src/ripplekv/data/lukv/), so LUKVPress "
@@ -124,6 +141,8 @@ def missing_lines(has_curve: bool, surrogates: list[str], duo: list[str] = ()) -
                              "so DuoAttentionPress is not checked"]
     lines += [f"{name}: no surrogate shipped for the bundled model (src/ripplekv/data/kvzap/), so KVzapPress is not "
               "checked" for name in KVZAP_PAIRS if name not in surrogates]
+    lines += [f"{name}: no gates shipped for the bundled model (src/ripplekv/data/fastkvzip/), so FastKVzipPress is not "
+              "checked" for name in FASTKVZIP_PAIRS if name not in surrogates]
     return lines
 
 
@@ -178,3 +197,43 @@ def kvzap_presses(out: Path) -> dict:
         for key in THRESHOLD_KEYS:
             presses[key] = DMSPress(scorer, threshold=DMS_TAU, sliding_window_size=DMS_WINDOW)
     return presses
+
+
+def fastkvzip_kept(model, ids, budgets, heads, out: Path, kept_by_mask, ratio, DynamicCache) -> dict[str, np.ndarray]:
+    """(worker side) `FastKVzipPress` holding our gates from `out`: its hooks score each layer's attention input during
+    one sdpa prefill under the press, its `compress_post` selects once per budget from those scores; its kept sets
+    and its scores (to tell tied entries apart)."""
+    import torch
+    from kvpress.presses.fastkvzip_press import FastKVzipGate, FastKVzipPress
+    from safetensors.torch import load_file
+
+    info = json.loads((out / "fastkvzip.json").read_text())
+    tensors = load_file(str(out / "fastkvzip.safetensors"))
+    gates = []
+    for layer in range(info["n_modules"]):
+        gate = FastKVzipGate(layer, info["input_dim"], info["heads"], info["group"], torch.float32, info["dim"],
+                             info["sinks"])
+        prefix = f"layers.{layer}."
+        gate.load_state_dict({k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)})
+        gates.append(gate.eval())
+    n, record = ids.shape[1], {}
+    press = FastKVzipPress()
+    press.gates = gates  # ours, in place of the hub's its `post_init_from_model` would download
+    own_post = press.compress_post
+
+    def every_budget(model_):
+        scored = list(press.score_val)  # per layer; its `compress_post` stacks them in place
+        for budget in budgets:
+            press.compression_ratio = ratio("fastkvzip", budget, n, len(gates) * heads * n)
+            press.score_val = list(scored)
+            own_post(model_)
+            for layer in model_.model.layers:
+                record[f"fastkvzip/{budget}/{layer.self_attn.layer_idx}"] = kept_by_mask(layer.self_attn, heads, n)
+        for layer in range(len(gates)):
+            record[f"fastkvzip_scores/{layer}"] = press.score_val[layer, 0].float().detach().numpy()
+
+    press.compress_post = every_budget
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), press(model):
+        model.model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+    return record

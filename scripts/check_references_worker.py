@@ -16,7 +16,7 @@ Three passes over each prompt with the bundled model's dequantized weights, each
 - KVzip: `KVzipPress` as kvpress runs it (prefill under the press, then its own chunked reconstruction pass
   through the cache), its final selection (`compress_post`) made once per budget from the one scoring.
 FinchPress (its window from our side's question split), SimLayerKVPress and KVgradPress as
-`check_references_special` says.
+`check_references_special` says; FastKVzipPress holding our gates as `check_references_learned` says.
 Kept sets are written as `[H, most kept]` position arrays padded with -1, one per (press, budget, layer).
 Last, optimum-quanto quantize-dequantizes the K/V our side saved (`check_references_quant`).
 """
@@ -133,7 +133,7 @@ def ratio(name: str, budget: int, n: int, entries: int) -> float:
         return chunk_ratio(name, budget, n)
     if name in ("lukv", "pyramidkv"):
         return 1 - budget / n  # LU-KV reads its curve's row at the ratio; PyramidKV's layers average B
-    if name in ("kvzip", "kvgrad"):
+    if name in ("kvzip", "kvgrad", "fastkvzip"):
         return 1 - (entries * budget / n - 0.5) / entries  # int(entries x ratio) prunes all but L x H x B
     return 1 - (budget + 0.5) / n  # int(n x (1 - ratio)) == budget
 
@@ -178,6 +178,10 @@ def worker(args) -> None:
         for name, press_class in (("kvzip", KVzipPress), ("kvgrad", KVgradPress)):
             if wanted is None or name in wanted:
                 record.update(kvzip_kept(model, ids, budgets, layers, heads, press_class, DynamicCache, name))
+        if (out / "fastkvzip.safetensors").is_file() and (wanted is None or "fastkvzip" in wanted):
+            from check_references_learned import fastkvzip_kept
+
+            record.update(fastkvzip_kept(model, ids, budgets, heads, out, kept_by_mask, ratio, DynamicCache))
         if wanted is None or "kvcompose" in wanted:
             record.update(kvcompose_kept(model, ids, budgets, layers, DynamicCache))
         np.savez_compressed(out / f"reference_{ids_path.stem}.npz", **record)

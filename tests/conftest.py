@@ -312,7 +312,7 @@ def every_method(num_layers: int, folder, only: str | None = None, kv_heads: int
 def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None = None,
                   head_dim: int = HEAD_DIM) -> dict[str, dict]:
     """The options of the presets that need an input, by preset: an allocation, a route, an LU-KV curve, a
-    KVzap surrogate and Q-filters (of `head_dim`) for `num_layers` x `kv_heads` (the files written to `folder`;
+    KVzap surrogate, FastKVzip gates, DuoAttention gates and Q-filters (of `head_dim`) for `num_layers` x `kv_heads` (the files written to `folder`;
     `only`: that preset's alone)."""
     from ripplekv.methods.lukv.method import RATIOS
     from ripplekv.pipeline.head_curves import write_curve
@@ -346,6 +346,13 @@ def method_inputs(num_layers: int, folder, kv_heads: int = 1, only: str | None =
 
         gates = np.linspace(0.05, 0.95, num_layers * kv_heads)[::-1].reshape(num_layers, kv_heads).tolist()
         needs["duoattention"] = {"gates": str(write_gates(Path(folder) / "duo.json", gates, 2, 6, {}))}
+    if only in (None, "fastkvzip"):  # untrained gates (torch's initialisation), one per layer
+        from ripplekv.methods.fastkvzip import gate as fastkvzip_gate
+
+        group = TINY["num_attention_heads"] // kv_heads
+        with torch.random.fork_rng():
+            drawn = [fastkvzip_gate.initial(HIDDEN, kv_heads, group, seed=layer) for layer in range(num_layers)]
+        needs["fastkvzip"] = {"weights": str(fastkvzip_gate.save(Path(folder) / "fastkvzip.safetensors", drawn, {}))}
     return needs
 
 

@@ -16,10 +16,10 @@ from tests.conftest import invoke as run
 
 def test_the_fitting_commands_are_listed_in_help():
     top = run("--help")
-    assert top.returncode == 0 and re.search(r"\bfit +Fit lukv, kvzap, qfilter or compresskv on calibration", top.stdout), top.stdout
+    assert top.returncode == 0 and re.search(r"\bfit +Fit lukv, kvzap, fastkvzip, qfilter, compresskv or duoattention", top.stdout), top.stdout
     fit = run("fit", "--help")
     assert fit.returncode == 0
-    for name in ("lukv", "kvzap", "qfilter", "compresskv"):
+    for name in ("lukv", "kvzap", "fastkvzip", "qfilter", "compresskv", "duoattention"):
         assert f"  {name} " in fit.stdout, fit.stdout
 
 

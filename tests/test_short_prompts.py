@@ -31,7 +31,8 @@ def budgets_for(length: int) -> list[int]:
 # allocator that asks every scorer for every entry's score, where a uniform split asks only past the window).
 # The inputs a component needs are the ones its preset gets (`method_inputs`); the exceptions, with why:
 COMPOSITION_INPUTS = {"file": "ripplekv", "compresskv": "compresskv", "router": "routed", "kvzap": "kvzap",
-                      "qfilter": "qfilter", "duoattention": "duoattention"}
+                      "qfilter": "qfilter", "duoattention": "duoattention",
+                      "fastkvzip": "fastkvzip"}
 NOT_COMPOSED = {"lukv": "LU-KV's budget curve is fitted per scorer: its allocator runs under its own scorer only "
                         "(the lukv preset, covered above)"}
 COMPOSITIONS = ([f"snapkv:allocator={name}" for name in sorted(ALLOCATORS) if name not in NOT_COMPOSED]

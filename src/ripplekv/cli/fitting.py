@@ -1,11 +1,11 @@
 """`ripplekv fit`: a method's learned parts fitted on calibration prompts, one subcommand per method.
 
-`fit lukv` profiles LU-KV's head-budget curves, `fit kvzap` KVzap's surrogates, `fit qfilter` Q-Filters' filters,
-`fit compresskv` CompressKV's layer profile and `fit duoattention` DuoAttention's head gates; each reads the offline
-suite's calibration split (never the evaluated samples) through one `Calibration` (--calib-samples,
---calib-draw/--calib-draws, --target-tokens), shows a progress bar and hands the work to ripplekv.pipeline. The
-long ones resume: lukv, kvzap and qfilter compute only the prompts not yet in OUT/samples.jsonl, duoattention goes
-on from its last checkpointed step.
+`fit lukv` profiles LU-KV's head-budget curves, `fit kvzap` KVzap's surrogates, `fit fastkvzip` FastKVzip's
+gates, `fit qfilter` Q-Filters' filters, `fit compresskv` CompressKV's layer profile and `fit duoattention`
+DuoAttention's head gates; each reads the offline suite's calibration split (never the evaluated samples) through
+one `Calibration` (--calib-samples, --calib-draw/--calib-draws, --target-tokens), shows a progress bar and hands
+the work to ripplekv.pipeline. The long ones resume: lukv, kvzap, fastkvzip and qfilter compute only the prompts
+not yet in OUT/samples.jsonl, duoattention goes on from its last checkpointed step.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ fit_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
     help="Fit a method's learned parts on calibration prompts: LU-KV's head-budget curves (lukv), KVzap's "
-         "surrogates (kvzap), Q-Filters' filters (qfilter), CompressKV's layer profile (compresskv), DuoAttention's "
-         "head gates (duoattention).",
+         "surrogates (kvzap), FastKVzip's gates (fastkvzip), Q-Filters' filters (qfilter), CompressKV's layer profile "
+         "(compresskv), DuoAttention's head gates (duoattention).",
 )
 
 FitDir = Annotated[str, typer.Option("--out", metavar="DIR", help="The folder for the fitted files and the resumable "
@@ -166,6 +166,47 @@ def fit_qfilter(
                   f"{provenance['positions']} query positions; the direction holds {min(share):.3f}-{max(share):.3f} "
                   "of the queries' energy per layer", soft_wrap=True)
     console.print(f"fit qfilter: done in {time.perf_counter() - start:.1f} s")
+    _say_written(console, [path, path.with_suffix(".json")])
+
+
+@fit_app.command("fastkvzip")
+def fit_fastkvzip(
+    out: FitDir,
+    model: Model = None,
+    calib_samples: CalibSamples = 16,
+    calib_draw: CalibDraw = 0,
+    calib_draws: CalibDraws = 1,
+    calib_tasks: CalibTasks = None,
+    target_tokens: Annotated[int, typer.Option("--target-tokens", metavar="N", help=(
+        "Length in tokens of the calibration prompts."))] = 1000,
+    tokens: int = typer.Option(500, "--tokens", metavar="N", help="Random positions per prompt."),
+    holdout: int = typer.Option(4, "--holdout", metavar="N", help="Every N-th prompt is held out to measure the fit."),
+    steps: int = typer.Option(5000, "--steps", metavar="N", help="SGD steps per layer (the authors' 5000)."),
+    batch: int = typer.Option(1000, "--batch", metavar="N", help="Entries per step (the authors' 1000)."),
+    lr: float = typer.Option(0.2, "--lr", metavar="X", help="SGD learning rate (the authors' 0.2)."),
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+) -> None:
+    """FastKVzip's gates: OUT/fastkvzip.safetensors (+ .json), read as fastkvzip:weights=FILE.
+
+    The pairs are KVzap's (hidden state -> KVzip score per KV head at --tokens random positions of each
+    calibration prompt, resumable); each layer's gate is fitted on them by the authors' binary cross-entropy.
+    One prompt in every --holdout is held out: its rank correlation with KVzip is printed and stored."""
+    from rich.console import Console
+
+    from ripplekv.pipeline.fastkvzip_fit import GateSettings, fit_gates
+    from ripplekv.pipeline.model_choice import ModelChoice
+
+    chosen = calibration(calib_samples, calib_draw, calib_draws, target_tokens, tasks=calib_tasks)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    path, fit = fit_gates(Path(out), ModelChoice(model, device, dtype), GateSettings(tokens, holdout, 0, steps, batch, lr),
+                          chosen, bar=_bar, announce=lambda: _say_out(console, "fit fastkvzip", out, True),
+                          layer_bar=lambda total, done: _progress_bar("layers fitted", total, done))
+    console.print(f"{path}: held-out rank correlation with KVzip {fit['spearman_mean']:.3f} (per layer "
+                  f"{min(fit['spearman_per_layer']):.3f}-{max(fit['spearman_per_layer']):.3f}), R^2 {fit['r2_mean']:.3f}",
+                  soft_wrap=True)
+    console.print(f"fit fastkvzip: done in {time.perf_counter() - start:.1f} s")
     _say_written(console, [path, path.with_suffix(".json")])
 
 

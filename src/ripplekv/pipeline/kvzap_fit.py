@@ -81,16 +81,68 @@ def stacked(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], list[to
     return [torch.from_numpy(h) for h in hidden], [torch.from_numpy(t) for t in targets]
 
 
-def held_out_fit(layers, inputs, targets) -> dict:
-    """Rank correlation (mean over KV heads) and R^2 of the predicted log scores, per layer, on held-out pairs."""
+def held_out_fit(predicted: list[np.ndarray], truths: list[np.ndarray]) -> dict:
+    """Rank correlation (mean over KV heads) and R^2 of predictions [N, H] against the targets, per layer, on held-out
+    pairs (KVzap's log scores, FastKVzip's scores)."""
     ranks, r2 = [], []
-    for module, x, y in zip(layers, inputs, targets):
-        predicted = kvzap_surrogate.predict(module, x).T.numpy()
-        truth = y.numpy()
-        ranks.append(float(np.mean([kvzap_surrogate.spearman(predicted[:, h], truth[:, h]) for h in range(truth.shape[1])])))
-        r2.append(float(1 - ((predicted - truth) ** 2).sum() / ((truth - truth.mean(0)) ** 2).sum()))
+    for guess, truth in zip(predicted, truths):
+        ranks.append(float(np.mean([kvzap_surrogate.spearman(guess[:, h], truth[:, h]) for h in range(truth.shape[1])])))
+        r2.append(float(1 - ((guess - truth) ** 2).sum() / ((truth - truth.mean(0)) ** 2).sum()))
     return {"spearman_per_layer": [round(v, 4) for v in ranks], "r2_per_layer": [round(v, 4) for v in r2],
             "spearman_mean": round(float(np.mean(ranks)), 4), "r2_mean": round(float(np.mean(r2)), 4)}
+
+
+def prepare(out: Path, owned: list[str], model: ModelChoice, record: dict, calibration: Calibration):
+    """(resolved model, calibration prompts, the log's header) once `out` is checked: a fit's own files, its log
+    and samples/, or nothing (`owned`: the fit's file names)."""
+    from ripplekv.engine.models import load_tokenizer, resolve_model
+
+    out = Path(out)
+    foreign = [name for name in other_files(out, [LOG, *owned]) if name != "samples"]
+    if foreign:
+        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
+    model = model.resolved()
+    source = resolve_model(model.spec)
+    prompts = calibration.prompts(load_tokenizer(model.spec))
+    header = {"model": source.label, **record, "calibration_ids": [p.sample_id for p in prompts],
+              "calibration_hash": calibration_hash(prompts), "targets": f"log max(KVzip score, {FLOOR}), our kvzip scorer "
+              f"(n_sink {N_SINK}, chunk {CHUNK})", "inputs": "each layer's attention input (after its input norm)"}
+    return model, prompts, header
+
+
+def collect(out: Path, header: dict, prompts, model: ModelChoice, tokens: int, seed: int, bar=None) -> list[dict]:
+    """Each prompt's pairs in `out`/samples (those already in the log kept: a resumed run collects the rest), under
+    the fit's lock; the log's entries in prompt order. `bar(total, done)` gives (context manager, advance)."""
+    log = UnitLog(out / LOG, header, remedy="use a new --out directory")
+    todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
+    if todo:
+        loaded, tokenizer, _ = model.load()
+        context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
+        with context:
+            for index, prompt in todo:
+                begun = time.perf_counter()
+                ids = prompt.context + prompt.probe
+                hidden, targets = prompt_pairs(loaded, tokenizer, ids, tokens, seed + index)
+                name = f"samples/{prompt.sample_id}.npz"
+                data = npz_bytes(hidden=hidden, targets=targets)
+                atomic_write(out / name, lambda tmp, data=data: tmp.write_bytes(data))
+                log.append(prompt.sample_id, {"pairs": name, "tokens": len(ids),
+                                              "seconds": round(time.perf_counter() - begun, 2)})
+                if advance is not None:
+                    advance(index)
+    return [log.done[p.sample_id] for p in prompts]
+
+
+def split(done: list[dict], holdout: int) -> tuple[list[str], list[str]]:
+    """(training pair files, held-out ones): every `holdout`-th prompt is held out."""
+    held = [d["pairs"] for i, d in enumerate(done) if i % holdout == holdout - 1]
+    return [d["pairs"] for d in done if d["pairs"] not in held], held
+
+
+def collected(header: dict, done: list[dict], train: list[str], held: list[str], inputs, test_inputs) -> dict:
+    """The provenance every fit writes beside its weights: the header and what the pairs were."""
+    return {**header, "train_prompts": len(train), "held_out_prompts": len(held),
+            "train_pairs": int(inputs[0].shape[0]), "held_out_pairs": int(test_inputs[0].shape[0])}
 
 
 def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibration: Calibration,
@@ -98,46 +150,18 @@ def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibra
     """Collect (or resume) the pairs of `calibration`'s prompts into `out`, fit each surrogate of `kinds`; kind ->
     (weights file, held-out fit). `bar(total, done)` gives (context manager, advance) for a progress bar;
     `announce()` is called once every input has been checked (so bad input stays one line)."""
-    from ripplekv.engine.models import load_tokenizer, resolve_model
-
     calibration.check()
     settings.check(calibration)
     for kind in kinds:
         kvzap_surrogate.build(kind, 1, 1, 0)  # an unknown kind is one line before any work
     out = Path(out)
-    owned = [LOG] + [f"kvzap-{k}.{s}" for k in kvzap_surrogate.KINDS for s in ("safetensors", "json")]
-    foreign = [name for name in other_files(out, owned) if name != "samples"]
-    if foreign:
-        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
-    model = model.resolved()
-    source = resolve_model(model.spec)
-    prompts = calibration.prompts(load_tokenizer(model.spec))
-    header = {"model": source.label, **settings.record(calibration), "calibration_ids": [p.sample_id for p in prompts],
-              "calibration_hash": calibration_hash(prompts), "targets": f"log max(KVzip score, {FLOOR}), our kvzip scorer "
-              f"(n_sink {N_SINK}, chunk {CHUNK})", "inputs": "each layer's attention input (after its input norm)"}
+    owned = [f"kvzap-{k}.{s}" for k in kvzap_surrogate.KINDS for s in ("safetensors", "json")]
+    model, prompts, header = prepare(out, owned, model, settings.record(calibration), calibration)
     if announce is not None:
         announce()
     with exclusive(out, "kvzap fit"):
-        log = UnitLog(out / LOG, header, remedy="use a new --out directory")
-        todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
-        if todo:
-            loaded, tokenizer, _ = model.load()
-            context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
-            with context:
-                for index, prompt in todo:
-                    begun = time.perf_counter()
-                    ids = prompt.context + prompt.probe
-                    hidden, targets = prompt_pairs(loaded, tokenizer, ids, settings.tokens, settings.seed + index)
-                    name = f"samples/{prompt.sample_id}.npz"
-                    data = npz_bytes(hidden=hidden, targets=targets)
-                    atomic_write(out / name, lambda tmp, data=data: tmp.write_bytes(data))
-                    log.append(prompt.sample_id, {"pairs": name, "tokens": len(ids),
-                                                  "seconds": round(time.perf_counter() - begun, 2)})
-                    if advance is not None:
-                        advance(index)
-        done = [log.done[p.sample_id] for p in prompts]
-        held = [d["pairs"] for i, d in enumerate(done) if i % settings.holdout == settings.holdout - 1]
-        train = [d["pairs"] for d in done if d["pairs"] not in held]
+        done = collect(out, header, prompts, model, settings.tokens, settings.seed, bar)
+        train, held = split(done, settings.holdout)
         inputs, targets = stacked(out, train)
         test_inputs, test_targets = stacked(out, held)
         written = {}
@@ -145,9 +169,9 @@ def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibra
             begun = time.perf_counter()
             torch.manual_seed(settings.seed)
             layers = kvzap_surrogate.fit(kind, inputs, targets, epochs=settings.epochs)
-            fit = held_out_fit(layers, test_inputs, test_targets)
-            provenance = {**header, "train_prompts": len(train), "held_out_prompts": len(held),
-                          "train_pairs": int(inputs[0].shape[0]), "held_out_pairs": int(test_inputs[0].shape[0]),
+            fit = held_out_fit([kvzap_surrogate.predict(m, x).T.numpy() for m, x in zip(layers, test_inputs)],
+                               [y.numpy() for y in test_targets])
+            provenance = {**collected(header, done, train, held, inputs, test_inputs),
                           "held_out_fit": fit, "prompt_tokens": [d["tokens"] for d in done],
                           "collect_seconds": round(sum(d["seconds"] for d in done), 1),
                           "fit_seconds": round(time.perf_counter() - begun, 1)}

@@ -128,8 +128,8 @@ def predicted_scores(state, path: Path, layer: int):
     return kvzap_surrogate.predict(layers[layer], hidden[layer])
 
 
-def check_shape(path: Path, fitted: tuple, model: tuple) -> None:
-    """Weights fitted for (layers, KV heads, hidden size) `fitted` against the model's."""
+def check_shape(path: Path, fitted: tuple, model: tuple, what: str = "KVzap weights", hint: str = FIT_HINT) -> None:
+    """Weights fitted for (layers, KV heads, hidden size) `fitted` against the model's (FastKVzip's gates too)."""
     if tuple(fitted) != tuple(model):
-        raise UserError(f"KVzap weights {path} are for {fitted[0]} layers x {fitted[1]} KV heads from hidden size "
-                        f"{fitted[2]}; the model has {model[0]} x {model[1]} from {model[2]}; {FIT_HINT}")
+        raise UserError(f"{what} {path} are for {fitted[0]} layers x {fitted[1]} KV heads from hidden size "
+                        f"{fitted[2]}; the model has {model[0]} x {model[1]} from {model[2]}; {hint}")

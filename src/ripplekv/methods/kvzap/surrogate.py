@@ -13,7 +13,6 @@ numbers.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from ripplekv.errors import UserError
+from ripplekv.methods.core import fitted_weights
 
 KINDS = ("mlp", "linear")
 HIDDEN_SHARE = 8  # the MLP's hidden width is D / 8 (kvpress's published surrogates)
@@ -93,47 +93,28 @@ def predict(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return module.to(hidden.device).float()(hidden.float()).T.contiguous()
 
 
+FIT = "ripplekv fit kvzap --out DIR, then pass kvzap:weights=DIR/kvzap-MODEL.safetensors"
+
+
 def save(path: str | Path, kind: str, layers: nn.ModuleList, provenance: dict) -> Path:
     """The weights (float16, kvpress's parameter names) and `path`.json with the shapes and `provenance`."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {f"layers.{name}": value.detach().to(torch.float16).contiguous()
-               for name, value in layers.state_dict().items()}
+    tensors = {f"layers.{name}": value.to(torch.float16) for name, value in layers.state_dict().items()}
     first = layers[0] if kind == "linear" else layers[0][0]
     last = layers[0] if kind == "linear" else layers[0][2]
     shape = {"surrogate": kind, "input_dim": first.in_features, "output_dim": last.out_features,
              "hidden_dim": None if kind == "linear" else first.out_features, "n_modules": len(layers)}
-    temporary = path.with_name(f".{path.name}.tmp")  # each file replaced whole: a kill leaves the old or the new
-    save_file(tensors, str(temporary))
-    temporary.replace(path)
-    sidecar = path.with_suffix(".json")
-    temporary = sidecar.with_name(f".{sidecar.name}.tmp")
-    temporary.write_text(json.dumps({**shape, **provenance}, indent=2) + "\n")
-    temporary.replace(sidecar)
-    return path
+    return fitted_weights.save(path, tensors, {**shape, **provenance})
 
 
 def load(path: str | Path) -> tuple[nn.ModuleList, dict]:
     """(surrogate in float32, its provenance) from a weights file; every problem is one line naming the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
-    path = Path(path)
-    sidecar = path.with_suffix(".json")
-    if not path.is_file() or not sidecar.is_file():
-        raise UserError(f"KVzap weights {path} (and {sidecar.name} beside them) do not exist; fit them with "
-                        "ripplekv fit kvzap --out DIR, then pass kvzap:weights=DIR/kvzap-MODEL.safetensors")
-    try:
-        info = json.loads(sidecar.read_text())
+    def build_from(info: dict, tensors: dict) -> nn.ModuleList:
         layers = build(info["surrogate"], int(info["input_dim"]), int(info["output_dim"]), int(info["n_modules"]))
-        state = {name[len("layers."):]: value.float() for name, value in load_file(str(path)).items()}
-        layers.load_state_dict(state)
-    except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
-        raise UserError(f"KVzap weights {path} do not load ({str(err).splitlines()[0][:200]}); fit them again with "
-                        "ripplekv fit kvzap") from None
-    return layers.eval(), info
+        layers.load_state_dict({name[len("layers."):]: value for name, value in tensors.items()})
+        return layers.eval()
+
+    return fitted_weights.load(path, "KVzap weights", FIT, build_from)
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:

@@ -1,0 +1,49 @@
+"""Weights fitted here on calibration prompts, on disk: a safetensors file beside a JSON sidecar (`FILE.json`) with
+the shapes and the provenance. KVzap's surrogates and FastKVzip's gates are stored this way, both written whole (a
+kill leaves the old file or the new one) and read back with every problem as one line naming the file and the fit
+command that makes it again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ripplekv.errors import UserError
+
+
+def save(path: str | Path, tensors: dict[str, torch.Tensor], sidecar: dict) -> Path:
+    """`tensors` (as given: the caller picks the dtype) at `path` and `sidecar` at `path`.json."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    save_file({name: value.detach().contiguous() for name, value in tensors.items()}, str(temporary))
+    temporary.replace(path)
+    side = path.with_suffix(".json")
+    temporary = side.with_name(f".{side.name}.tmp")
+    temporary.write_text(json.dumps(sidecar, indent=2) + "\n")
+    temporary.replace(side)
+    return path
+
+
+def load(path: str | Path, what: str, fit: str, build: Callable[[dict, dict], object]):
+    """(build(sidecar, float32 tensors), sidecar) of a weights file; `what` names it in a refusal ("KVzap weights")
+    and `fit` is the fit command's hint ("ripplekv fit kvzap --out DIR, then pass kvzap:weights=FILE")."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    side = path.with_suffix(".json")
+    if not path.is_file() or not side.is_file():
+        raise UserError(f"{what} {path} (and {side.name} beside them) do not exist; fit them with {fit}")
+    try:
+        info = json.loads(side.read_text())
+        built = build(info, {name: value.float() for name, value in load_file(str(path)).items()})
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+        raise UserError(f"{what} {path} do not load ({str(err).splitlines()[0][:200]}); fit them again with "
+                        f"{fit}") from None
+    return built, info
