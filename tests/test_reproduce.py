@@ -323,7 +323,7 @@ def test_the_multi_question_protocols_run_both_variants_and_their_page_names_who
         assert f"--protocol {protocol} " in recorded and f"--out results/multi-question/{name}" in recorded
         assert recorded in page  # the page's commands are the ones the run recorded
     assert "--tasks niah_multiquestion" in page and "--allocation results/allocation.csv" in page
-    assert "niah_multiquestion 12 contexts, 3-3 questions each" in page and "prompts of 1100-1111 tokens" in page
+    assert "niah_multiquestion 12 contexts, 3 questions each" in page and "prompts of 1100-1111 tokens" in page
     table = pd.read_csv(folder / "holding.csv")
     assert list(table["variant"]) == ["question-agnostic", "first question in the window"]
     assert set(table["best"]) == {"snapkv"} and set(table["runner_up"]) == {"streamingllm"}
@@ -532,7 +532,7 @@ def test_the_committed_config_builds_the_commands_results_records():
     built["eval-draws"] = ["ripplekv", *draws_eval(config, "results", draw_methods).argv()]
     recorded = {path.name[1:-4]: _words(path.read_text()) for path in results.glob(".*.cmd")}
     recorded.pop("predictors")  # a script then, a function of the package now
-    assert set(built) == set(recorded) and len(recorded) == 31
+    assert set(built) == set(recorded) and len(recorded) == 33
     for name, words in recorded.items():
         assert built[name] == words, name
 

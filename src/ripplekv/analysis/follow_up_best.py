@@ -164,11 +164,14 @@ def holding_markdown(table: pd.DataFrame) -> str:
 HOW = ("Per budget, the method whose follow-up answers stay closest to the full cache's (lowest follow-up KL) "
        "against the runner-up, best minus runner-up paired by context. In sample: the pair picked on these same "
        "contexts (so a `closer` there is weaker evidence than its p says; a `tied` stands). Held out: the contexts "
-       "split in two halves alternately within each task, each half judged on the pair the other half picked. "
+       "split in two halves alternately within each task, each half judged on the pair the other half picked (it "
+       "needs at least 2 contexts a half: `–` below 4). "
        "95% stratified t intervals; sign-flip p, Holm-adjusted across the table per kind; `closer` only at adjusted "
        "p < 0.05 with the interval excluding 0, else `tied` or `underpowered` (could not have seen a KL difference "
        f"of {inference.MEANINGFUL['kl']}). Change: follow-ups' KL minus the first question's (`further`: the "
-       "follow-ups stray further). Scores x100 on the follow-ups; `n`: contexts.")
+       "follow-ups stray further). Scores x100 on the follow-ups; the full cache's says how answerable they are in "
+       "that variant's prompts (with the first question in the window, a follow-up is read after the first "
+       "question's whole prompt). `n`: contexts.")
 
 
 def holding_section(frame: pd.DataFrame, protocol: str | None) -> str:

@@ -33,10 +33,10 @@ def _scope(runs: dict[str, pd.DataFrame], configs: dict[str, dict]) -> list[str]
         full = frame[frame["method"] == REFERENCE]
         budgets = sorted(int(b) for b in frame["budget"].dropna().unique())
         methods = [m for m in dict.fromkeys(frame["method"]) if m != REFERENCE]
+        asked = (f"{questions.min()}" if questions.min() == questions.max() else f"{questions.min()}-{questions.max()}")
         lines.append(f"- `--protocol {protocol}` ({VARIANTS[protocol]}; `{RUNS[protocol]}/`): "
                      + ", ".join(f"{task} {count} contexts" for task, count in contexts.items())
-                     + f", {questions.min()}-{questions.max()} questions each (the first and "
-                     f"{questions.min() - 1}-{questions.max() - 1} follow-ups), prompts of "
+                     + f", {asked} questions each (the first, then follow-ups), prompts of "
                      f"{int(full['prompt_tokens'].min())}-{int(full['prompt_tokens'].max())} tokens; budgets "
                      f"{', '.join(map(str, budgets))}; methods {', '.join(f'`{m}`' for m in methods)}.")
     return [f"**What this measured.** Model `{config.get('model_label')}` on the bundled offline suite's tasks with "
