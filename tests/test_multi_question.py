@@ -168,8 +168,6 @@ def _frame(changes: dict[str, float], contexts: int = 8, questions: int = 3, see
 
 def test_the_drop_table_measures_follow_ups_against_the_first_question_per_context():
     from ripplekv.analysis.follow_ups import (
-        best_markdown,
-        best_on_follow_ups,
         follow_up_markdown,
         follow_up_table,
         has_follow_ups,
@@ -195,12 +193,48 @@ def test_the_drop_table_measures_follow_ups_against_the_first_question_per_conte
     assert worse["kl_change"] == pytest.approx(per_context.groupby(level=0).mean().mean())
     text = follow_up_markdown(follow_up_table(frame), "multi-question")
     assert "question-agnostic" in text and "| worse | 64 | 16 |" in text and "further" in text
-    (best,) = best_on_follow_ups(frame).itertuples(index=False)  # one budget: the steady method, then the other
-    assert (best.best, best.runner_up, best.n) == ("steady", "worse", 16) and best.verdict == "closer"
-    assert best.difference == pytest.approx(-worse["kl_change"]) and best.p_holm < 0.05
-    assert "B=64: steady" in best_markdown(best_on_follow_ups(frame))
 
 
+def test_whose_follow_ups_hold_best_is_named_per_budget_against_the_runner_up_in_sample_and_held_out():
+    from ripplekv.analysis.follow_up_best import holding_markdown, holding_section, holding_table
+    from ripplekv.analysis.follow_ups import follow_up_table
+
+    frame = _frame({"worse": 0.3, "steady": 0.0})
+    worse = follow_up_table(frame).set_index("method").loc["worse"]
+    (row,) = holding_table({"multi-question": frame}).itertuples()  # one budget: the steady method, then the other
+    assert (row.best, row.runner_up, row.n, row.tasks, row.variant) == ("steady", "worse", 16, 2, "question-agnostic")
+    assert row.in_sample == pytest.approx(-worse["kl_change"]) and row.in_sample_p_holm < 0.05
+    assert row.in_sample_verdict == "closer" and row.in_sample_low < row.in_sample < row.in_sample_high < 0
+    # Each half of the contexts is judged on the pair the other half picked: here the same pair both times.
+    assert row.held_out_pairs == "steady vs worse; steady vs worse" and row.held_out_verdict == "closer"
+    assert row.held_out == pytest.approx(row.in_sample)
+    assert row.runner_up_drop == pytest.approx(worse["kl_change"]) and row.runner_up_drop_verdict == "further"
+    assert row.best_drop == 0 and row.best_drop_verdict in ("tied", "underpowered")
+    assert (row.best_score, row.runner_up_score, row.full_score) == (100, 0, 100)
+    text = holding_markdown(holding_table({"multi-question-first": frame}))
+    assert "`steady` 0." in text and "first question in the window" in text and "steady vs worse" in text
+    assert "held out" in holding_section(frame, "multi-question").lower()
+
+
+def test_a_pick_that_holds_on_one_half_only_is_not_called_closer_held_out():
+    """Method a holds on the even contexts of each task and b on the odd ones: over all contexts one of them is
+    picked and looks closer, but each half judged on the other half's pick finds it further."""
+    from ripplekv.analysis.follow_up_best import holding_table
+
+    rows = []
+    for task in ("niah_multiquestion", "squad_multiquestion"):
+        for c in range(12):
+            even = c % 2 == 0
+            kl = {"a": 0.1 if even else 0.35, "b": 0.3 if even else 0.11, "c": 0.5}
+            for method, value in kl.items():
+                for q in (1, 2):
+                    rows.append({"task": task, "context_id": f"{task}-{c:02d}", "question_index": q, "method": method,
+                                 "budget": 128, "kl": 0.05 if q == 1 else value + 0.001 * c, "score": 1.0})
+    (row,) = holding_table({"multi-question": pd.DataFrame(rows)}).itertuples()
+    assert (row.best, row.runner_up) == ("b", "a")  # 0.205 against 0.225 over every context
+    assert row.in_sample == pytest.approx(-0.02) and row.in_sample_verdict in ("tied", "underpowered")
+    assert row.held_out_pairs == "b vs a; a vs b"  # the even half judged on the odd half's pick, then the reverse
+    assert row.held_out == pytest.approx(0.22) and row.held_out_verdict == "further" and row.held_out_p_holm < 0.05
 def test_a_single_question_run_has_no_drop_table():
     from ripplekv.analysis.follow_ups import has_follow_ups
 

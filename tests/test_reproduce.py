@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from ripplekv.pipeline.reproduce import run as run_module
@@ -65,6 +66,19 @@ elif "--decode-budget" in args:
             row.update(decode_budget="total", peak_entries=2100 if budget is None else budget)
         lines.append(json.dumps(row))
     (out / "predictions.jsonl").write_text("\n".join(lines) + "\n")
+elif "--protocol" in args and args[args.index("--protocol") + 1].startswith("multi-question"):
+    out.mkdir(parents=True, exist_ok=True)  # 12 contexts, 3 questions: each method's follow-ups further by 0.05 x index
+    specs = args[args.index("--methods") + 1].split(",")
+    budgets = [int(args[i + 1]) for i, a in enumerate(args) if a == "--budget"]
+    lines = [json.dumps({"id": f"c{c}#q{q}", "context_id": f"c{c}", "question_index": q, "task": "niah_multiquestion",
+                         "category": "Synthetic", "method": spec, "budget": budget, "score": 1.0, "agreement": 1.0,
+                         "prompt_tokens": 1100 + c, "kl": 0.0 if spec == "full" else
+                         0.1 * index + 0.01 * c + (0.05 * index if q > 1 else 0.0)})
+             for c in range(12) for q in (1, 2, 3) for index, spec in enumerate(specs)
+             for budget in ([None] if spec == "full" else budgets)]
+    (out / "predictions.jsonl").write_text("\n".join(lines) + "\n")
+    (out / "config.json").write_text(json.dumps({"model_label": "m", "samples": {"niah_multiquestion": ["c0"]}}))
+    (out / "follow_ups.md").write_text("## Follow-up questions\n")
 else:
     out.mkdir(parents=True, exist_ok=True)
     specs = args[args.index("--methods") + 1].split(",")
@@ -118,6 +132,8 @@ LONG = {"long_tasks": ["paragraph_recall"], "long_methods": ["full", "snapkv", "
         "long_limit": 1, "long_target_tokens": 2000}
 DRAWS = {"draws": 3, "draw_budgets": [64], "ratios": [2, 4], "tune": ["cake:tau1=0.5,1"],
          "methods": ["full", "snapkv", "ripplekv", "depthkv:scorer=snapkv", "routed", "cake"]}
+MULTI = {"multi_methods": ["full", "snapkv", "streamingllm", "ripplekv"], "multi_tasks": ["niah_multiquestion"],
+         "multi_budgets": [128], "multi_limit": 2}
 # configs/gemma3.toml's shape: the second model's own run into a folder of results/ (the bundled model stands in for
 # Gemma here: the stand-in ripplekv ignores --model, and the pre-flight need not assemble Gemma's GGUF)
 GEMMA = {**CONFIG, "out": "results/gemma3"}
@@ -291,6 +307,34 @@ def test_the_memory_axis_runs_only_when_configured_and_the_page_names_the_best_w
     assert "![memory axis](eval-memory/memory_axis.png)" in section
 
 
+def test_the_multi_question_protocols_run_both_variants_and_their_page_names_whose_follow_ups_hold_best(
+        project, capfd, monkeypatch):
+    """multi_methods' two evals (question-agnostic, first question in the window) into OUT/multi-question; its page
+    names per variant and budget the best-holding method against the runner-up, and the results page links it."""
+    write_config(project, CONFIG, MULTI)
+    done = reproduce(capfd, monkeypatch)
+    assert done.returncode == 0, done.stderr
+    folder = project / "results" / "multi-question"
+    assert (folder / "question-agnostic" / "predictions.jsonl").is_file()
+    assert (folder / "first-question" / "predictions.jsonl").is_file()
+    page = (folder / "README.md").read_text()
+    for protocol, name in (("multi-question", "question-agnostic"), ("multi-question-first", "first-question")):
+        recorded = (project / "results" / f".eval-{protocol}.cmd").read_text().strip()
+        assert f"--protocol {protocol} " in recorded and f"--out results/multi-question/{name}" in recorded
+        assert recorded in page  # the page's commands are the ones the run recorded
+    assert "--tasks niah_multiquestion" in page and "--allocation results/allocation.csv" in page
+    assert "niah_multiquestion 12 contexts, 3 questions each" in page and "prompts of 1100-1111 tokens" in page
+    table = pd.read_csv(folder / "holding.csv")
+    assert list(table["variant"]) == ["question-agnostic", "first question in the window"]
+    assert set(table["best"]) == {"snapkv"} and set(table["runner_up"]) == {"streamingllm"}
+    assert table["in_sample"].tolist() == pytest.approx([-0.15, -0.15]) and set(table["in_sample_verdict"]) == {"closer"}
+    assert set(table["held_out_pairs"]) == {"snapkv vs streamingllm; snapkv vs streamingllm"}
+    assert table["runner_up_drop"].tolist() == pytest.approx([0.1, 0.1])
+    assert "`snapkv` 0.1" in page and "`streamingllm` 0.3" in page and "| closer " in page
+    readme = (project / "results" / "README.md").read_text()
+    assert "[`multi-question/README.md`](multi-question/README.md)" in readme
+
+
 @pytest.mark.slow
 def test_the_long_answer_section_runs_both_decode_budgets_only_when_configured(project, capfd, monkeypatch):
     write_config(project, CONFIG, LONG)
@@ -412,6 +456,9 @@ CHANGES = [
     ({"limt": 3}, "unknown setting 'limt' (did you mean 'limit'?)"),
     ({"tune": ["cake:tau1=0.5, 1"]}, "tune = ['cake:tau1=0.5, 1'] must list grids in quotes, each without spaces"),
     ({"eta": 0}, "eta = 0 must be a number in (0, 100)"),
+    (MULTI | {"multi_methods": ["full", "snapkv", "oracle"]}, "multi_methods (the eval-multi-question stage"),
+    (MULTI | {"multi_tasks": ["niah"]}, "multi_tasks (the eval-multi-question stage): niah ask(s) one question"),
+    ({"multi_methods": ["full", "snapkv"]}, "multi_methods runs a stage that needs multi_budgets, multi_limit"),
 ]
 
 
@@ -441,7 +488,7 @@ def test_a_config_that_is_not_toml_is_one_line(tmp_path, capfd, monkeypatch):
 
 STAND_IN_CONFIGS = {"plain": [CONFIG], "optional stages": [CONFIG, OPTIONAL_STAGES], "context": [CONFIG, CONTEXT],
                     "memory": [CONFIG, MEMORY], "long": [CONFIG, LONG], "draws": [CONFIG, OPTIONAL_STAGES, DRAWS],
-                    "gemma": [GEMMA], "carry": [CONFIG, {"carry": ["gemma3"]}]}
+                    "gemma": [GEMMA], "carry": [CONFIG, {"carry": ["gemma3"]}], "multi": [CONFIG, MULTI]}
 
 
 @pytest.mark.parametrize("name", STAND_IN_CONFIGS)
@@ -485,7 +532,7 @@ def test_the_committed_config_builds_the_commands_results_records():
     built["eval-draws"] = ["ripplekv", *draws_eval(config, "results", draw_methods).argv()]
     recorded = {path.name[1:-4]: _words(path.read_text()) for path in results.glob(".*.cmd")}
     recorded.pop("predictors")  # a script then, a function of the package now
-    assert set(built) == set(recorded) and len(recorded) == 31
+    assert set(built) == set(recorded) and len(recorded) == 33
     for name, words in recorded.items():
         assert built[name] == words, name
 

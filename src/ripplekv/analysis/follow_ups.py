@@ -28,7 +28,7 @@ def has_follow_ups(frame: pd.DataFrame) -> bool:
     return {"context_id", "question_index"} <= set(frame.columns) and bool((frame["question_index"] > FIRST_INDEX).any())
 
 
-def _per_context(frame: pd.DataFrame, measure: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+def per_context(frame: pd.DataFrame, measure: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(first, follow-up) values [rows (method, budget), columns (task, context)] of one measure."""
     keyed = frame.assign(budget=frame["budget"].astype("float").fillna(NO_BUDGET))  # the full cache's row kept
     if measure == "score":
@@ -48,7 +48,7 @@ def follow_up_table(frame: pd.DataFrame) -> pd.DataFrame:
     frame = frame[frame["question_index"].notna()]
     rows = None
     for measure in MEASURES:
-        first, later = _per_context(frame, measure)
+        first, later = per_context(frame, measure)
         if rows is None:
             rows = pd.DataFrame(first.index.to_list(), columns=["method", "budget"])
         both = np.isfinite(first.to_numpy(float)) & np.isfinite(later.to_numpy(float))
@@ -101,46 +101,6 @@ def follow_up_markdown(table: pd.DataFrame, protocol: str | None = None) -> str:
                      f"{_number(row.kl_follow_up, 4)} | {kl} | {row.kl_verdict or '-'} | {_number(row.score_first, 1)} | "
                      f"{_number(row.score_follow_up, 1)} | {score} | {row.score_verdict or '-'} |")
     return "\n".join(lines) + "\n"
-
-
-def best_on_follow_ups(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per budget, the method whose follow-up answers stay closest to the full cache (lowest mean follow-up KL, per
-    context then over tasks) against the runner-up: their paired difference (best minus runner-up) with its
-    interval, sign-flip p Holm-adjusted across the budgets, and the verdict (`closer` or `tied`)."""
-    frame = frame[frame["question_index"].notna() & (frame["method"] != REFERENCE)]
-    _, later = _per_context(frame, "kl")
-    tasks = np.asarray(pd.factorize(pd.Index([task for task, _ in later.columns]), sort=True)[0], dtype=int)
-    found = []
-    for budget in sorted({budget for _, budget in later.index}):
-        block = later[[b == budget for _, b in later.index]]
-        if len(block) < 2:
-            continue
-        means = inference.stratified_mean(block.to_numpy(float), tasks)
-        best, runner = np.argsort(means, kind="stable")[:2]
-        difference = block.iloc[best].to_numpy(float) - block.iloc[runner].to_numpy(float)
-        estimate = inference.t_interval(difference, tasks)
-        found.append({"budget": int(budget), "best": block.index[best][0], "runner_up": block.index[runner][0],
-                      "best_kl": means[best], "runner_up_kl": means[runner], "difference": estimate.point[0],
-                      "low": estimate.low[0], "high": estimate.high[0], "detectable": estimate.detectable()[0],
-                      "p": inference.sign_flip_p(difference, tasks)[0], "n": int(np.isfinite(difference).sum())})
-    table = pd.DataFrame(found, columns=["budget", "best", "runner_up", "best_kl", "runner_up_kl", "difference", "low",
-                                         "high", "detectable", "p", "n"])
-    table["p_holm"] = inference.holm(table["p"].to_numpy(float)) if len(table) else []
-    table["verdict"] = [inference.verdict(lo, hi, q, lower_is_better=True, detectable=d,
-                                          meaningful=inference.MEANINGFUL["kl"])
-                        for lo, hi, q, d in zip(table["low"], table["high"], table["p_holm"], table["detectable"])]
-    return table
-
-
-def best_markdown(table: pd.DataFrame) -> str:
-    """Per budget, one line: whose follow-ups hold best, against whom, by how much."""
-    lines = ["", "Whose follow-up answers hold best (lowest follow-up KL), per budget, against the runner-up "
-             "(best minus runner-up, paired by context; Holm across budgets):", ""]
-    for row in table.itertuples(index=False):
-        lines.append(f"- B={row.budget}: {row.best} ({row.best_kl:.4f}) vs {row.runner_up} ({row.runner_up_kl:.4f}): "
-                     f"{_change(row.difference, row.low, row.high, 4)}, p_holm {row.p_holm:.3g}, n {row.n}: "
-                     f"{row.verdict}")
-    return "\n".join(lines) + "\n" if len(table) else ""
 
 
 def _number(value, digits: int) -> str:

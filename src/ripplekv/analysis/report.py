@@ -19,9 +19,8 @@ import pandas as pd
 from ripplekv.analysis import inference, stats
 from ripplekv.analysis.allocation import allocation_headline, allocation_markdown, allocation_parts, method_specs
 from ripplekv.analysis.figures import plot_kl_vs_budget, plot_layer_budgets, plot_score_vs_budget
+from ripplekv.analysis.follow_up_best import holding_section
 from ripplekv.analysis.follow_ups import (
-    best_markdown,
-    best_on_follow_ups,
     follow_up_markdown,
     follow_up_table,
     has_follow_ups,
@@ -219,7 +218,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
             write_csv(run_dir / "memory_axis.csv", memory, float_format=FLOAT_FORMAT)
             write_text(run_dir / "memory_axis.md", memory_markdown(memory))
         follow_text = None if follow is None else (follow_up_markdown(follow, run_protocol(run_dir))
-                                                   + best_markdown(best_on_follow_ups(frame)))
+                                                   + holding_section(frame, run_protocol(run_dir)))
         for name, written in (("follow_ups.csv", follow), ("follow_ups.md", follow_text)):
             if written is None:
                 (run_dir / name).unlink(missing_ok=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from ripplekv.analysis.calibration_report import calibration_lines, route_stability_lines, tuned_lines
+from ripplekv.analysis.multi_question_page import multi_question_lines
 from ripplekv.analysis.page_calibration import depthkv_lines, depthkv_versus_lines, long_lines, route_lines
 from ripplekv.analysis.page_evals import (
     allocation_lines,
@@ -136,7 +137,8 @@ def write_results_page(out: Path, config: str, final: str | None = None,
     lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out),
               *depthkv_versus_lines(out), *route_lines(out), *route_stability_lines(out), *calibration_lines(out),
               *tuned_lines(out), *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"),
-              *long_lines(out, max_new_tokens), *needle_lines(out), *second_model_lines(out, "gemma3", profile["model"]),
+              *long_lines(out, max_new_tokens), *needle_lines(out), *multi_question_lines(out),
+              *second_model_lines(out, "gemma3", profile["model"]),
               *time_lines(out)]
     lines += [
         "",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ripplekv.defaults import PIPELINE_FED
+from ripplekv.defaults import MULTI_QUESTION_PROTOCOLS, PIPELINE_FED
 from ripplekv.errors import UserError, cli_flag
 from ripplekv.pipeline.reproduce.config import ReproduceConfig, joined
 from ripplekv.pipeline.reproduce.evals import EvalSpec, declared_evals, fed_lists
@@ -55,13 +55,15 @@ def _stand_ins(folder: Path, layers: int) -> None:
 
 def check_eval(config: ReproduceConfig, spec: EvalSpec, folder: str) -> None:
     from ripplekv.methods.core.catalog import build_methods
-    from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget
+    from ripplekv.pipeline.eval_plan import EvalSettings, check_decode_budget, check_multi_question
     from ripplekv.tasks import get_tasks
+    from ripplekv.tasks.registry import multi_question_tasks
 
-    tasks_setting = "long_tasks" if spec.decode_budget else "tasks"
+    multi = spec.protocol in MULTI_QUESTION_PROTOCOLS
+    tasks_setting = "long_tasks" if spec.decode_budget else "multi_tasks" if multi else "tasks"
     if spec.lengths is None:
         try:
-            get_tasks(spec.suite, list(spec.tasks) if spec.tasks else None)
+            (multi_question_tasks if multi else get_tasks)(spec.suite, list(spec.tasks) if spec.tasks else None)
         except UserError as err:
             raise UserError(f"{tasks_setting if spec.tasks else 'suite'} (the {spec.name} stage): {err}") from None
         if spec.suite == "offline":
@@ -79,9 +81,12 @@ def check_eval(config: ReproduceConfig, spec: EvalSpec, folder: str) -> None:
 
             parse_lengths(joined(spec.lengths))
         methods = build_methods(spec.methods.split(","), {"allocation": spec.allocation, "route": spec.route})
+        settings = EvalSettings(budgets=spec.budgets, protocol=spec.protocol or "with-question",
+                                decode_budget=spec.decode_budget or "prompt")
+        if multi:
+            check_multi_question(settings, methods)
         if spec.lengths is None:
-            check_decode_budget(EvalSettings(budgets=spec.budgets, protocol=spec.protocol or "with-question",
-                                             decode_budget=spec.decode_budget or "prompt"), methods.values())
+            check_decode_budget(settings, methods.values())
     except UserError as err:
         said = err.phrased(cli_flag).replace(folder + "/", "")  # the pipeline passes these as the commands' flags
         raise UserError(f"{spec.setting} (the {spec.name} stage; the pipeline {passed}): {said}") from None

@@ -33,6 +33,7 @@ KINDS = {
     "context_methods": "names", "context_limit": "count", "context_budgets": "budgets",
     "long_tasks": "names", "long_methods": "names", "long_budgets": "budgets", "long_limit": "count",
     "long_target_tokens": "count",
+    "multi_methods": "names", "multi_tasks": "names", "multi_budgets": "budgets", "multi_limit": "count",
     "needle_lengths": "ints", "needle_limit": "count", "needle_budget": "budget", "needle_methods": "names",
     "carry": "names",
 }
@@ -41,7 +42,8 @@ REQUIRED = ("out", "calib_samples", "seeds", "eta", "probe_tokens", "ratios", "s
 # A stage's settings it cannot run without: the setting that turns it on -> those it then needs.
 NEEDS = {"route_calib_samples": ("route_budget",),
          "context_methods": ("context_budgets", "context_limit"),
-         "long_tasks": ("long_methods", "long_budgets", "long_limit", "long_target_tokens")}
+         "long_tasks": ("long_methods", "long_budgets", "long_limit", "long_target_tokens"),
+         "multi_methods": ("multi_budgets", "multi_limit")}
 # Numbers' open or closed ranges: setting -> (low, high, closed).
 RANGES = {"prune_ratio": (0.0, 1.0, False), "depthkv_floor": (0.0, 1.0, True)}
 
@@ -94,6 +96,10 @@ class ReproduceConfig:
     long_budgets: tuple | None = None
     long_limit: int | None = None
     long_target_tokens: int | None = None
+    multi_methods: tuple | None = None
+    multi_tasks: tuple | None = None
+    multi_budgets: tuple | None = None
+    multi_limit: int | None = None
     needle_lengths: tuple | None = None
     needle_limit: int | None = None
     needle_budget: int | None = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ripplekv.analysis.multi_question_page import FOLDER as MULTI_QUESTION
+from ripplekv.analysis.multi_question_page import RUNS as MULTI_QUESTION_RUNS
 from ripplekv.defaults import PIPELINE_FED
 from ripplekv.pipeline.reproduce.config import ReproduceConfig, joined, text
 
@@ -88,7 +90,8 @@ def declared_evals(config: ReproduceConfig, out: str, methods: str, headline: st
                    route: str | None) -> list[EvalSpec]:
     """Every eval after the main one's draws, in the order they run: the main eval first (its `methods` as the
     calibration stages rewrote them), then DepthKV's headline ratio, the head-to-head comparisons, the memory
-    axis, the context-only protocol, the long answers under both decode budgets and the needle heatmap.
+    axis, the context-only protocol, the long answers under both decode budgets, the multi-question protocols (both
+    variants, into OUT/multi-question) and the needle heatmap.
     `route`: eval's --route (the route stage ran) or None. Paths are inside `out`."""
     allocation = f"{out}/allocation.csv"
     shared = dict(model=config.model, suite=config.suite, tasks=config.tasks, target_tokens=config.target_tokens)
@@ -118,6 +121,7 @@ def declared_evals(config: ReproduceConfig, out: str, methods: str, headline: st
                                   joined(config.long_methods), config.long_budgets, config.long_limit,
                                   config.long_target_tokens, f"{out}/long/{mode}", model=config.model,
                                   tasks=config.long_tasks, allocation=allocation, decode_budget=mode))
+    specs += multi_question_evals(config, out)
     if config.needle_lengths:
         specs.append(EvalSpec("needle", "needle heatmap", "needle_methods",
                               joined(config.needle_methods) if config.needle_methods else NEEDLE_METHODS,
@@ -125,6 +129,18 @@ def declared_evals(config: ReproduceConfig, out: str, methods: str, headline: st
                               config.target_tokens, f"{out}/needle", model=config.model, allocation=allocation,
                               lengths=config.needle_lengths))
     return specs
+
+
+def multi_question_evals(config: ReproduceConfig, out: str) -> list[EvalSpec]:
+    """The multi-question protocols' evals (`multi_methods` set): question-agnostic, then the first question in the
+    window, each into OUT/multi-question/FOLDER (`analysis.multi_question_page` writes their page)."""
+    if not config.multi_methods:
+        return []
+    return [EvalSpec(f"eval-{protocol}", f"eval, --protocol {protocol}", "multi_methods", joined(config.multi_methods),
+                     config.multi_budgets, config.multi_limit, config.target_tokens, f"{out}/{MULTI_QUESTION}/{folder}",
+                     model=config.model, suite=config.suite, tasks=config.multi_tasks, protocol=protocol,
+                     allocation=f"{out}/allocation.csv")
+            for protocol, folder in MULTI_QUESTION_RUNS.items()]
 
 
 def draws_eval(config: ReproduceConfig, out: str, draw_methods: str) -> EvalSpec:

@@ -9,6 +9,7 @@ the tuned and the draws' method lists, the calibration spread) are this package'
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from ripplekv.pipeline.draws import write_spread
 from ripplekv.pipeline.reproduce.calibration import calibration_stages, lukv_stage, tune_stage
 from ripplekv.pipeline.reproduce.checks import check_config, stage_files
 from ripplekv.pipeline.reproduce.config import ReproduceConfig, load_config
-from ripplekv.pipeline.reproduce.evals import EvalSpec, declared_evals, draws_eval, fed_lists
-from ripplekv.pipeline.staged import StagedRun, ripplekv_command
+from ripplekv.pipeline.reproduce.evals import EvalSpec, declared_evals, draws_eval, fed_lists, multi_question_evals
+from ripplekv.pipeline.staged import PROGRAM, StagedRun, ripplekv_command
 
 
 def pooled(run: StagedRun, config: ReproduceConfig, name: str) -> str:
@@ -103,11 +104,14 @@ def run_eval(run: StagedRun, spec: EvalSpec) -> None:
 def write_page(out: Path, config: ReproduceConfig, final: str) -> None:
     """OUT/README.md, then every run's web page and OUT/index.html linking them (`report --site`)."""
     from ripplekv.analysis.html_page import write_site
+    from ripplekv.analysis.multi_question_page import write_multi_question_page
     from ripplekv.analysis.results_page import write_results_page
     from ripplekv.methods.core.catalog import method_notes
     from ripplekv.tasks import get_tasks
 
     tasks = get_tasks("offline", list(config.long_tasks)) if config.long_tasks else []
+    # before the results page, which links it; its commands as the run records them (the final folder's paths)
+    write_multi_question_page(out, [shlex.join((PROGRAM, *spec.argv())) for spec in multi_question_evals(config, final)])
     write_results_page(out, config.path, final, {task.name: task.max_new_tokens for task in tasks})
     write_site(out, notes=method_notes())
 

@@ -1,0 +1,1 @@
+ripplekv eval --suite offline --tasks niah_multiquestion --budget 128 --budget 256 --methods full,streamingllm,snapkv,pyramidkv,ripplekv,expected-attention,knorm,adakv --limit 12 --target-tokens 1200 --protocol multi-question --allocation results/allocation.csv --out results/multi-question/question-agnostic
