@@ -1,5 +1,5 @@
 """Weights fitted here on calibration prompts, on disk: a safetensors file beside a JSON sidecar (`FILE.json`) with
-the shapes and the provenance. KVzap's surrogates and FastKVzip's gates are stored this way, both written whole (a
+the shapes and the provenance. KVzap's surrogates, FastKVzip's gates and Q-Filters' filters are stored this way, both written whole (a
 kill leaves the old file or the new one) and read back with every problem as one line naming the file and the fit
 command that makes it again."""
 
@@ -30,20 +30,21 @@ def save(path: str | Path, tensors: dict[str, torch.Tensor], sidecar: dict) -> P
     return path
 
 
-def load(path: str | Path, what: str, fit: str, build: Callable[[dict, dict], object]):
+def load(path: str | Path, what: str, fit: str, build: Callable[[dict, dict], object], hint: str | None = None):
     """(build(sidecar, float32 tensors), sidecar) of a weights file; `what` names it in a refusal ("KVzap weights")
-    and `fit` is the fit command's hint ("ripplekv fit kvzap --out DIR, then pass kvzap:weights=FILE")."""
+    and `fit` is the fit command's hint ("ripplekv fit kvzap --out DIR, then pass kvzap:weights=FILE"); `hint`, when
+    given, is the whole advice both refusals end with instead."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     side = path.with_suffix(".json")
     if not path.is_file() or not side.is_file():
-        raise UserError(f"{what} {path} (and {side.name} beside them) do not exist; fit them with {fit}")
+        raise UserError(f"{what} {path} (and {side.name} beside them) do not exist; {hint or f'fit them with {fit}'}")
     try:
         info = json.loads(side.read_text())
         built = build(info, {name: value.float() for name, value in load_file(str(path)).items()})
     except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
-        raise UserError(f"{what} {path} do not load ({str(err).splitlines()[0][:200]}); fit them again with "
-                        f"{fit}") from None
+        raise UserError(f"{what} {path} do not load ({str(err).splitlines()[0][:200]}); "
+                        f"{hint or f'fit them again with {fit}'}") from None
     return built, info

@@ -19,7 +19,6 @@ position of every calibration prompt (the authors' script samples 3,000 position
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 
 from ripplekv.engine.recorders import PerLayer, register_recorder
 from ripplekv.errors import UserError
+from ripplekv.methods.core import fitted_weights
 
 QUERY_SUMS = "qfilter_query_sums"  # the signal: per layer a `QueryGram` of every prompt query, post-RoPE
 TENSOR = "q_filters"  # the weights file's one tensor [L, H_kv, d] (kvpress's `QFilters.q_filters`)
@@ -81,36 +81,19 @@ def filters_from(gram: np.ndarray, total: np.ndarray, kv_heads: int) -> tuple[np
 def save(path: str | Path, filters: np.ndarray, provenance: dict) -> Path:
     """The filters (float32, kvpress's tensor name) and `path`.json with their shape and `provenance`, each file
     replaced whole (a kill leaves the old one or the new one)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensor = torch.as_tensor(np.ascontiguousarray(filters, dtype=np.float32))
-    temporary = path.with_name(f".{path.name}.tmp")
-    save_file({TENSOR: tensor}, str(temporary))
-    temporary.replace(path)
     layers, kv_heads, dim = tensor.shape
-    sidecar = path.with_suffix(".json")
-    temporary = sidecar.with_name(f".{sidecar.name}.tmp")
-    temporary.write_text(json.dumps({"layers": layers, "kv_heads": kv_heads, "head_dim": dim, **provenance}, indent=2) + "\n")
-    temporary.replace(sidecar)
-    return path
+    return fitted_weights.save(path, {TENSOR: tensor}, {"layers": layers, "kv_heads": kv_heads, "head_dim": dim,
+                                                        **provenance})
 
 
 def load(path: str | Path) -> tuple[torch.Tensor, dict]:
     """(filters [L, H_kv, d] float32, provenance) of a weights file; every problem is one line naming the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
-    path = Path(path)
-    sidecar = path.with_suffix(".json")
-    if not path.is_file() or not sidecar.is_file():
-        raise UserError(f"Q-filters {path} (and {sidecar.name} beside them) do not exist; {FIT_HINT}")
-    try:
-        info = json.loads(sidecar.read_text())
-        filters = load_file(str(path))[TENSOR].float()
+    def build(info: dict, tensors: dict) -> torch.Tensor:
+        filters = tensors[TENSOR]
         if filters.dim() != 3:
             raise ValueError(f"{TENSOR} has {filters.dim()} dimensions, not 3 (layers, KV heads, head size)")
-    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"Q-filters {path} do not load ({str(err).splitlines()[0][:200]}); {FIT_HINT}") from None
-    return filters, info
+        return filters
+
+    return fitted_weights.load(path, "Q-filters", "ripplekv fit qfilter", build, hint=FIT_HINT)
