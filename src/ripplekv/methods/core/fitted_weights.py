@@ -13,6 +13,8 @@ import torch
 
 from ripplekv.errors import UserError
 
+_LOADED: dict = {}
+
 
 def save(path: str | Path, tensors: dict[str, torch.Tensor], sidecar: dict) -> Path:
     """`tensors` (as given: the caller picks the dtype) at `path` and `sidecar` at `path`.json."""
@@ -48,3 +50,12 @@ def load(path: str | Path, what: str, fit: str, build: Callable[[dict, dict], ob
         raise UserError(f"{what} {path} do not load ({str(err).splitlines()[0][:200]}); "
                         f"{hint or f'fit them again with {fit}'}") from None
     return built, info
+
+
+def loaded_once(path: Path, read: Callable[[Path], object]):
+    """`read(path)`, kept per loader and file version (path and modification time): a method asks for its fitted
+    file at every layer of every prompt; a file rewritten by a refit is read again."""
+    key = (read, str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else 0)
+    if key not in _LOADED:
+        _LOADED[key] = read(path)
+    return _LOADED[key]

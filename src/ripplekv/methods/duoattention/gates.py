@@ -15,12 +15,12 @@ from pathlib import Path
 
 import ripplekv
 from ripplekv.errors import UserError
+from ripplekv.methods.core import fitted_weights
 
 FORMAT = "ripplekv-duoattention-gates"
 SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "duoattention"
 FIT_HINT = ("fit them on calibration prompts: ripplekv fit duoattention --model M --out DIR, then pass "
             "duoattention:gates=DIR/duoattention-gates.json")
-_LOADED: dict = {}
 
 
 def shipped_gates() -> Path:
@@ -49,10 +49,7 @@ def read_gates(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"DuoAttention gates {path} do not exist; {FIT_HINT}")
-    key = (str(path.resolve()), path.stat().st_mtime_ns)
-    if key not in _LOADED:
-        _LOADED[key] = _parse(path)
-    return _LOADED[key]
+    return fitted_weights.loaded_once(path, _parse)
 
 
 def _parse(path: Path) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 import ripplekv
 from ripplekv.engine.prefill import Requirements
 from ripplekv.errors import UserError
+from ripplekv.methods.core import fitted_weights
 from ripplekv.methods.core.base import FILE, check_integers, register_scorer
 from ripplekv.methods.fastkvzip import gate as fastkvzip_gate
 from ripplekv.methods.kvzap.method import HIDDEN_STATES, check_shape
@@ -34,7 +35,6 @@ from ripplekv.methods.snapkv import WindowScorer
 SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "fastkvzip"  # the package's data, wherever this sits
 LONG_PROMPT, LONG_WINDOW = 32000, 4096  # the press: from this many tokens its window is 4,096, not a ratio
 HINT = f"fit them on calibration prompts: {fastkvzip_gate.FIT}"
-_LOADED: dict = {}
 
 
 def shipped_gates() -> Path:
@@ -46,10 +46,7 @@ def shipped_gates() -> Path:
 
 def gates(path: Path):
     """(gates, provenance) of a weights file, loaded once per file version."""
-    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else 0)
-    if key not in _LOADED:
-        _LOADED[key] = fastkvzip_gate.load(path)
-    return _LOADED[key]
+    return fitted_weights.loaded_once(path, fastkvzip_gate.load)
 
 
 def ratio_window(length: int, ratio: float) -> int:

@@ -24,6 +24,7 @@ from ripplekv.engine import adapter
 from ripplekv.engine.prefill import Requirements
 from ripplekv.engine.recorders import PerLayer, register_recorder
 from ripplekv.errors import UserError
+from ripplekv.methods.core import fitted_weights
 from ripplekv.methods.core.base import FILE, check_integers, register_scorer
 from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 from ripplekv.methods.snapkv import WindowScorer
@@ -31,7 +32,6 @@ from ripplekv.methods.snapkv import WindowScorer
 SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "kvzap"  # the package's data, wherever this module sits
 FIT_HINT = ("fit one on calibration prompts: ripplekv fit kvzap --model M --out DIR, then pass "
             "kvzap:weights=DIR/kvzap-MODEL.safetensors")
-_LOADED: dict = {}
 
 
 def shipped_weights(kind: str) -> Path:
@@ -43,10 +43,7 @@ def shipped_weights(kind: str) -> Path:
 
 def surrogate(path: Path):
     """(layers, provenance) of a weights file, loaded once per file version."""
-    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else 0)
-    if key not in _LOADED:
-        _LOADED[key] = kvzap_surrogate.load(path)
-    return _LOADED[key]
+    return fitted_weights.loaded_once(path, kvzap_surrogate.load)
 
 
 HIDDEN_STATES = "hidden_states"  # the signal: each layer's attention input [n, D] after its norm

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import ripplekv
 from ripplekv.errors import UserError
+from ripplekv.methods.core import fitted_weights
 from ripplekv.methods.core.base import FILE, check_integers, register_scorer
 from ripplekv.methods.qfilter import filters as qfilters
 from ripplekv.methods.snapkv import WindowScorer
 
 SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "qfilter"  # the package's data, wherever this module sits
-_LOADED: dict = {}
 
 
 def shipped_filters() -> Path:
@@ -37,10 +37,7 @@ def shipped_filters() -> Path:
 
 def loaded(path: Path):
     """(filters [L, H_kv, d], provenance) of a weights file, loaded once per file version."""
-    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else 0)
-    if key not in _LOADED:
-        _LOADED[key] = qfilters.load(path)
-    return _LOADED[key]
+    return fitted_weights.loaded_once(path, qfilters.load)
 
 
 @register_scorer("qfilter")
