@@ -12,9 +12,7 @@ per layer, goes into each weights file's provenance (`kvzap-KIND.safetensors` + 
 
 from __future__ import annotations
 
-import io
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,11 +21,12 @@ import torch
 
 from ripplekv.errors import UserError
 from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
+from ripplekv.pipeline import prompt_log
 from ripplekv.pipeline.model_choice import ModelChoice
-from ripplekv.runs.safeio import UnitLog, atomic_write, exclusive, other_files
+from ripplekv.runs.safeio import exclusive, other_files
 from ripplekv.tasks.calibration import Calibration, calibration_hash
 
-LOG = "samples.jsonl"
+LOG = prompt_log.LOG
 N_SINK, CHUNK = 4, 2048  # our KVzip scorer's defaults (its reconstruction pass)
 FLOOR = 1e-10  # KVzip scores below this (no query attends) are taken as this before the log
 
@@ -113,24 +112,12 @@ def prepare(out: Path, owned: list[str], model: ModelChoice, record: dict, calib
 def collect(out: Path, header: dict, prompts, model: ModelChoice, tokens: int, seed: int, bar=None) -> list[dict]:
     """Each prompt's pairs in `out`/samples (those already in the log kept: a resumed run collects the rest), under
     the fit's lock; the log's entries in prompt order. `bar(total, done)` gives (context manager, advance)."""
-    log = UnitLog(out / LOG, header, remedy="use a new --out directory")
-    todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
-    if todo:
-        loaded, tokenizer, _ = model.load()
-        context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
-        with context:
-            for index, prompt in todo:
-                begun = time.perf_counter()
-                ids = prompt.context + prompt.probe
-                hidden, targets = prompt_pairs(loaded, tokenizer, ids, tokens, seed + index)
-                name = f"samples/{prompt.sample_id}.npz"
-                data = npz_bytes(hidden=hidden, targets=targets)
-                atomic_write(out / name, lambda tmp, data=data: tmp.write_bytes(data))
-                log.append(prompt.sample_id, {"pairs": name, "tokens": len(ids),
-                                              "seconds": round(time.perf_counter() - begun, 2)})
-                if advance is not None:
-                    advance(index)
-    return [log.done[p.sample_id] for p in prompts]
+
+    def measure(loaded, tokenizer, ids, index):
+        hidden, targets = prompt_pairs(loaded, tokenizer, ids, tokens, seed + index)
+        return {"hidden": hidden, "targets": targets}
+
+    return prompt_log.collect(out, header, prompts, model, "pairs", measure, bar)
 
 
 def split(done: list[dict], holdout: int) -> tuple[list[str], list[str]]:
@@ -178,9 +165,3 @@ def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibra
             path = kvzap_surrogate.save(out / f"kvzap-{kind}.safetensors", kind, layers, provenance)
             written[kind] = (path, fit)
     return written
-
-
-def npz_bytes(**arrays) -> bytes:
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, **arrays)
-    return buffer.getvalue()

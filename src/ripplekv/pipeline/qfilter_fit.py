@@ -11,21 +11,20 @@ the queries' energy along the direction and how far a KV head's query heads agre
 
 from __future__ import annotations
 
-import io
 import json
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 
 from ripplekv.errors import UserError
 from ripplekv.methods.qfilter import filters as qfilters
+from ripplekv.pipeline import prompt_log
 from ripplekv.pipeline.model_choice import ModelChoice
-from ripplekv.runs.safeio import UnitLog, atomic_write, exclusive, other_files
+from ripplekv.runs.safeio import exclusive, other_files
 from ripplekv.tasks.calibration import Calibration, calibration_hash
 
-LOG = "samples.jsonl"
+LOG = prompt_log.LOG
 WEIGHTS = "qfilter.safetensors"
 
 
@@ -73,23 +72,8 @@ def fit_filters(out: Path, model: ModelChoice, calibration: Calibration, bar=Non
     if announce is not None:
         announce()
     with exclusive(out, "qfilter fit"):
-        log = UnitLog(out / LOG, header, remedy="use a new --out directory")
-        todo = [(i, p) for i, p in enumerate(prompts) if p.sample_id not in log.done]
-        if todo:
-            loaded, _, _ = model.load()
-            context, advance = bar(len(prompts), len(prompts) - len(todo)) if bar else (nullcontext(), None)
-            with context:
-                for index, prompt in todo:
-                    begun = time.perf_counter()
-                    ids = prompt.context + prompt.probe
-                    data = npz_bytes(**prompt_sums(loaded, ids))
-                    name = f"samples/{prompt.sample_id}.npz"
-                    atomic_write(out / name, lambda tmp, data=data: tmp.write_bytes(data))
-                    log.append(prompt.sample_id, {"sums": name, "tokens": len(ids),
-                                                  "seconds": round(time.perf_counter() - begun, 2)})
-                    if advance is not None:
-                        advance(index)
-        done = [log.done[p.sample_id] for p in prompts]
+        done = prompt_log.collect(out, header, prompts, model, "sums",
+                                  lambda loaded, tokenizer, ids, index: prompt_sums(loaded, ids), bar)
         begun = time.perf_counter()
         gram, total, count = summed(out, [d["sums"] for d in done])
         filters, fit = qfilters.filters_from(gram, total, model_kv_heads(model, gram.shape[1]))
@@ -106,9 +90,3 @@ def model_kv_heads(model: ModelChoice, query_heads: int) -> int:
 
     config = load_config(model.spec)
     return int(getattr(config, "num_key_value_heads", None) or query_heads)
-
-
-def npz_bytes(**arrays) -> bytes:
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, **arrays)
-    return buffer.getvalue()
