@@ -59,3 +59,17 @@ def loaded_once(path: Path, read: Callable[[Path], object]):
     if key not in _LOADED:
         _LOADED[key] = read(path)
     return _LOADED[key]
+
+
+def given_or_shipped(given: str | None, shipped: Path, state, bundled: bool | None, refusal: str) -> Path:
+    """The file a method was given, else the one shipped for the bundled model (`bundled`: whether the model is it;
+    None: asked of `state`'s model); any other model is the one line `refusal`."""
+    if given is not None:
+        return Path(given)
+    if bundled is None:
+        from ripplekv.engine.models import is_bundled
+
+        bundled = getattr(state, "model", None) is not None and is_bundled(state.model)
+    if not (bundled and shipped.is_file()):
+        raise UserError(refusal)
+    return shipped

@@ -69,14 +69,10 @@ def _parse(path: Path) -> dict:
     return {"gates": gates, "sinks": sinks, "recent": recent, "provenance": body.get("provenance", {})}
 
 
-def gates_path(given: str | None, bundled: bool) -> Path:
+def gates_path(given: str | None, state, bundled: bool | None) -> Path:
     """The gates given, or the shipped ones for the bundled model; any other model is one line naming the fit."""
-    if given is not None:
-        return Path(given)
-    path = shipped_gates()
-    if not (bundled and path.is_file()):
-        raise UserError(f"duoattention needs gates fitted for this model; {FIT_HINT}")
-    return path
+    return fitted_weights.given_or_shipped(given, shipped_gates(), state, bundled,
+                                           f"duoattention needs gates fitted for this model; {FIT_HINT}")
 
 
 def check_shape(path: Path, gates: list, layers: int, heads: int) -> None:

@@ -96,11 +96,7 @@ class GatesFile:
 
     def fitted(self, state, bundled: bool | None = None) -> dict:
         """The gates file's contents (given, or shipped for the bundled model), checked against the model."""
-        if bundled is None:
-            from ripplekv.engine.models import is_bundled
-
-            bundled = getattr(state, "model", None) is not None and is_bundled(state.model)
-        path = gates_path(self.gates, bundled)
+        path = gates_path(self.gates, state, bundled)
         read = read_gates(path)
         check_shape(path, read["gates"], state.num_layers, state.num_kv_heads)
         return read

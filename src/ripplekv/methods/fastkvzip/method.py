@@ -78,16 +78,8 @@ class FastKVzipScorer(WindowScorer):
 
     def weights_for(self, state, bundled: bool | None = None) -> Path:
         """The gates given, or the shipped ones for the bundled model."""
-        if self.weights is not None:
-            return Path(self.weights)
-        if bundled is None:
-            from ripplekv.engine.models import is_bundled
-
-            bundled = state.model is not None and is_bundled(state.model)
-        path = shipped_gates()
-        if not (bundled and path.is_file()):
-            raise UserError(f"fastkvzip has no fitted gates for this model; {HINT}")
-        return path
+        return fitted_weights.given_or_shipped(self.weights, shipped_gates(), state, bundled,
+                                               f"fastkvzip has no fitted gates for this model; {HINT}")
 
     def check_fitted(self, shape, bundled: bool, scorer=None) -> None:
         """Before any prefill: the gates exist and fit the model (`shape`: layers, KV heads, hidden size)."""

@@ -88,16 +88,8 @@ class KVzapScorer(WindowScorer):
 
     def weights_for(self, state, bundled: bool | None = None) -> Path:
         """The weights given, or the shipped ones for the bundled model."""
-        if self.weights is not None:
-            return Path(self.weights)
-        if bundled is None:
-            from ripplekv.engine.models import is_bundled
-
-            bundled = state.model is not None and is_bundled(state.model)
-        path = shipped_weights(self.model)
-        if not (bundled and path.is_file()):
-            raise UserError(f"kvzap needs a fitted {self.model} surrogate for this model; {FIT_HINT}")
-        return path
+        return fitted_weights.given_or_shipped(self.weights, shipped_weights(self.model), state, bundled,
+                                               f"kvzap needs a fitted {self.model} surrogate for this model; {FIT_HINT}")
 
     def check_fitted(self, shape, bundled: bool, scorer=None) -> None:
         """Before any prefill: the surrogate exists and fits the model (`shape`: layers, KV heads, hidden size);

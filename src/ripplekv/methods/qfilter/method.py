@@ -55,16 +55,8 @@ class QFilterScorer(WindowScorer):
 
     def weights_for(self, state, bundled: bool | None = None) -> Path:
         """The filters given, or the shipped ones for the bundled model."""
-        if self.weights is not None:
-            return Path(self.weights)
-        if bundled is None:
-            from ripplekv.engine.models import is_bundled
-
-            bundled = state.model is not None and is_bundled(state.model)
-        path = shipped_filters()
-        if not (bundled and path.is_file()):
-            raise UserError(f"qfilter needs Q-filters fitted for this model; {qfilters.FIT_HINT}")
-        return path
+        return fitted_weights.given_or_shipped(self.weights, shipped_filters(), state, bundled,
+                                               f"qfilter needs Q-filters fitted for this model; {qfilters.FIT_HINT}")
 
     def check_fitted(self, shape, bundled: bool, scorer=None) -> None:
         """Before any prefill: filters exist for the model (`shape`: layers, KV heads, hidden size); at a budget
