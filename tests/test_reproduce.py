@@ -271,6 +271,24 @@ def test_records_of_the_bash_runner_count_as_up_to_date(tmp_path, monkeypatch, c
         run.stage("eval", run.path("marker"), ripplekv_command("eval", "--methods", "full", "--out", run.path("eval")))
 
 
+def test_finishing_points_each_config_at_the_files_in_the_output(tmp_path, monkeypatch):
+    """An eval's config.json names the allocation it read inside the staging folder (relative or absolute, as it
+    was given); once that folder becomes the output the record names the output's file, other paths untouched."""
+    import json
+
+    from ripplekv.pipeline.staged import StagedRun
+
+    monkeypatch.chdir(tmp_path)
+    run = StagedRun("results")
+    run.begin()
+    Path(run.path("eval")).mkdir()
+    absolute = str(tmp_path / run.path("route.csv"))
+    recorded = {"allocation": run.path("allocation.csv"), "route": absolute, "curve": "/elsewhere/runs/.staging/x.csv"}
+    Path(run.path("eval", "config.json")).write_text(json.dumps(recorded))
+    run.finish()
+    config = json.loads((tmp_path / "results" / "eval" / "config.json").read_text())
+    assert config == {"allocation": "results/allocation.csv", "route": "results/route.csv",
+                      "curve": "/elsewhere/runs/.staging/x.csv"}
 @pytest.mark.slow
 def test_the_context_only_protocol_runs_after_eval_and_the_page_states_the_headline(project, capfd, monkeypatch):
     write_config(project, CONFIG, CONTEXT)

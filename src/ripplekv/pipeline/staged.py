@@ -10,8 +10,8 @@ loses work:
 - Each stage's command is recorded with the output folder in place of the staging path (where its files end
   up; the results page lists them), and its wall time appended to `stages.csv` (a resumed run appends).
 - At the end, CARRY folders of the earlier output are copied in unchanged, the page is written, every `.lock`
-  removed, the earlier output moved to `runs/previous-NAME-DATE` (never deleted) and the staging folder put
-  in its place.
+  removed, the staging paths inside the runs' records (config.json, pages, tables) pointed at the output, the
+  earlier output moved to `runs/previous-NAME-DATE` (never deleted) and the staging folder put in its place.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ripplekv.errors import UserError
 PROGRAM = __name__.split(".")[0]  # the command a stage runs: this package's own
 STAGING = "runs/.staging"
 PREVIOUS = "runs"
+RECORDS = (".json", ".html", ".csv")  # the files that may name a staging path; never predictions (.jsonl)
 
 
 class StageFailed(Exception):
@@ -166,9 +167,23 @@ class StagedRun:
             previous = Path(PREVIOUS) / f"previous-{final.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             shutil.move(final, previous)
             print(f"== earlier outputs of {self.final} moved to {previous}", flush=True)
+        self._point_records_at_final()
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(self.out, final)
         print(f"== done in {int(time.monotonic() - self.began)}s: see {self.final}/README.md", flush=True)
+
+    def _point_records_at_final(self) -> None:
+        """An eval's config.json and page, the predictors table, name the files they read (allocation, route,
+        profiles) where they lay while the stage ran, inside the staging folder that is about to become the output:
+        point those paths at the output instead, so the records name files that exist (as the recorded commands do)."""
+        staged = (os.path.abspath(self.out), self.out)  # as a stage given an absolute or a relative path wrote it
+        for record in (path for path in Path(self.out).rglob("*") if path.suffix in RECORDS and path.is_file()):
+            text = record.read_text()
+            moved = text
+            for path in staged:
+                moved = moved.replace(path + "/", self.final + "/")
+            if moved != text:
+                record.write_text(moved)
 
 
 def _run(name: str, command: Command) -> None:
