@@ -156,7 +156,7 @@ def test_a_model_without_gates_is_refused_in_one_line_naming_the_fit(tmp_path):
         method.check_fitted((4, 2, 64), bundled=False)
     assert "\n" not in str(refused.value)
     path = write_gates(tmp_path / "g.json", [[0.5, 0.5]] * 3, 2, 4, {})
-    with pytest.raises(UserError, match="for 3 layers x 2 KV heads; the model has 4 x 2"):
+    with pytest.raises(UserError, match="was fitted for 3 layers x 2 KV heads; the model has 4 layers x 2 KV heads"):
         make_method(f"duoattention:gates={path}").check_fitted((4, 2, 64), bundled=False)
     (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(UserError, match="not written by ripplekv fit duoattention"):

@@ -162,15 +162,17 @@ def test_refusals_are_one_line_and_name_the_fit_command(tmp_path):
     assert "\n" not in str(refused.value)
     assert str(refused.value).startswith("fastkvzip has no fitted gates for this model; fit them on calibration prompts: "
                                          "ripplekv fit fastkvzip --model M --out DIR")
-    with pytest.raises(UserError, match="FastKVzip gates .* are for 3 layers x 2 KV heads from hidden size 64; the "
-                                        "model has 4 x 2 from 64; fit them on calibration prompts: ripplekv fit"):
+    with pytest.raises(UserError, match="FastKVzip gates .* was fitted for 3 layers x 2 KV heads x 64 hidden size; the "
+                                        "model has 4 layers x 2 KV heads x 64 hidden size; fit them on calibration prompts: "
+                                        "ripplekv fit"):
         make_method(f"fastkvzip:weights={tiny_gates(tmp_path, layers=3)}").select(state, 40)
     with pytest.raises(UserError, match="window_ratio must be at least 0"):
         make_method("fastkvzip:window_ratio=1.5")
     # before any prefill (eval, the API): another model has no shipped gates; the bundled model's must fit its shape
     with pytest.raises(UserError, match="^fastkvzip has no fitted gates for this model; fit them on calibration"):
         make_method("fastkvzip").check_fitted((4, 2, 64), bundled=False)
-    with pytest.raises(UserError, match="are for 30 layers x 3 KV heads from hidden size 576; the model has 4 x 2"):
+    with pytest.raises(UserError, match="was fitted for 30 layers x 3 KV heads x 576 hidden size; the model has 4 layers "
+                                        "x 2 KV heads"):
         make_method("fastkvzip").check_fitted((4, 2, 64), bundled=True)
 
 

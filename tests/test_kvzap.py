@@ -112,7 +112,7 @@ def test_kvzap_keeps_snapkvs_total_by_its_surrogates_scores(tmp_path):
                 assert set(torch.nonzero(kept[layer, head]).flatten().tolist()) == top
         assert methods[1].select(state, budget)[..., -32:].all()  # the window is kept
     assert make_method(f"kvzap:weights={weights}").label == f"kvzap:weights={weights.name}"
-    with pytest.raises(UserError, match="are for 3 layers"):
+    with pytest.raises(UserError, match="was fitted for 3 layers"):
         make_method(f"kvzap:weights={tiny_weights(tmp_path, layers=3)}").select(state, 40)
     with pytest.raises(UserError, match="kvzap needs a fitted mlp surrogate"):
         make_method("kvzap").select(state, 40)

@@ -144,7 +144,7 @@ def test_lukv_keeps_exactly_snapkvs_total_and_refuses_a_curve_of_another_scorer(
         make_method(f"lukv:scorer=snapkv:curve={ea}")  # refused when built, before any model work
     with pytest.raises(UserError, match="fits only its scorer"):
         make_method(f"snapkv:allocator=lukv:curve={ea}").budgets(state, 40)  # another preset: when it allocates
-    with pytest.raises(UserError, match="is for 3 layers x 2 KV heads, the model has 4 x 2"):
+    with pytest.raises(UserError, match="was fitted for 3 layers x 2 KV heads; the model has 4 layers x 2 KV heads"):
         make_method(f"lukv:curve={tiny_curve(tmp_path, 'lukv', layers=3)}").budgets(state, 40)
     with pytest.raises(UserError, match="lukv needs a budget curve"):
         make_method("lukv").budgets(state, 40)

@@ -89,7 +89,7 @@ def test_qfilter_without_fitted_filters_is_refused_in_one_line(tmp_path):
     for spec, message in [("qfilter", "qfilter needs Q-filters fitted for this model; fit them on calibration prompts: "
                                       "ripplekv fit qfilter"),
                           (f"qfilter:weights={tiny_filters(tmp_path, layers=3, name='three.safetensors')}",
-                           "are for 3 layers x 2 KV heads x 16 head size; the model has 4 layers x 2 KV heads x 16"),
+                           "was fitted for 3 layers x 2 KV heads x 16 head size; the model has 4 layers x 2 KV heads x 16"),
                           (f"qfilter:weights={tiny_filters(tmp_path, dim=8, name='narrow.safetensors')}",
                            "x 8 head size; the model has 4 layers x 2 KV heads x 16 head size")]:
         with pytest.raises(UserError, match=message) as refused:

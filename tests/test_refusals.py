@@ -206,13 +206,13 @@ DUO_SHIPPED = "src/ripplekv/data/duoattention/smollm2-135m.json"
 @pytest.mark.parametrize("spec, message", [
     ("lukv", "lukv needs a budget curve for this model"),
     ("kvzap", "kvzap needs a fitted mlp surrogate for this model"),
-    (f"lukv:curve={LUKV_SHIPPED}", "is for 30 layers x 3 KV heads, the model has 4 x 2"),  # another model's file
-    (f"kvzap:weights={KVZAP_SHIPPED}", "are for 30 layers x 3 KV heads"),
+    (f"lukv:curve={LUKV_SHIPPED}", "was fitted for 30 layers x 3 KV heads; the model has 4 layers x 2 KV heads"),  # another model's file
+    (f"kvzap:weights={KVZAP_SHIPPED}", "was fitted for 30 layers x 3 KV heads x 576 hidden size"),
     ("duoattention", "duoattention needs gates fitted for this model; fit them on calibration prompts: ripplekv fit"),
-    (f"duoattention:gates={DUO_SHIPPED}", "are for 30 layers x 3 KV heads; the model has 4 x 2"),
+    (f"duoattention:gates={DUO_SHIPPED}", "was fitted for 30 layers x 3 KV heads; the model has 4 layers x 2 KV heads"),
     ("snapkv:quant=kivi:bits=4,kvzap:quant=kivi:bits=4", "kvzap needs a fitted mlp surrogate"),
     ("qfilter", "qfilter needs Q-filters fitted for this model; fit them on calibration prompts: ripplekv fit qfilter"),
-    (f"qfilter:weights={QFILTER_SHIPPED}", "are for 30 layers x 3 KV heads; the model has 4 layers x 2 KV heads"),
+    (f"qfilter:weights={QFILTER_SHIPPED}", "was fitted for 30 layers x 3 KV heads; the model has 4 layers x 2 KV heads"),
 ])
 @pytest.mark.parametrize("budget", [8, 64])  # 64: over the prompt, where the curve or surrogate is never read
 def test_a_method_without_its_fitted_file_is_refused_before_any_prefill(spec, message, budget, monkeypatch):

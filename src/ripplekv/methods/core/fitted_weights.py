@@ -6,7 +6,7 @@ command that makes it again."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -73,3 +73,12 @@ def given_or_shipped(given: str | None, shipped: Path, state, bundled: bool | No
     if not (bundled and shipped.is_file()):
         raise UserError(refusal)
     return shipped
+
+
+def check_shape(what: str, path, fitted: Sequence[int], model: Sequence[int], hint: str,
+                names: Sequence[str] = ("layers", "KV heads", "hidden size")) -> None:
+    """One refusal, worded alike for every fitted file, when it was made for another model's shape: the dimensions
+    it was fitted for against the model's, each named (`names`, as many as given)."""
+    if tuple(fitted) != tuple(model):
+        said = lambda dims: " x ".join(f"{size} {name}" for size, name in zip(dims, names))  # noqa: E731
+        raise UserError(f"{what} {path} was fitted for {said(fitted)}; the model has {said(model)}; {hint}")

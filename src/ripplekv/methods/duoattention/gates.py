@@ -76,6 +76,4 @@ def gates_path(given: str | None, state, bundled: bool | None) -> Path:
 
 
 def check_shape(path: Path, gates: list, layers: int, heads: int) -> None:
-    if (len(gates), len(gates[0])) != (layers, heads):
-        raise UserError(f"DuoAttention gates {path} are for {len(gates)} layers x {len(gates[0])} KV heads; the model "
-                        f"has {layers} x {heads}; {FIT_HINT}")
+    fitted_weights.check_shape("DuoAttention gates", path, (len(gates), len(gates[0])), (layers, heads), FIT_HINT)

@@ -29,7 +29,7 @@ from ripplekv.errors import UserError
 from ripplekv.methods.core import fitted_weights
 from ripplekv.methods.core.base import FILE, check_integers, register_scorer
 from ripplekv.methods.fastkvzip import gate as fastkvzip_gate
-from ripplekv.methods.kvzap.method import HIDDEN_STATES, check_shape
+from ripplekv.methods.kvzap.method import HIDDEN_STATES
 from ripplekv.methods.snapkv import WindowScorer
 
 SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "fastkvzip"  # the package's data, wherever this sits
@@ -85,7 +85,7 @@ class FastKVzipScorer(WindowScorer):
         """Before any prefill: the gates exist and fit the model (`shape`: layers, KV heads, hidden size)."""
         path = self.weights_for(None, bundled)
         layers, info = gates(path)
-        check_shape(path, (len(layers), info["heads"], info["input_dim"]), tuple(shape), "FastKVzip gates", HINT)
+        fitted_weights.check_shape("FastKVzip gates", path, (len(layers), info["heads"], info["input_dim"]), shape, HINT)
 
     def gate_scores(self, state, layer: int):
         """The gate's scores [H_kv, n] of every prompt entry of `layer`, sinks and the press's window at 1."""
@@ -103,8 +103,8 @@ def predicted_scores(state, path: Path, layer: int, n_sink: int, window_ratio: f
     press's window (`window_ratio`) set to 1."""
     layers, info = gates(path)
     hidden = state.signal(HIDDEN_STATES)
-    check_shape(path, (len(layers), info["heads"], info["input_dim"]),
-                (state.num_layers, state.num_kv_heads, hidden[layer].shape[-1]), "FastKVzip gates", HINT)
+    fitted_weights.check_shape("FastKVzip gates", path, (len(layers), info["heads"], info["input_dim"]),
+                               (state.num_layers, state.num_kv_heads, hidden[layer].shape[-1]), HINT)
     scores = fastkvzip_gate.predict(layers[layer], hidden[layer]).clone()
     scores[:, :n_sink] = 1.0
     window = ratio_window(state.length, window_ratio)

@@ -96,7 +96,8 @@ class KVzapScorer(WindowScorer):
         at a budget no smaller than the prompt it is never called, so only this check would say."""
         path = self.weights_for(None, bundled)
         layers, info = surrogate(path)
-        check_shape(path, (len(layers), info["output_dim"], info["input_dim"]), tuple(shape))
+        fitted_weights.check_shape("KVzap weights", path, (len(layers), info["output_dim"], info["input_dim"]), shape,
+                                   FIT_HINT)
 
     def log_scores(self, state, layer: int):
         """Predicted log KVzip scores [H_kv, n] of every prompt entry of `layer` (computed once per prefill)."""
@@ -112,13 +113,6 @@ def predicted_scores(state, path: Path, layer: int):
     """The surrogate at `path` applied to `layer`'s recorded hidden states: log KVzip scores [H_kv, n]."""
     layers, info = surrogate(path)
     hidden = state.signal(HIDDEN_STATES)
-    check_shape(path, (len(layers), info["output_dim"], info["input_dim"]),
-                (state.num_layers, state.num_kv_heads, hidden[layer].shape[-1]))
+    fitted_weights.check_shape("KVzap weights", path, (len(layers), info["output_dim"], info["input_dim"]),
+                               (state.num_layers, state.num_kv_heads, hidden[layer].shape[-1]), FIT_HINT)
     return kvzap_surrogate.predict(layers[layer], hidden[layer])
-
-
-def check_shape(path: Path, fitted: tuple, model: tuple, what: str = "KVzap weights", hint: str = FIT_HINT) -> None:
-    """Weights fitted for (layers, KV heads, hidden size) `fitted` against the model's (FastKVzip's gates too)."""
-    if tuple(fitted) != tuple(model):
-        raise UserError(f"{what} {path} are for {fitted[0]} layers x {fitted[1]} KV heads from hidden size "
-                        f"{fitted[2]}; the model has {model[0]} x {model[1]} from {model[2]}; {hint}")

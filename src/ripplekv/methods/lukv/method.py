@@ -31,6 +31,7 @@ import numpy as np
 
 import ripplekv
 from ripplekv.errors import UserError
+from ripplekv.methods.core import fitted_weights
 from ripplekv.methods.core.base import FILE, Allocator, AllocatorScorer, options_of, register_allocator
 from ripplekv.methods.core.budgets import check_budget, integer_budgets
 from ripplekv.methods.core.registry import register_method_class
@@ -200,9 +201,8 @@ class LUKV(Allocator):
             bundled = state.model is not None and is_bundled(state.model)
         path = self.curve_path(bundled, scorer)
         curve, provenance = read_curve(path)
-        if curve.shape[1:] != (state.num_layers, state.num_kv_heads):
-            raise UserError(f"LU-KV curve {path} is for {curve.shape[1]} layers x {curve.shape[2]} KV heads, the model "
-                            f"has {state.num_layers} x {state.num_kv_heads}; {PROFILE_HINT}")
+        fitted_weights.check_shape("LU-KV curve", path, curve.shape[1:], (state.num_layers, state.num_kv_heads),
+                                   PROFILE_HINT)
         check_scorer(path, provenance, scorer)
         return curve
 

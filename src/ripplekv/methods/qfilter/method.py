@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ripplekv
-from ripplekv.errors import UserError
 from ripplekv.methods.core import fitted_weights
 from ripplekv.methods.core.base import FILE, check_integers, register_scorer
+from ripplekv.methods.core.fitted_weights import check_shape
 from ripplekv.methods.qfilter import filters as qfilters
 from ripplekv.methods.snapkv import WindowScorer
+
+NAMES = ("layers", "KV heads", "head size")  # what a filter file is fitted for
 
 SHIPPED = Path(ripplekv.__file__).resolve().parent / "data" / "qfilter"  # the package's data, wherever this module sits
 
@@ -62,20 +64,14 @@ class QFilterScorer(WindowScorer):
         """Before any prefill: filters exist for the model (`shape`: layers, KV heads, hidden size); at a budget
         no smaller than the prompt they are never read, so only this check would say."""
         path = self.weights_for(None, bundled)
-        check_shape(path, tuple(loaded(path)[0].shape[:2]), tuple(shape[:2]))
+        check_shape("Q-filters", path, loaded(path)[0].shape[:2], shape[:2], qfilters.FIT_HINT, NAMES)
 
     def scores(self, state, layer):
         path = self.weights_for(state)
         filters = loaded(path)[0]
-        check_shape(path, tuple(filters.shape), (state.num_layers, state.num_kv_heads, state.keys[layer].shape[-1]))
+        check_shape("Q-filters", path, filters.shape, (state.num_layers, state.num_kv_heads, state.keys[layer].shape[-1]),
+                    qfilters.FIT_HINT, NAMES)
         window = min(self.window, state.length)
         keys = state.keys[layer][:, : state.length - window].float()
         return -(filters[layer].to(keys.device)[:, None, :] * keys).sum(-1)
 
-
-def check_shape(path: Path, fitted: tuple, model: tuple) -> None:
-    """Filters fitted for (layers, KV heads[, head size]) `fitted` against the model's."""
-    if fitted != model:
-        names = ("layers", "KV heads", "head size")[: len(fitted)]
-        said = lambda dims: " x ".join(f"{d} {n}" for d, n in zip(dims, names))  # noqa: E731
-        raise UserError(f"Q-filters {path} are for {said(fitted)}; the model has {said(model)}; {qfilters.FIT_HINT}")
