@@ -92,7 +92,7 @@ PAIRS = {
     "compactor": ("compactor:window=0", "compactor"),
     "cur": ("cur:window=0", "cur"),
     "capkv": ("capkv:window=0", "capkv"),
-    "kvcompose": ("kvcompose:window=0", "kvcompose"),
+    "kvcompose:rounding=kvpress": ("kvcompose:window=0:rounding=kvpress", "kvcompose"),
     **DUO_PAIRS,  # DuoAttentionPress given our fitted gates (check_references_learned)
 }
 LEARNED = {"lukv", *KVZAP_PAIRS, *THRESHOLD_PAIRS, *QFILTER_PAIRS, *DUO_PAIRS, *FASTKVZIP_PAIRS}  # checked only where their curve / surrogate is shipped (check_references_learned)
@@ -110,7 +110,9 @@ EARLIER = {
     **CHUNK_EARLIER,
     "leverage:seed=1:window=0": ("leverage:seed=1:window=0", "leverage"),  # another sketch than kvpress's seeded one
     "compactor (window 32)": ("compactor", "compactor"),
+    "kvcompose (exact count)": ("kvcompose:window=0", "kvcompose"),
 }
+ROUNDED = {"kvcompose:rounding=kvpress": "kvcompose"}  # kvpress's own counts: the drift from L x H x B is printed
 
 
 # --------------------------------------------------------------------------- the reference venv (reference_venv.py)
@@ -278,7 +280,17 @@ def tied_swap(scores: np.ndarray | None, head: int, kept: set[int], theirs: set[
     if scores is None or len(kept) != len(theirs):
         return False
     row = scores[head]
-    return sorted(row[sorted(kept)].tolist()) == sorted(row[sorted(theirs)].tolist())
+    scored = len(row)  # a press's scores may stop short of the window it always keeps: those entries must match
+    if {p for p in kept if p >= scored} != {p for p in theirs if p >= scored}:
+        return False
+    return sorted(row[sorted(p for p in kept if p < scored)].tolist()) == \
+        sorted(row[sorted(p for p in theirs if p < scored)].tolist())
+
+
+def count_note(ours_files, name: str, budgets: list[int], exact: str) -> str:
+    """How far a press's own counts (a pair with `rounding=kvpress`) move the total from L x H x B."""
+    drifts = [np.load(path)[f"{name}/{b}/counts"].mean() / b - 1 for path in ours_files for b in budgets]
+    return f"; kvpress's counts keep {min(drifts):+.2%} to {max(drifts):+.2%} of L x H x B (`{exact}`, exact, keeps it)"
 
 
 def lazy_note(ours_files, name: str, budget: int) -> str:
@@ -336,6 +348,7 @@ def compare(out: Path, layers: int, lengths: list[int], budgets: list[int], only
         extra += lazy_note(ours_files, name, budgets[0]) if name.startswith("simlayerkv") else ""
         extra += threshold_note(ours_files, name, budgets[0]) if name in THRESHOLD_PAIRS else ""
         extra += duo_note(ours_files, name, budgets) if name in DUO_PAIRS else ""
+        extra += count_note(ours_files, name, budgets, ROUNDED[name]) if name in ROUNDED else ""
         extra += f" (B = {','.join(map(str, budgets_of(name, budgets)))})" if budgets_of(name, budgets) != budgets else ""
         if name in EARLIER:
             lines.append((name, None, f"  (not the reference's setting) {name}: identical {same:.4f}, mean Jaccard {jaccard:.4f}"))

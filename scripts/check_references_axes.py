@@ -18,7 +18,10 @@ and weights (`reference_axes`, in the reference venv, one eager forward of its o
   kept and counts blocks from the prompt's end (so the last is never shorter than a window); kvpress scores blocks
   of one prefill, which is what is compared here. KeyDiff reads keys alone; kvpress's SnapKV under BlockPress
   rotates each block's window queries with the RoPE of the prompt's last positions, so it has no pair here.
-Values and keys count as identical within 1e-4 relative (float32 on both sides).
+Values and keys count as identical within 1e-4 relative (float32 on both sides); re-rotated keys within 1e-4 plus
+4 n 2^-24 (n: the prompt's tokens): each side rotates by angles up to n radians, twice, in float32, whose rounding
+(|angle| 2^-24 each) moves a key's components by as much relative to the largest; the gap grows with the key's
+position as that rounding does (measured at full size: at most 8.7e-05 below position 500, 1.8e-04 past 3000).
 """
 
 from __future__ import annotations
@@ -185,10 +188,11 @@ def compare_axes(out: Path, layers: int, budgets: list[int]) -> list[tuple[str, 
     names = json.loads(str(np.load(found[0])["meta"]))["names"]
     lines = []
     for name in names:
-        same, worst, total, entry_budgets = 0, 0.0, 0, set()
+        same, worst, total, entry_budgets, longest = 0, 0.0, 0, set(), 0
         for path in found:
             ours, theirs = np.load(path), np.load(out / path.name.replace("axes_ours_", "axes_reference_"))
             meta = json.loads(str(ours["meta"]))
+            longest = max(longest, meta["tokens"])
             for budget in budgets:
                 for layer in range(layers):
                     key = f"{name}/{budget}/{layer}"
@@ -199,10 +203,10 @@ def compare_axes(out: Path, layers: int, budgets: list[int]) -> list[tuple[str, 
                             total += 1
                         continue
                     for head in range(ours[f"{key}/positions"].shape[0]):
-                        match, gap = _same_head(ours, theirs, key, head)
+                        match, gap = _same_head(ours, theirs, key, head, tolerance(name, meta["tokens"]))
                         same, worst, total = same + match, max(worst, gap), total + 1
         extra = (f" at the entry budgets its bytes buy (B' = {','.join(map(str, sorted(entry_budgets)))})" if name == "think"
-                 else f"; largest difference {worst:.2e} of the largest value")
+                 else f"; largest difference {worst:.2e} of the largest value (allowed {tolerance(name, longest):.1e})")
         what = "identical kept key channels" if name == "think" else "identical kept sets and tensors"
         lines.append((name, same / max(total, 1) >= 0.99,
                       f"{name:<14} ({AXES[name]}) {what} {same / max(total, 1):.4f} of {total} (layer, KV head, "
@@ -210,8 +214,13 @@ def compare_axes(out: Path, layers: int, budgets: list[int]) -> list[tuple[str, 
     return lines
 
 
-def _same_head(ours, theirs, key: str, head: int) -> tuple[bool, float]:
-    """Whether one head kept the same positions with the same tensor rows (within TOLERANCE of its largest)."""
+def tolerance(name: str, tokens: int) -> float:
+    """The relative gap within which two tensors count as identical (see the module's docstring)."""
+    return TOLERANCE + (4 * tokens * 2.0**-24 if name == "rerotate" else 0.0)
+
+
+def _same_head(ours, theirs, key: str, head: int, within: float) -> tuple[bool, float]:
+    """Whether one head kept the same positions with the same tensor rows (within `within` of its largest)."""
     mine = ours[f"{key}/positions"][head]
     count = int((mine >= 0).sum())
     mine = mine[:count]
@@ -222,4 +231,4 @@ def _same_head(ours, theirs, key: str, head: int) -> tuple[bool, float]:
     b = theirs[f"{key}/tensor"][head][np.argsort(other)]
     scale = max(float(np.abs(b).max()), 1e-12)
     gap = float(np.abs(a - b).max()) / scale
-    return gap <= TOLERANCE, gap
+    return gap <= within, gap

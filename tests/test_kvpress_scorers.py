@@ -204,12 +204,25 @@ def test_kvcompose_scores_are_a_second_readings_attention_and_its_budgets_compos
         top = torch.topk(composites.reshape(-1), LAYERS * budget).indices // N
         counts = method.budgets(state, budget)
         assert counts[:, 0].tolist() == torch.bincount(top, minlength=LAYERS).tolist()
+        theirs = make_method("kvcompose:window=0:rounding=kvpress").budgets(state, budget)  # kvpress: clamped at 1
+        assert theirs[:, 0].tolist() == torch.bincount(top, minlength=LAYERS).clamp(min=1).tolist()
         assert (counts == counts[:, :1]).all()  # a layer's heads keep as many (structured)
         kept = method.select(state, budget)
         for layer in range(LAYERS):
             for head in range(KV):
                 ranked = method.scorer.scores(state, layer)[head].argsort(descending=True)[: counts[layer, head]]
                 assert kept[layer, head].nonzero()[:, 0].tolist() == sorted(ranked.tolist())
+
+
+def test_kvcompose_kvpress_rounding_raises_a_layer_that_won_nothing_past_the_budget():
+    """kvpress's top-k over every layer's composite tokens, then each layer at least max(1, keep_token_lower_bound):
+    a layer that won no entry keeps one all the same, so the total passes L x B (what `rounding=exact` removes)."""
+    from ripplekv.methods.kvcompose import kvpress_counts
+
+    composites = torch.tensor([[10.0] * 10, [5.0] * 10, [0.0] * 10])
+    assert kvpress_counts(composites, 4, 0, 1, 10) == [10, 2, 1]  # 13 entries a head, not 3 x 4
+    assert kvpress_counts(composites, 4, 0, 3, 10) == [10, 3, 3]  # keep_token_lower_bound = 3
+    assert kvpress_counts(composites, 4, 2, 1, 12) == [8, 2, 2]  # a window of 2 kept beside the top 3 x (4 - 2)
 
 
 @pytest.mark.parametrize("budget", [16, 40, 100])
@@ -233,6 +246,7 @@ def test_each_keeps_exactly_snapkvs_total(setup, spec, budget):
     ("capkv:n_sink=40", "n_sink must be at most"),
     ("noncausal:chunk_size=0", "chunk_size must be a positive integer"),
     ("kvcompose:agg_head=median", "agg_head must be one of max, mean"),
+    ("kvcompose:rounding=floor", "rounding must be one of exact, kvpress"),
 ])
 def test_option_mistakes_are_one_line(spec, message):
     with pytest.raises(UserError, match=message):

@@ -15,7 +15,8 @@ floor (the window); a layer's winners plus its floor are its budget, and every h
 many of its own top-scored entries (kvpress's structured cache: one length per layer). Exact integer budgets
 keep the total at L x H_kv x B (kvpress clamps each layer at 1 entry after its top-k, which can add to it).
 kvpress's unstructured variant (`structured=False`: one top-k over every head's sorted scores) is
-`kvcompose:allocator=global:granularity=entry`.
+`kvcompose:allocator=global:granularity=entry`; `kvcompose:rounding=kvpress` keeps kvpress's counts, clamp and all
+(`kvpress_counts`, for make check-references).
 
 Unlike kvpress, the last `window` (32) tokens are always kept: kvpress compresses the context alone, our
 with-question protocol compresses the question with it; `kvcompose:window=0` is `KVComposePress` (make
@@ -40,6 +41,7 @@ from ripplekv.methods.signals.continuation import PassDone, causal_attention_row
 
 REREAD = "kvcompose reread"  # the second reading's phase in `engine.timings`
 REDUCTIONS = ("max", "mean")
+ROUNDINGS = ("exact", "kvpress")
 PIECE = 512  # tokens per forward of the second reading
 
 
@@ -113,6 +115,7 @@ class KVComposeScorer(PromptScorer):
 class CompositeBudgets(Allocator):
     agg_head: str = "mean"
     keep_token_lower_bound: int = 0
+    rounding: str = "exact"
     prompt_dependent = True
     prompt_note = ("its per-layer counts come from ranking every layer's composite tokens together, recorded per "
                    "sample by `ripplekv eval`")
@@ -121,6 +124,8 @@ class CompositeBudgets(Allocator):
         super().__post_init__()
         check_reduction("agg_head", self.agg_head)
         check_integers({"keep_token_lower_bound": self.keep_token_lower_bound}, minimum=0)
+        if self.rounding not in ROUNDINGS:
+            raise UserError(f"option rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
 
     def layer_budgets(self, num_layers, budget, length, floor):
         raise UserError(f"kvcompose budgets depend on each prompt's scores; {self.prompt_note}")
@@ -143,6 +148,10 @@ class CompositeBudgets(Allocator):
         layers, length = state.num_layers, state.length
         if length <= budget:
             return [length] * layers
+        if self.rounding == "kvpress":
+            window = min(scorer.floor(), budget)
+            return kvpress_counts(self.composites(state, scorer, window), budget, window,
+                                  max(1, self.keep_token_lower_bound), length)
         floor = min(max(scorer.floor(), self.keep_token_lower_bound, 1), budget)
         composites = self.composites(state, scorer, floor)
         spare = layers * (budget - floor)
@@ -150,3 +159,12 @@ class CompositeBudgets(Allocator):
         won = np.bincount((chosen // composites.shape[1]).cpu().numpy(), minlength=layers)
         return integer_budgets([floor + int(w) for w in won], budget, length, floor)
 
+
+def kvpress_counts(composites: torch.Tensor, budget: int, window: int, least: int, length: int) -> list[int]:
+    """`KVComposePress`'s per-layer counts (`rounding=kvpress`): the top L x (B - window) of every layer's composite
+    tokens [L, m] together, then each layer raised to `least` (its max(1, keep_token_lower_bound)). A layer that won
+    fewer keeps that many all the same, so the total can pass L x B: the drift the exact reading removes."""
+    layers = composites.shape[0]
+    chosen = top_indices(composites.reshape(-1), min(layers * (budget - window), composites.numel()))
+    won = np.bincount((chosen // composites.shape[1]).cpu().numpy(), minlength=layers)
+    return [min(max(window + int(w), least), length) for w in won]
