@@ -149,9 +149,9 @@ class CompositeBudgets(Allocator):
         if length <= budget:
             return [length] * layers
         if self.rounding == "kvpress":
-            window = min(scorer.floor(), budget)
-            return kvpress_counts(self.composites(state, scorer, window), budget, window,
-                                  max(1, self.keep_token_lower_bound), length)
+            composites = self.composites(state, scorer, 0)
+            window = min(length - composites.shape[1], budget)  # the scorer's window, kept unscored (0 for kvpress)
+            return kvpress_counts(composites, budget, window, max(1, self.keep_token_lower_bound), length)
         floor = min(max(scorer.floor(), self.keep_token_lower_bound, 1), budget)
         composites = self.composites(state, scorer, floor)
         spare = layers * (budget - floor)
