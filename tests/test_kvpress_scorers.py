@@ -225,6 +225,20 @@ def test_kvcompose_kvpress_rounding_raises_a_layer_that_won_nothing_past_the_bud
     assert kvpress_counts(composites, 4, 2, 1, 12) == [8, 2, 2]  # a window of 2 kept beside the top 3 x (4 - 2)
 
 
+def test_kvcompose_kvpress_rounding_ranks_every_entry_of_the_prompt(setup, monkeypatch):
+    """`kvcompose:window=0:rounding=kvpress` ranks every entry's composite (no floor of one held back per layer),
+    so a layer whose best composite falls under the cut wins nothing and is clamped to one past L x B."""
+    from ripplekv.methods.kvcompose import CompositeBudgets
+
+    _, state, _ = setup
+    designed = torch.arange(LAYERS * N, dtype=torch.float32).view(LAYERS, N).flip(1)  # layer 3's over all others
+    monkeypatch.setattr(CompositeBudgets, "composites", lambda self, state, scorer, floor: designed[:, floor:])
+    counts = make_method("kvcompose:window=0:rounding=kvpress").budgets(state, 16)[:, 0]
+    assert counts.tolist() == [1, 1, 1, LAYERS * 16]  # all 64 won by layer 3, the others clamped: 3 past L x B
+    exact = make_method("kvcompose:window=0").budgets(state, 16)[:, 0]
+    assert exact.tolist() == [1, 1, 1, LAYERS * 16 - 3]  # a floor of one each, the rest to layer 3: L x B
+
+
 @pytest.mark.parametrize("budget", [16, 40, 100])
 @pytest.mark.parametrize("spec", [*SPECS, "compactor:split=adakv", "pyramidkv:scorer=leverage", "cur:window=0",
                                   "kvcompose:allocator=global:granularity=entry", "kvcompose:split=adakv"])

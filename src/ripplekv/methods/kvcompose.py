@@ -19,7 +19,7 @@ kvpress's unstructured variant (`structured=False`: one top-k over every head's 
 (`kvpress_counts`, for make check-references).
 
 Unlike kvpress, the last `window` (32) tokens are always kept: kvpress compresses the context alone, our
-with-question protocol compresses the question with it; `kvcompose:window=0` is `KVComposePress` (make
+with-question protocol compresses the question with it; `kvcompose:window=0:rounding=kvpress` is `KVComposePress` (make
 check-references). Cost: the second reading is a forward over n more tokens attending to up to 2n, about 2-3
 prefills; kvpress runs it under eager attention, here sdpa attends and the scores take their own float32 softmax
 block by block (`continuation.causal_attention_rows`), no map over the prompt kept.

@@ -74,4 +74,3 @@ class QFilterScorer(WindowScorer):
         window = min(self.window, state.length)
         keys = state.keys[layer][:, : state.length - window].float()
         return -(filters[layer].to(keys.device)[:, None, :] * keys).sum(-1)
-
