@@ -120,7 +120,8 @@ def run_time_line(out: Path) -> str:
             f"{', '.join(f'`{c[:12]}{c[40:]}`' for c in commits)} (`sittings.csv`)." if commits else "")
     return (f"**Time:** the stages took {seconds // 3600} h {seconds % 3600 // 60} min on this machine "
             "(`stages.csv`; a stage interrupted and resumed counts the sitting that finished it; each eval's "
-            f"`timings.csv` has every sample's seconds).{code}")
+            "`timings.csv` has every sample's seconds; all are wall time, so a run paused while other work had the "
+            f"machine counts its pause).{code}")
 
 
 def write_study_page(out: Path, final: str) -> Path:
