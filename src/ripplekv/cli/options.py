@@ -194,10 +194,10 @@ def snap_options(window: int | None, kernel: int | None, pooling: str | None) ->
 
 def model_shape(model: str | None) -> tuple[int, int]:
     """(layers, KV heads) of a model from its config alone, without loading weights."""
-    from ripplekv.engine.models import load_config
+    from ripplekv.engine.config_shape import config_shape
 
-    config = load_config(model)
-    return config.num_hidden_layers, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    shape = config_shape(model)
+    return shape.layers, shape.kv_heads
 
 
 

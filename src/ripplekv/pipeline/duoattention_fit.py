@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ripplekv.engine.config_shape import ConfigShape
 from ripplekv.errors import UserError
 from ripplekv.methods.duoattention.gates import gates_text
 from ripplekv.methods.duoattention.objective import gate_loss, last_hidden
@@ -96,7 +97,8 @@ def fit_gates(out: Path, model: ModelChoice, settings: GateSettings, calibration
         loaded.eval()
         for parameter in loaded.parameters():
             parameter.requires_grad_(False)
-        layers, heads = loaded.config.num_hidden_layers, loaded.config.num_key_value_heads
+        counts = ConfigShape.of(loaded.config)
+        layers, heads = counts.layers, counts.kv_heads
         gates = torch.nn.Parameter(state["gates"] if state else torch.ones(layers, heads, dtype=torch.float32))
         optimizer = torch.optim.AdamW([gates], lr=settings.lr, weight_decay=0.0)
         if state:

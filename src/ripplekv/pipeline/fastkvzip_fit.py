@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ripplekv.engine.config_shape import config_shape
 from ripplekv.errors import UserError
 from ripplekv.methods.fastkvzip import gate as fastkvzip_gate
 from ripplekv.pipeline import kvzap_fit
@@ -54,15 +55,6 @@ class GateSettings:
                 "tokens": self.tokens, "holdout": self.holdout, "seed": self.seed, **calibration.record()}
 
 
-def query_group(model: ModelChoice) -> int:
-    """The model's query heads per KV head (the gate's queries per KV head)."""
-    from ripplekv.engine.models import load_config
-
-    config = load_config(model.spec)
-    config = getattr(config, "text_config", None) or config
-    return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-
-
 def scores_of(targets: list[torch.Tensor]) -> list[torch.Tensor]:
     """KVzip's scores from the logged log scores (a score below the log's floor comes back as the floor)."""
     return [t.exp() for t in targets]
@@ -78,7 +70,7 @@ def fit_gates(out: Path, model: ModelChoice, settings: GateSettings, calibration
     out = Path(out)
     owned = [WEIGHTS, WEIGHTS.replace(".safetensors", ".json")]
     model, prompts, header = kvzap_fit.prepare(out, owned, model, settings.pairs(calibration), calibration)
-    group = query_group(model)
+    group = config_shape(model.spec).group  # the gate's queries per KV head
     if announce is not None:
         announce()
     with exclusive(out, "fastkvzip fit"):

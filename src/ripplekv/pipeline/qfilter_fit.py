@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ripplekv.engine.config_shape import config_shape
 from ripplekv.errors import UserError
 from ripplekv.methods.qfilter import filters as qfilters
 from ripplekv.pipeline import prompt_log
@@ -76,17 +77,9 @@ def fit_filters(out: Path, model: ModelChoice, calibration: Calibration, bar=Non
                                   lambda loaded, tokenizer, ids, index: prompt_sums(loaded, ids), bar)
         begun = time.perf_counter()
         gram, total, count = summed(out, [d["sums"] for d in done])
-        filters, fit = qfilters.filters_from(gram, total, model_kv_heads(model, gram.shape[1]))
+        filters, fit = qfilters.filters_from(gram, total, config_shape(model.spec).kv_heads)
         provenance = {**header, "dtype": model.dtype, "positions": count, "prompt_tokens": [d["tokens"] for d in done], **fit,
                       "collect_seconds": round(sum(d["seconds"] for d in done), 1),
                       "fit_seconds": round(time.perf_counter() - begun, 1)}
         path = qfilters.save(out / WEIGHTS, filters, provenance)
     return path, json.loads(path.with_suffix(".json").read_text())  # the provenance with the filters' shape
-
-
-def model_kv_heads(model: ModelChoice, query_heads: int) -> int:
-    """The model's KV heads (from its config; a config without GQA has one per query head)."""
-    from ripplekv.engine.models import load_config
-
-    config = load_config(model.spec)
-    return int(getattr(config, "num_key_value_heads", None) or query_heads)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ripplekv.engine.config_shape import ConfigShape
 from ripplekv.errors import UserError
 from ripplekv.methods.core.base import ALLOCATORS, SCORERS, Method
 from ripplekv.methods.core.spec import (
@@ -84,8 +85,8 @@ def check_fitted(methods, config, bundled: bool) -> None:
     its config; `bundled`: the bundled model, whose files are shipped), refused in one line before any prefill:
     a method would otherwise fail after the first prefill, or run without its file at budgets where it is
     never read."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    shape = (int(config.num_hidden_layers), int(heads), int(config.hidden_size))
+    counts = ConfigShape.of(config)
+    shape = (counts.layers, counts.kv_heads, counts.hidden)
     for method in methods:
         if hasattr(method, "check_fitted"):
             method.check_fitted(shape, bundled)
