@@ -23,7 +23,7 @@ import torch
 from ripplekv.engine.config_shape import config_shape
 from ripplekv.errors import UserError
 from ripplekv.methods.fastkvzip import gate as fastkvzip_gate
-from ripplekv.pipeline import kvzap_fit
+from ripplekv.pipeline import kvzap_fit, prompt_log
 from ripplekv.pipeline.model_choice import ModelChoice
 from ripplekv.runs.safeio import exclusive
 from ripplekv.tasks.calibration import Calibration
@@ -69,7 +69,8 @@ def fit_gates(out: Path, model: ModelChoice, settings: GateSettings, calibration
     settings.check(calibration)
     out = Path(out)
     owned = [WEIGHTS, WEIGHTS.replace(".safetensors", ".json")]
-    model, prompts, header = kvzap_fit.prepare(out, owned, model, settings.pairs(calibration), calibration)
+    model, prompts, header = prompt_log.prepare(out, owned, model, settings.pairs(calibration), calibration,
+                                                kvzap_fit.PAIRS)
     group = config_shape(model.spec).group  # the gate's queries per KV head
     if announce is not None:
         announce()

@@ -23,12 +23,14 @@ from ripplekv.errors import UserError
 from ripplekv.methods.kvzap import surrogate as kvzap_surrogate
 from ripplekv.pipeline import prompt_log
 from ripplekv.pipeline.model_choice import ModelChoice
-from ripplekv.runs.safeio import exclusive, other_files
-from ripplekv.tasks.calibration import Calibration, calibration_hash
+from ripplekv.runs.safeio import exclusive
+from ripplekv.tasks.calibration import Calibration
 
 LOG = prompt_log.LOG
 N_SINK, CHUNK = 4, 2048  # our KVzip scorer's defaults (its reconstruction pass)
 FLOOR = 1e-10  # KVzip scores below this (no query attends) are taken as this before the log
+PAIRS = {"targets": f"log max(KVzip score, {FLOOR}), our kvzip scorer (n_sink {N_SINK}, chunk {CHUNK})",
+         "inputs": "each layer's attention input (after its input norm)"}  # what the pairs are, in each header
 
 
 @dataclass(frozen=True)
@@ -91,24 +93,6 @@ def held_out_fit(predicted: list[np.ndarray], truths: list[np.ndarray]) -> dict:
             "spearman_mean": round(float(np.mean(ranks)), 4), "r2_mean": round(float(np.mean(r2)), 4)}
 
 
-def prepare(out: Path, owned: list[str], model: ModelChoice, record: dict, calibration: Calibration):
-    """(resolved model, calibration prompts, the log's header) once `out` is checked: a fit's own files, its log
-    and samples/, or nothing (`owned`: the fit's file names)."""
-    from ripplekv.engine.models import load_tokenizer, resolve_model
-
-    out = Path(out)
-    foreign = [name for name in other_files(out, [LOG, *owned]) if name != "samples"]
-    if foreign:
-        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
-    model = model.resolved()
-    source = resolve_model(model.spec)
-    prompts = calibration.prompts(load_tokenizer(model.spec))
-    header = {"model": source.label, **record, "calibration_ids": [p.sample_id for p in prompts],
-              "calibration_hash": calibration_hash(prompts), "targets": f"log max(KVzip score, {FLOOR}), our kvzip scorer "
-              f"(n_sink {N_SINK}, chunk {CHUNK})", "inputs": "each layer's attention input (after its input norm)"}
-    return model, prompts, header
-
-
 def collect(out: Path, header: dict, prompts, model: ModelChoice, tokens: int, seed: int, bar=None) -> list[dict]:
     """Each prompt's pairs in `out`/samples (those already in the log kept: a resumed run collects the rest), under
     the fit's lock; the log's entries in prompt order. `bar(total, done)` gives (context manager, advance)."""
@@ -143,7 +127,7 @@ def fit_surrogates(out: Path, model: ModelChoice, settings: FitSettings, calibra
         kvzap_surrogate.build(kind, 1, 1, 0)  # an unknown kind is one line before any work
     out = Path(out)
     owned = [f"kvzap-{k}.{s}" for k in kvzap_surrogate.KINDS for s in ("safetensors", "json")]
-    model, prompts, header = prepare(out, owned, model, settings.record(calibration), calibration)
+    model, prompts, header = prompt_log.prepare(out, owned, model, settings.record(calibration), calibration, PAIRS)
     if announce is not None:
         announce()
     with exclusive(out, "kvzap fit"):

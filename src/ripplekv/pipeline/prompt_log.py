@@ -13,8 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ripplekv.errors import UserError
 from ripplekv.pipeline.model_choice import ModelChoice
-from ripplekv.runs.safeio import UnitLog, atomic_write
+from ripplekv.runs.safeio import UnitLog, atomic_write, other_files
+from ripplekv.tasks.calibration import Calibration, calibration_hash
 
 LOG = "samples.jsonl"
 
@@ -23,6 +25,25 @@ def npz_bytes(**arrays) -> bytes:
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     return buffer.getvalue()
+
+
+def prepare(out: Path, owned: list[str], model: ModelChoice, record: dict, calibration: Calibration,
+            described: dict) -> tuple[ModelChoice, list, dict]:
+    """(resolved model, calibration prompts, the log's header) once `out` is checked: a fit's own files (`owned`),
+    its log and samples/, or nothing. The header: the model, the fit's settings (`record`), the prompts' ids and
+    hash, then `described` (what the fit measures), so a resumed fit with other settings or prompts is refused."""
+    from ripplekv.engine.models import load_tokenizer, resolve_model
+
+    out = Path(out)
+    foreign = [name for name in other_files(out, [LOG, *owned]) if name != "samples"]
+    if foreign:
+        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
+    model = model.resolved()
+    source = resolve_model(model.spec)
+    prompts = calibration.prompts(load_tokenizer(model.spec))
+    header = {"model": source.label, **record, "calibration_ids": [p.sample_id for p in prompts],
+              "calibration_hash": calibration_hash(prompts), **described}
+    return model, prompts, header
 
 
 def collect(out: Path, header: dict, prompts, model: ModelChoice, field: str,

@@ -18,12 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from ripplekv.engine.config_shape import config_shape
-from ripplekv.errors import UserError
 from ripplekv.methods.qfilter import filters as qfilters
 from ripplekv.pipeline import prompt_log
 from ripplekv.pipeline.model_choice import ModelChoice
-from ripplekv.runs.safeio import exclusive, other_files
-from ripplekv.tasks.calibration import Calibration, calibration_hash
+from ripplekv.runs.safeio import exclusive
+from ripplekv.tasks.calibration import Calibration
 
 LOG = prompt_log.LOG
 WEIGHTS = "qfilter.safetensors"
@@ -56,20 +55,11 @@ def fit_filters(out: Path, model: ModelChoice, calibration: Calibration, bar=Non
     """Collect (or resume) the query sums of `calibration`'s prompts into `out` and write the filters; (weights file,
     provenance with the filters' shape). `bar(total, done)` gives (context manager, advance) for a progress bar; `announce()` is called once
     every input has been checked (so bad input stays one line)."""
-    from ripplekv.engine.models import load_tokenizer, resolve_model
-
     calibration.check()
     out = Path(out)
-    foreign = [name for name in other_files(out, [LOG, WEIGHTS, "qfilter.json"]) if name != "samples"]
-    if foreign:
-        raise UserError(f"--out {out} holds other files ({', '.join(foreign[:3])}); pass a new or empty directory")
-    model = model.resolved()
-    source = resolve_model(model.spec)
-    prompts = calibration.prompts(load_tokenizer(model.spec))
-    header = {"model": source.label, "calib_samples": calibration.samples, "target_tokens": calibration.target_tokens,
-              **calibration.record(), "calibration_ids": [p.sample_id for p in prompts],
-              "calibration_hash": calibration_hash(prompts),
-              "queries": "every position of each prompt (context + probe), after RoPE, per query head"}
+    record = {"calib_samples": calibration.samples, "target_tokens": calibration.target_tokens, **calibration.record()}
+    model, prompts, header = prompt_log.prepare(out, [WEIGHTS, "qfilter.json"], model, record, calibration, {
+        "queries": "every position of each prompt (context + probe), after RoPE, per query head"})
     if announce is not None:
         announce()
     with exclusive(out, "qfilter fit"):

@@ -21,7 +21,6 @@ from pathlib import Path
 import ripplekv
 from ripplekv.methods.core import fitted_weights
 from ripplekv.methods.core.base import FILE, check_integers, register_scorer
-from ripplekv.methods.core.fitted_weights import check_shape
 from ripplekv.methods.qfilter import filters as qfilters
 from ripplekv.methods.snapkv import WindowScorer
 
@@ -64,13 +63,13 @@ class QFilterScorer(WindowScorer):
         """Before any prefill: filters exist for the model (`shape`: layers, KV heads, hidden size); at a budget
         no smaller than the prompt they are never read, so only this check would say."""
         path = self.weights_for(None, bundled)
-        check_shape("Q-filters", path, loaded(path)[0].shape[:2], shape[:2], qfilters.FIT_HINT, NAMES)
+        fitted_weights.check_shape("Q-filters", path, loaded(path)[0].shape[:2], shape[:2], qfilters.FIT_HINT, NAMES)
 
     def scores(self, state, layer):
         path = self.weights_for(state)
         filters = loaded(path)[0]
-        check_shape("Q-filters", path, filters.shape, (state.num_layers, state.num_kv_heads, state.keys[layer].shape[-1]),
-                    qfilters.FIT_HINT, NAMES)
+        expected = (state.num_layers, state.num_kv_heads, state.keys[layer].shape[-1])
+        fitted_weights.check_shape("Q-filters", path, filters.shape, expected, qfilters.FIT_HINT, NAMES)
         window = min(self.window, state.length)
         keys = state.keys[layer][:, : state.length - window].float()
         return -(filters[layer].to(keys.device)[:, None, :] * keys).sum(-1)
