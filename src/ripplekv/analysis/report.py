@@ -36,6 +36,8 @@ from ripplekv.analysis.over_budget import flag as flag_over_budget
 from ripplekv.analysis.over_budget import over_budget, thresholded
 from ripplekv.analysis.plots import series_styles
 from ripplekv.analysis.proportions import accuracy_tasks
+from ripplekv.analysis.small_fits import bundled_run, small_fits
+from ripplekv.analysis.small_fits import flag as flag_small_fits
 from ripplekv.analysis.summary import summary_markdown
 from ripplekv.analysis.tables import (
     BASELINES,
@@ -176,11 +178,13 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     ceilings = ceilings_of(run_dir, frame)
     specs = method_specs(run_dir)
     over, thresholds = over_budget(frame), thresholded(specs)
-    unranked = ceilings | over | thresholds  # answer-aware ceilings, variants over or at no budget: never ranked
+    small = small_fits(specs, bundled_run(run_dir))  # rows read from a smoke-size learned fit
+    # Never ranked: answer-aware ceilings, variants over or at no budget, smoke-size fits
+    unranked = ceilings | over | thresholds | set(small)
     declared = declared_baseline(run_dir)
     board, ranks = add_uncertainty(frame, leaderboard(scores, unranked, counted), resamples, seed, unranked, counted,
                                    declared)
-    board = flag_over_budget(board, over, thresholds)
+    board = flag_small_fits(flag_over_budget(board, over, thresholds), small)
     headline = run_headline(frame, board, unranked, counted, seed)
     wide = leaderboard_wide(scores, board)
     lengths = length_table(frame, board)
@@ -201,7 +205,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
                 "power": inference.POWER, "samples_per_row": int(board["n"].max()),
                 "adjustment": "Holm, per table and measure", "informative_tasks": counted,
                 "baseline": declared or "first of " + ", ".join(BASELINES) + " present at each budget",
-                "primary_comparisons": primary_comparisons(board)}
+                "primary_comparisons": primary_comparisons(board), "small_fits": small}
     try:
         write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
         write_csv(run_dir / "informative.csv", informative, float_format=FLOAT_FORMAT)

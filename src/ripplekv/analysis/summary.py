@@ -16,6 +16,8 @@ from ripplekv.analysis.over_budget import COLUMN as OVER_BUDGET
 from ripplekv.analysis.over_budget import THRESHOLD_COLUMN as THRESHOLD
 from ripplekv.analysis.over_budget import note as over_budget_note
 from ripplekv.analysis.over_budget import shown as with_over_budget
+from ripplekv.analysis.small_fits import note as small_fit_note
+from ripplekv.analysis.small_fits import shown as with_small_fit
 from ripplekv.analysis.tables import KL_RATIO, KL_TEST, SCORE_TEST
 from ripplekv.metrics.scoring import LENGTH_BUCKETS
 from ripplekv.runs.files import REFERENCE
@@ -53,7 +55,7 @@ def leaderboard_view(board: pd.DataFrame) -> pd.DataFrame:
         view.insert(view.columns.get_loc(f"{name}_ci_low"), f"{name} 95% CI",
                     [_interval(a, b, digits) for a, b in zip(board[f"{name}_ci_low"], board[f"{name}_ci_high"])])
         view = view.drop(columns=[f"{name}_ci_low", f"{name}_ci_high"])
-    return with_over_budget(view).rename(columns={"avg_informative": "score (informative)", "avg_informative 95% CI": "score 95% CI",
+    return with_small_fit(with_over_budget(view)).rename(columns={"avg_informative": "score (informative)", "avg_informative 95% CI": "score 95% CI",
                                 "avg": "avg (all tasks)", "avg 95% CI": "avg 95% CI"})
 
 
@@ -198,6 +200,7 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
         flagged = board[OVER_BUDGET].astype(bool)
         by_threshold = board[THRESHOLD].astype(bool) if THRESHOLD in board else flagged & False
         lines += over_budget_note(board.loc[flagged, "method"], board["method"], set(board.loc[by_threshold, "method"]))
+    lines += small_fit_note(settings.get("small_fits") or {}, board["method"])
     if ranks is not None:
         lines += [
             "## Differences to the uniform baseline",
