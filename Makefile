@@ -39,7 +39,8 @@ test: install
 	# Tests never reach a hub: the few that exercise online paths fake the network themselves.
 	# One worker per core (pytest-xdist), each test file on one worker so its shared runs are made once.
 	# Property tests draw the same examples on every run (tests/conftest.py); `make test-explore` draws fresh ones.
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -n auto --dist loadfile
+	# The 15 slowest tests are listed at the end, so a suite that grows slower says where.
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -n auto --dist loadfile --durations=15
 
 # The property tests with fresh random examples, round after round under new seeds, for EXPLORE_SECONDS; the
 # first failing round stops with its seed and replay command (README.md, "Tests"). EXPLORE_ARGS: more pytest
