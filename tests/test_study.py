@@ -225,6 +225,7 @@ def test_the_page_says_what_it_measured_first_and_its_verdict_rests_on_table_row
     page = write_study_page(out, "results/study").read_text()
     first = page.split("\n\n")[1]
     assert first.startswith("**What this measured.**") and "not LongBench" in first and "t1 6, t2 6" in first
+    assert "not for larger models" in first and "shows the harness end to end" not in first  # a study, not a smoke run
     verdict = page.split("## Verdict\n\n", 1)[1].split("\n", 1)[0]
     assert "(P-128)" in verdict and "(P-256)" in verdict
     for row_id in {*__import__("re").findall(r"\((F-\d+-\d+)\)", verdict)}:

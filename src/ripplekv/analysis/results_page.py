@@ -60,9 +60,14 @@ def nested_summary(path: Path) -> str:
                      if not line.startswith("# ") and not line.startswith("!["))
 
 
-def scope_lines(eval_dir: Path) -> list[str]:
+SMOKE_CAVEAT = ("A small model on a small suite: it shows the harness end to end, and where a difference is "
+                "`underpowered` these samples cannot settle it.")
+
+
+def scope_lines(eval_dir: Path, caveat: str = SMOKE_CAVEAT) -> list[str]:
     """What the page measured, said first: the model and its file, the suite and where its texts come from, the
-    prompt lengths, n per task, and the command that runs the comparison on LongBench instead."""
+    prompt lengths, n per task, what that scale can say (`caveat`), and the command that runs the comparison on
+    LongBench instead."""
     config_path = eval_dir / "config.json"
     if not config_path.is_file():
         return []
@@ -80,8 +85,7 @@ def scope_lines(eval_dir: Path) -> list[str]:
     origin = SUITE_ORIGIN.get(config.get("suite"), f"the {config.get('suite')} suite")
     per_task = ", ".join(f"{task} {count}" for task, count in samples.items())
     return ["", f"**What this measured.** Model `{config.get('model_label')}`{file}; {origin}; "
-            f"{len(samples)} tasks with n per task: {per_task}{span}. A small model on a small suite: it shows the "
-            "harness end to end, and where a difference is `underpowered` these samples cannot settle it. The same "
+            f"{len(samples)} tasks with n per task: {per_task}{span}. {caveat} The same "
             f"comparison on LongBench with your model (on a GPU): `{LONGBENCH_COMMAND}`."]
 
 

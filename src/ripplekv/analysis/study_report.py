@@ -18,6 +18,8 @@ from ripplekv.analysis.results_page import nested_summary, recorded_stages, scop
 from ripplekv.defaults import PIPELINE_CURVES, STUDY_CALIBRATED
 
 QUESTION = "does spending the cache budget by layer sensitivity beat the rivals at the same memory?"
+CAVEAT = ("One small model on synthetic tasks, with n set in advance for the meaningful effect below: the verdict "
+          "holds for this model and these tasks, not for larger models or natural long-context tasks.")
 
 
 def _read(path: Path) -> dict:
@@ -132,7 +134,7 @@ def write_study_page(out: Path, final: str) -> Path:
     first, second = design["pair"]
     primary = study_page.primary(effects, f"{second} - {first}",
                                  {int(b): design["meaningful"] for b in design["budgets"]})
-    lines = [f"# The study: {QUESTION}", "", *scope_lines(out / "eval")[1:], "",
+    lines = [f"# The study: {QUESTION}", "", *scope_lines(out / "eval", CAVEAT)[1:], "",
              "## Verdict", "", study_page.verdict_paragraph(primary, effects),
              *design_lines(design, power, choice),
              "## Primary comparison", "", study_page.primary_markdown(primary),
