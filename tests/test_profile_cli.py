@@ -25,6 +25,7 @@ def test_profile_writes_every_output(profiled):
     assert len(table) == 4 and (table["kl_mean"] > 0).all() and (table["n_samples"] == 4).all()
     meta = json.loads((out / "profile.json").read_text())
     assert meta["eta"] == 1.0 and meta["signal"] == "noise" and len(meta["calibration_ids"]) == 4
+    assert meta["target_tokens"] == 300  # the calibration table of `ripplekv study` reads it
     assert all("calibration" in sample_id for sample_id in meta["calibration_ids"])
     assert "split-half Spearman rho" in result.stderr
     assert len(pd.read_csv(out / "per_sample.csv")) == 4 * 4

@@ -35,9 +35,10 @@ def ids_hash(ids: list[str]) -> str:
     return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:12]
 
 
-def calibration_table(out: Path) -> pd.DataFrame:
+def calibration_table(out: Path, target_tokens: int | None = None) -> pd.DataFrame:
     """One row per calibrated method and draw: the prompt-id hash, prompts, tokens (prompts x target) and the
-    seconds its stages took (stages.csv)."""
+    seconds its stages took (stages.csv). `target_tokens`: the study's length, for a record that does not name
+    its own (a profile.json written before profiles recorded it; every fit runs at the study's length)."""
     seconds = pd.read_csv(out / "stages.csv") if (out / "stages.csv").is_file() else pd.DataFrame(columns=["stage", "seconds"])
     took = seconds.groupby("stage")["seconds"].sum().to_dict()
     rows = []
@@ -57,7 +58,8 @@ def calibration_table(out: Path) -> pd.DataFrame:
             if not record:
                 continue
             ids = list(record.get("calibration_ids", []))
-            target = record.get("target_tokens") or record.get("calibration", {}).get("target_tokens")
+            target = (record.get("target_tokens") or record.get("calibration", {}).get("target_tokens")
+                      or target_tokens)
             rows.append({"method": method, "draw": draw, "ids_hash": ids_hash(ids), "prompts": len(ids),
                          "tokens": len(ids) * int(target) if target else None,
                          "seconds": float(sum(took.get(f"{stage}{tag}", 0) for stage in stages))})
@@ -140,7 +142,7 @@ def write_study_page(out: Path, final: str) -> Path:
              "## Primary comparison", "", study_page.primary_markdown(primary),
              "## Factorial effects (KL; lower is closer to the full cache)", "", study_page.factorial_markdown(effects),
              "## Calibration (the same prompts for every calibrated method in a draw)", "",
-             study_page.calibration_markdown(calibration_table(out))]
+             study_page.calibration_markdown(calibration_table(out, design.get("target_tokens")))]
     spread_path = out / "calibration_spread.csv"
     if spread_path.is_file():
         from ripplekv.analysis.calibration_spread import spread_markdown
