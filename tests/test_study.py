@@ -342,3 +342,13 @@ def test_a_needle_heatmap_under_ten_samples_a_cell_is_labelled_illustrative(tmp_
     assert ("(illustrative)" in text) is labelled and ("Illustrative only" in text) is labelled
     if labelled:
         assert f"{per_cell} sample(s) a cell" in text
+
+
+def test_the_results_page_links_the_study_and_quotes_its_verdict(tmp_path):
+    from ripplekv.analysis.results_page import study_lines
+
+    assert "it is not in this folder yet" in study_lines(tmp_path)[1]
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "README.md").write_text("# The study\n\n## Verdict\n\nAt B=128, x and y are tied (P-128).\n")
+    line = study_lines(tmp_path)[1]
+    assert "[study/README.md](study/README.md)" in line and line.endswith("At B=128, x and y are tied (P-128).")

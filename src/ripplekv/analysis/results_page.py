@@ -89,6 +89,20 @@ def scope_lines(eval_dir: Path, caveat: str = SMOKE_CAVEAT) -> list[str]:
             f"comparison on LongBench with your model (on a GPU): `{LONGBENCH_COMMAND}`."]
 
 
+def study_lines(out: Path) -> list[str]:
+    """The controlled study beside this run (OUT/study, carried in by the pipeline): a link and its verdict, or
+    what writes it."""
+    page = out / "study" / "README.md"
+    if not page.is_file():
+        return ["", "**The controlled study** (`make study`: a task screen, equal calibration over draws, an allocation "
+                "x scorer x head-split factorial at an n chosen for power; hours on 2 cores) writes `study/`; it is "
+                "not in this folder yet."]
+    text = page.read_text(encoding="utf-8")
+    verdict = text.split("## Verdict\n\n", 1)[1].split("\n", 1)[0].strip() if "## Verdict\n\n" in text else ""
+    return ["", f"**The controlled study** ([study/README.md](study/README.md), `make study`; the row ids are its "
+            f"tables'): {verdict}"]
+
+
 def write_results_page(out: Path, config: str, final: str | None = None,
                        max_new_tokens: dict[str, int] | None = None) -> None:
     """OUT/README.md from what the run in `out` holds; `config` names the run's config, `final` the folder the
@@ -108,6 +122,7 @@ def write_results_page(out: Path, config: str, final: str | None = None,
         "",
         f"Produced by `ripplekv reproduce {config}` into `{final or out}`. Model: `{profile['model']}`.",
         *scope_lines(out / "eval"),
+        *([] if quick else study_lines(out)),
         *(["", "A few short samples to see the pipeline work end to end; too few to compare methods. "
            "The committed results of `make reproduce` are in `results/README.md`."] if quick else []),
         "",
