@@ -350,5 +350,6 @@ def profile_into(out: Path, model: ModelChoice, settings: ProfileSettings, calib
         finish = FINISHERS.get(settings.kind)
         stacked, extra = finish(stacked) if finish else (stacked, {})
         profile = Profile([p.sample_id for p in prompts], stacked.mean(1), stacked, settings, source.label,
-                          extra={**extra, **calibration.record(), "target_tokens": calibration.target_tokens, "device": device, "dtype": dtype, **runtime_info(device)})
+                          extra={**extra, **calibration.record(), "target_tokens": calibration.target_tokens,
+                                 "device": device, "dtype": dtype, **runtime_info(device)})
         return len(prompts), write_profile(profile, prompts, out)
