@@ -123,5 +123,5 @@ def note(small: dict[str, str], present) -> list[str]:
     said = "; ".join(f"`{m}`: {small[m]}" for m in marked)
     return [f"Small fit: {said}. A learned scorer fitted on fewer than {MIN_FIT_PROMPTS} calibration prompts is "
             "smoke-size, made so the method runs: listed, left out of ranks, verdicts and the headline. A fit at the "
-            f"default size (`ripplekv fit kvzap --calib-samples {MIN_FIT_PROMPTS}`, then `kvzap:weights=FILE`) is "
-            "ranked.", ""]
+            f"default size (`ripplekv fit kvzap` or `ripplekv fit fastkvzip`, `--calib-samples {MIN_FIT_PROMPTS}`, "
+            "then `weights=FILE`) is ranked.", ""]
