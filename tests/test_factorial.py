@@ -128,4 +128,9 @@ def test_the_verdict_paragraph_names_the_row_each_sentence_rests_on():
     assert f"largest allocation effect called is lukv against uniform: {lukv_row['delta']:+.3f}" in text
     assert f"({lukv_row['id']})" in text
     assert "| P-64 | 64 | lukv - ripplekv |" in study_page.primary_markdown(rows)
+    # the question's own effect, and a called difference under the meaningful size said so
+    focused = study_page.verdict_paragraph(rows, effects, meaningful=10.0, focus="allocation: lukv - uniform")
+    assert (f"Averaged over scorers and head splits at B=64, lukv is closer to the full cache than uniform: "
+            f"{lukv_row['delta']:+.3f}") in focused and "smaller than the meaningful 10, Holm p" in focused
+    assert "smaller than the meaningful" not in text
     assert "| F-64-1 | scorer: expected-attention - snapkv | main |" in study_page.factorial_markdown(effects)

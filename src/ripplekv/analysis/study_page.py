@@ -51,15 +51,31 @@ def _reading(verdict: str, second: str, first: str) -> str:
             "underpowered": f"this n cannot tell {second} from {first} at the stated meaningful size"}.get(verdict, verdict)
 
 
-def verdict_paragraph(primary_rows: pd.DataFrame, effects: pd.DataFrame) -> str:
-    """One sentence per budget for the primary comparison, and one per budget for the largest main effect
-    called; each names the row it rests on."""
+def _size(row, meaningful: float | None) -> str:
+    """A called difference smaller than the meaningful effect, said so (significant is not the same as large)."""
+    if meaningful is None or row.verdict not in ("closer", "further") or abs(row.delta) >= meaningful:
+        return ""
+    return f", smaller than the meaningful {meaningful:g}"
+
+
+def verdict_paragraph(primary_rows: pd.DataFrame, effects: pd.DataFrame, meaningful: float | None = None,
+                      focus: str | None = None) -> str:
+    """One sentence per budget for the primary comparison, one per budget for the `focus` effect (the question's
+    own: the pair's second allocation against the reference, averaged over scorers and splits), and one per budget
+    for the largest main effect called; each names the row it rests on, and a called difference under `meaningful`
+    says so."""
     sentences = []
     for row in primary_rows.itertuples():
         second, first = (part.strip() for part in row.comparison.split(" - ", 1))
         sentences.append(f"At B={row.budget}, {_reading(row.verdict, second, first)}: KL difference "
-                         f"{_difference(row)}, Holm p {row.p_holm:.2g} over the budgets, n = {row.samples} "
-                         f"({row.id}).")
+                         f"{_difference(row)}{_size(row, meaningful)}, Holm p {row.p_holm:.2g} over the budgets, "
+                         f"n = {row.samples} ({row.id}).")
+    for row in effects[effects["effect"] == focus].sort_values("budget").itertuples() if focus else ():
+        levels = row.effect.split(": ", 1)[-1]
+        second, first = (part.strip() for part in levels.split(" - ", 1))
+        sentences.append(f"Averaged over scorers and head splits at B={row.budget}, "
+                         f"{_reading(row.verdict, second, first)}: {_difference(row)}{_size(row, meaningful)}, "
+                         f"Holm p {row.p_holm:.2g} ({row.id}).")
     mains = effects[(effects["kind"] == "main") & effects["verdict"].isin(["closer", "further"])]
     for budget, rows in mains.groupby("budget", sort=True):
         row = rows.loc[rows["delta"].abs().idxmax()]

@@ -137,7 +137,8 @@ def write_study_page(out: Path, final: str) -> Path:
     primary = study_page.primary(effects, f"{second} - {first}",
                                  {int(b): design["meaningful"] for b in design["budgets"]})
     lines = [f"# The study: {QUESTION}", "", *scope_lines(out / "eval", CAVEAT)[1:], "",
-             "## Verdict", "", study_page.verdict_paragraph(primary, effects),
+             "## Verdict", "", study_page.verdict_paragraph(primary, effects, design["meaningful"],
+                                                                f"allocation: {second} - {design['reference']}"),
              *design_lines(design, power, choice),
              "## Primary comparison", "", study_page.primary_markdown(primary),
              "## Factorial effects (KL; lower is closer to the full cache)", "", study_page.factorial_markdown(effects),
