@@ -231,6 +231,7 @@ def test_the_page_says_what_it_measured_first_and_its_verdict_rests_on_table_row
     for row_id in {*__import__("re").findall(r"\((F-\d+-\d+)\)", verdict)}:
         assert f"| {row_id} |" in page
     assert "| ripplekv (profile + ratio) | 0 |" in page
+    assert "![factorial effects](factorial_effects.png)" in page and (out / "factorial_effects.png").stat().st_size > 1000
     assert "**Time:** the stages took 0 h 2 min on this machine" in page  # 3 draws x (10 + 5 + 30 + 7) s
     (out / "sittings.csv").write_text(f"started_utc,commit\n2026-12-06 10:00:00,{'a' * 40}\n"
                                       f"2026-12-06 11:00:00,{'a' * 40}\n2026-12-06 12:00:00,{'b' * 40}+dirty\n")

@@ -128,6 +128,17 @@ def run_time_line(out: Path) -> str:
             f"machine counts its pause).{code}")
 
 
+def _effects_figure(out: Path, effects: pd.DataFrame, design: dict) -> list[str]:
+    """OUT/factorial_effects.png drawn from the table below it, and the line that shows it (none without rows)."""
+    from ripplekv.analysis.study_figure import FIGURE, plot_effects
+
+    if effects.empty:
+        (out / FIGURE).unlink(missing_ok=True)
+        return []
+    plot_effects(effects, out / FIGURE, design["meaningful"])
+    return [f"![factorial effects]({FIGURE})", ""]
+
+
 def write_study_page(out: Path, final: str) -> Path:
     """OUT/README.md (see the module docstring); returns its path."""
     design, power = _read(out / "design.json"), _read(out / "power.json")
@@ -141,7 +152,8 @@ def write_study_page(out: Path, final: str) -> Path:
                                                                 f"allocation: {second} - {design['reference']}"),
              *design_lines(design, power, choice),
              "## Primary comparison", "", study_page.primary_markdown(primary),
-             "## Factorial effects (KL; lower is closer to the full cache)", "", study_page.factorial_markdown(effects),
+             "## Factorial effects (KL; lower is closer to the full cache)", "", *_effects_figure(out, effects, design),
+             study_page.factorial_markdown(effects),
              "## Calibration (the same prompts for every calibrated method in a draw)", "",
              study_page.calibration_markdown(calibration_table(out, design.get("target_tokens")))]
     spread_path = out / "calibration_spread.csv"
