@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ripplekv.analysis import factorial, study_page
+from ripplekv.analysis import factorial, inference, study_page
 from ripplekv.analysis.results_page import nested_summary, recorded_stages, scope_lines, shell_line
 from ripplekv.defaults import PIPELINE_CURVES, STUDY_CALIBRATED
 
@@ -109,8 +109,10 @@ def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
         f"- **Meaningful effect:** a KL difference of {design['meaningful']}. **n:** {power.get('limit')} per task "
         f"({power.get('rule', '')}){capped}.",
         "- Intervals: stratified t for KL; accuracies get Wilson intervals and paired differences Tango's score "
-        "interval (the nested eval summary), so none leaves [0, 100]; p-values from sign-flip tests (exact up to "
-        "32 nonzero differences).", ""]
+        "interval (the nested eval summary), so none leaves [0, 100]; p-values from sign-flip tests, exact up to "
+        f"{inference.EXACT_LIMIT} nonzero differences, else {inference.PERMUTATIONS:,} random sign patterns and "
+        f"{inference.REFINED_PERMUTATIONS:,} where p is within a factor 2 of a threshold (a p of "
+        f"{1 / (inference.PERMUTATIONS + 1):.1g} is the smallest {inference.PERMUTATIONS:,} patterns can give).", ""]
 
 
 def run_time_line(out: Path) -> str:
@@ -155,7 +157,9 @@ def write_study_page(out: Path, final: str) -> Path:
              "## Factorial effects (KL; lower is closer to the full cache)", "", *_effects_figure(out, effects, design),
              study_page.factorial_markdown(effects),
              "## Calibration (the same prompts for every calibrated method in a draw)", "",
-             study_page.calibration_markdown(calibration_table(out, design.get("target_tokens")))]
+             study_page.calibration_markdown(calibration_table(out, design.get("target_tokens"))),
+             "`tokens`: prompts x the study's length; `seconds`: the stages that made the file (stages.csv, wall "
+             "time), so LU-KV's curves, all fitted by one stage, each show that stage's seconds.", ""]
     spread_path = out / "calibration_spread.csv"
     if spread_path.is_file():
         from ripplekv.analysis.calibration_spread import spread_markdown
