@@ -23,6 +23,7 @@ from ripplekv.analysis.page_evals import (
     time_lines,
 )
 from ripplekv.analysis.second_model import second_model_lines
+from ripplekv.analysis.shipped_fits import fitted_elsewhere_lines
 
 # The make target behind each config, for the page title.
 TARGETS = {"reproduce.toml": "make reproduce", "quick.toml": "make reproduce-quick", "full.toml": "make reproduce-full",
@@ -155,6 +156,7 @@ def write_results_page(out: Path, config: str, final: str | None = None,
     lines += context_only_lines(out)
     lines += ["", "![sensitivity](profile/sensitivity.png)", "![allocation](allocation.png)", *depthkv_lines(out),
               *depthkv_versus_lines(out), *route_lines(out), *route_stability_lines(out), *calibration_lines(out),
+              *fitted_elsewhere_lines(out / "eval"),
               *tuned_lines(out), *head_to_head_lines(out / "eval"), *head_to_head_lines(out / "eval-compare"),
               *long_lines(out, max_new_tokens), *needle_lines(out), *multi_question_lines(out),
               *second_model_lines(out, "gemma3", profile["model"]),

@@ -17,28 +17,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from ripplekv.analysis.shipped_fits import LEARNED, shipped_scorer_file
+
 COLUMN = "small_fit"
 VERDICT = "small fit"
 MIN_FIT_PROMPTS = 16  # the fitters' default --calib-samples, and the study's bar for a learned scorer
 
 
-def _shipped(part: dict) -> Path | None:
-    """The weights file shipped for the bundled model that scorer `part` (a resolved spec's dict) reads."""
-    if part.get("name") == "kvzap":
-        from ripplekv.methods.kvzap.method import shipped_weights
-
-        return shipped_weights(part.get("model", "mlp"))
-    if part.get("name") == "fastkvzip":
-        from ripplekv.methods.fastkvzip.method import shipped_gates
-
-        return shipped_gates()
-    return None
-
-
 def _learned_parts(spec) -> Iterator[dict]:
     """Every dict in a resolved spec that names a learned scorer (a composite nests its parts)."""
     if isinstance(spec, dict):
-        if spec.get("name") in ("kvzap", "fastkvzip"):
+        if spec.get("name") in LEARNED:
             yield spec
         for value in spec.values():
             yield from _learned_parts(value)
@@ -50,7 +39,7 @@ def _learned_parts(spec) -> Iterator[dict]:
 def fit_size(part: dict, bundled: bool) -> dict | None:
     """{"prompts", "train_prompts", "train_pairs"} of the file `part` reads (given, else shipped for the bundled
     model); None when its sidecar is not at hand or does not say."""
-    path = Path(part["weights"]) if part.get("weights") else (_shipped(part) if bundled else None)
+    path = Path(part["weights"]) if part.get("weights") else (shipped_scorer_file(part) if bundled else None)
     side = path.with_suffix(".json") if path is not None else None
     try:
         info = json.loads(side.read_text(encoding="utf-8")) if side is not None else {}
