@@ -18,6 +18,9 @@ def reproduce_command(
     = False,
     page_only: Annotated[bool, typer.Option("--page-only", help="Rewrite OUT/README.md (the results page) from the "
                                             "finished run in OUT; no stage runs.")] = False,
+    status: Annotated[bool, typer.Option("--status", help="Say where the run in progress stands (stages done, "
+                                         "samples done per eval, time left at its pace so far); nothing runs.")]
+    = False,
 ) -> None:
     """Run the pipeline: calibration stages per draw, evals, the results page (OUT/README.md).
 
@@ -30,6 +33,12 @@ def reproduce_command(
     from ripplekv.pipeline.staged import StageFailed
 
     try:
+        if status:
+            from ripplekv.pipeline.reproduce.config import load_config
+            from ripplekv.pipeline.run_status import staged_status
+
+            print("\n".join(staged_status(load_config(str(config)).out)))
+            return
         reproduce(str(config), check_only=check_only, page_only=page_only)
     except UserError as err:
         raise UserError(f"{config}: {err}") from None
@@ -46,6 +55,9 @@ def study_command(
     = False,
     page_only: Annotated[bool, typer.Option("--page-only", help="Rewrite OUT/README.md from the finished study in "
                                             "OUT; no stage runs.")] = False,
+    status: Annotated[bool, typer.Option("--status", help="Say where the run in progress stands (stages done, "
+                                         "samples done per eval, time left at its pace so far); nothing runs.")]
+    = False,
 ) -> None:
     """A controlled, powered study: screen -> calibration per draw -> pilot and n -> factorial eval -> draws ->
     second model -> OUT/README.md (hours on 2 cores).
@@ -58,6 +70,12 @@ def study_command(
     from ripplekv.pipeline.study import study
 
     try:
+        if status:
+            from ripplekv.pipeline.run_status import staged_status
+            from ripplekv.pipeline.study.config import load_study_config
+
+            print("\n".join(staged_status(load_study_config(str(config)).out)))
+            return
         study(str(config), check_only=check_only, page_only=page_only)
     except UserError as err:
         raise UserError(f"{config}: {err}") from None
