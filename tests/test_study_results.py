@@ -1,7 +1,8 @@
 """The committed study (`results/study/`, written by `make study`) meets what it promises: >= 40 samples on each of
 >= 3 informative tasks for every factorial row, the full allocation x scorer x split grid with LU-KV's and
 RippleKV's crossed cells, a page that says its scale first, intervals on their scale, an n on every ranked row, and
-one calibration-prompt hash per draw for every calibrated method. Skipped until the study's results are committed
+one calibration-prompt hash per draw for every calibrated method, and the second model at >= 2 budgets with
+>= 30 samples a task and a global-first row. Skipped until the study's results are committed
 (it runs for hours on 2 cores); `check_study` is also what a user can run on their own study folder."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ripplekv.analysis.study_report import calibration_table
 from ripplekv.defaults import STUDY_CALIBRATED
 
 STUDY = Path(__file__).resolve().parents[1] / "results" / "study"
-MIN_SAMPLES, MIN_TASKS, MIN_DRAWS = 40, 3, 3
+MIN_SAMPLES, MIN_TASKS, MIN_DRAWS, MIN_SECOND_SAMPLES = 40, 3, 3, 30
 committed = pytest.mark.skipif(not (STUDY / "design.json").is_file(),
                                reason="results/study is not committed yet (`make study` runs for hours)")
 
@@ -97,8 +98,22 @@ def check_calibration(folder: Path) -> list[str]:
     return problems
 
 
+def check_second_model(folder: Path) -> list[str]:
+    """The second model: >= 30 samples a task at >= 2 budgets for every compressed row, global-first among them."""
+    lines = predictions(folder / "second")
+    compressed = lines[lines["budget"].notna()]
+    budgets = sorted(int(b) for b in compressed["budget"].unique())
+    problems = [] if len(budgets) >= 2 else [f"the second model at budgets {budgets}"]
+    if not compressed["method"].str.startswith("global-first").any():
+        problems.append("no global-first row for the second model")
+    counts = compressed.groupby(["method", "budget", "task"])["id"].nunique()
+    problems += [f"second model {m} at B={int(b)} on {task}: {n} samples" for (m, b, task), n in counts.items()
+                 if n < MIN_SECOND_SAMPLES]
+    return problems
+
+
 @committed
-@pytest.mark.parametrize("check", [check_samples, check_grid, check_page, check_calibration])
+@pytest.mark.parametrize("check", [check_samples, check_grid, check_page, check_calibration, check_second_model])
 def test_the_committed_study_meets_its_design(check):
     assert check(STUDY) == []
 
@@ -131,6 +146,11 @@ def test_the_checks_find_what_falls_short(tmp_path):
         for method, letters in ids.items():
             files[method].parent.mkdir(parents=True, exist_ok=True)
             files[method].write_text(json.dumps({"calibration_ids": list(letters), "target_tokens": 100}))
+    (tmp_path / "second").mkdir()
+    (tmp_path / "second" / "predictions.jsonl").write_text("".join(
+        json.dumps({"id": f"t-{i}", "task": "t", "method": "snapkv", "budget": 128}) + "\n" for i in range(30)))
+    assert check_second_model(tmp_path) == ["the second model at budgets [128]",
+                                            "no global-first row for the second model"]
     assert check_calibration(tmp_path) == ["2 calibration draws", "draw 1: 2 prompt-id hashes",
                                            "draw 1: calibrated methods ['lukv', 'ripplekv']",
                                            "two draws share their prompts"]  # draw 1's first hash is draw 0's
