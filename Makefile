@@ -6,7 +6,7 @@ STAMP   := .venv/.installed
 # `make check-references REFVENV=/path` (or RIPPLEKV_REFVENV in the environment) puts it elsewhere.
 REFVENV ?= $(or $(RIPPLEKV_REFVENV),.refvenv)
 
-.PHONY: install browser test test-explore reproduce study reproduce-quick reproduce-full reproduce-gemma bench clean check-references check-references-questions bench-peer
+.PHONY: install browser test test-explore reproduce study study-status reproduce-quick reproduce-full reproduce-gemma bench clean check-references check-references-questions bench-peer
 
 install: $(STAMP) browser
 
@@ -57,6 +57,10 @@ reproduce: install
 # The study behind results/study (`ripplekv study`, configs/study.toml): hours on 2 cores, resumable (rerun to resume).
 study: install
 	$(RKV) study configs/study.toml
+
+# Where a study in progress stands (stages done, samples per eval, time left); safe beside the running study.
+study-status: install
+	$(RKV) study configs/study.toml --status
 
 reproduce-quick: install
 	$(RKV) reproduce configs/quick.toml
