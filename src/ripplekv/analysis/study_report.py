@@ -102,7 +102,8 @@ def design_lines(design: dict, power: dict, choice: dict) -> list[str]:
         f"- **Factorial:** allocation {', '.join(levels['allocation'])} x scorer {', '.join(levels['scorer'])} x head "
         f"split {', '.join(levels['split'])}, at budgets {design['budgets']}; the rows outside the grid (the full "
         "cache, LU-KV as published, ...) are in the leaderboard below. Every calibrated allocation is fitted on the "
-        "same calibration prompts in each draw (the calibration table).",
+        "same calibration prompts in each draw (the calibration table); the config says why each allocation is in "
+        "the grid and which calibrated methods are not in the study.",
         f"- **Primary comparison**, one per budget, named before the run: `{second} - {first}` (KL, the pair's "
         "difference averaged over the scorer x split cells), Holm-adjusted over the budgets. Everything else is "
         "secondary: each budget's factorial table is one Holm family.",
