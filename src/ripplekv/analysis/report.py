@@ -36,7 +36,7 @@ from ripplekv.analysis.over_budget import flag as flag_over_budget
 from ripplekv.analysis.over_budget import over_budget, thresholded
 from ripplekv.analysis.plots import series_styles
 from ripplekv.analysis.proportions import accuracy_tasks
-from ripplekv.analysis.small_fits import bundled_run, small_fits
+from ripplekv.analysis.small_fits import RECORDS, small_fits
 from ripplekv.analysis.small_fits import flag as flag_small_fits
 from ripplekv.analysis.summary import summary_markdown
 from ripplekv.analysis.tables import (
@@ -158,7 +158,8 @@ def primary_comparisons(board: pd.DataFrame) -> list[str]:
 
 
 def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.RESAMPLES,
-           seed: int = stats.SEED, plots: bool = True, html: bool = True, notes: dict | None = None) -> dict[str, pd.DataFrame]:
+           seed: int = stats.SEED, plots: bool = True, html: bool = True, notes: dict | None = None,
+           fits: dict | None = None) -> dict[str, pd.DataFrame]:
     """Write scores.csv, informative.csv, leaderboard.csv, headline.csv, leaderboard_wide.csv, ranks.csv,
     lengths.csv (when samples have a prompt length), allocation_only.csv and .md (when several methods share
     the uniform baseline's scorer), follow_ups.csv and .md (a multi-question run: `analysis.follow_ups`), the plots, summary.md and report.json (the settings) into `run_dir`; with
@@ -178,7 +179,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
     ceilings = ceilings_of(run_dir, frame)
     specs = method_specs(run_dir)
     over, thresholds = over_budget(frame), thresholded(specs)
-    small = small_fits(specs, bundled_run(run_dir))  # rows read from a smoke-size learned fit
+    small = small_fits(fits or {})  # rows read from a smoke-size learned fit
     # Never ranked: answer-aware ceilings, variants over or at no budget, smoke-size fits
     unranked = ceilings | over | thresholds | set(small)
     declared = declared_baseline(run_dir)
@@ -205,7 +206,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
                 "power": inference.POWER, "samples_per_row": int(board["n"].max()),
                 "adjustment": "Holm, per table and measure", "informative_tasks": counted,
                 "baseline": declared or "first of " + ", ".join(BASELINES) + " present at each budget",
-                "primary_comparisons": primary_comparisons(board), "small_fits": small}
+                "primary_comparisons": primary_comparisons(board), "small_fits": small, RECORDS: fits or {}}
     try:
         write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
         write_csv(run_dir / "informative.csv", informative, float_format=FLOAT_FORMAT)

@@ -23,7 +23,7 @@ from ripplekv.analysis.page_evals import (
     time_lines,
 )
 from ripplekv.analysis.second_model import second_model_lines
-from ripplekv.analysis.shipped_fits import fitted_elsewhere_lines
+from ripplekv.analysis.small_fits import fitted_elsewhere_lines
 
 # The make target behind each config, for the page title.
 TARGETS = {"reproduce.toml": "make reproduce", "quick.toml": "make reproduce-quick", "full.toml": "make reproduce-full",

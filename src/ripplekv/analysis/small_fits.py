@@ -1,81 +1,42 @@
-"""Rows read from a learned fit too small to rank.
+"""Rows read from a learned fit too small to rank, and rows read from files fitted before the run.
 
 KVzap's surrogates and FastKVzip's gates are trained on (hidden state, KVzip score) pairs from calibration prompts;
-each weights file's sidecar records how many prompts it was fitted on (`train_prompts` and `held_out_prompts`). The
-ones shipped for the bundled model are smoke-size (4 prompts of about 500 tokens, 3 trained on), made so the methods
-run end to end. Ranking such a row beside methods that need no fit would judge the size of the fit, not the method,
-so a row whose fit used fewer than MIN_FIT_PROMPTS calibration prompts (the fitters' default `--calib-samples`) is
-flagged `small_fit`: listed, left out of ranks, verdicts and the headline, with the fit's size named. A fit at the
-default size (`ripplekv fit kvzap`, then `kvzap:weights=FILE`) is ranked.
+the ones shipped for the bundled model are smoke-size (4 prompts of about 500 tokens, 3 trained on), made so the
+methods run end to end. Ranking such a row beside methods that need no fit would judge the size of the fit, not the
+method, so a row whose learned fit used fewer than MIN_FIT_PROMPTS calibration prompts (the fitters' default
+`--calib-samples`) is flagged `small_fit`: listed, left out of ranks, verdicts and the headline, with the fit's
+size named. A fit at the default size is ranked. The records of what each row's files were fitted on come from
+the commands that render a report (`methods.fit_records`: analysis names no method) and are kept in report.json.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 
-from ripplekv.analysis.shipped_fits import LEARNED, shipped_scorer_file
-
 COLUMN = "small_fit"
 VERDICT = "small fit"
 MIN_FIT_PROMPTS = 16  # the fitters' default --calib-samples, and the study's bar for a learned scorer
+RECORDS = "fit_records"  # report.json's key
 
 
-def _learned_parts(spec) -> Iterator[dict]:
-    """Every dict in a resolved spec that names a learned scorer (a composite nests its parts)."""
-    if isinstance(spec, dict):
-        if spec.get("name") in LEARNED:
-            yield spec
-        for value in spec.values():
-            yield from _learned_parts(value)
-    elif isinstance(spec, list):
-        for value in spec:
-            yield from _learned_parts(value)
+def _size(record: dict) -> str:
+    trained, pairs = record.get("train_prompts"), record.get("train_pairs")
+    inner = ", ".join(part for part in (f"{trained} trained on" if trained is not None else "",
+                                        f"{pairs} pairs" if pairs is not None else "") if part)
+    return f"{record['prompts']} calibration prompts" + (f" ({inner})" if inner else "")
 
 
-def fit_size(part: dict, bundled: bool) -> dict | None:
-    """{"prompts", "train_prompts", "train_pairs"} of the file `part` reads (given, else shipped for the bundled
-    model); None when its sidecar is not at hand or does not say."""
-    path = Path(part["weights"]) if part.get("weights") else (shipped_scorer_file(part) if bundled else None)
-    side = path.with_suffix(".json") if path is not None else None
-    try:
-        info = json.loads(side.read_text(encoding="utf-8")) if side is not None else {}
-    except (OSError, ValueError):
-        return None
-    if "train_prompts" not in info:
-        return None
-    trained = int(info["train_prompts"])
-    return {"prompts": trained + int(info.get("held_out_prompts") or 0), "train_prompts": trained,
-            "train_pairs": info.get("train_pairs")}
-
-
-def bundled_run(run_dir: str | Path) -> bool:
-    """Whether a run's config.json names the bundled model (whose shipped fits a method reads when given none)."""
-    from ripplekv.engine.packaged import DEFAULT_MODEL
-    from ripplekv.runs.files import CONFIG
-
-    try:
-        model = json.loads((Path(run_dir) / CONFIG).read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError):
-        return False
-    return model in (None, "", DEFAULT_MODEL)
-
-
-def small_fits(specs: dict, bundled: bool) -> dict[str, str]:
-    """label -> what its fit was ("kvzap fitted on 4 calibration prompts (3 trained on, 900 pairs)") for every
-    method of the run (`specs`: label -> resolved spec, config.json's) reading a learned fit of fewer than
-    MIN_FIT_PROMPTS calibration prompts."""
+def small_fits(records: dict[str, list[dict]]) -> dict[str, str]:
+    """label -> what its fit was ("`F` fitted on 4 calibration prompts (3 trained on, 900 pairs)") for every row
+    (`records`: label -> its fitted files' records) reading a learned fit of fewer than MIN_FIT_PROMPTS prompts."""
     flagged = {}
-    for label, spec in specs.items():
-        for part in _learned_parts(spec):
-            size = fit_size(part, bundled)
-            if size is not None and size["prompts"] < MIN_FIT_PROMPTS:
-                pairs = f", {size['train_pairs']} pairs" if size["train_pairs"] is not None else ""
-                flagged[label] = (f"{part['name']} fitted on {size['prompts']} calibration prompts "
-                                  f"({size['train_prompts']} trained on{pairs})")
+    for label, files in records.items():
+        for record in files:
+            if record.get("learned") and record.get("prompts", MIN_FIT_PROMPTS) < MIN_FIT_PROMPTS:
+                flagged[label] = f"`{record['file_name']}` fitted on {_size(record)}"
     return flagged
 
 
@@ -114,3 +75,25 @@ def note(small: dict[str, str], present) -> list[str]:
             "smoke-size, made so the method runs: listed, left out of ranks, verdicts and the headline. A fit at the "
             f"default size (`ripplekv fit kvzap` or `ripplekv fit fastkvzip`, `--calib-samples {MIN_FIT_PROMPTS}`, "
             "then `weights=FILE`) is ranked.", ""]
+
+
+def fitted_elsewhere_lines(eval_dir: Path) -> list[str]:
+    """A paragraph naming the run's rows that read a file shipped for the bundled model, and what each file was
+    fitted on (from its report.json; none when no row does)."""
+    try:
+        records = json.loads((eval_dir / "report.json").read_text(encoding="utf-8")).get(RECORDS) or {}
+    except (OSError, ValueError):
+        return []
+    said = []
+    for label, files in records.items():
+        for record in files:
+            if record.get("shipped"):
+                tasks = f" ({', '.join(record['tasks'])})" if record.get("tasks") else ""
+                took = f", {record['seconds'] / 60:.0f} min" if record.get("seconds") else ""
+                said.append(f"`{label}` reads `{record['file_name']}`, fitted on {record['prompts']} calibration prompts "
+                            f"of {record.get('target_tokens')} tokens{tasks}{took}")
+    if not said:
+        return []
+    return ["", "**Fitted before this run.** These rows read a file shipped for the bundled model, fitted once on "
+            "other calibration prompts than this run's, so they are in no calibration draw here: " + "; ".join(said)
+            + ". `make study` fits every calibrated allocation on the same prompts in each draw."]

@@ -165,6 +165,7 @@ def report_command(
     from ripplekv.analysis import report
     from ripplekv.errors import UserError
     from ripplekv.methods.core.catalog import method_notes
+    from ripplekv.methods.fit_records import run_fit_records
     from ripplekv.metrics.rouge import check_rouge
     from ripplekv.runs.safeio import exclusive
 
@@ -181,7 +182,8 @@ def report_command(
         return
     check_rouge(rouge)
     with exclusive(report.check_run_folder(run_dir), "report", elsewhere=None):  # an eval still writing this run would change it under us
-        tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed, html=html, notes=method_notes())
+        tables = report.render(run_dir, rouge=rouge, resamples=resamples, seed=seed, html=html, notes=method_notes(),
+                               fits=run_fit_records(run_dir))
     print_tables(tables, run_dir)
     if html:
         from rich.console import Console

@@ -14,7 +14,6 @@ import inspect
 
 import torch
 
-from ripplekv.engine.config_shape import ConfigShape
 from ripplekv.errors import UserError
 
 
@@ -192,5 +191,5 @@ def output_projection(model, layer: int) -> torch.Tensor:
     vector v contributes v @ W_o[h] to the layer's output."""
     attention = decoder_layers(model)[layer].self_attn
     weight = attention.o_proj.weight.detach().float()  # [hidden, H_q * d]
-    heads = ConfigShape.of(model.config).query_heads
+    heads = int(model.config.num_attention_heads)  # a loaded model's own (text) config
     return weight.T.reshape(heads, weight.shape[1] // heads, weight.shape[0])

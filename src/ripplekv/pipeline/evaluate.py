@@ -368,8 +368,9 @@ def _run_locked(settings, out: Path, plan: Plan, config: dict, old, work, tokeni
         console.print(f"all {len(work)} samples already done in {out}; re-rendering the report", soft_wrap=True)
     start = perf_counter()
     from ripplekv.methods.core.catalog import method_notes
+    from ripplekv.methods.fit_records import run_fit_records
 
-    tables = report.render(out, plots=report.plots_wanted(), notes=method_notes())
+    tables = report.render(out, plots=report.plots_wanted(), notes=method_notes(), fits=run_fit_records(out))
     times.append("", "", [(timings.REPORT, "", perf_counter() - start)])
     written += [out / TIMINGS, out / CONFIG, *(out / name for name in REPORT_FILES if (out / name).exists())]
     console.print("wrote: " + ", ".join(str(path) for path in written), soft_wrap=True)
