@@ -122,16 +122,16 @@ def test_the_pipeline_runs_without_out_or_allocation_flags(tiny_model_dir, tmp_p
 def test_the_bundled_model_has_a_shipped_allocation(tmp_path, monkeypatch):
     """One rule for the CLI and the API: the last `allocate`, else the shipped one for the bundled model, and
     nothing for methods that take no allocation."""
-    from ripplekv.cli.evaluation import model_is_bundled
     from ripplekv.engine.models import load_config
+    from ripplekv.engine.packaged import names_bundled
     from ripplekv.methods.allocators import read_allocation
     from ripplekv.pipeline.eval_plan import default_allocation
 
     monkeypatch.chdir(tmp_path)  # no runs/allocate here
-    path, note = default_allocation(["snapkv", "ripplekv"], bundled=model_is_bundled(None))
+    path, note = default_allocation(["snapkv", "ripplekv"], bundled=names_bundled(None))
     assert "shipped" in note
     assert len(read_allocation(path)) == load_config(None).num_hidden_layers
-    assert default_allocation(["ripplekv"], bundled=model_is_bundled(str(tmp_path / "other"))) == (None, None)
+    assert default_allocation(["ripplekv"], bundled=names_bundled(str(tmp_path / "other"))) == (None, None)
     assert default_allocation(["snapkv"], bundled=True) == (None, None)  # no method takes one
     # every method that takes one names its own file: no default, and no notice naming a file nothing reads
     assert default_allocation(["snapkv", "ripplekv:allocation=mine.csv"], bundled=True) == (None, None)

@@ -206,7 +206,7 @@ def render(run_dir: str | Path, rouge: str = "official", resamples: int = stats.
                 "power": inference.POWER, "samples_per_row": int(board["n"].max()),
                 "adjustment": "Holm, per table and measure", "informative_tasks": counted,
                 "baseline": declared or "first of " + ", ".join(BASELINES) + " present at each budget",
-                "primary_comparisons": primary_comparisons(board), "small_fits": small, RECORDS: fits or {}}
+                "primary_comparisons": primary_comparisons(board), RECORDS: fits or {}}
     try:
         write_csv(run_dir / "scores.csv", scores, float_format=FLOAT_FORMAT)
         write_csv(run_dir / "informative.csv", informative, float_format=FLOAT_FORMAT)

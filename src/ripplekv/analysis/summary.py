@@ -16,6 +16,7 @@ from ripplekv.analysis.over_budget import COLUMN as OVER_BUDGET
 from ripplekv.analysis.over_budget import THRESHOLD_COLUMN as THRESHOLD
 from ripplekv.analysis.over_budget import note as over_budget_note
 from ripplekv.analysis.over_budget import shown as with_over_budget
+from ripplekv.analysis.small_fits import RECORDS, small_fits
 from ripplekv.analysis.small_fits import note as small_fit_note
 from ripplekv.analysis.small_fits import shown as with_small_fit
 from ripplekv.analysis.tables import KL_RATIO, KL_TEST, SCORE_TEST
@@ -200,7 +201,7 @@ def summary_markdown(frame: pd.DataFrame, board: pd.DataFrame, wide: pd.DataFram
         flagged = board[OVER_BUDGET].astype(bool)
         by_threshold = board[THRESHOLD].astype(bool) if THRESHOLD in board else flagged & False
         lines += over_budget_note(board.loc[flagged, "method"], board["method"], set(board.loc[by_threshold, "method"]))
-    lines += small_fit_note(settings.get("small_fits") or {}, board["method"])
+    lines += small_fit_note(small_fits(settings.get(RECORDS) or {}), board["method"])
     if ranks is not None:
         lines += [
             "## Differences to the uniform baseline",

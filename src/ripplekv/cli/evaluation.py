@@ -100,6 +100,7 @@ def eval_command(
     from rich.console import Console
 
     from ripplekv.engine.memory import parse_bytes
+    from ripplekv.engine.packaged import names_bundled
     from ripplekv.pipeline import eval_plan, evaluate
     from ripplekv.tasks.registry import default_suite
 
@@ -108,7 +109,7 @@ def eval_command(
     names = eval_plan.parse_names(methods, "methods")
     notes = [f"eval: writing to {out_dir}" + ("" if out else " (the default; choose with --out)")]
     if allocation is None:
-        allocation, note = eval_plan.default_allocation(names, bundled=model_is_bundled(model))
+        allocation, note = eval_plan.default_allocation(names, bundled=names_bundled(model))
         notes += [note] if note else []
     suite = suite or default_suite(data_dir)
     settings = eval_plan.EvalSettings(
@@ -138,13 +139,6 @@ def eval_command(
     tables = evaluate.run_eval(settings, out_dir, console=console, notes=notes,
                                workers=worker_settings(workers, ray_address))
     print_tables(tables, out_dir)
-
-
-def model_is_bundled(model: str | None) -> bool:
-    """Whether `--model` names the bundled model (left out, or by its name)."""
-    from ripplekv.engine.models import DEFAULT_MODEL
-
-    return model in (None, "", DEFAULT_MODEL)
 
 
 def report_command(

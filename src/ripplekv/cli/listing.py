@@ -54,10 +54,10 @@ def budgets(
     specs = parse_names(methods, "methods")
     note = None
     if allocation is None:  # as eval resolves it (the last `allocate`, the shipped one, ...)
-        from ripplekv.cli.evaluation import model_is_bundled
+        from ripplekv.engine.packaged import names_bundled
         from ripplekv.pipeline.eval_plan import default_allocation
 
-        allocation, note = default_allocation(specs, bundled=model_is_bundled(model))
+        allocation, note = default_allocation(specs, bundled=names_bundled(model))
     shared = {**snap_options(window, kernel, pooling), "allocation": allocation, "route": route}
     chosen = [make_method(spec, shared=shared) for spec in specs]
     check_distinct(chosen)

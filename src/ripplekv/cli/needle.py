@@ -49,7 +49,7 @@ def needle_command(
     """Accuracy and KL over needle depth x context length, one heatmap panel per method at each budget."""
     from rich.console import Console
 
-    from ripplekv.cli.evaluation import model_is_bundled
+    from ripplekv.engine.packaged import names_bundled
     from ripplekv.pipeline import eval_plan
     from ripplekv.pipeline.needle import parse_lengths, run_needle
 
@@ -57,7 +57,7 @@ def needle_command(
     out_dir = Path(out) if out else DEFAULT_NEEDLE
     names = eval_plan.parse_names(methods, "methods")
     if allocation is None:  # the one rule of eval, budgets and the API
-        allocation, note = eval_plan.default_allocation(names, bundled=model_is_bundled(model))
+        allocation, note = eval_plan.default_allocation(names, bundled=names_bundled(model))
         if note:
             console.print(note, soft_wrap=True)
     settings = eval_plan.EvalSettings(

@@ -27,7 +27,7 @@ def screen_command(
     """The full cache against the best constant answer, per model x task x length, on calibration prompts."""
     from rich.console import Console
 
-    from ripplekv.cli.evaluation import model_is_bundled
+    from ripplekv.engine.packaged import names_bundled
     from ripplekv.pipeline import eval_plan
     from ripplekv.pipeline.needle import parse_lengths
     from ripplekv.pipeline.screen import CHOICE_JSON, SCREEN_CSV, ScreenSettings, run_screen
@@ -36,7 +36,7 @@ def screen_command(
     out_dir = Path(out) if out else DEFAULT_SCREEN
     names = eval_plan.parse_names(models, "--models")
     settings = ScreenSettings(
-        models=tuple(None if model_is_bundled(name) else name for name in names),
+        models=tuple(None if names_bundled(name) else name for name in names),
         suites=tuple(parse_suite(text) for text in suites),
         lengths=tuple(parse_lengths(lengths)), limit=limit, min_tasks=min_tasks, device=device, dtype=dtype)
     console.print(f"screen: writing to {out_dir}" + ("" if out else " (the default; choose with --out)"), soft_wrap=True)

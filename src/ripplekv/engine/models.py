@@ -25,6 +25,7 @@ from ripplekv.engine.packaged import (  # noqa: F401 - the packaged models' name
     bundled_gguf_path,
     gemma3_gguf_path,
     installed_package_dir,
+    names_bundled,
 )
 from ripplekv.errors import Notice, UserError, write_failure
 
@@ -51,7 +52,7 @@ def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
     spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
     if spec is not None and not isinstance(spec, str):
         raise UserError(f"{{model}} must be a hub id, a model directory or a .gguf file, not {type(spec).__name__}", "model")
-    if spec in (None, "", DEFAULT_MODEL):
+    if names_bundled(spec):
         return ModelSource("gguf", str(bundled_gguf_path()), DEFAULT_MODEL)
     if spec == GEMMA3_270M:
         return ModelSource("gguf", str(gemma3_gguf_path()), GEMMA3_270M)
@@ -179,8 +180,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _from_hub_or_local(cls, location: str, source: ModelSource, **kwargs):
-    """Load from a directory, or from the hub cache first and the network second (only when reachable,
-    so a mistyped id fails in seconds instead of retrying)."""
+    """Load from a directory, or the hub cache first and the network second (if reachable: a mistyped id fails fast)."""
     if source.kind != "hub":
         try:
             return cls.from_pretrained(location, **kwargs)

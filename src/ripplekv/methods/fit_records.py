@@ -93,10 +93,10 @@ def fit_records(specs: dict, bundled: bool) -> dict[str, list[dict]]:
 
 def run_fit_records(run_dir: str | Path) -> dict[str, list[dict]]:
     """`fit_records` of an eval run, from its config.json (its specs and whether its model is the bundled one)."""
-    from ripplekv.engine.packaged import DEFAULT_MODEL
+    from ripplekv.engine.packaged import names_bundled
 
     try:
         config = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return fit_records(dict(config.get("method_specs") or {}), config.get("model") in (None, "", DEFAULT_MODEL))
+    return fit_records(dict(config.get("method_specs") or {}), names_bundled(config.get("model")))

@@ -209,13 +209,13 @@ def check_model_fits(plan: Plan, config) -> None:
     """Per-layer budgets need the model's layer count (an allocation may not match), and a model with
     sliding-window layers the methods and decode budget that handle them (`config`: the model's): fail before
     loading weights."""
-    from ripplekv.engine.models import DEFAULT_MODEL
+    from ripplekv.engine.packaged import names_bundled
     from ripplekv.methods.core.catalog import check_fitted
 
     layers = config.num_hidden_layers
     check_sliding_layers(config, {}, plan.settings.decode_budget)  # the methods once the prompts are known
     check_blockwise_model(config, plan.settings.protocol)
-    check_fitted(plan.methods.values(), config, bundled=plan.settings.model in (None, "", DEFAULT_MODEL))
+    check_fitted(plan.methods.values(), config, bundled=names_bundled(plan.settings.model))
     for method in plan.methods.values():
         if not method.prompt_dependent:
             method.layer_budgets(layers, plan.settings.budgets[0], plan.settings.budgets[0] + 1)
