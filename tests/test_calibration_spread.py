@@ -82,7 +82,11 @@ def test_the_spread_sets_every_draws_mean_beside_draw_0s_interval_over_samples()
     assert list(per_draw["kl_delta"]) == pytest.approx([-0.2, -0.1, 0.1])
     assert (per_draw["p_kl_holm"] >= per_draw["p_kl"]).all() and (per_draw["p_kl_holm"] < 0.05).all()
     assert row["kl_by_draw"] == " / ".join(f"{m:.3f}" for m in means)
-    assert "ripplekv" in spread_markdown(summary) and "SD / CI half-width" in spread_markdown(summary)
+    table = spread_markdown(summary)
+    assert "ripplekv" in table and "SD / CI half-width" in table and "KL - snapkv by draw" in table
+    # A draws' run of calibrated rows alone (the study's) has no baseline: no column for one, not "KL - nan".
+    alone = spread_markdown(summary.assign(baseline=np.nan))
+    assert "by draw (Holm" not in alone and "nan" not in alone and "SD / CI half-width" in alone
 
 
 def test_draws_are_compared_on_the_samples_every_draw_ran():

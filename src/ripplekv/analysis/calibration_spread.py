@@ -90,17 +90,18 @@ def spread(frame: pd.DataFrame, draws: pd.DataFrame, seed: int = inference.SEED)
 
 
 def spread_markdown(summary: pd.DataFrame) -> str:
-    """The summary as a markdown table: draw 0 with its interval, then the draws and their spread."""
+    """The summary as a markdown table: draw 0 with its interval, then the draws and their spread (and each draw
+    against the baseline where the draws' run has one: a run of calibrated rows alone gets no such column)."""
     rows = []
     for r in summary.itertuples():
+        versus = ({f"KL - {r.baseline} by draw (Holm over draws)": f"{r.kl_delta_by_draw} ({r.verdict_by_draw})"}
+                  if isinstance(r.baseline, str) else {})
         rows.append({
             "method": f"`{r.method}`", "budget": r.budget, "samples": r.samples,
             "KL, draw 0 [95% CI over samples]": f"{r.kl_draw0:.3f} [{r.kl_ci_low:.3f}, {r.kl_ci_high:.3f}]",
             "KL by draw": r.kl_by_draw, "SD across draws": f"{r.kl_draw_sd:.3f}",
             "range": f"{r.kl_draw_max - r.kl_draw_min:.3f}",
             "SD / CI half-width": f"{r.sd_over_half_width:.2f}" if pd.notna(r.sd_over_half_width) else "n/a",
-            f"KL - {r.baseline} by draw (Holm over draws)": f"{r.kl_delta_by_draw} ({r.verdict_by_draw})"
-            if isinstance(r.baseline, str) else "n/a",
-            "score by draw": r.score_by_draw,
+            **versus, "score by draw": r.score_by_draw,
         })
-    return pd.DataFrame(rows).to_markdown(index=False) + "\n"
+    return pd.DataFrame(rows).fillna("n/a").to_markdown(index=False) + "\n"
