@@ -134,3 +134,24 @@ def test_the_verdict_paragraph_names_the_row_each_sentence_rests_on():
             f"{lukv_row['delta']:+.3f}") in focused and "smaller than the meaningful 10, Holm p" in focused
     assert "smaller than the meaningful" not in text
     assert "| F-64-1 | scorer: expected-attention - snapkv | main |" in study_page.factorial_markdown(effects)
+
+
+def test_the_verdict_says_what_the_second_models_leaderboard_says():
+    from ripplekv.analysis import study_page
+
+    board = pd.DataFrame({
+        "method": ["full", "snapkv", "ripplekv:allocation=a.csv", "snapkv", "ripplekv:allocation=a.csv"],
+        "budget": [None, 128, 128, 256, 256], "n": [90] * 5, "versus": [None, None, "snapkv", None, "snapkv"],
+        "kl_delta_vs_uniform": [None, None, -0.031, None, -0.008], "kl_delta_ci_low": [None, None, -0.05, None, -0.012],
+        "kl_delta_ci_high": [None, None, -0.012, None, -0.004], "p_kl_vs_uniform_holm": [None, None, 0.004, None, 0.02],
+        "kl_verdict": [None, None, "closer", None, "closer"]})
+    said = study_page.second_model_sentences(board, "gemma3-270m", "ripplekv", meaningful=0.01)
+    assert said == [
+        "On the second model (`gemma3-270m`) at B=128, ripplekv is closer to the full cache than snapkv: KL difference "
+        "-0.031 [-0.050, -0.012], Holm p 0.004, n = 90 (its leaderboard).",
+        "On the second model (`gemma3-270m`) at B=256, ripplekv is closer to the full cache than snapkv: KL difference "
+        "-0.008 [-0.012, -0.004], smaller than the meaningful 0.01, Holm p 0.02, n = 90 (its leaderboard)."]
+    frame, cells = synthetic_run()
+    effects = study_page.with_ids(factorial.effects(frame, cells, pair=("ripplekv", "lukv"), reference="uniform"))
+    rows = study_page.primary(effects, "lukv - ripplekv", meaningful={64: 0.05, 128: 0.05})
+    assert study_page.verdict_paragraph(rows, effects, more=said).rstrip().endswith(said[-1])

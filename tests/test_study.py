@@ -328,7 +328,10 @@ def test_the_study_runs_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, mon
     assert len(spread) > 0
     assert (out / "second" / "predictions.jsonl").is_file()
     page = (out / "README.md").read_text()
-    assert "(P-32)" in page and "(P-64)" in page and "## The second model" in page
+    assert "(P-32)" in page and "(P-64)" in page and "## The second model" in page and "KL - nan" not in page
+    verdict = page.split("## Verdict\n\n", 1)[1].split("\n", 1)[0]
+    for budget in config.second_budgets:  # the second model's own sentence per budget, from its leaderboard
+        assert f"On the second model (`{design['second_model']}`) at B={budget}, " in verdict
 
 
 @pytest.mark.parametrize("per_cell, labelled", [(1, True), (9, True), (10, False)])

@@ -58,12 +58,27 @@ def _size(row, meaningful: float | None) -> str:
     return f", smaller than the meaningful {meaningful:g}"
 
 
+def second_model_sentences(board: pd.DataFrame, model: str, allocation: str, meaningful: float | None = None) -> list[str]:
+    """One sentence per budget on the second model: its `allocation` row against its run's baseline, as its
+    leaderboard (`board`, leaderboard.csv) tests it, Holm over that table."""
+    rows = board[board["method"].astype(str).str.split(":").str[0].eq(allocation) & board["versus"].notna()]
+    sentences = []
+    for row in rows.sort_values("budget").itertuples():
+        said = pd.Series({"verdict": row.kl_verdict, "delta": row.kl_delta_vs_uniform})
+        sentences.append(f"On the second model (`{model}`) at B={int(row.budget)}, "
+                         f"{_reading(row.kl_verdict, allocation, row.versus)}: KL difference "
+                         f"{row.kl_delta_vs_uniform:+.3f} [{row.kl_delta_ci_low:+.3f}, {row.kl_delta_ci_high:+.3f}]"
+                         f"{_size(said, meaningful)}, Holm p {row.p_kl_vs_uniform_holm:.2g}, n = {int(row.n)} "
+                         "(its leaderboard).")
+    return sentences
+
+
 def verdict_paragraph(primary_rows: pd.DataFrame, effects: pd.DataFrame, meaningful: float | None = None,
-                      focus: str | None = None) -> str:
+                      focus: str | None = None, more: list[str] = ()) -> str:
     """One sentence per budget for the primary comparison, one per budget for the `focus` effect (the question's
     own: the pair's second allocation against the reference, averaged over scorers and splits), and one per budget
-    for the largest main effect called; each names the row it rests on, and a called difference under `meaningful`
-    says so."""
+    for the largest main effect called, then `more` (the second model's); each names the row it rests on, and a
+    called difference under `meaningful` says so."""
     sentences = []
     for row in primary_rows.itertuples():
         second, first = (part.strip() for part in row.comparison.split(" - ", 1))
@@ -84,6 +99,7 @@ def verdict_paragraph(primary_rows: pd.DataFrame, effects: pd.DataFrame, meaning
         sentences.append(f"At B={budget} the largest {factor} effect called is {second} against {first}: "
                          f"{row['delta']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}], Holm p "
                          f"{row['p_holm']:.2g} ({row['id']}).")
+    sentences += more
     if not sentences:
         return "No comparison has results yet.\n"
     return " ".join(sentences) + "\n"

@@ -30,6 +30,15 @@ def _summary(eval_dir: Path) -> str:
     return (nested_summary(eval_dir / "summary.md") or "(not run yet)") + "\n"
 
 
+def _second_sentences(out: Path, design: dict) -> list[str]:
+    """The verdict's sentences on the second model (none until its eval has a leaderboard)."""
+    board = out / "second" / "leaderboard.csv"
+    if not design.get("second_model") or not board.is_file():
+        return []
+    return study_page.second_model_sentences(pd.read_csv(board), design["second_model"], design["pair"][1],
+                                             design["meaningful"])
+
+
 def ids_hash(ids: list[str]) -> str:
     """A short fingerprint of the calibration prompts' ids, in order: equal hashes, the same prompts."""
     return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:12]
@@ -152,7 +161,8 @@ def write_study_page(out: Path, final: str) -> Path:
                                  {int(b): design["meaningful"] for b in design["budgets"]})
     lines = [f"# The study: {QUESTION}", "", *scope_lines(out / "eval", CAVEAT)[1:], "",
              "## Verdict", "", study_page.verdict_paragraph(primary, effects, design["meaningful"],
-                                                                f"allocation: {second} - {design['reference']}"),
+                                                                f"allocation: {second} - {design['reference']}",
+                                                                _second_sentences(out, design)),
              *design_lines(design, power, choice),
              "## Primary comparison", "", study_page.primary_markdown(primary),
              "## Factorial effects (KL; lower is closer to the full cache)", "", *_effects_figure(out, effects, design),
