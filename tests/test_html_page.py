@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -117,10 +118,15 @@ def test_site_index_links_every_run_and_compare_refuses_to_overwrite_a_run(tmp_p
     root = tmp_path / "results"
     for name in ("eval", "gemma3/eval"):
         report.render(write(root / name, noisy_predictions(2)), resamples=50, plots=False, html=False)
+    # the full cache alone (as the study's screen runs it): a headline with no rows, listed with no summary
+    report.render(write(root / "screen", [r for r in noisy_predictions(2) if r["method"] == "full"]), resamples=50,
+                  plots=False, html=False)
     (root / "profile").mkdir()  # not a run: not listed
     index = write_site(root)
     data = json.loads(index.read_text().split('id="data">')[1].split("</script>")[0])
-    assert [p["link"] for p in data["pages"]] == ["eval/index.html", "gemma3/eval/index.html"]
+    assert [p["link"] for p in data["pages"]] == ["eval/index.html", "gemma3/eval/index.html", "screen/index.html"]
+    assert data["pages"][-1]["summary"] == "" and data["pages"][0]["summary"].startswith("closest to the full cache")
+    shutil.rmtree(root / "screen")
     assert (root / "gemma3" / "eval" / "index.html").is_file()
     compared = write_compare_page(root / "eval", root / "gemma3" / "eval", root / "models")
     assert "rank_a" in compared.read_text() and "<title>ripplekv: eval vs gemma3/eval</title>" in compared.read_text()

@@ -123,7 +123,8 @@ def site_entry(root: Path, kind: str, folder: Path) -> dict:
     config = read_json(folder / CONFIG)
     headline = read_csv(folder / "headline.csv")
     closest = []
-    if headline is not None and {"budget", "closest"} <= set(headline.columns):
+    # a run of the full cache alone (the study's screen) has a headline with no rows
+    if headline is not None and not headline.empty and {"budget", "closest"} <= set(headline.columns):
         first = headline[headline["scope"] == headline["scope"].iloc[0]] if "scope" in headline else headline
         closest = [f"B={int(b)}: {m}" for b, m in zip(first["budget"], first["closest"]) if pd.notna(b)]
     samples = config.get("samples")
