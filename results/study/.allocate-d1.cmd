@@ -1,0 +1,1 @@
+ripplekv allocate results/study/calibration/d1/profile/sensitivity.csv --model smollm2-135m --calib-tasks ruler:niah_single_1,ruler:niah_multivalue,ruler:niah_multiquery --calib-samples 6 --calib-draw 1 --calib-draws 3 --target-tokens 4096 --ratio 2 --ratio 4 --ratio 8 --budget 128 --out results/study/calibration/d1/ripplekv-d1.csv

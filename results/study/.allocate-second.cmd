@@ -1,0 +1,1 @@
+ripplekv allocate results/study/second-calibration/profile/sensitivity.csv --model gemma3-270m --calib-tasks ruler:niah_single_1,ruler:fwe,ruler:niah_multikey_1 --calib-samples 6 --target-tokens 4096 --ratio 2 --ratio 4 --ratio 8 --budget 128 --out results/study/second-calibration/allocation-second.csv

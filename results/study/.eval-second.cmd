@@ -1,0 +1,1 @@
+ripplekv eval --model gemma3-270m --suite ruler --tasks niah_single_1,fwe,niah_multikey_1 --budget 128 --budget 256 --methods full,snapkv,pyramidkv,global-first,ripplekv:allocation=results/study/second-calibration/allocation-second.csv,streamingllm --limit 30 --target-tokens 4096 --out results/study/second

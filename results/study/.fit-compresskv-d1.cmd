@@ -1,0 +1,1 @@
+ripplekv fit compresskv --model smollm2-135m --calib-tasks ruler:niah_single_1,ruler:niah_multivalue,ruler:niah_multiquery --calib-samples 6 --calib-draw 1 --calib-draws 3 --target-tokens 4096 --budget 128 --out results/study/calibration/d1/compresskv-d1.csv

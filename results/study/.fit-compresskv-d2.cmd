@@ -1,0 +1,1 @@
+ripplekv fit compresskv --model smollm2-135m --calib-tasks ruler:niah_single_1,ruler:niah_multivalue,ruler:niah_multiquery --calib-samples 6 --calib-draw 2 --calib-draws 3 --target-tokens 4096 --budget 128 --out results/study/calibration/d2/compresskv-d2.csv

@@ -1,0 +1,1 @@
+ripplekv fit lukv --model smollm2-135m --calib-tasks ruler:niah_single_1,ruler:niah_multivalue,ruler:niah_multiquery --calib-samples 6 --calib-draw 1 --calib-draws 3 --target-tokens 4096 --methods lukv:scorer=snapkv,lukv:scorer=expected-attention,lukv --out results/study/calibration/d1/lukv

@@ -1,0 +1,1 @@
+ripplekv.pipeline.study.run.write_power results/study/pilot

@@ -1,0 +1,1 @@
+ripplekv profile --model gemma3-270m --calib-tasks ruler:niah_single_1,ruler:fwe,ruler:niah_multikey_1 --calib-samples 6 --target-tokens 4096 --seeds 1 --eta 0.3 --probe-tokens 16 --out results/study/second-calibration/profile

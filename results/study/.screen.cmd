@@ -1,0 +1,1 @@
+ripplekv screen --models smollm2-135m,gemma3-270m --suite ruler:niah_single_1,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe --suite offline:hotpotqa,squad,passage_retrieval,passage_count,niah,niah_multikey --lengths 1024,2048,4096 --limit 8 --min-tasks 3 --out results/study/screen
