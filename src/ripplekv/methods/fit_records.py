@@ -48,10 +48,9 @@ def _curve_file(spec: dict, bundled: bool) -> tuple[Path, bool] | None:
     allocator, scorer = spec.get("allocator"), spec.get("scorer")
     if not (bundled and isinstance(allocator, dict) and allocator.get("name") == "lukv" and not allocator.get("curve")):
         return None
-    from ripplekv.engine.packaged import DEFAULT_MODEL
-    from ripplekv.methods.lukv.method import SHIPPED
+    from ripplekv.methods.lukv.method import shipped_curve
 
-    return SHIPPED / f"{DEFAULT_MODEL}-{(scorer or {}).get('name', 'lukv')}.csv", True
+    return shipped_curve((scorer or {}).get("name", "lukv")), True
 
 
 def _tasks(ids: list[str]) -> list[str]:

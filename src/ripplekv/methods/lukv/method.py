@@ -44,6 +44,13 @@ PROFILE_HINT = ("profile one on calibration prompts: ripplekv fit lukv --methods
                 "--out DIR, then pass SPEC:curve=DIR/curve-SCORER.csv")
 
 
+def shipped_curve(scorer_name: str) -> Path:
+    """The bundled model's budget curve for a scorer (there is one per scorer LU-KV ships a curve for)."""
+    from ripplekv.engine.models import DEFAULT_MODEL
+
+    return SHIPPED / f"{DEFAULT_MODEL}-{scorer_name}.csv"
+
+
 def protected(scorer) -> tuple[int, int]:
     """(sink, window): the first and last entries the scorer always keeps (its `n_sink`, its `window`)."""
     return int(getattr(scorer, "n_sink", 0) or 0), int(getattr(scorer, "window", 0) or 0)
@@ -186,9 +193,7 @@ class LUKV(Allocator):
         """The curve given, or the one shipped for the bundled model and this scorer (none: refused)."""
         if self.curve is not None:
             return self.curve
-        from ripplekv.engine.models import DEFAULT_MODEL
-
-        shipped = SHIPPED / f"{DEFAULT_MODEL}-{scorer.name}.csv"
+        shipped = shipped_curve(scorer.name)
         if not (bundled and shipped.is_file()):
             raise UserError(f"lukv needs a budget curve for this model and scorer ({scorer.name}); {PROFILE_HINT}")
         return shipped
